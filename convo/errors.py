@@ -1,0 +1,110 @@
+"""The exception tree of convo.
+
+Every error convo raises on purpose derives from :class:`ConvoError`, so a caller can catch
+one type. Subclasses also derive from the builtin that fits (``ValueError``,
+``TimeoutError``...), so generic handlers keep working::
+
+    ConvoError
+    ├── ConfigError          (ValueError)    a limit or option makes no sense
+    ├── MessageError         (ValueError)    a message has a bad role, content or shape
+    ├── BudgetError          (ValueError)    something cannot fit the token budget
+    ├── AdmissionError                       the engine will not run this request now
+    │   ├── QueueFullError                   refused at once; ``retry_after_s`` says when to retry
+    │   └── QueueTimeoutError (TimeoutError) waited in the queue past its deadline
+    ├── GenerationTimeout    (TimeoutError)  generation ran past ``timeout_s`` (partial text kept)
+    ├── DeviceOutOfMemory    (MemoryError)   the device ran out of memory (cache already freed)
+    ├── StoreError                           the session store failed or the session is unknown
+    │   └── SessionNotFound  (KeyError)
+    ├── ModelLoadError                       a model or tokenizer could not be loaded
+    └── MissingDependency    (ImportError)   an optional extra is not installed
+
+Messages say what to do next.
+"""
+
+from __future__ import annotations
+
+
+class ConvoError(Exception):
+    """Base class of every error convo raises on purpose."""
+
+
+class ConfigError(ConvoError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class MessageError(ConvoError, ValueError):
+    """A message is malformed: unknown role, non-string content, orphan tool result..."""
+
+
+class BudgetError(ConvoError, ValueError):
+    """Content cannot be made to fit the token budget under the configured policy."""
+
+
+class AdmissionError(ConvoError):
+    """The engine did not admit a request."""
+
+
+class QueueFullError(AdmissionError):
+    """The wait queue is full; the request was refused without waiting.
+
+    Attributes:
+        retry_after_s: a hint, in seconds, for when a retry may be admitted.
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueTimeoutError(AdmissionError, TimeoutError):
+    """A queued request waited longer than its queue timeout."""
+
+
+class GenerationTimeout(ConvoError, TimeoutError):
+    """Generation exceeded its wall-clock limit. ``partial_text`` holds what was produced."""
+
+    def __init__(self, message: str, *, partial_text: str = "") -> None:
+        super().__init__(message)
+        self.partial_text = partial_text
+
+
+class DeviceOutOfMemory(ConvoError, MemoryError):
+    """The accelerator (or host) ran out of memory during a turn.
+
+    The engine has already dropped the turn's KV cache and emptied the allocator's cache;
+    the session retries once with a smaller plan before letting this through.
+    """
+
+
+class StoreError(ConvoError):
+    """The session store failed."""
+
+
+class SessionNotFound(StoreError, KeyError):
+    """No session with this id exists in the store."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class ModelLoadError(ConvoError):
+    """A model, tokenizer or embedding model could not be loaded."""
+
+
+class MissingDependency(ConvoError, ImportError):
+    """An optional dependency is missing; the message names the pip command to fix it."""
+
+
+def require(module: str, extra: str) -> None:
+    """Raise :class:`MissingDependency` unless ``module`` can be imported.
+
+    Args:
+        module: the import name, e.g. ``"torch"``.
+        extra: the convo extra that installs it, e.g. ``"local"``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependency(
+            f"{module!r} is not installed; run: pip install 'convo[{extra}]'"
+        )

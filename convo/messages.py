@@ -1,0 +1,222 @@
+"""Chat messages and the atomic groups that eviction moves as a whole.
+
+A conversation is a list of :class:`Message`. For eviction it is cut into *blocks*: a
+block is never split, so an assistant message that calls tools always leaves (or stays)
+together with every tool result answering it. *Turns* group blocks: a turn starts at a
+user message and runs until the next one, so "the recent N turns" means the last N user
+messages and everything that answered them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from convo.errors import MessageError
+
+
+class Role(str, enum.Enum):
+    """Who wrote a message. Strings become a ``Role`` at the edge (``Role("user")``)."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCall:
+    """One function call requested by the assistant (OpenAI shape).
+
+    Args:
+        id: the call id that the matching tool result names in ``tool_call_id``.
+        name: the function name.
+        arguments: the arguments as a JSON string, exactly as the model produced them.
+    """
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def __post_init__(self) -> None:
+        for attr in ("id", "name", "arguments"):
+            if not isinstance(getattr(self, attr), str):
+                raise MessageError(f"ToolCall.{attr} must be a string")
+        if not self.id:
+            raise MessageError("ToolCall.id must not be empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """One chat message.
+
+    Args:
+        role: ``"system"``, ``"user"``, ``"assistant"`` or ``"tool"`` (or a :class:`Role`).
+        content: the text. Must be a string (may be empty for a pure tool call).
+        tool_calls: tool calls requested by an assistant message.
+        tool_call_id: for a tool message, the id of the call it answers.
+        name: optional author name (tool name for tool results).
+        pinned: a pinned message is never evicted: it is always shown in the prompt's
+            system part. System messages are pinned implicitly.
+        created_at: UNIX time, seconds.
+
+    Example:
+        >>> Message(role="user", content="hi").role
+        <Role.USER: 'user'>
+    """
+
+    role: Role
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    pinned: bool = False
+    created_at: float = field(default_factory=time.time, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            role = Role(self.role)
+        except ValueError:
+            valid = ", ".join(r.value for r in Role)
+            raise MessageError(f"invalid role {self.role!r}; expected one of: {valid}") from None
+        object.__setattr__(self, "role", role)
+        if not isinstance(self.content, str):
+            raise MessageError(
+                f"message content must be a string, got {type(self.content).__name__}"
+            )
+        calls = tuple(self.tool_calls)
+        for call in calls:
+            if not isinstance(call, ToolCall):
+                raise MessageError("tool_calls must hold ToolCall objects")
+        object.__setattr__(self, "tool_calls", calls)
+        if calls and role is not Role.ASSISTANT:
+            raise MessageError("only assistant messages can carry tool_calls")
+        if role is Role.TOOL and not self.tool_call_id:
+            raise MessageError("a tool message needs the tool_call_id it answers")
+        if role is not Role.TOOL and self.tool_call_id is not None:
+            raise MessageError("tool_call_id is only valid on tool messages")
+        if role is Role.SYSTEM:
+            object.__setattr__(self, "pinned", True)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """A hashable identity of the rendered content (used by token-count caches)."""
+        return (self.role, self.content, self.tool_calls, self.tool_call_id, self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI / Hugging Face chat-template dict for this message."""
+        out: dict[str, Any] = {"role": self.role.value, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-safe dict that :meth:`from_record` reads back (used by stores, export)."""
+        out = self.to_dict()
+        out["pinned"] = self.pinned
+        out["created_at"] = self.created_at
+        return out
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Message:
+        """Build a message from an OpenAI-style dict (or a stored record)."""
+        if not isinstance(record, Mapping):
+            raise MessageError(f"a message must be a mapping, got {type(record).__name__}")
+        if "role" not in record:
+            raise MessageError("a message needs a 'role'")
+        content = record.get("content")
+        if content is None and record.get("tool_calls"):
+            content = ""
+        calls = []
+        for raw in record.get("tool_calls") or ():
+            if not isinstance(raw, Mapping):
+                raise MessageError("each tool call must be a mapping")
+            fn = raw.get("function") or {}
+            args = fn.get("arguments", "{}")
+            if not isinstance(args, str):
+                args = json.dumps(args)
+            calls.append(ToolCall(id=raw.get("id", ""), name=fn.get("name", ""), arguments=args))
+        kwargs: dict[str, Any] = {}
+        if "created_at" in record:
+            kwargs["created_at"] = float(record["created_at"])
+        return cls(
+            role=record["role"],
+            content=content,  # type: ignore[arg-type]  # validated in __post_init__
+            tool_calls=tuple(calls),
+            tool_call_id=record.get("tool_call_id"),
+            name=record.get("name"),
+            pinned=bool(record.get("pinned", False)),
+            **kwargs,
+        )
+
+
+def system(content: str) -> Message:
+    """A system message (always pinned)."""
+    return Message(role=Role.SYSTEM, content=content)
+
+
+def user(content: str) -> Message:
+    """A user message."""
+    return Message(role=Role.USER, content=content)
+
+
+def assistant(content: str, *, tool_calls: Sequence[ToolCall] = ()) -> Message:
+    """An assistant message, optionally calling tools."""
+    return Message(role=Role.ASSISTANT, content=content, tool_calls=tuple(tool_calls))
+
+
+def tool(content: str, *, tool_call_id: str, name: str | None = None) -> Message:
+    """A tool result answering the call ``tool_call_id``."""
+    return Message(role=Role.TOOL, content=content, tool_call_id=tool_call_id, name=name)
+
+
+def group_blocks(messages: Sequence[Message]) -> list[tuple[int, int]]:
+    """Cut unpinned messages into atomic blocks, as ``(start, end)`` index ranges.
+
+    An assistant message with tool calls and the tool messages that follow it form one
+    block; every other message is a block of its own.
+
+    Raises:
+        MessageError: a tool message does not follow a tool call it answers.
+    """
+    blocks: list[tuple[int, int]] = []
+    i, n = 0, len(messages)
+    while i < n:
+        msg = messages[i]
+        if msg.role is Role.TOOL:
+            raise MessageError(
+                f"tool message {msg.tool_call_id!r} does not follow the assistant tool call "
+                "it answers"
+            )
+        j = i + 1
+        if msg.tool_calls:
+            ids = {c.id for c in msg.tool_calls}
+            while j < n and messages[j].role is Role.TOOL:
+                if messages[j].tool_call_id not in ids:
+                    raise MessageError(
+                        f"tool result {messages[j].tool_call_id!r} answers no pending call"
+                    )
+                j += 1
+        blocks.append((i, j))
+        i = j
+    return blocks
+
+
+def validate_sequence(messages: Iterable[Message]) -> None:
+    """Check tool-call structure of a full history (raises :class:`MessageError`)."""
+    group_blocks([m for m in messages if not m.pinned])

@@ -1,0 +1,339 @@
+"""Planning a prompt: which parts of a conversation go into the next request.
+
+:func:`plan_prompt` is a pure function of the pinned messages, the rolling summary, the
+candidate retrieved passages, the recent turns, the budget and a token counter. It does no
+I/O and calls no model; the session summarizes, retrieves and stores around it.
+
+::
+
+    | system (pinned) | summary | retrieved | recent turns          | reserve for reply |
+      never evicted     <= cap    <= cap,     newest first, whole     max_new_tokens
+                                  top-k       turns; >= recent_min
+
+The recent turns are fitted newest first and only whole turns are shown, except the newest
+turn, which always keeps its first message and its newest blocks (a block is an assistant
+tool call with all its results: it is never split). A message too large for the room left
+is shortened in the middle or refused, as the budget's ``oversize`` policy says.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from convo.budget import Budget, OversizePolicy
+from convo.errors import BudgetError
+from convo.messages import Message, Role, group_blocks
+from convo.tokens import TokenCounter
+
+#: How the rolling summary is shown to the model (a system message).
+SUMMARY_HEADER = "Summary of the earlier conversation:\n"
+#: How a retrieved passage is shown to the model (one system message each).
+PASSAGE_TEMPLATE = "Relevant memory ({source}):\n{text}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Passage:
+    """A retrieved piece of text offered to the planner.
+
+    Args:
+        text: the passage as it should appear in the prompt.
+        score: relevance, higher is better (the retriever's scale).
+        source: where it comes from, for citation (``"notes.md:120-380"``, ``"turn 12"``).
+        key: identity for de-duplication; passages of this session's own turns use
+            ``turn_key(index)`` so the planner can drop those already in the window.
+        meta: anything else the retriever wants to report (positions, dates...).
+    """
+
+    text: str
+    score: float
+    source: str
+    key: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def turn_key(index: int) -> str:
+    """The de-duplication key of a passage that is (a part of) turn ``index``."""
+    return f"turn:{index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """A turn as the planner sees it: its number in the session and its messages."""
+
+    index: int
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DroppedPassage:
+    """A passage the planner did not use, and why (``"top_k"``, ``"token_cap"``,
+    ``"min_score"``, ``"in_window"`` or ``"duplicate"``)."""
+
+    passage: Passage
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptPlan:
+    """What the next request will contain.
+
+    Attributes:
+        messages: the messages to render, in order.
+        parts: tokens per part: ``system``, ``summary``, ``retrieved``, ``recent``,
+            ``template`` (tokens the chat template adds around messages) and ``reserve``
+            (the reply reserve, ``max_new_tokens``).
+        prompt_tokens: tokens of the rendered prompt (all parts but ``reserve``).
+        context_tokens: the budget's context size.
+        turns_shown: indices of the turns shown (whole or in part), oldest first.
+        first_shown_turn: every turn before this index is out of the prompt.
+        truncated_messages: how many messages the TRUNCATE policy shortened.
+        dropped_blocks: blocks of the newest turn left out for lack of room.
+        passages_used: passages in the prompt, in order.
+        passages_dropped: candidates left out, with the reason.
+        summary_truncated: the summary was cut to fit.
+    """
+
+    messages: tuple[Message, ...]
+    parts: Mapping[str, int]
+    prompt_tokens: int
+    context_tokens: int
+    turns_shown: tuple[int, ...]
+    first_shown_turn: int
+    truncated_messages: int = 0
+    dropped_blocks: int = 0
+    passages_used: tuple[Passage, ...] = ()
+    passages_dropped: tuple[DroppedPassage, ...] = ()
+    summary_truncated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus reply reserve: never more than ``context_tokens``."""
+        return self.prompt_tokens + self.parts["reserve"]
+
+
+def summary_message(summary: str) -> Message:
+    """The system message that carries the rolling summary."""
+    return Message(role=Role.SYSTEM, content=SUMMARY_HEADER + summary)
+
+
+def passage_message(passage: Passage) -> Message:
+    """The system message that carries one retrieved passage."""
+    return Message(role=Role.SYSTEM, content=PASSAGE_TEMPLATE.format(source=passage.source, text=passage.text))
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def _fit_messages(
+    messages: Sequence[Message], room: int, counter: TokenCounter, policy: OversizePolicy
+) -> tuple[list[Message], int, int] | None:
+    """Shorten the largest messages of ``messages`` until they fit ``room`` tokens.
+
+    Returns ``(messages, tokens, n_truncated)`` or ``None`` when they cannot fit.
+    Raises BudgetError under the RAISE policy when shortening would be needed.
+    """
+    out = list(messages)
+    costs = [counter.message_tokens(m) for m in out]
+    truncated: set[int] = set()
+    for _ in range(8):
+        excess = sum(costs) - room
+        if excess <= 0:
+            return out, sum(costs), len(truncated)
+        if policy is OversizePolicy.RAISE:
+            raise BudgetError(
+                f"a message needs {sum(costs)} tokens but only {room} are left for it "
+                "(oversize policy RAISE); shorten it or raise context_tokens"
+            )
+        i = max(range(len(out)), key=lambda j: costs[j])
+        content_tokens = counter.count_text(out[i].content)
+        target = content_tokens - excess - 2  # seams can re-tokenize a little longer
+        if target <= 0:
+            return None
+        out[i] = replace(out[i], content=counter.truncate_middle(out[i].content, target))
+        costs[i] = counter.message_tokens(out[i])
+        truncated.add(i)
+    return None
+
+
+def plan_prompt(
+    *,
+    budget: Budget,
+    counter: TokenCounter,
+    turns: Sequence[Turn],
+    pinned: Sequence[Message] = (),
+    summary: str = "",
+    passages: Sequence[Passage] = (),
+    min_score: float = float("-inf"),
+) -> PromptPlan:
+    """Plan the next prompt under ``budget``.
+
+    Args:
+        budget: the token budget.
+        counter: counts tokens with the model's tokenizer and chat template.
+        turns: candidate turns, oldest first; only the last ``budget.window_turns`` are
+            considered. The last turn is the one being answered.
+        pinned: system prompt and pinned facts, never evicted.
+        summary: the rolling summary of older turns (``""`` for none).
+        passages: retrieved candidates, best first.
+        min_score: passages scoring below this are dropped.
+
+    Returns:
+        A :class:`PromptPlan` whose ``prompt_tokens + max_new_tokens <= context_tokens``
+        when the counter is additive (the session re-checks with an exact count).
+
+    Raises:
+        BudgetError: the pinned part exceeds its cap, or a message is too large and the
+            oversize policy is RAISE (or nothing can make it fit).
+    """
+    overhead = max(counter.overhead_tokens(True), counter.overhead_tokens(False))
+    avail = budget.available_prompt_tokens - overhead
+    pinned = list(pinned)
+    pinned_cost = sum(counter.message_tokens(m) for m in pinned)
+    if pinned_cost > budget.pinned_cap:
+        raise BudgetError(
+            f"pinned messages take {pinned_cost} tokens, over pinned_tokens={budget.pinned_cap}; "
+            "unpin something or raise the cap"
+        )
+    avail -= pinned_cost
+
+    window = list(turns[-budget.window_turns :])
+    turn_costs = [sum(counter.message_tokens(m) for m in t.messages) for t in window]
+    need = sum(turn_costs)
+    guaranteed = min(need, budget.recent_min, max(avail, 0))
+    extra_room = max(avail - guaranteed, 0)
+
+    # -- summary ---------------------------------------------------------------------------
+    summary_msgs: list[Message] = []
+    summary_cost = 0
+    summary_truncated = False
+    if summary and budget.summary_tokens > 0:
+        room = min(extra_room, budget.summary_tokens + counter.message_tokens(summary_message("")))
+        msg = summary_message(summary)
+        cost = counter.message_tokens(msg)
+        if cost > room:
+            header_cost = counter.message_tokens(summary_message(""))
+            text = counter.truncate_middle(summary, max(room - header_cost - 2, 0))
+            msg = summary_message(text)
+            cost = counter.message_tokens(msg)
+            summary_truncated = True
+            if not text or cost > room:
+                msg, cost = None, 0  # type: ignore[assignment]
+        if msg is not None:
+            summary_msgs, summary_cost = [msg], cost
+    extra_room -= summary_cost
+
+    # -- retrieved passages ----------------------------------------------------------------
+    shown_keys = {turn_key(t.index) for t in window}
+    shown_text = {_norm(m.content) for t in window for m in t.messages if m.content}
+    used: list[Passage] = []
+    dropped: list[DroppedPassage] = []
+    retrieved_msgs: list[Message] = []
+    retrieved_cost = 0
+    room = min(extra_room, budget.retrieval_tokens)
+    seen: set[str] = set()
+    for p in passages:
+        norm = _norm(p.text)
+        reason = None
+        if p.score < min_score:
+            reason = "min_score"
+        elif (p.key and p.key in shown_keys) or norm in shown_text:
+            reason = "in_window"
+        elif (p.key and p.key in seen) or norm in seen:
+            reason = "duplicate"
+        elif len(used) >= budget.retrieval_top_k:
+            reason = "top_k"
+        if reason is None:
+            msg = passage_message(p)
+            cost = counter.message_tokens(msg)
+            if retrieved_cost + cost > room:
+                reason = "token_cap"
+            else:
+                used.append(p)
+                retrieved_msgs.append(msg)
+                retrieved_cost += cost
+                seen.update(x for x in (p.key, norm) if x)
+        if reason is not None:
+            dropped.append(DroppedPassage(passage=p, reason=reason))
+
+    # -- recent turns, newest first ----------------------------------------------------------
+    room = avail - summary_cost - retrieved_cost
+    recent: list[list[Message]] = []
+    shown: list[int] = []
+    recent_cost = 0
+    truncated = 0
+    dropped_blocks = 0
+    for pos in range(len(window) - 1, -1, -1):
+        turn, cost = window[pos], turn_costs[pos]
+        if recent_cost + cost <= room:
+            recent.append(list(turn.messages))
+            shown.append(turn.index)
+            recent_cost += cost
+            continue
+        if pos != len(window) - 1:
+            break  # older turns are shown whole or not at all
+        # The newest turn does not fit: keep its first block and its newest blocks.
+        msgs = list(turn.messages)
+        blocks = group_blocks(msgs)
+        head = msgs[blocks[0][0] : blocks[0][1]]
+        tail_blocks: list[list[Message]] = []
+        left = room - sum(counter.message_tokens(m) for m in head)
+        for start, end in reversed(blocks[1:]):
+            block = msgs[start:end]
+            c = sum(counter.message_tokens(m) for m in block)
+            if c <= left:
+                tail_blocks.insert(0, block)
+                left -= c
+            else:
+                break
+        dropped_blocks = len(blocks) - 1 - len(tail_blocks)
+        if not tail_blocks and len(blocks) > 1:
+            # Even the newest block does not fit beside the head: shorten the two.
+            dropped_blocks = len(blocks) - 2
+            fitted = _fit_messages(head + msgs[blocks[-1][0] : blocks[-1][1]], room, counter, budget.oversize)
+        elif left < 0:
+            fitted = _fit_messages(head + [m for b in tail_blocks for m in b], room, counter, budget.oversize)
+        else:
+            flat = head + [m for b in tail_blocks for m in b]
+            fitted = (flat, sum(counter.message_tokens(m) for m in flat), 0)
+        if fitted is None:
+            raise BudgetError(
+                f"the newest turn cannot fit in the {room} tokens left after the system prompt "
+                "and reserve, even shortened; raise context_tokens or lower max_new_tokens"
+            )
+        msgs_fit, cost_fit, truncated = fitted
+        recent.append(msgs_fit)
+        shown.append(turn.index)
+        recent_cost += cost_fit
+        break
+    recent.reverse()
+    shown.reverse()
+
+    messages = tuple(pinned + summary_msgs + retrieved_msgs + [m for t in recent for m in t])
+    starts_system = bool(messages) and messages[0].role is Role.SYSTEM
+    template = counter.overhead_tokens(starts_system)
+    parts = {
+        "system": pinned_cost,
+        "summary": summary_cost,
+        "retrieved": retrieved_cost,
+        "recent": recent_cost,
+        "template": template,
+        "reserve": budget.max_new_tokens,
+    }
+    first_shown = shown[0] if shown else (window[-1].index + 1 if window else 0)
+    return PromptPlan(
+        messages=messages,
+        parts=parts,
+        prompt_tokens=pinned_cost + summary_cost + retrieved_cost + recent_cost + template,
+        context_tokens=budget.context_tokens,
+        turns_shown=tuple(shown),
+        first_shown_turn=first_shown,
+        truncated_messages=truncated,
+        dropped_blocks=dropped_blocks,
+        passages_used=tuple(used),
+        passages_dropped=tuple(dropped),
+        summary_truncated=summary_truncated,
+    )

@@ -1,0 +1,519 @@
+"""A conversation that never exceeds its token budget.
+
+A :class:`Session` owns the history of one conversation. Each turn it plans the prompt
+(:func:`convo.plan.plan_prompt`: pinned system part, rolling summary, retrieved passages,
+recent turns, reply reserve), checks the plan against an exact count of the rendered
+prompt, calls the engine with a capped ``generate``, stores the reply, and then folds the
+turns that left the window into the summary (in batches) and hands them to the
+retriever.
+
+Nothing stored is ever lost: the full history stays in the store even when the prompt only
+shows the window and the summary; the user message is stored before generation starts, so
+a crash or timeout mid-turn keeps it; a turn that fails can be re-run with
+:meth:`Session.reply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from convo.budget import Budget, OversizePolicy
+from convo.engine import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
+from convo.messages import Message, Role, ToolCall
+from convo.plan import Passage, PromptPlan, Turn, plan_prompt
+from convo.store import MemoryStore, SessionState, Store
+from convo.summarize import ModelSummarizer, Summarizer
+from convo.tokens import TokenCounter
+
+
+class Retriever(Protocol):
+    """What a session needs from a retrieval memory (see :mod:`convo.retrieval`)."""
+
+    min_score: float
+
+    def remember_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> None: ...
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStats:
+    """What a turn cost and what its prompt held.
+
+    Attributes:
+        turn: 1-based number of the turn in the session (continues across resumes).
+        parts: tokens per prompt part (see :class:`~convo.plan.PromptPlan`).
+        prompt_tokens: the exact token count of the rendered prompt.
+        context_tokens / max_new_tokens: the budget.
+        summary_tokens: tokens of the rolling summary after this turn.
+        evicted_turns: turns that have left the window so far (total).
+        summarized_turns: turns folded into the summary so far (total).
+        passages_used / passages_dropped: retrieval outcome.
+        truncated_messages: messages the TRUNCATE policy shortened in this prompt.
+        plan_s / generate_s / summarize_s / latency_s: seconds.
+        oom_retries: 1 when the turn ran out of device memory and was re-run smaller.
+        recovery: what the OOM retry changed (empty when none).
+        generation: the engine's report (tokens, KV bytes, memory, timings).
+    """
+
+    turn: int
+    parts: Mapping[str, int]
+    prompt_tokens: int
+    context_tokens: int
+    max_new_tokens: int
+    summary_tokens: int
+    evicted_turns: int
+    summarized_turns: int
+    passages_used: int
+    passages_dropped: int
+    truncated_messages: int
+    plan_s: float
+    generate_s: float
+    summarize_s: float
+    latency_s: float
+    oom_retries: int = 0
+    recovery: str = ""
+    generation: GenerationStats | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reply:
+    """The assistant's answer to one turn."""
+
+    text: str
+    finish_reason: FinishReason
+    stats: TurnStats
+    plan: PromptPlan = field(repr=False)
+
+    @property
+    def timed_out(self) -> bool:
+        """Generation hit its wall-clock limit (``text`` holds what was produced)."""
+        return self.finish_reason is FinishReason.TIMEOUT
+
+
+class Session:
+    """One conversation kept inside a token budget.
+
+    Args:
+        engine: generates replies (e.g. :class:`~convo.engine.TransformersEngine`). May be
+            ``None`` for a session that only plans prompts (then pass ``counter``).
+        budget: the token budget (default ``Budget()``).
+        system_prompt: a pinned system message, set when the session is created.
+        store: where history lives (default: a new :class:`~convo.store.MemoryStore`).
+        session_id: resume this session if the store has it, else create it with this id.
+        summarizer: folds evicted turns into the summary; default: the engine itself
+            through :class:`~convo.summarize.ModelSummarizer` (none without an engine or
+            with ``budget.summary_tokens == 0``).
+        retriever: a retrieval memory (e.g. :class:`convo.retrieval.Memory`), or ``None``.
+        counter: token counter; default: the engine's.
+        sampling: decoding settings (default greedy).
+        timeout_s: wall-clock limit of one generate call (default: the engine's).
+        owner: recorded with a new session (the server stores the API key's hash).
+
+    Example:
+        >>> session = Session(engine, budget=Budget(context_tokens=2048))  # doctest: +SKIP
+        >>> reply = session.send("My name is Priya.")                     # doctest: +SKIP
+        >>> reply.stats.prompt_tokens + reply.stats.max_new_tokens <= 2048  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        budget: Budget | None = None,
+        system_prompt: str | None = None,
+        store: Store | None = None,
+        session_id: str | None = None,
+        summarizer: Summarizer | None = None,
+        retriever: Retriever | None = None,
+        counter: TokenCounter | None = None,
+        sampling: Sampling = GREEDY,
+        timeout_s: float | None = None,
+        owner: str = "",
+    ) -> None:
+        if engine is None and counter is None:
+            raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
+        self.engine = engine
+        self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
+        self.store: Store = store if store is not None else MemoryStore()
+        self.retriever = retriever
+        self.sampling = sampling
+        self.timeout_s = timeout_s
+        self._lock = threading.RLock()
+        self._pinned: list[Message] = []
+        self._log: list[Message] = []
+        self._turn_starts: list[int] = []
+        self._pending_tool_ids: set[str] = set()
+        self._indexed_turns = 0
+        self._dates: dict[int, str] = {}
+
+        self.id = session_id or uuid.uuid4().hex
+        if self.store.exists(self.id):
+            state, messages = self.store.load(self.id)
+            stored = state.settings.get("budget")
+            self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
+            self._state = state
+            for m in messages:
+                self._index(m)
+            if budget is not None and stored != budget.to_dict():
+                self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
+                self.store.save_state(self._state)
+        else:
+            self.budget = budget or Budget()
+            self._state = SessionState(
+                session_id=self.id, settings={"budget": self.budget.to_dict()}, owner=owner
+            )
+            self.store.create(self._state)
+            if system_prompt:
+                self.pin(system_prompt, role=Role.SYSTEM)
+        if summarizer is None and engine is not None and self.budget.summary_tokens > 0:
+            summarizer = ModelSummarizer(engine=engine)
+        self.summarizer = summarizer
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def summary(self) -> str:
+        """The rolling summary of turns that left the window."""
+        return self._state.summary
+
+    @property
+    def evicted_turns(self) -> int:
+        """How many turns have left the prompt window (they are summarized / retrievable)."""
+        return self._state.evicted_turns
+
+    @property
+    def summarized_turns(self) -> int:
+        """How many turns are folded into the summary."""
+        return self._state.summarized_turns
+
+    @property
+    def turn_count(self) -> int:
+        """Turns so far (a turn starts at each user message)."""
+        return len(self._turn_starts)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The full stored history: pinned messages first, then the conversation."""
+        return self._pinned + self._log
+
+    @property
+    def owner(self) -> str:
+        return self._state.owner
+
+    def turns(self, start: int = 0) -> list[Turn]:
+        """Turns ``start..`` as :class:`~convo.plan.Turn` (index, messages)."""
+        out = []
+        for i in range(start, len(self._turn_starts)):
+            end = self._turn_starts[i + 1] if i + 1 < len(self._turn_starts) else len(self._log)
+            out.append(Turn(index=i, messages=tuple(self._log[self._turn_starts[i] : end])))
+        return out
+
+    # -- adding messages ---------------------------------------------------------------------
+    def _check(self, message: Message) -> None:
+        """Validate ``message`` against the history before anything is stored."""
+        if not isinstance(message, Message):
+            raise MessageError(f"expected a Message, got {type(message).__name__}")
+        if message.role is Role.TOOL:
+            if message.tool_call_id not in self._pending_tool_ids:
+                raise MessageError(
+                    f"tool result {message.tool_call_id!r} answers no pending tool call"
+                )
+        elif not message.pinned and not self._log and message.role is not Role.USER:
+            pass  # a conversation may open with an assistant greeting
+        if message.pinned:
+            cost = sum(self.counter.message_tokens(m) for m in self._pinned + [message])
+            if cost > self.budget.pinned_cap:
+                raise BudgetError(
+                    f"pinned messages would take {cost} tokens, over pinned_tokens="
+                    f"{self.budget.pinned_cap}"
+                )
+        elif message.role is Role.USER and self.budget.oversize is OversizePolicy.RAISE:
+            room = (
+                self.budget.available_prompt_tokens
+                - max(self.counter.overhead_tokens(True), self.counter.overhead_tokens(False))
+                - sum(self.counter.message_tokens(m) for m in self._pinned)
+            )
+            if self.counter.message_tokens(message) > room:
+                raise BudgetError(
+                    f"message of {self.counter.message_tokens(message)} tokens exceeds the "
+                    f"{room} tokens the budget leaves for it (oversize policy RAISE)"
+                )
+
+    def _index(self, message: Message) -> None:
+        if message.pinned:
+            self._pinned.append(message)
+            return
+        if message.role is Role.USER or not self._turn_starts:
+            self._turn_starts.append(len(self._log))
+        self._log.append(message)
+        if message.role is Role.ASSISTANT:
+            self._pending_tool_ids = {c.id for c in message.tool_calls}
+        elif message.role is Role.TOOL:
+            self._pending_tool_ids.discard(message.tool_call_id or "")
+        else:
+            self._pending_tool_ids = set()
+
+    def _commit(self, messages: Sequence[Message]) -> None:
+        for m in messages:
+            self._check(m)
+        self.store.append(self.id, messages, state=self._state)
+        for m in messages:
+            self._index(m)
+
+    def add(self, message: Message, *, date: str | None = None) -> None:
+        """Append a message without generating (tool results, imported history...).
+
+        Args:
+            message: the message; tool results must answer a pending tool call.
+            date: a human date for the turn this message starts or belongs to (indexed
+                with it for retrieval, e.g. ``"8 May 2023"``).
+
+        Raises:
+            MessageError / BudgetError: invalid message; nothing is stored.
+        """
+        with self._lock:
+            self._commit([message])
+            if date is not None and self._turn_starts:
+                self._dates.setdefault(len(self._turn_starts) - 1, date)
+            if not message.pinned:
+                self._slide_window()
+
+    def pin(self, text: str, *, role: Role = Role.SYSTEM) -> None:
+        """Pin a fact or instruction: it is shown in every prompt and never evicted.
+
+        Raises:
+            BudgetError: the pinned part would exceed ``budget.pinned_tokens``.
+        """
+        self.add(Message(role=role, content=text, pinned=True))
+
+    # -- turns -------------------------------------------------------------------------------
+    def send(
+        self,
+        content: str,
+        *,
+        sampling: Sampling | None = None,
+        timeout_s: float | None = None,
+        on_text: Any = None,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """Send a user message and return the reply.
+
+        The message is stored before generation starts.
+
+        Raises:
+            MessageError: ``content`` is not a string.
+            BudgetError: the message is too large and the oversize policy is RAISE
+                (nothing is stored).
+            DeviceOutOfMemory: out of memory even after one retry with a smaller plan
+                (the message stays stored; call :meth:`reply` to try again).
+        """
+        with self._lock:
+            self.add(Message(role=Role.USER, content=content))
+            return self.reply(sampling=sampling, timeout_s=timeout_s, on_text=on_text, cancel=cancel)
+
+    def stream(self, content: str, **kwargs: Any) -> TextStream[Reply]:
+        """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
+
+        Closing the stream early cancels generation; what was generated is stored.
+        """
+        return TextStream(lambda **kw: self.send(content, **kw), kwargs)
+
+    async def asend(self, content: str, **kwargs: Any) -> Reply:
+        """:meth:`send` without blocking the event loop."""
+        return await asyncio.to_thread(self.send, content, **kwargs)
+
+    def reply(
+        self,
+        *,
+        sampling: Sampling | None = None,
+        timeout_s: float | None = None,
+        on_text: Any = None,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """Generate the assistant's next message for the history as it stands.
+
+        Use it after :meth:`add` (e.g. tool results) or to re-run a failed turn.
+        """
+        if self.engine is None:
+            raise ConfigError("this session has no engine; it can only plan prompts")
+        with self._lock:
+            started = time.monotonic()
+            self._remember_completed_turns()
+            plan = self.plan()
+            plan_s = time.monotonic() - started
+            oom_retries, recovery = 0, ""
+            t_gen = time.monotonic()
+            try:
+                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+            except DeviceOutOfMemory:
+                smaller = self.budget.shrunk(
+                    window_turns=self.budget.window_turns // 2,
+                    retrieval_top_k=self.budget.retrieval_top_k // 2,
+                )
+                plan = self.plan(budget=smaller)
+                oom_retries = 1
+                recovery = (
+                    f"out of memory: freed cached blocks, retried with window_turns="
+                    f"{smaller.window_turns}, retrieval_top_k={smaller.retrieval_top_k} "
+                    f"({plan.prompt_tokens} prompt tokens)"
+                )
+                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+            generate_s = time.monotonic() - t_gen
+            tool_calls: tuple[ToolCall, ...] = ()
+            self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=tool_calls)])
+            self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
+            t_sum = time.monotonic()
+            self._maybe_summarize()
+            summarize_s = time.monotonic() - t_sum
+            self.store.save_state(self._state)
+            stats = TurnStats(
+                turn=self.turn_count,
+                parts=dict(plan.parts),
+                prompt_tokens=plan.prompt_tokens,
+                context_tokens=self.budget.context_tokens,
+                max_new_tokens=self.budget.max_new_tokens,
+                summary_tokens=self.counter.count_text(self.summary) if self.summary else 0,
+                evicted_turns=self.evicted_turns,
+                summarized_turns=self.summarized_turns,
+                passages_used=len(plan.passages_used),
+                passages_dropped=len(plan.passages_dropped),
+                truncated_messages=plan.truncated_messages,
+                plan_s=plan_s,
+                generate_s=generate_s,
+                summarize_s=summarize_s,
+                latency_s=time.monotonic() - started,
+                oom_retries=oom_retries,
+                recovery=recovery,
+                generation=gen.stats,
+            )
+            return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
+
+    def _generate(
+        self,
+        plan: PromptPlan,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        assert self.engine is not None
+        kwargs: dict[str, Any] = {}
+        if cancel is not None:
+            kwargs["cancel"] = cancel
+        return self.engine.generate(
+            plan.messages,
+            max_new_tokens=self.budget.max_new_tokens,
+            timeout_s=timeout_s or self.timeout_s,
+            sampling=sampling or self.sampling,
+            cache_key=self.id,
+            on_text=on_text,
+            **kwargs,
+        )
+
+    # -- planning ------------------------------------------------------------------------------
+    def plan(self, query: str | None = None, *, budget: Budget | None = None) -> PromptPlan:
+        """The prompt this session would send now.
+
+        Args:
+            query: a hypothetical user message appended for planning only (not stored),
+                e.g. a question to evaluate what the session would show for it.
+            budget: plan under another budget (default: the session's).
+
+        The plan is checked against an exact count of the rendered prompt; if the
+        template costs more than the per-message counts add up to, it is re-planned with
+        that difference held back, so ``prompt_tokens + max_new_tokens <= context_tokens``
+        always holds.
+        """
+        budget = budget or self.budget
+        turns = self.turns(self.evicted_turns)
+        if query is not None:
+            probe = Message(role=Role.USER, content=query)
+            turns.append(Turn(index=self.turn_count, messages=(probe,)))
+        last_user = next((m.content for t in reversed(turns) for m in t.messages if m.role is Role.USER), "")
+        passages: list[Passage] = []
+        min_score = float("-inf")
+        if self.retriever is not None and budget.retrieval_tokens > 0 and budget.retrieval_top_k > 0 and last_user:
+            passages = self.retriever.retrieve(last_user, session_id=self.id, top_k=budget.retrieval_top_k)
+            min_score = getattr(self.retriever, "min_score", min_score)
+        held_back = 0
+        for _ in range(4):
+            try:
+                b = budget if held_back == 0 else replace(budget, margin_tokens=budget.margin_tokens + held_back)
+            except ConfigError as exc:
+                raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
+            plan = plan_prompt(
+                budget=b,
+                counter=self.counter,
+                turns=turns,
+                pinned=self._pinned,
+                summary=self.summary,
+                passages=passages,
+                min_score=min_score,
+            )
+            exact = self.counter.count_prompt(plan.messages)
+            if exact + budget.max_new_tokens <= budget.context_tokens:
+                if exact != plan.prompt_tokens:
+                    parts = dict(plan.parts)
+                    parts["template"] += exact - plan.prompt_tokens
+                    plan = replace(plan, prompt_tokens=exact, parts=parts)
+                return replace(plan, context_tokens=budget.context_tokens)
+            held_back += exact + budget.max_new_tokens - budget.context_tokens
+        raise BudgetError("could not fit the prompt in the budget after 4 attempts")
+
+    # -- eviction, summary, retrieval ------------------------------------------------------------
+    def _slide_window(self) -> None:
+        """Turns beyond the window size are evicted (the budget may evict more at plan time)."""
+        boundary = max(self.evicted_turns, self.turn_count - self.budget.window_turns)
+        if boundary != self.evicted_turns:
+            self._state = replace(self._state, evicted_turns=boundary)
+            self.store.save_state(self._state)
+        self._remember_completed_turns()
+        self._maybe_summarize()
+
+    def _remember_completed_turns(self) -> None:
+        """Hand every completed turn (all but the last) to the retriever, once each."""
+        done = self.turn_count - 1
+        if self.retriever is None or done <= self._indexed_turns:
+            return
+        turns = self.turns(self._indexed_turns)[: done - self._indexed_turns]
+        self.retriever.remember_turns(self.id, turns, dates={t.index: self._dates[t.index] for t in turns if t.index in self._dates})
+        self._indexed_turns = done
+
+    def _maybe_summarize(self) -> None:
+        pending = self.evicted_turns - self.summarized_turns
+        if self.summarizer is None or self.budget.summary_tokens == 0:
+            return
+        if pending < self.budget.summarize_batch_turns:
+            return
+        messages = [m for t in self.turns(self.summarized_turns)[:pending] for m in t.messages]
+        summary = self.summarizer.summarize(
+            previous=self.summary, messages=messages, max_tokens=self.budget.summary_tokens
+        )
+        self._state = replace(self._state, summary=summary, summarized_turns=self.evicted_turns)
+        self.store.save_state(self._state)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        """The whole session as JSON-safe data (see :meth:`Store.export_session`)."""
+        return self.store.export_session(self.id)
+
+    def close(self) -> None:
+        """Release the engine's KV cache for this session (the history stays stored)."""
+        if self.engine is not None:
+            self.engine.release(self.id)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

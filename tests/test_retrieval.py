@@ -1,0 +1,428 @@
+"""Tests of convo.retrieval and convo.embeddings.
+
+Most tests use a deterministic hashing encoder (bag of words), so they are fast and test
+the index, fusion, isolation and persistence logic; a few load the real MiniLM model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convo.budget import Budget
+from convo.errors import ConfigError, MissingDependency, StoreError
+from convo.messages import Message, Role
+from convo.plan import Turn, plan_prompt, turn_key
+from convo.retrieval import (
+    BM25Index,
+    DocumentCollection,
+    Fusion,
+    Memory,
+    RetrievalConfig,
+    VectorIndex,
+    chunk_text,
+    terms,
+)
+from convo.tokens import TiktokenCounter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class HashEncoder:
+    """Bag-of-words hashed into ``dim`` buckets, L2-normalized: deterministic and fast."""
+
+    def __init__(self, dim: int = 256) -> None:
+        self.dim = dim
+        self.calls = 0
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for w in terms(text):
+                h = int(hashlib.md5(w.encode()).hexdigest(), 16)
+                out[i, h % self.dim] += 1.0
+            norm = np.linalg.norm(out[i])
+            if norm:
+                out[i] /= norm
+        return out
+
+
+@pytest.fixture(scope="module")
+def cl100k() -> TiktokenCounter:
+    return TiktokenCounter("cl100k_base")
+
+
+def unit_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def turns_of(pairs: Sequence[tuple[str, str]], start: int = 0) -> list[Turn]:
+    return [
+        Turn(
+            index=start + i,
+            messages=(
+                Message(role=Role.USER, content=f"Ann: {u}", name="Ann"),
+                Message(role=Role.ASSISTANT, content=b, name="Bob"),
+            ),
+        )
+        for i, (u, b) in enumerate(pairs)
+    ]
+
+
+FILLER = [
+    ("How was your weekend?", "Quiet, I read a book."),
+    ("Any plans for dinner?", "Maybe pasta tonight."),
+    ("Did you see the game?", "Yes, great match."),
+    ("The weather is nice today.", "Perfect for a walk."),
+    ("I started a new course.", "Good luck with it."),
+]
+
+
+# ---------------------------------------------------------------------------------------
+# VectorIndex
+# ---------------------------------------------------------------------------------------
+
+
+def test_vector_index_exact_search_and_remove() -> None:
+    vecs = unit_vectors(50, 16)
+    index = VectorIndex(16)
+    index.add(list(range(100, 150)), vecs)
+    assert len(index) == 50 and index.kind == "flat"
+    scores, ids = index.search(vecs[:5], 3)
+    assert ids[:, 0].tolist() == [100, 101, 102, 103, 104]
+    assert np.allclose(scores[:, 0], 1.0, atol=1e-5)
+    assert index.remove([100, 101, 999]) == 2
+    assert len(index) == 48
+    _, ids = index.search(vecs[:2], 48)
+    assert 100 not in ids and 101 not in ids
+
+
+def test_vector_index_add_replaces_existing_id() -> None:
+    vecs = unit_vectors(3, 8)
+    index = VectorIndex(8)
+    index.add([1, 2], vecs[:2])
+    index.add([1], vecs[2:3])
+    assert len(index) == 2
+    _, ids = index.search(vecs[2:3], 1)
+    assert ids[0, 0] == 1
+    scores, _ = index.search(vecs[0:1], 2)
+    assert scores[0, 0] < 0.999  # the old vector of id 1 is gone
+
+
+def test_vector_index_switches_to_ivf_above_exact_max() -> None:
+    vecs = unit_vectors(400, 32, seed=1)
+    index = VectorIndex(32, exact_max=100, nprobe=64)
+    index.add(list(range(100)), vecs[:100])
+    assert index.kind == "flat"
+    index.add(list(range(100, 400)), vecs[100:])
+    assert index.kind == "ivf" and len(index) == 400
+    _, ids = index.search(vecs, 1)
+    assert (ids[:, 0] == np.arange(400)).mean() >= 0.95
+    assert index.remove(range(0, 400, 2)) == 200
+    _, ids = index.search(vecs[:10], 5)
+    assert not ({0, 2, 4, 6, 8} & set(ids.ravel().tolist()))
+
+
+@pytest.mark.parametrize("n", [30, 300])
+def test_vector_index_save_load_round_trip(tmp_path: Path, n: int) -> None:
+    vecs = unit_vectors(n, 24, seed=2)
+    index = VectorIndex(24, exact_max=100)
+    index.add(list(range(7, 7 + n)), vecs)
+    index.remove([7, 8])
+    path = tmp_path / "sub" / "v.faiss"
+    index.save(path)
+    loaded = VectorIndex.load(path)
+    assert loaded.kind == index.kind and len(loaded) == len(index) == n - 2
+    a = index.search(vecs[:20], 5)
+    b = loaded.search(vecs[:20], 5)
+    assert np.array_equal(a[1], b[1]) and np.allclose(a[0], b[0])
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_vector_index_load_detects_partial_save(tmp_path: Path) -> None:
+    index = VectorIndex(8)
+    index.add([1, 2, 3], unit_vectors(3, 8))
+    index.save(tmp_path / "v.faiss")
+    meta_path = tmp_path / "v.faiss.json"
+    meta = json.loads(meta_path.read_text())
+    meta["count"] = 4
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(StoreError):
+        VectorIndex.load(tmp_path / "v.faiss")
+
+
+def test_vector_index_rejects_nonsense() -> None:
+    with pytest.raises(ConfigError):
+        VectorIndex(0)
+    with pytest.raises(ConfigError):
+        VectorIndex(8, exact_max=0)
+    index = VectorIndex(8)
+    with pytest.raises(ConfigError):
+        index.add([1], unit_vectors(1, 4))
+    with pytest.raises(ConfigError):
+        index.add([1, 1], unit_vectors(2, 8))
+
+
+# ---------------------------------------------------------------------------------------
+# BM25
+# ---------------------------------------------------------------------------------------
+
+
+def test_bm25_ranks_rare_terms_and_forgets() -> None:
+    bm = BM25Index()
+    bm.add(1, "I adopted a puppy named Rex last spring")
+    bm.add(2, "We went hiking with the dogs")
+    bm.add(3, "The weather was nice for hiking")
+    assert bm.search("when did she adopt the puppy", 3)[0][0] == 1
+    assert [i for i, _ in bm.search("hiking", 3)] == [2, 3] or [i for i, _ in bm.search("hiking", 3)] == [
+        3,
+        2,
+    ]
+    assert bm.remove(1) and not bm.remove(1)
+    assert all(i != 1 for i, _ in bm.search("puppy adopted", 3))
+    assert len(bm) == 2
+
+
+def test_terms_stem_and_drop_stopwords() -> None:
+    assert terms("She was painting the paints") == ["paint", "paint"]
+    assert terms("the and of") == []
+
+
+# ---------------------------------------------------------------------------------------
+# Chunking and documents
+# ---------------------------------------------------------------------------------------
+
+
+def test_chunk_positions_and_overlap_are_exact(cl100k: TiktokenCounter) -> None:
+    text = " ".join(f"word{i}" for i in range(700))
+    ids = cl100k.encode(text)
+    chunks = chunk_text(text, cl100k, source="doc.txt", chunk_tokens=100, overlap_tokens=25)
+    assert chunks[0].start_token == 0 and chunks[-1].end_token == len(ids)
+    for i, c in enumerate(chunks):
+        assert c.start_token == i * 75
+        assert c.text == cl100k.decode(ids[c.start_token : c.end_token])
+        assert c.citation == f"doc.txt:{c.start_token}-{c.end_token}"
+    for a, b in itertools.pairwise(chunks):
+        assert a.end_token - b.start_token == 25
+        assert a.end_token - a.start_token == 100
+
+
+def test_chunk_keeps_markdown_heading(cl100k: TiktokenCounter) -> None:
+    text = "# Intro\n" + "alpha " * 80 + "\n## Setup\n" + "beta " * 200
+    chunks = chunk_text(text, cl100k, source="a.md", chunk_tokens=60, overlap_tokens=10)
+    assert chunks[0].heading == "Intro"
+    assert chunks[-1].heading == "Setup"
+
+
+def test_chunk_rejects_nonsense(cl100k: TiktokenCounter) -> None:
+    with pytest.raises(ConfigError):
+        chunk_text("x", cl100k, chunk_tokens=10, overlap_tokens=10)
+    with pytest.raises(ConfigError):
+        chunk_text("x", cl100k, chunk_tokens=0)
+    with pytest.raises(ConfigError):
+        DocumentCollection("d", embedder=HashEncoder(), chunk_tokens=5, overlap_tokens=9)
+
+
+def test_document_collection_add_file_search_and_replace(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    path = tmp_path / "notes.md"
+    body = "# Garden\n" + "Tomatoes need full sun and deep watering. " * 5
+    body += "\n# Kitchen\n" + "The oven must be preheated to 220 degrees for bread. " * 5
+    path.write_text(body)
+    docs = DocumentCollection(
+        "notes", embedder=HashEncoder(), counter=cl100k, chunk_tokens=40, overlap_tokens=8
+    )
+    chunks = docs.add_file(path)
+    assert len(docs) == len(chunks) > 2
+    hits = docs.search("preheated oven bread temperature", k=2)
+    assert "oven" in hits[0].text and hits[0].meta["heading"] == "Kitchen"
+    assert hits[0].key.startswith("doc:notes:") and hits[0].source.startswith(str(path))
+    docs.add_text("only one line now", source=str(path))
+    assert len(docs) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------
+
+
+def test_memory_recalls_planted_fact_and_keeps_sessions_apart() -> None:
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    planted = turns_of([("My locker combination is 4512, remember it.", "Noted.")])[0]
+    memory.remember_turns("alice", [planted], dates={0: "3 May 2023"})
+    memory.remember_turns("alice", turns_of(FILLER, start=1))
+    memory.remember_turns("bob", turns_of(FILLER))
+    hits = memory.retrieve("what is my locker combination", session_id="alice", top_k=2)
+    assert hits[0].key == turn_key(0)
+    assert "4512" in hits[0].text and "3 May 2023" in hits[0].text and "Bob: Noted." in hits[0].text
+    assert hits[0].text.count("Ann:") == 1  # content already named the speaker
+    assert len(hits) > 2  # more candidates than top_k, for the planner to skip duplicates
+    assert all("4512" not in p.text for p in memory.retrieve("locker combination", session_id="bob", top_k=5))
+    assert memory.retrieve("locker", session_id="nobody", top_k=3) == []
+
+
+def test_memory_forget_really_forgets() -> None:
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns("s", turns_of([("The vault code is 9911.", "OK."), *FILLER]))
+    assert memory.forget_turns("s", [0]) == 1
+    assert all("9911" not in p.text for p in memory.retrieve("vault code", session_id="s", top_k=10))
+    memory.forget_session("s")
+    assert memory.retrieve("weekend", session_id="s", top_k=3) == []
+    assert memory.turn_count("s") == 0
+
+
+def test_memory_turn_indexed_again_is_replaced() -> None:
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns("s", turns_of([("I like tea.", "Nice.")]))
+    memory.remember_turns("s", turns_of([("I like coffee.", "Nice.")]))
+    assert memory.turn_count("s") == 1
+    hits = memory.retrieve("tea or coffee", session_id="s", top_k=3)
+    assert len(hits) == 1 and "coffee" in hits[0].text
+
+
+def test_documents_are_shared_between_sessions(cl100k: TiktokenCounter) -> None:
+    enc = HashEncoder()
+    docs = DocumentCollection("manual", embedder=enc, counter=cl100k, chunk_tokens=30, overlap_tokens=5)
+    docs.add_text("The reset button is behind the left hinge. " + "Filler text here. " * 20, source="m.txt")
+    memory = Memory(enc, collections=[docs], config=RetrievalConfig(min_score=0.0))
+    private = DocumentCollection("private", embedder=enc, counter=cl100k)
+    private.add_text("The secret reset phrase is zebra.", source="p.txt")
+    memory.attach(private, session_id="a")
+    for sid in ("a", "b"):
+        hits = memory.retrieve("where is the reset button", session_id=sid, top_k=2)
+        assert any("left hinge" in p.text for p in hits)
+    assert any("zebra" in p.text for p in memory.retrieve("reset phrase", session_id="a", top_k=3))
+    assert not any("zebra" in p.text for p in memory.retrieve("reset phrase", session_id="b", top_k=3))
+
+
+def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    enc = HashEncoder()
+    docs = DocumentCollection("kb", embedder=enc, counter=cl100k, chunk_tokens=20, overlap_tokens=4)
+    docs.add_text("Invoices are paid within 30 days. " * 6, source="kb.md")
+    memory = Memory(enc, collections=[docs], config=RetrievalConfig(fusion="rrf", min_score=0.1))
+    memory.remember_turns("s1", turns_of([("My cat is called Miso.", "Cute."), *FILLER]), dates={0: "1 Jan"})
+    memory.remember_turns("s/2", turns_of(FILLER))
+    before = {sid: memory.retrieve("cat name invoices", session_id=sid, top_k=4) for sid in ("s1", "s/2")}
+    memory.save(tmp_path / "mem")
+    loaded = Memory.load(tmp_path / "mem", embedder=enc, counter=cl100k)
+    assert loaded.min_score == 0.1 and loaded.config.fusion is Fusion.RRF
+    for sid, hits in before.items():
+        again = loaded.retrieve("cat name invoices", session_id=sid, top_k=4)
+        assert [(p.key, p.text, round(p.score, 6)) for p in again] == [
+            (p.key, p.text, round(p.score, 6)) for p in hits
+        ]
+    # Turns indexed after a load keep distinct ids.
+    loaded.remember_turns("s1", turns_of([("Parking is on level 3.", "OK.")], start=50))
+    assert loaded.retrieve("parking level", session_id="s1", top_k=1)[0].key == turn_key(50)
+
+
+def test_passages_feed_the_planner_inside_the_budget() -> None:
+    counter = TiktokenCounter("cl100k_base")
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.05))
+    notes = [(f"Note {i}: the weather report number {i}.", "OK.") for i in range(20)]
+    history = turns_of(
+        [("My passport number is X123.", "Saved."), *notes, ("I renewed my passport photo.", "Nice.")]
+    )
+    memory.remember_turns("s", history)
+    question = Turn(
+        index=len(history), messages=(Message(role=Role.USER, content="What is my passport number?"),)
+    )
+    budget = Budget(
+        context_tokens=300, max_new_tokens=32, window_turns=3, retrieval_tokens=80, retrieval_top_k=2
+    )
+    passages = memory.retrieve("What is my passport number?", session_id="s", top_k=budget.retrieval_top_k)
+    plan = plan_prompt(
+        budget=budget,
+        counter=counter,
+        turns=[*history, question],
+        passages=passages,
+        min_score=memory.min_score,
+    )
+    assert plan.total_tokens <= 300 and plan.parts["retrieved"] <= 80
+    assert plan.passages_used and "X123" in plan.passages_used[0].text
+    assert len(plan.passages_used) <= 2
+    reasons = {d.reason for d in plan.passages_dropped}
+    assert reasons <= {"min_score", "in_window", "duplicate", "top_k", "token_cap"}
+    assert "in_window" in reasons  # the window's own turns were offered and skipped
+
+
+def test_retrieval_config_rejects_nonsense() -> None:
+    with pytest.raises(ConfigError):
+        RetrievalConfig(fusion="magic")
+    with pytest.raises(ConfigError):
+        RetrievalConfig(dense_weight=1.5)
+    with pytest.raises(ConfigError):
+        RetrievalConfig(candidates_factor=0)
+    with pytest.raises(ConfigError):
+        Memory(HashEncoder()).remember_turns("", [])
+
+
+def test_lexical_only_and_dense_only_modes() -> None:
+    for fusion in ("lexical", "dense", "mix", "rrf"):
+        memory = Memory(HashEncoder(), config=RetrievalConfig(fusion=fusion, min_score=0.0))
+        memory.remember_turns("s", turns_of([("I bought a kayak.", "Fun!"), *FILLER]))
+        assert memory.retrieve("kayak bought", session_id="s", top_k=1)[0].key == turn_key(0), fusion
+
+
+# ---------------------------------------------------------------------------------------
+# Dependencies and real model
+# ---------------------------------------------------------------------------------------
+
+
+def test_importing_does_not_load_heavy_modules() -> None:
+    code = (
+        "import sys, convo.retrieval, convo.embeddings; "
+        "heavy = [m for m in ('torch', 'faiss', 'sentence_transformers') if m in sys.modules]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_missing_faiss_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "faiss", None)
+    with pytest.raises(MissingDependency, match=r"convo\[retrieval\]"):
+        VectorIndex(8)
+
+
+@pytest.fixture(scope="module")
+def minilm():  # type: ignore[no-untyped-def]
+    from convo.embeddings import Embedder
+
+    return Embedder()
+
+
+def test_minilm_embeds_offline_normalized(minilm) -> None:  # type: ignore[no-untyped-def]
+    vecs = minilm.encode(["The cat sat on the mat.", "A feline rested on a rug.", "Tax forms are due."])
+    assert vecs.shape == (3, 384) and vecs.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    assert vecs[0] @ vecs[1] > vecs[0] @ vecs[2]
+    assert minilm.encode([]).shape == (0, 384)
+
+
+def test_minilm_memory_finds_paraphrase(minilm) -> None:  # type: ignore[no-untyped-def]
+    memory = Memory(minilm, config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns(
+        "s", turns_of([("I adopted a golden retriever puppy last week.", "Congrats!"), *FILLER])
+    )
+    hits = memory.retrieve("Does she have a dog?", session_id="s", top_k=1)
+    assert hits[0].key == turn_key(0)
+
+
+def test_embedder_rejects_nonsense() -> None:
+    from convo.embeddings import Embedder
+
+    with pytest.raises(ConfigError):
+        Embedder(batch_size=0)
+    assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")  # we never switch it on globally

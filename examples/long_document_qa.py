@@ -1,7 +1,7 @@
 """Questions about a document far larger than the context window.
 
 The document is generated at run time, deterministically (a fictional gazetteer of 400
-towns, each with a few facts: about 60,000 tokens, 30 times a 2,048-token context).
+towns, each with a few facts: about 30,000 tokens, 15 times a 2,048-token context).
 Nothing is downloaded. It is chunked into a shared :class:`convo.DocumentCollection`, and a
 session answers questions under a 2,048-token budget: only the retrieved chunks, the
 recent turns and the question go into each prompt.

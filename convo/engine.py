@@ -91,6 +91,8 @@ class Sampling:
         top_k: keep the k most likely tokens (0 = off).
         repetition_penalty: 1.0 = off.
         seed: seeds torch before sampling, for reproducible samples.
+        min_new_tokens: suppress end-of-turn before this many tokens (benchmarks use it
+            to fix reply lengths). Default 0.
     """
 
     temperature: float = 0.0
@@ -98,8 +100,11 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.min_new_tokens < 0:
+            raise ConfigError("min_new_tokens must be >= 0")
         if self.temperature < 0:
             raise ConfigError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -110,9 +115,11 @@ class Sampling:
             raise ConfigError("repetition_penalty must be > 0")
 
     def generate_kwargs(self) -> dict[str, Any]:
+        extra = {"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}
         if self.temperature == 0:
-            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty, **extra}
         return {
+            **extra,
             "do_sample": True,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -260,7 +267,10 @@ def convert_gguf(gguf: Path, target: Path, *, progress: Callable[[str], None] | 
 
 def default_model_path(*, progress: Callable[[str], None] | None = None) -> Path:
     """The embedded default model as a safetensors folder (converted on first use)."""
-    return convert_gguf(default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_NAME, progress=progress)
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    return convert_gguf(default_gguf_path(), target, progress=progress)
 
 
 def resolve_model(model: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None) -> str:
@@ -437,8 +447,12 @@ class TransformersEngine:
         self.cache_idle_s = cache_idle_s
         self._lock = threading.RLock()
         self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._vocab_limit: int | None = None
         if _model is not None:
             self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
+        elif str(model).startswith("random:"):
+            self.model, self.tokenizer = self._random(str(model), attn_implementation, progress)
+            self.model_path = str(model)
         else:
             self.model_path = resolve_model(model, progress=progress)
             self.model, self.tokenizer = self._load(
@@ -513,6 +527,33 @@ class TransformersEngine:
         except Exception as exc:
             raise ModelLoadError(f"could not load {path!r}: {exc}") from exc
         return model, tokenizer
+
+    def _random(self, name: str, attn: str, progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+        """A random-weight model of a real architecture (``random:llama-2-7b``...), built
+        on the device, for speed and memory work where no weights can be downloaded.
+
+        It talks through the default model's tokenizer; ids beyond the architecture's
+        vocabulary are folded into it (``id % vocab_size``), so token counts stay exact
+        while the architecture, and so its memory and speed, stays the real one.
+        """
+        from transformers import AutoTokenizer
+
+        from convo import memory
+
+        config = memory.load_config(name)
+        quant = {Quant.NF4: memory.Quant.NF4, Quant.INT8: memory.Quant.INT8}.get(self.quant, memory.Quant.NONE)
+        dtype = {Quant.FP32: memory.DType.FP32, Quant.FP16: memory.DType.FP16}.get(self.quant, memory.DType.BF16)
+        if progress:
+            progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
+        model = memory.build_random_model(config, quant=quant, dtype=dtype, attn=memory.Attn(attn), device=self.device)
+        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(progress=progress)), local_files_only=True)
+        self._vocab_limit = int(config["vocab_size"])
+        return model, tokenizer
+
+    def _model_ids(self, ids: Sequence[int]) -> list[int]:
+        if self._vocab_limit is None:
+            return list(ids)
+        return [i % self._vocab_limit for i in ids]
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> TransformersEngine:
@@ -673,7 +714,7 @@ class TransformersEngine:
         with torch.inference_mode():
             while pos < len(ids) - 1:
                 end = min(pos + self.prefill_chunk_tokens, len(ids) - 1)
-                chunk = torch.tensor([ids[pos:end]], device=device)
+                chunk = torch.tensor([self._model_ids(ids[pos:end])], device=device)
                 self.model(
                     input_ids=chunk,
                     **{self._cache_kw: cache},
@@ -692,7 +733,7 @@ class TransformersEngine:
             if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
-                input_ids = torch.tensor([ids], device=device)
+                input_ids = torch.tensor([self._model_ids(ids)], device=device)
                 out = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=torch.ones_like(input_ids),

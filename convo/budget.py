@@ -15,7 +15,7 @@ two leave unused goes back to the recent turns.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from convo.errors import ConfigError
 
@@ -137,14 +137,6 @@ class Budget:
         """``recent_min_tokens`` resolved to an int."""
         assert self.recent_min_tokens is not None
         return self.recent_min_tokens
-
-    def shrunk(self, *, window_turns: int | None = None, retrieval_top_k: int | None = None) -> Budget:
-        """A copy with a smaller window or fewer passages (used for OOM retries)."""
-        return replace(
-            self,
-            window_turns=self.window_turns if window_turns is None else max(1, window_turns),
-            retrieval_top_k=self.retrieval_top_k if retrieval_top_k is None else max(0, retrieval_top_k),
-        )
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe settings (what a store persists with the session)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import importlib.util
 import inspect
 import os
@@ -662,16 +663,20 @@ class TransformersEngine:
             )
         with self._lock:
             try:
-                return self._generate(ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel)
+                return self._generate(
+                    ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel
+                )
             except Exception as exc:
-                if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
-                    if cache_key is not None:
-                        self._caches.pop(cache_key, None)
-                    self._empty_device_cache()
-                    raise DeviceOutOfMemory(
-                        f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
-                    ) from exc
-                raise
+                if not (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)):
+                    raise
+                message = f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
+            # Outside the except block the traceback, whose frames still hold the partly
+            # filled KV cache, is gone: now the memory can really be given back.
+            if cache_key is not None:
+                self._caches.pop(cache_key, None)
+            gc.collect()
+            self._empty_device_cache()
+        raise DeviceOutOfMemory(message)
 
     def _generate(
         self,

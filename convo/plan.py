@@ -159,6 +159,115 @@ def _fit_messages(
     return None
 
 
+def _repeats_window(p: Passage, window: Sequence[Turn], shown: set[int]) -> bool:
+    """Whether passage ``p`` repeats a turn among ``shown`` (by key or by text)."""
+    if p.key and p.key in {turn_key(i) for i in shown}:
+        return True
+    norm = _norm(p.text)
+    return any(_norm(m.content) == norm for t in window if t.index in shown for m in t.messages if m.content)
+
+
+def _select_passages(
+    passages: Sequence[Passage],
+    window: Sequence[Turn],
+    shown: set[int],
+    room: int,
+    budget: Budget,
+    counter: TokenCounter,
+    min_score: float,
+) -> tuple[list[tuple[Passage, int]], list[DroppedPassage]]:
+    """Best-first passages within ``room`` tokens and top-k, skipping weak and repeated ones."""
+    used: list[tuple[Passage, int]] = []
+    dropped: list[DroppedPassage] = []
+    seen: set[str] = set()
+    total = 0
+    for p in passages:
+        norm = _norm(p.text)
+        reason = None
+        if p.score < min_score:
+            reason = "min_score"
+        elif _repeats_window(p, window, shown):
+            reason = "in_window"
+        elif (p.key and p.key in seen) or norm in seen:
+            reason = "duplicate"
+        elif len(used) >= budget.retrieval_top_k:
+            reason = "top_k"
+        else:
+            cost = counter.message_tokens(passage_message(p))
+            if total + cost > room:
+                reason = "token_cap"
+            else:
+                used.append((p, cost))
+                total += cost
+                seen.update(x for x in (p.key, norm) if x)
+        if reason is not None:
+            dropped.append(DroppedPassage(passage=p, reason=reason))
+    return used, dropped
+
+
+def _fit_recent(
+    window: Sequence[Turn], turn_costs: Sequence[int], room: int, counter: TokenCounter, budget: Budget
+) -> tuple[list[list[Message]], list[int], int, int, int]:
+    """Fit turns newest first into ``room`` tokens.
+
+    Older turns are shown whole or not at all; the newest keeps its first block and its
+    newest blocks, shortened under the oversize policy if it must be.
+
+    Returns:
+        ``(turn message lists, shown turn indices, tokens, truncated messages, dropped blocks)``,
+        oldest first.
+    """
+    recent: list[list[Message]] = []
+    shown: list[int] = []
+    recent_cost = truncated = dropped_blocks = 0
+    for pos in range(len(window) - 1, -1, -1):
+        turn, cost = window[pos], turn_costs[pos]
+        if recent_cost + cost <= room:
+            recent.append(list(turn.messages))
+            shown.append(turn.index)
+            recent_cost += cost
+            continue
+        if pos != len(window) - 1:
+            break  # older turns are shown whole or not at all
+        # The newest turn does not fit: keep its first block and its newest blocks.
+        msgs = list(turn.messages)
+        blocks = group_blocks(msgs)
+        head = msgs[blocks[0][0] : blocks[0][1]]
+        tail_blocks: list[list[Message]] = []
+        left = room - sum(counter.message_tokens(m) for m in head)
+        for start, end in reversed(blocks[1:]):
+            block = msgs[start:end]
+            c = sum(counter.message_tokens(m) for m in block)
+            if c > left:
+                break
+            tail_blocks.insert(0, block)
+            left -= c
+        dropped_blocks = len(blocks) - 1 - len(tail_blocks)
+        fitted: tuple[list[Message], int, int] | None
+        if not tail_blocks and len(blocks) > 1:
+            # Even the newest block does not fit beside the head: shorten the two.
+            dropped_blocks = len(blocks) - 2
+            fitted = _fit_messages(head + msgs[blocks[-1][0] : blocks[-1][1]], room, counter, budget.oversize)
+        elif left < 0:
+            fitted = _fit_messages(head + [m for b in tail_blocks for m in b], room, counter, budget.oversize)
+        else:
+            flat = head + [m for b in tail_blocks for m in b]
+            fitted = (flat, sum(counter.message_tokens(m) for m in flat), 0)
+        if fitted is None:
+            raise BudgetError(
+                f"the newest turn cannot fit in the {room} tokens left after the system prompt "
+                "and reserve, even shortened; raise context_tokens or lower max_new_tokens"
+            )
+        recent.append(fitted[0])
+        shown.append(turn.index)
+        recent_cost += fitted[1]
+        truncated = fitted[2]
+        break
+    recent.reverse()
+    shown.reverse()
+    return recent, shown, recent_cost, truncated, dropped_blocks
+
+
 def plan_prompt(
     *,
     budget: Budget,
@@ -227,90 +336,30 @@ def plan_prompt(
     extra_room -= summary_cost
 
     # -- retrieved passages ----------------------------------------------------------------
-    shown_keys = {turn_key(t.index) for t in window}
-    shown_text = {_norm(m.content) for t in window for m in t.messages if m.content}
-    used: list[Passage] = []
-    dropped: list[DroppedPassage] = []
-    retrieved_msgs: list[Message] = []
-    retrieved_cost = 0
-    room = min(extra_room, budget.retrieval_tokens)
-    seen: set[str] = set()
-    for p in passages:
-        norm = _norm(p.text)
-        reason = None
-        if p.score < min_score:
-            reason = "min_score"
-        elif (p.key and p.key in shown_keys) or norm in shown_text:
-            reason = "in_window"
-        elif (p.key and p.key in seen) or norm in seen:
-            reason = "duplicate"
-        elif len(used) >= budget.retrieval_top_k:
-            reason = "top_k"
-        if reason is None:
-            msg = passage_message(p)
-            cost = counter.message_tokens(msg)
-            if retrieved_cost + cost > room:
-                reason = "token_cap"
-            else:
-                used.append(p)
-                retrieved_msgs.append(msg)
-                retrieved_cost += cost
-                seen.update(x for x in (p.key, norm) if x)
-        if reason is not None:
-            dropped.append(DroppedPassage(passage=p, reason=reason))
-
-    # -- recent turns, newest first ----------------------------------------------------------
-    room = avail - summary_cost - retrieved_cost
-    recent: list[list[Message]] = []
-    shown: list[int] = []
-    recent_cost = 0
-    truncated = 0
-    dropped_blocks = 0
-    for pos in range(len(window) - 1, -1, -1):
-        turn, cost = window[pos], turn_costs[pos]
-        if recent_cost + cost <= room:
-            recent.append(list(turn.messages))
-            shown.append(turn.index)
-            recent_cost += cost
-            continue
-        if pos != len(window) - 1:
-            break  # older turns are shown whole or not at all
-        # The newest turn does not fit: keep its first block and its newest blocks.
-        msgs = list(turn.messages)
-        blocks = group_blocks(msgs)
-        head = msgs[blocks[0][0] : blocks[0][1]]
-        tail_blocks: list[list[Message]] = []
-        left = room - sum(counter.message_tokens(m) for m in head)
-        for start, end in reversed(blocks[1:]):
-            block = msgs[start:end]
-            c = sum(counter.message_tokens(m) for m in block)
-            if c <= left:
-                tail_blocks.insert(0, block)
-                left -= c
-            else:
-                break
-        dropped_blocks = len(blocks) - 1 - len(tail_blocks)
-        if not tail_blocks and len(blocks) > 1:
-            # Even the newest block does not fit beside the head: shorten the two.
-            dropped_blocks = len(blocks) - 2
-            fitted = _fit_messages(head + msgs[blocks[-1][0] : blocks[-1][1]], room, counter, budget.oversize)
-        elif left < 0:
-            fitted = _fit_messages(head + [m for b in tail_blocks for m in b], room, counter, budget.oversize)
-        else:
-            flat = head + [m for b in tail_blocks for m in b]
-            fitted = (flat, sum(counter.message_tokens(m) for m in flat), 0)
-        if fitted is None:
-            raise BudgetError(
-                f"the newest turn cannot fit in the {room} tokens left after the system prompt "
-                "and reserve, even shortened; raise context_tokens or lower max_new_tokens"
-            )
-        msgs_fit, cost_fit, truncated = fitted
-        recent.append(msgs_fit)
-        shown.append(turn.index)
-        recent_cost += cost_fit
-        break
-    recent.reverse()
-    shown.reverse()
+    # Passages repeating a turn that will be shown anyway are dropped. Which turns are shown
+    # depends on how much retrieval takes, so: turns that fit even if retrieval takes its
+    # whole cap are certainly shown; select passages against those; fit the recent turns;
+    # then drop any passage whose turn made it into the prompt after all, and refit.
+    cap = min(max(extra_room, 0), budget.retrieval_tokens)
+    try:
+        certain = _fit_recent(window, turn_costs, avail - summary_cost - cap, counter, budget)[1]
+    except BudgetError:
+        certain = []
+    used, dropped = _select_passages(passages, window, set(certain), cap, budget, counter, min_score)
+    recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
+        window, turn_costs, avail - summary_cost - sum(c for _, c in used), counter, budget
+    )
+    for _ in range(3):
+        late = [(p, c) for p, c in used if _repeats_window(p, window, set(shown))]
+        if not late:
+            break
+        used = [(p, c) for p, c in used if (p, c) not in late]
+        dropped += [DroppedPassage(passage=p, reason="in_window") for p, _ in late]
+        recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
+            window, turn_costs, avail - summary_cost - sum(c for _, c in used), counter, budget
+        )
+    retrieved_msgs = [passage_message(p) for p, _ in used]
+    retrieved_cost = sum(c for _, c in used)
 
     messages = tuple(pinned + summary_msgs + retrieved_msgs + [m for t in recent for m in t])
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM
@@ -333,7 +382,7 @@ def plan_prompt(
         first_shown_turn=first_shown,
         truncated_messages=truncated,
         dropped_blocks=dropped_blocks,
-        passages_used=tuple(used),
+        passages_used=tuple(p for p, _ in used),
         passages_dropped=tuple(dropped),
         summary_truncated=summary_truncated,
     )

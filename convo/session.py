@@ -286,7 +286,9 @@ class Session:
             if date is not None and self._turn_starts:
                 self._dates.setdefault(len(self._turn_starts) - 1, date)
             if not message.pinned:
-                self._slide_window()
+                self._advance_window()
+                self._remember_completed_turns()
+                self._maybe_summarize()
 
     def pin(self, text: str, *, role: Role = Role.SYSTEM) -> None:
         """Pin a fact or instruction: it is shown in every prompt and never evicted.
@@ -318,8 +320,10 @@ class Session:
                 (the message stays stored; call :meth:`reply` to try again).
         """
         with self._lock:
-            self.add(Message(role=Role.USER, content=content))
-            return self.reply(sampling=sampling, timeout_s=timeout_s, on_text=on_text, cancel=cancel)
+            started = time.monotonic()
+            self._commit([Message(role=Role.USER, content=content)])
+            self._advance_window()
+            return self._reply(started, sampling, timeout_s, on_text, cancel)
 
     def stream(self, content: str, **kwargs: Any) -> TextStream[Reply]:
         """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
@@ -344,59 +348,74 @@ class Session:
 
         Use it after :meth:`add` (e.g. tool results) or to re-run a failed turn.
         """
+        with self._lock:
+            return self._reply(time.monotonic(), sampling, timeout_s, on_text, cancel)
+
+    def _reply(
+        self,
+        started: float,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+    ) -> Reply:
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
-        with self._lock:
-            started = time.monotonic()
-            self._remember_completed_turns()
-            plan = self.plan()
-            plan_s = time.monotonic() - started
-            oom_retries, recovery = 0, ""
-            t_gen = time.monotonic()
-            try:
-                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
-            except DeviceOutOfMemory:
-                smaller = self.budget.shrunk(
-                    window_turns=self.budget.window_turns // 2,
-                    retrieval_top_k=self.budget.retrieval_top_k // 2,
-                )
-                plan = self.plan(budget=smaller)
-                oom_retries = 1
-                recovery = (
-                    f"out of memory: freed cached blocks, retried with window_turns="
-                    f"{smaller.window_turns}, retrieval_top_k={smaller.retrieval_top_k} "
-                    f"({plan.prompt_tokens} prompt tokens)"
-                )
-                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
-            generate_s = time.monotonic() - t_gen
-            tool_calls: tuple[ToolCall, ...] = ()
-            self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=tool_calls)])
-            self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
-            t_sum = time.monotonic()
-            self._maybe_summarize()
-            summarize_s = time.monotonic() - t_sum
-            self.store.save_state(self._state)
-            stats = TurnStats(
-                turn=self.turn_count,
-                parts=dict(plan.parts),
-                prompt_tokens=plan.prompt_tokens,
-                context_tokens=self.budget.context_tokens,
-                max_new_tokens=self.budget.max_new_tokens,
-                summary_tokens=self.counter.count_text(self.summary) if self.summary else 0,
-                evicted_turns=self.evicted_turns,
-                summarized_turns=self.summarized_turns,
-                passages_used=len(plan.passages_used),
-                passages_dropped=len(plan.passages_dropped),
-                truncated_messages=plan.truncated_messages,
-                plan_s=plan_s,
-                generate_s=generate_s,
-                summarize_s=summarize_s,
-                latency_s=time.monotonic() - started,
-                oom_retries=oom_retries,
-                recovery=recovery,
-                generation=gen.stats,
+        self._remember_completed_turns()
+        plan = self.plan()
+        plan_s = time.monotonic() - started
+        oom_retries, recovery = 0, ""
+        t_gen = time.monotonic()
+        try:
+            gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+        except DeviceOutOfMemory:
+            # Half the turns that were shown, half the passages, no window slack.
+            smaller = replace(
+                self.budget,
+                window_turns=max(1, len(plan.turns_shown) // 2),
+                summarize_batch_turns=1,
+                retrieval_top_k=self.budget.retrieval_top_k // 2,
             )
-            return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
+            plan = self.plan(budget=smaller)
+            oom_retries = 1
+            recovery = (
+                f"out of memory: freed cached blocks, retried with window_turns="
+                f"{smaller.window_turns}, retrieval_top_k={smaller.retrieval_top_k} "
+                f"({plan.prompt_tokens} prompt tokens)"
+            )
+            gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+        generate_s = time.monotonic() - t_gen
+        tool_calls: tuple[ToolCall, ...] = ()
+        self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=tool_calls)])
+        self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
+        # Slide the window for the next turn now, so that the summary changes on the same
+        # turn as the window: one re-prefill per batch instead of two.
+        self._advance_window(lookahead=1)
+        t_sum = time.monotonic()
+        self._maybe_summarize()
+        summarize_s = time.monotonic() - t_sum
+        self.store.save_state(self._state)
+        stats = TurnStats(
+            turn=self.turn_count,
+            parts=dict(plan.parts),
+            prompt_tokens=plan.prompt_tokens,
+            context_tokens=self.budget.context_tokens,
+            max_new_tokens=self.budget.max_new_tokens,
+            summary_tokens=self.counter.count_text(self.summary) if self.summary else 0,
+            evicted_turns=self.evicted_turns,
+            summarized_turns=self.summarized_turns,
+            passages_used=len(plan.passages_used),
+            passages_dropped=len(plan.passages_dropped),
+            truncated_messages=plan.truncated_messages,
+            plan_s=plan_s,
+            generate_s=generate_s,
+            summarize_s=summarize_s,
+            latency_s=time.monotonic() - started,
+            oom_retries=oom_retries,
+            recovery=recovery,
+            generation=gen.stats,
+        )
+        return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
 
     def _generate(
         self,
@@ -435,6 +454,9 @@ class Session:
         always holds.
         """
         budget = budget or self.budget
+        if budget.summarize_batch_turns > 1:
+            # Show every turn still inside the window (see _advance_window).
+            budget = replace(budget, window_turns=budget.window_turns + budget.summarize_batch_turns - 1)
         turns = self.turns(self.evicted_turns)
         if query is not None:
             probe = Message(role=Role.USER, content=query)
@@ -471,14 +493,27 @@ class Session:
         raise BudgetError("could not fit the prompt in the budget after 4 attempts")
 
     # -- eviction, summary, retrieval ------------------------------------------------------------
-    def _slide_window(self) -> None:
-        """Turns beyond the window size are evicted (the budget may evict more at plan time)."""
-        boundary = max(self.evicted_turns, self.turn_count - self.budget.window_turns)
-        if boundary != self.evicted_turns:
-            self._state = replace(self._state, evicted_turns=boundary)
+    @property
+    def max_window_turns(self) -> int:
+        """The most turns the window holds: ``window_turns + summarize_batch_turns - 1``."""
+        return self.budget.window_turns + self.budget.summarize_batch_turns - 1
+
+    def _advance_window(self, lookahead: int = 0) -> None:
+        """Slide the window a batch at a time.
+
+        The window holds between ``window_turns`` and ``window_turns +
+        summarize_batch_turns - 1`` turns. When a new turn would make it larger, the oldest
+        turns leave together, down to ``window_turns``. Between those moments every prompt
+        extends the previous one, so the engine reuses its KV cache and prefills only the
+        new turn; the summary changes on the same turn as the window. (The token budget
+        may still push turns out earlier, at plan time.) After a reply the session looks one
+        turn ahead (``lookahead=1``), so the window moves and the summary is rewritten before
+        the next turn, together.
+        """
+        turns = self.turn_count + lookahead
+        if turns - self.evicted_turns > self.max_window_turns:
+            self._state = replace(self._state, evicted_turns=turns - self.budget.window_turns)
             self.store.save_state(self._state)
-        self._remember_completed_turns()
-        self._maybe_summarize()
 
     def _remember_completed_turns(self) -> None:
         """Hand every completed turn (all but the last) to the retriever, once each."""

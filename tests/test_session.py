@@ -50,11 +50,15 @@ def test_oom_retries_once_with_a_smaller_plan(fake_engine: FakeEngine, oom: Devi
     session = Session(fake_engine, budget=Budget(window_turns=8, summary_tokens=0))
     for i in range(6):
         session.send(f"turn {i}")
+    full = session.plan("one more")
+    assert len(full.turns_shown) == 7
     fake_engine.fail_with, fake_engine.fail_times = oom, 1
     reply = session.send("one more")
     assert reply.stats.oom_retries == 1
-    assert "window_turns=4" in reply.stats.recovery
-    assert len(reply.plan.turns_shown) == 4
+    assert "window_turns=3" in reply.stats.recovery
+    assert len(reply.plan.turns_shown) == 3
+    assert reply.stats.prompt_tokens < full.prompt_tokens
+    assert session.evicted_turns == reply.plan.first_shown_turn  # dropped turns stay reachable
     fake_engine.fail_times = 2
     with pytest.raises(DeviceOutOfMemory):
         session.send("and fail twice")
@@ -176,3 +180,18 @@ def test_model_summarizer_never_overflows_the_model_context() -> None:
     assert len(engine.prompts) > 1  # chunked
     for prompt in engine.prompts:
         assert engine.counter.count_prompt(prompt) + 30 <= 220
+
+
+def test_window_slides_a_batch_at_a_time_so_prompts_extend(fake_engine: FakeEngine) -> None:
+    budget = Budget(window_turns=3, summarize_batch_turns=4, summary_tokens=0)
+    session = Session(fake_engine, budget=budget)
+    extends = []
+    for i in range(20):
+        session.send(f"turn {i}")
+        if len(fake_engine.prompts) > 1:
+            prev, cur = fake_engine.prompts[-2], fake_engine.prompts[-1]
+            extends.append(cur[: len(prev)] == prev)
+        shown = len(fake_engine.prompts[-1]) // 2 + 1
+        assert 3 <= shown <= 3 + 4 - 1 or i < 3
+    # The window moves on one turn in four; the other three extend the previous prompt.
+    assert [i + 2 for i, e in enumerate(extends) if not e] == [7, 11, 15, 19]

@@ -67,11 +67,16 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
     import convo
 
     budget = convo.Budget(
-        context_tokens=args.budget, max_new_tokens=args.max_new_tokens, window_turns=args.window,
-        summary_tokens=args.summary_tokens, summarize_batch_turns=args.summarize_batch,
+        context_tokens=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        window_turns=args.window,
+        summary_tokens=args.summary_tokens,
+        summarize_batch_turns=args.summarize_batch,
     )
     sampling = convo.Sampling(min_new_tokens=args.max_new_tokens if args.fixed_length else 0)
-    session = convo.Session(engine, budget=budget, sampling=sampling, system_prompt="You are a helpful assistant.")
+    session = convo.Session(
+        engine, budget=budget, sampling=sampling, system_prompt="You are a helpful assistant."
+    )
     rng = random.Random(0)
     rows = []
     for turn in range(1, args.turns + 1):
@@ -104,10 +109,29 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
             fresh = engine.generate(reply.plan.messages, max_new_tokens=1)
             row["ttft_noreuse_s"] = round(fresh.stats.ttft_s, 4)
         rows.append(row)
-        print(f"[turns] convo {turn}: ctx={row['context_tokens']} ttft={row['ttft_s']:.3f}s "
-              f"lat={row['latency_s']:.2f}s peak={row['peak_allocated_bytes'] / 2**30:.2f}GiB", file=sys.stderr)
+        print(
+            f"[turns] convo {turn}: ctx={row['context_tokens']} ttft={row['ttft_s']:.3f}s "
+            f"lat={row['latency_s']:.2f}s peak={row['peak_allocated_bytes'] / 2**30:.2f}GiB",
+            file=sys.stderr,
+        )
     session.close()
     return rows
+
+
+class FirstToken:
+    """A ``generate`` streamer that notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first_at = time.monotonic()
+
+    def end(self) -> None:
+        pass
 
 
 def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: float) -> list[dict[str, Any]]:
@@ -128,19 +152,7 @@ def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
         text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         model_ids = engine._model_ids(ids)
-        first: list[float] = []
-
-        class Streamer:
-            n = 0
-
-            def put(self, value: Any) -> None:
-                self.n += 1
-                if self.n == 2:
-                    first.append(time.monotonic())
-
-            def end(self) -> None:
-                pass
-
+        streamer = FirstToken()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.monotonic()
@@ -151,39 +163,48 @@ def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
                     attention_mask=torch.ones(1, len(model_ids), dtype=torch.long, device=device),
                     max_new_tokens=args.max_new_tokens,
                     min_new_tokens=args.max_new_tokens if args.fixed_length else 0,
-                    do_sample=False, streamer=Streamer(), pad_token_id=tok.pad_token_id or 0,
+                    do_sample=False,
+                    streamer=streamer,
+                    pad_token_id=tok.pad_token_id or 0,
                 )
         except torch.OutOfMemoryError:
             rows.append({"turn": turn, "context_tokens": len(ids), "oom": True})
             print(f"[turns] naive OOM at turn {turn}", file=sys.stderr)
             break
         elapsed = time.monotonic() - start
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         history.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
         kv_tokens = len(ids) + len(new) - 1
         from convo.engine import _memory_report
 
         mem = _memory_report(device)
-        rows.append({
-            "turn": turn,
-            "context_tokens": len(ids),
-            "kv_bytes": kv_tokens * engine.kv_bytes_per_token,
-            "peak_allocated_bytes": mem["peak_allocated_bytes"],
-            "peak_reserved_bytes": mem["peak_reserved_bytes"],
-            "peak_above_weights_bytes": mem["peak_allocated_bytes"] - weights,
-            "latency_s": round(elapsed, 4),
-            "ttft_s": round((first[0] if first else time.monotonic()) - start, 4),
-            "new_tokens": len(new),
-        })
-        print(f"[turns] naive {turn}: ctx={len(ids)} lat={elapsed:.2f}s "
-              f"peak={mem['peak_allocated_bytes'] / 2**30:.2f}GiB", file=sys.stderr)
+        rows.append(
+            {
+                "turn": turn,
+                "context_tokens": len(ids),
+                "kv_bytes": kv_tokens * engine.kv_bytes_per_token,
+                "peak_allocated_bytes": mem["peak_allocated_bytes"],
+                "peak_reserved_bytes": mem["peak_reserved_bytes"],
+                "peak_above_weights_bytes": mem["peak_allocated_bytes"] - weights,
+                "latency_s": round(elapsed, 4),
+                "ttft_s": round((streamer.first_at or time.monotonic()) - start, 4),
+                "new_tokens": len(new),
+            }
+        )
+        print(
+            f"[turns] naive {turn}: ctx={len(ids)} lat={elapsed:.2f}s "
+            f"peak={mem['peak_allocated_bytes'] / 2**30:.2f}GiB",
+            file=sys.stderr,
+        )
         del out
         if cuda:
             torch.cuda.empty_cache()
     return rows
 
 
-def summarize(convo_rows: list[dict[str, Any]], naive_rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(
+    convo_rows: list[dict[str, Any]], naive_rows: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if convo_rows:
         # "After the window fills": once turns start leaving it.
@@ -203,11 +224,15 @@ def summarize(convo_rows: list[dict[str, Any]], naive_rows: list[dict[str, Any]]
         out[f"convo_latency_median_turns_{n - 9}_{n}_s"] = lat(range(n - 9, n + 1))
         # Turns whose prompt extends the previous one (most of it comes from the cache),
         # against a fresh prefill of the same prompt.
-        ext = [r for r in convo_rows if "ttft_noreuse_s" in r and r["cached_tokens"] >= r["context_tokens"] // 2]
+        ext = [
+            r for r in convo_rows if "ttft_noreuse_s" in r and r["cached_tokens"] >= r["context_tokens"] // 2
+        ]
         if ext:
             out["reuse_ttft_median_s"] = round(statistics.median(r["ttft_s"] for r in ext), 4)
             out["noreuse_ttft_median_s"] = round(statistics.median(r["ttft_noreuse_s"] for r in ext), 4)
-            out["reuse_ttft_cut_median"] = round(statistics.median(1 - r["ttft_s"] / r["ttft_noreuse_s"] for r in ext), 3)
+            out["reuse_ttft_cut_median"] = round(
+                statistics.median(1 - r["ttft_s"] / r["ttft_noreuse_s"] for r in ext), 3
+            )
             out["reuse_turns_compared"] = len(ext)
         after = [r for r in convo_rows if r["turn"] > args.window]
         if after:
@@ -237,7 +262,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if not rows:
             continue
         turns = [r["turn"] for r in rows]
-        ax1.plot(turns, [r["peak_above_weights_bytes"] / 2**30 for r in rows], style, label=f"{name} peak allocated above weights")
+        ax1.plot(
+            turns,
+            [r["peak_above_weights_bytes"] / 2**30 for r in rows],
+            style,
+            label=f"{name} peak allocated above weights",
+        )
         ax2.plot(turns, [r["latency_s"] for r in rows], style, label=f"{name} turn latency")
         ax2.plot(turns, [r["ttft_s"] for r in rows], ":", label=f"{name} time to first token")
     ax1.set_xlabel("turn")
@@ -267,7 +297,9 @@ def main() -> int:
     p.add_argument("--summarize-batch", type=int, default=4)
     p.add_argument("--user-words", type=int, default=220, help="about 300 tokens")
     p.add_argument("--fixed-length", action="store_true", help="force every reply to max_new_tokens")
-    p.add_argument("--ttft-compare", action="store_true", help="also time a fresh prefill of each reused prompt")
+    p.add_argument(
+        "--ttft-compare", action="store_true", help="also time a fresh prefill of each reused prompt"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-seconds", type=float, default=1e9, help="stop the convo side after this long")
     p.add_argument("--naive-max-seconds", type=float, default=1e9, help="stop the naive side after this long")
@@ -281,7 +313,9 @@ def main() -> int:
 
     import convo
 
-    engine = convo.TransformersEngine(args.model, quant=args.quant, progress=lambda m: print(f"[turns] {m}", file=sys.stderr))
+    engine = convo.TransformersEngine(
+        args.model, quant=args.quant, progress=lambda m: print(f"[turns] {m}", file=sys.stderr)
+    )
     cuda = engine.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -292,12 +326,19 @@ def main() -> int:
     result: dict[str, Any] = {
         "hardware": hardware(engine),
         "versions": versions(),
-        "config": {**vars(args), "attention": engine.attention, "quant_resolved": engine.quant.value,
-                   "weights_bytes": weights, "kv_bytes_per_token": engine.kv_bytes_per_token},
+        "config": {
+            **vars(args),
+            "attention": engine.attention,
+            "quant_resolved": engine.quant.value,
+            "weights_bytes": weights,
+            "kv_bytes_per_token": engine.kv_bytes_per_token,
+        },
     }
     result["convo"] = run_convo(engine, args, weights, time.monotonic() + args.max_seconds)
     engine.release_all()
-    result["naive"] = run_naive(engine, args, weights, time.monotonic() + args.naive_max_seconds) if args.naive else []
+    result["naive"] = (
+        run_naive(engine, args, weights, time.monotonic() + args.naive_max_seconds) if args.naive else []
+    )
     result["summary"] = summarize(result["convo"], result["naive"], args)
     if args.oom_check and cuda:
         import oom_recovery

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from convo.errors import ConfigError
 
 
-class OversizePolicy(str, enum.Enum):
+class OversizePolicy(enum.StrEnum):
     """What to do with a single message too large for the room the budget leaves it.
 
     ``TRUNCATE`` keeps the head and the tail of the message in the prompt and puts a

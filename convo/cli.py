@@ -128,7 +128,7 @@ def _build_session(args: argparse.Namespace) -> Any:
             stored.update(given)
             budget = Budget.from_dict(stored)
     else:
-        defaults = {"context_tokens": 2048, "max_new_tokens": 256, "window_turns": 8, "summary_tokens": 256}
+        defaults: dict[str, Any] = {"context_tokens": 2048, "max_new_tokens": 256, "window_turns": 8, "summary_tokens": 256}
         defaults.update(given)
         budget = Budget(**defaults)
     return Session(

@@ -55,7 +55,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
-class Quant(str, enum.Enum):
+class Quant(enum.StrEnum):
     """Weight format.
 
     ``AUTO`` (the default) is ``NF4`` on CUDA, where weights compete with the KV cache for
@@ -73,7 +73,7 @@ class Quant(str, enum.Enum):
     FP32 = "fp32"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why generation stopped."""
 
     STOP = "stop"  # end-of-turn token or a stop string
@@ -248,7 +248,7 @@ def convert_gguf(gguf: Path, target: Path, *, progress: Callable[[str], None] | 
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
         )
         # The GGUF weights were dequantized on load; save them as plain bf16.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))
@@ -274,7 +274,9 @@ def default_model_path(*, progress: Callable[[str], None] | None = None) -> Path
     return convert_gguf(default_gguf_path(), target, progress=progress)
 
 
-def resolve_model(model: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None) -> str:
+def resolve_model(
+    model: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None
+) -> str:
     """Turn a model argument into what ``from_pretrained`` takes.
 
     ``None`` or ``"default"``: the embedded SmolLM2; a ``.gguf`` file: converted once into
@@ -437,7 +439,9 @@ class TransformersEngine:
             import torch
             import transformers  # noqa: F401
         except ImportError:
-            raise MissingDependency("torch and transformers are needed; run: pip install 'convo[local]'") from None
+            raise MissingDependency(
+                "torch and transformers are needed; run: pip install 'convo[local]'"
+            ) from None
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.quant = Quant(quant)
         if self.quant is Quant.AUTO:
@@ -542,12 +546,20 @@ class TransformersEngine:
         from convo import memory
 
         config = memory.load_config(name)
-        quant = {Quant.NF4: memory.Quant.NF4, Quant.INT8: memory.Quant.INT8}.get(self.quant, memory.Quant.NONE)
-        dtype = {Quant.FP32: memory.DType.FP32, Quant.FP16: memory.DType.FP16}.get(self.quant, memory.DType.BF16)
+        quant = {Quant.NF4: memory.Quant.NF4, Quant.INT8: memory.Quant.INT8}.get(
+            self.quant, memory.Quant.NONE
+        )
+        dtype = {Quant.FP32: memory.DType.FP32, Quant.FP16: memory.DType.FP16}.get(
+            self.quant, memory.DType.BF16
+        )
         if progress:
             progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
-        model = memory.build_random_model(config, quant=quant, dtype=dtype, attn=memory.Attn(attn), device=self.device)
-        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(progress=progress)), local_files_only=True)
+        model = memory.build_random_model(
+            config, quant=quant, dtype=dtype, attn=memory.Attn(attn), device=self.device
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(default_model_path(progress=progress)), local_files_only=True
+        )
         self._vocab_limit = int(config["vocab_size"])
         return model, tokenizer
 
@@ -636,6 +648,7 @@ class TransformersEngine:
         cache_key: str | None = None,
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> Generation:
         """Generate a reply to ``messages``.
 
@@ -648,14 +661,19 @@ class TransformersEngine:
             cache_key: keep and reuse the KV cache under this key (a session id).
             on_text: called with each new piece of text as it is decoded.
             cancel: set it to stop generation early (finish reason ``cancelled``).
+            max_prompt_tokens: refuse a rendered prompt longer than this (the session's
+                budget, checked on the real token ids before the model runs).
 
         Raises:
-            BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``.
+            BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``,
+                or the prompt exceeds ``max_prompt_tokens``.
             DeviceOutOfMemory: the device ran out of memory (the cache was freed).
         """
         ids = self._counter.render_ids(messages)
         if max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be >= 1")
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise BudgetError(f"rendered prompt has {len(ids)} tokens, over the budget's {max_prompt_tokens}")
         if len(ids) + max_new_tokens > self.max_input_tokens:
             raise BudgetError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
@@ -664,7 +682,14 @@ class TransformersEngine:
         with self._lock:
             try:
                 return self._generate(
-                    ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel
+                    ids,
+                    max_new_tokens,
+                    timeout_s or self.timeout_s,
+                    sampling,
+                    stop,
+                    cache_key,
+                    on_text,
+                    cancel,
                 )
             except Exception as exc:
                 if not (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)):

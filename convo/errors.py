@@ -105,6 +105,4 @@ def require(module: str, extra: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise MissingDependency(
-            f"{module!r} is not installed; run: pip install 'convo[{extra}]'"
-        )
+        raise MissingDependency(f"{module!r} is not installed; run: pip install 'convo[{extra}]'")

@@ -19,7 +19,7 @@ from typing import Any
 from convo.errors import MessageError
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """Who wrote a message. Strings become a ``Role`` at the edge (``Role("user")``)."""
 
     SYSTEM = "system"
@@ -92,9 +92,7 @@ class Message:
             raise MessageError(f"invalid role {self.role!r}; expected one of: {valid}") from None
         object.__setattr__(self, "role", role)
         if not isinstance(self.content, str):
-            raise MessageError(
-                f"message content must be a string, got {type(self.content).__name__}"
-            )
+            raise MessageError(f"message content must be a string, got {type(self.content).__name__}")
         calls = tuple(self.tool_calls)
         for call in calls:
             if not isinstance(call, ToolCall):
@@ -200,17 +198,14 @@ def group_blocks(messages: Sequence[Message]) -> list[tuple[int, int]]:
         msg = messages[i]
         if msg.role is Role.TOOL:
             raise MessageError(
-                f"tool message {msg.tool_call_id!r} does not follow the assistant tool call "
-                "it answers"
+                f"tool message {msg.tool_call_id!r} does not follow the assistant tool call it answers"
             )
         j = i + 1
         if msg.tool_calls:
             ids = {c.id for c in msg.tool_calls}
             while j < n and messages[j].role is Role.TOOL:
                 if messages[j].tool_call_id not in ids:
-                    raise MessageError(
-                        f"tool result {messages[j].tool_call_id!r} answers no pending call"
-                    )
+                    raise MessageError(f"tool result {messages[j].tool_call_id!r} answers no pending call")
                 j += 1
         blocks.append((i, j))
         i = j

@@ -121,7 +121,9 @@ def summary_message(summary: str) -> Message:
 
 def passage_message(passage: Passage) -> Message:
     """The system message that carries one retrieved passage."""
-    return Message(role=Role.SYSTEM, content=PASSAGE_TEMPLATE.format(source=passage.source, text=passage.text))
+    return Message(
+        role=Role.SYSTEM, content=PASSAGE_TEMPLATE.format(source=passage.source, text=passage.text)
+    )
 
 
 def _norm(text: str) -> str:

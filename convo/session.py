@@ -225,17 +225,14 @@ class Session:
             raise MessageError(f"expected a Message, got {type(message).__name__}")
         if message.role is Role.TOOL:
             if message.tool_call_id not in self._pending_tool_ids:
-                raise MessageError(
-                    f"tool result {message.tool_call_id!r} answers no pending tool call"
-                )
+                raise MessageError(f"tool result {message.tool_call_id!r} answers no pending tool call")
         elif not message.pinned and not self._log and message.role is not Role.USER:
             pass  # a conversation may open with an assistant greeting
         if message.pinned:
-            cost = sum(self.counter.message_tokens(m) for m in self._pinned + [message])
+            cost = sum(self.counter.message_tokens(m) for m in [*self._pinned, message])
             if cost > self.budget.pinned_cap:
                 raise BudgetError(
-                    f"pinned messages would take {cost} tokens, over pinned_tokens="
-                    f"{self.budget.pinned_cap}"
+                    f"pinned messages would take {cost} tokens, over pinned_tokens={self.budget.pinned_cap}"
                 )
         elif message.role is Role.USER and self.budget.oversize is OversizePolicy.RAISE:
             room = (
@@ -367,7 +364,12 @@ class Session:
         oom_retries, recovery = 0, ""
         t_gen = time.monotonic()
         try:
-            gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+            try:
+                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+            except BudgetError:
+                # The template cost more than the counter's sum: re-plan on exact counts.
+                plan = self.plan(exact=True)
+                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
         except DeviceOutOfMemory:
             # Half the turns that were shown, half the passages, no window slack.
             smaller = replace(
@@ -385,6 +387,11 @@ class Session:
             )
             gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
         generate_s = time.monotonic() - t_gen
+        real = gen.stats.prompt_tokens  # counted on the token ids the model got
+        if real != plan.prompt_tokens:
+            parts = dict(plan.parts)
+            parts["template"] += real - plan.prompt_tokens
+            plan = replace(plan, prompt_tokens=real, parts=parts)
         tool_calls: tuple[ToolCall, ...] = ()
         self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=tool_calls)])
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
@@ -429,6 +436,8 @@ class Session:
         kwargs: dict[str, Any] = {}
         if cancel is not None:
             kwargs["cancel"] = cancel
+        if self.counter.additive:
+            kwargs["max_prompt_tokens"] = plan.context_tokens - self.budget.max_new_tokens
         return self.engine.generate(
             plan.messages,
             max_new_tokens=self.budget.max_new_tokens,
@@ -440,13 +449,16 @@ class Session:
         )
 
     # -- planning ------------------------------------------------------------------------------
-    def plan(self, query: str | None = None, *, budget: Budget | None = None) -> PromptPlan:
+    def plan(
+        self, query: str | None = None, *, budget: Budget | None = None, exact: bool = False
+    ) -> PromptPlan:
         """The prompt this session would send now.
 
         Args:
             query: a hypothetical user message appended for planning only (not stored),
                 e.g. a question to evaluate what the session would show for it.
             budget: plan under another budget (default: the session's).
+            exact: re-count the rendered prompt even when the counter is additive.
 
         The plan is checked against an exact count of the rendered prompt; if the
         template costs more than the per-message counts add up to, it is re-planned with
@@ -464,13 +476,22 @@ class Session:
         last_user = next((m.content for t in reversed(turns) for m in t.messages if m.role is Role.USER), "")
         passages: list[Passage] = []
         min_score = float("-inf")
-        if self.retriever is not None and budget.retrieval_tokens > 0 and budget.retrieval_top_k > 0 and last_user:
+        if (
+            self.retriever is not None
+            and budget.retrieval_tokens > 0
+            and budget.retrieval_top_k > 0
+            and last_user
+        ):
             passages = self.retriever.retrieve(last_user, session_id=self.id, top_k=budget.retrieval_top_k)
             min_score = getattr(self.retriever, "min_score", min_score)
         held_back = 0
         for _ in range(4):
             try:
-                b = budget if held_back == 0 else replace(budget, margin_tokens=budget.margin_tokens + held_back)
+                b = (
+                    budget
+                    if held_back == 0
+                    else replace(budget, margin_tokens=budget.margin_tokens + held_back)
+                )
             except ConfigError as exc:
                 raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
             plan = plan_prompt(
@@ -482,14 +503,18 @@ class Session:
                 passages=passages,
                 min_score=min_score,
             )
-            exact = self.counter.count_prompt(plan.messages)
-            if exact + budget.max_new_tokens <= budget.context_tokens:
-                if exact != plan.prompt_tokens:
+            # An additive counter's sum is exact (the engine re-checks the real length).
+            if self.counter.additive and not exact:
+                count = plan.prompt_tokens
+            else:
+                count = self.counter.count_prompt(plan.messages)
+            if count + budget.max_new_tokens <= budget.context_tokens:
+                if count != plan.prompt_tokens:
                     parts = dict(plan.parts)
-                    parts["template"] += exact - plan.prompt_tokens
-                    plan = replace(plan, prompt_tokens=exact, parts=parts)
+                    parts["template"] += count - plan.prompt_tokens
+                    plan = replace(plan, prompt_tokens=count, parts=parts)
                 return replace(plan, context_tokens=budget.context_tokens)
-            held_back += exact + budget.max_new_tokens - budget.context_tokens
+            held_back += count + budget.max_new_tokens - budget.context_tokens
         raise BudgetError("could not fit the prompt in the budget after 4 attempts")
 
     # -- eviction, summary, retrieval ------------------------------------------------------------
@@ -521,7 +546,9 @@ class Session:
         if self.retriever is None or done <= self._indexed_turns:
             return
         turns = self.turns(self._indexed_turns)[: done - self._indexed_turns]
-        self.retriever.remember_turns(self.id, turns, dates={t.index: self._dates[t.index] for t in turns if t.index in self._dates})
+        self.retriever.remember_turns(
+            self.id, turns, dates={t.index: self._dates[t.index] for t in turns if t.index in self._dates}
+        )
         self._indexed_turns = done
 
     def _maybe_summarize(self) -> None:

@@ -90,9 +90,7 @@ class ModelSummarizer:
         room = limit - max_tokens  # prompt tokens a single summary call may use
         fixed = counter.count_prompt(self._prompt(previous, [], max_tokens)) + max_tokens  # previous <= cap
         if room - fixed <= 16:
-            raise ConfigError(
-                f"summary cap {max_tokens} leaves no room in the model's {limit}-token context"
-            )
+            raise ConfigError(f"summary cap {max_tokens} leaves no room in the model's {limit}-token context")
         summary = counter.truncate_middle(previous, max_tokens) if previous else ""
         chunk: list[Message] = []
         for message in messages:
@@ -103,7 +101,7 @@ class ModelSummarizer:
                     content=counter.truncate_middle(message.content, room - fixed - 16),
                     name=message.name,
                 )
-            candidate = chunk + [message]
+            candidate = [*chunk, message]
             if chunk and counter.count_prompt(self._prompt(summary, candidate, max_tokens)) > room:
                 summary = self._fold(summary, chunk, max_tokens)
                 chunk = [message]

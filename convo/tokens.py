@@ -37,6 +37,11 @@ class TokenCounter(abc.ABC):
         cache_size: how many per-message counts to keep (LRU). Default 200,000.
     """
 
+    #: True when a rendered prompt costs exactly the sum of its messages' costs plus the
+    #: overhead, so the planner's sum is the exact count and the session may skip the full
+    #: re-count. The engine still checks the real prompt length before the model runs.
+    additive: bool = False
+
     def __init__(self, *, cache_size: int = 200_000) -> None:
         if cache_size < 1:
             raise ConfigError("cache_size must be >= 1")
@@ -137,6 +142,8 @@ class CharCounter(TokenCounter):
     prompt. Exact and additive by construction; meant for unit tests of pure logic.
     """
 
+    additive = True
+
     def __init__(self, *, chars_per_token: int = 4, per_message: int = 4, per_prompt: int = 3) -> None:
         super().__init__()
         self.chars_per_token = chars_per_token
@@ -200,10 +207,31 @@ class HFTokenCounter(TokenCounter):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ModelLoadError(
-                "the tokenizer has no chat template; pass chat_template= explicitly"
-            )
+            raise ModelLoadError("the tokenizer has no chat template; pass chat_template= explicitly")
         self._probe_len = self._render_len([self._PROBE], generation_prompt=False)
+        self.additive = self._check_additive()
+
+    def _check_additive(self) -> bool:
+        """Whether this template's cost is the sum of per-message costs.
+
+        True for templates that fence each message with special tokens (ChatML and the
+        like), where no token can merge across a message boundary. Checked on awkward
+        probes: boundary whitespace, a leading space, unicode, tool-call-free roles.
+        """
+        probes = [
+            [Message(role=Role.USER, content="hi")],
+            [Message(role=Role.SYSTEM, content=" a\n"), Message(role=Role.USER, content="\n b ")],
+            [
+                Message(role=Role.SYSTEM, content="x"),
+                Message(role=Role.USER, content="ünïcødé 🙂"),
+                Message(role=Role.ASSISTANT, content=" trailing space "),
+                Message(role=Role.USER, content=""),
+            ],
+        ]
+        try:
+            return all(self.count_prompt(p) == self.estimate_prompt(p) for p in probes)
+        except Exception:
+            return False
 
     def render(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> str:
         """The prompt text the model will see."""
@@ -262,6 +290,7 @@ class TiktokenCounter(TokenCounter):
 
     tokens_per_message = 3
     tokens_per_reply = 3
+    additive = True
 
     def __init__(self, encoding: str = "cl100k_base") -> None:
         super().__init__()

@@ -9,17 +9,31 @@ from typing import Any
 import pytest
 
 from convo.engine import GREEDY, FinishReason, Generation, GenerationStats, Sampling
-from convo.errors import DeviceOutOfMemory
+from convo.errors import BudgetError, DeviceOutOfMemory
 from convo.messages import Message
 from convo.tokens import CharCounter, TokenCounter
 
 
 def _stats(prompt: int, new: int) -> GenerationStats:
     return GenerationStats(
-        prompt_tokens=prompt, cached_tokens=0, prefill_tokens=prompt, new_tokens=new,
-        kv_tokens=prompt + new, kv_bytes=0, kv_bytes_expected=0, prefill_s=0.0, decode_s=0.0,
-        ttft_s=0.0, total_s=0.0, tokens_per_s=0.0, memory_kind="rss", allocated_bytes=0,
-        reserved_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0, attention="none",
+        prompt_tokens=prompt,
+        cached_tokens=0,
+        prefill_tokens=prompt,
+        new_tokens=new,
+        kv_tokens=prompt + new,
+        kv_bytes=0,
+        kv_bytes_expected=0,
+        prefill_s=0.0,
+        decode_s=0.0,
+        ttft_s=0.0,
+        total_s=0.0,
+        tokens_per_s=0.0,
+        memory_kind="rss",
+        allocated_bytes=0,
+        reserved_bytes=0,
+        peak_allocated_bytes=0,
+        peak_reserved_bytes=0,
+        attention="none",
     )
 
 
@@ -54,7 +68,10 @@ class FakeEngine:
         cache_key: str | None = None,
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> Generation:
+        if max_prompt_tokens is not None and self._counter.count_prompt(messages) > max_prompt_tokens:
+            raise BudgetError("rendered prompt over the budget")  # as the real engine does
         if self.fail_times > 0 and self.fail_with is not None:
             self.fail_times -= 1
             raise self.fail_with
@@ -65,7 +82,9 @@ class FakeEngine:
                 on_text(word + " ")
         prompt = self._counter.count_prompt(messages)
         return Generation(
-            text=text, finish_reason=FinishReason.STOP, token_ids=(),
+            text=text,
+            finish_reason=FinishReason.STOP,
+            token_ids=(),
             stats=_stats(prompt, self._counter.count_text(text)),
         )
 

@@ -46,13 +46,17 @@ def test_budget_drops_oldest_whole_turns(counter: CharCounter) -> None:
 
 def test_summary_and_retrieval_respect_caps_and_recent_share(counter: CharCounter) -> None:
     b = Budget(
-        context_tokens=400, max_new_tokens=50, window_turns=8, summary_tokens=40,
-        retrieval_tokens=60, retrieval_top_k=2, recent_min_tokens=200, pinned_tokens=20,
+        context_tokens=400,
+        max_new_tokens=50,
+        window_turns=8,
+        summary_tokens=40,
+        retrieval_tokens=60,
+        retrieval_top_k=2,
+        recent_min_tokens=200,
+        pinned_tokens=20,
     )
     passages = [Passage(text=f"p{i} " + "p" * 80, score=1.0 - i / 10, source=f"doc{i}") for i in range(5)]
-    plan = plan_prompt(
-        budget=b, counter=counter, turns=make_turns(20), summary="s" * 1000, passages=passages
-    )
+    plan = plan_prompt(budget=b, counter=counter, turns=make_turns(20), summary="s" * 1000, passages=passages)
     header = counter.message_tokens(summary_message(""))
     assert plan.parts["summary"] <= 40 + header
     assert plan.summary_truncated
@@ -73,7 +77,10 @@ def test_passages_deduplicated_against_window_and_each_other(counter: CharCounte
     low = Passage(text="weak", score=0.01, source="z")
     b = Budget(context_tokens=2000, max_new_tokens=100)
     plan = plan_prompt(
-        budget=b, counter=counter, turns=turns, passages=[in_window, same_text, dup_a, dup_b, low],
+        budget=b,
+        counter=counter,
+        turns=turns,
+        passages=[in_window, same_text, dup_a, dup_b, low],
         min_score=0.1,
     )
     assert plan.passages_used == (dup_a,)
@@ -152,7 +159,9 @@ def histories(draw: st.DrawFn) -> list[Message]:
         else:
             n = draw(st.integers(1, 3))
             ids = [f"call{i}_{k}" for k in range(n)]
-            msgs.append(assistant(draw(texts), tool_calls=[ToolCall(id=x, name="fn", arguments="{}") for x in ids]))
+            msgs.append(
+                assistant(draw(texts), tool_calls=[ToolCall(id=x, name="fn", arguments="{}") for x in ids])
+            )
             msgs += [tool(draw(texts), tool_call_id=x) for x in ids]
     msgs.append(user(draw(texts)))
     return msgs
@@ -160,8 +169,11 @@ def histories(draw: st.DrawFn) -> list[Message]:
 
 budgets = st.builds(
     lambda ctx, frac, window, summ, retr: Budget(
-        context_tokens=ctx, max_new_tokens=max(1, int(ctx * frac)), window_turns=window,
-        summary_tokens=summ, retrieval_tokens=retr,
+        context_tokens=ctx,
+        max_new_tokens=max(1, int(ctx * frac)),
+        window_turns=window,
+        summary_tokens=summ,
+        retrieval_tokens=retr,
     ),
     st.integers(160, 3000),
     st.floats(0.05, 0.5),
@@ -221,7 +233,11 @@ def test_property_budget_invariant_char_counter(history: list[Message], budget: 
 
 
 @pytest.mark.slow
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(history=histories(), budget=budgets, summary=texts)
 def test_property_budget_invariant_real_tokenizer(
     smol_counter: TokenCounter, history: list[Message], budget: Budget, summary: str

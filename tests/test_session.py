@@ -24,6 +24,7 @@ from convo import (
 )
 from convo.messages import assistant, tool
 from convo.plan import turn_key
+from convo.tokens import CharCounter
 
 
 class CountingSummarizer:
@@ -109,8 +110,11 @@ def test_summary_is_batched_and_capped(fake_engine: FakeEngine) -> None:
 
 
 def test_pinned_messages_survive_any_history(fake_engine: FakeEngine) -> None:
-    session = Session(fake_engine, budget=Budget(context_tokens=300, max_new_tokens=30, window_turns=2, summary_tokens=0),
-                      system_prompt="You are terse.")
+    session = Session(
+        fake_engine,
+        budget=Budget(context_tokens=300, max_new_tokens=30, window_turns=2, summary_tokens=0),
+        system_prompt="You are terse.",
+    )
     session.pin("The user's name is Priya.")
     for i in range(30):
         reply = session.send(f"message {i} " + "y" * 100)
@@ -147,12 +151,17 @@ class FakeRetriever:
     def __init__(self) -> None:
         self.turns: dict[str, list[Turn]] = {}
 
-    def remember_turns(self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None) -> None:
+    def remember_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> None:
         self.turns.setdefault(session_id, []).extend(turns)
 
     def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
         hits = [t for t in self.turns.get(session_id, []) if "secret" in t.messages[0].content]
-        return [Passage(text=t.messages[0].content, score=1.0, source=f"turn {t.index}", key=turn_key(t.index)) for t in hits]
+        return [
+            Passage(text=t.messages[0].content, score=1.0, source=f"turn {t.index}", key=turn_key(t.index))
+            for t in hits
+        ]
 
 
 def test_evicted_facts_come_back_through_the_retriever(fake_engine: FakeEngine) -> None:
@@ -195,3 +204,25 @@ def test_window_slides_a_batch_at_a_time_so_prompts_extend(fake_engine: FakeEngi
         assert 3 <= shown <= 3 + 4 - 1 or i < 3
     # The window moves on one turn in four; the other three extend the previous prompt.
     assert [i + 2 for i, e in enumerate(extends) if not e] == [7, 11, 15, 19]
+
+
+class LyingCounter(CharCounter):
+    """Claims to be additive, but the real template costs 7 tokens more."""
+
+    additive = True
+
+    def count_prompt(self, messages: Sequence[Message]) -> int:
+        return super().count_prompt(messages) + 7
+
+
+def test_a_wrong_additive_claim_is_caught_before_the_model() -> None:
+    counter = LyingCounter()
+    engine = FakeEngine(counter)
+    session = Session(
+        engine, budget=Budget(context_tokens=120, max_new_tokens=20, window_turns=8, summary_tokens=0)
+    )
+    for i in range(12):
+        reply = session.send(f"message number {i} " + "z" * 40)
+        real = counter.count_prompt(engine.prompts[-1])
+        assert real + 20 <= 120
+        assert reply.stats.prompt_tokens == real

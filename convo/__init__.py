@@ -33,17 +33,23 @@ from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import CharCounter, HFTokenCounter, TiktokenCounter, TokenCounter
 
 if TYPE_CHECKING:
-    from convo.engine import (
-        FinishReason,
-        Generation,
-        GenerationStats,
-        Quant,
-        Sampling,
-        TransformersEngine,
+    from convo.admission import AdmissionController, AdmissionLimits, Batcher, MemoryLedger, Request
+    from convo.embeddings import Embedder
+    from convo.engine import FinishReason, Generation, GenerationStats, Quant, Sampling, TransformersEngine
+    from convo.memory import MemoryModel, parse_size
+    from convo.metrics import ServingMetrics
+    from convo.retrieval import (
+        BM25Index,
+        Chunk,
+        DocumentCollection,
+        Memory,
+        RetrievalConfig,
+        VectorIndex,
+        chunk_text,
     )
 
-# Names served lazily: module that defines them. engine.py imports torch only inside
-# functions, but keeping it lazy keeps `import convo` minimal.
+# Names served lazily, with the module that defines them: `import convo` stays light
+# (no torch, transformers, FAISS or sentence-transformers until they are used).
 _LAZY = {
     "FinishReason": "convo.engine",
     "Generation": "convo.engine",
@@ -51,23 +57,49 @@ _LAZY = {
     "Quant": "convo.engine",
     "Sampling": "convo.engine",
     "TransformersEngine": "convo.engine",
+    "AdmissionController": "convo.admission",
+    "AdmissionLimits": "convo.admission",
+    "Batcher": "convo.admission",
+    "MemoryLedger": "convo.admission",
+    "Request": "convo.admission",
+    "MemoryModel": "convo.memory",
+    "parse_size": "convo.memory",
+    "ServingMetrics": "convo.metrics",
+    "Memory": "convo.retrieval",
+    "DocumentCollection": "convo.retrieval",
+    "RetrievalConfig": "convo.retrieval",
+    "VectorIndex": "convo.retrieval",
+    "BM25Index": "convo.retrieval",
+    "Chunk": "convo.retrieval",
+    "chunk_text": "convo.retrieval",
+    "Embedder": "convo.embeddings",
 }
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionController",
     "AdmissionError",
+    "AdmissionLimits",
+    "BM25Index",
+    "Batcher",
     "Budget",
     "BudgetError",
     "CharCounter",
+    "Chunk",
     "ConfigError",
     "ConvoError",
     "DeviceOutOfMemory",
+    "DocumentCollection",
+    "Embedder",
     "FinishReason",
     "Generation",
     "GenerationStats",
     "GenerationTimeout",
     "HFTokenCounter",
+    "Memory",
+    "MemoryLedger",
+    "MemoryModel",
     "MemoryStore",
     "Message",
     "MessageError",
@@ -81,9 +113,12 @@ __all__ = [
     "QueueFullError",
     "QueueTimeoutError",
     "Reply",
+    "Request",
+    "RetrievalConfig",
     "Role",
     "SQLiteStore",
     "Sampling",
+    "ServingMetrics",
     "Session",
     "SessionNotFound",
     "SessionState",
@@ -96,7 +131,10 @@ __all__ = [
     "TransformersEngine",
     "Turn",
     "TurnStats",
+    "VectorIndex",
     "assistant",
+    "chunk_text",
+    "parse_size",
     "plan_prompt",
     "system",
     "tool",

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -127,8 +127,37 @@ class Store(abc.ABC):
         self.append(sid, messages)
         return sid
 
+    def lock(self, session_id: str, timeout_s: float = 60.0) -> AbstractContextManager[None]:
+        """Hold ``session_id`` for one turn: other holders of the same store wait.
+
+        The default is an in-process lock; :class:`SQLiteStore` locks a file and
+        :class:`RedisStore` a key, so turns of one session never interleave across
+        processes either.
+
+        Args:
+            session_id: the session (it need not exist yet).
+            timeout_s: seconds to wait for another holder before :class:`StoreError`.
+        """
+        with _LOCKS_GUARD:
+            locks: dict[str, threading.Lock] = self.__dict__.setdefault("_session_locks", {})
+            held = locks.setdefault(session_id, threading.Lock())
+        return _hold(held, session_id, timeout_s)
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release connections."""
+
+
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextmanager
+def _hold(lock: threading.Lock, session_id: str, timeout_s: float) -> Iterator[None]:
+    if not lock.acquire(timeout=timeout_s):
+        raise StoreError(f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class MemoryStore(Store):
@@ -352,8 +381,222 @@ class SQLiteStore(Store):
     def list_sessions(self) -> list[str]:
         return [r[0] for r in self._conn().execute("SELECT id FROM sessions ORDER BY id")]
 
+    @contextmanager
+    def lock(self, session_id: str, timeout_s: float = 60.0) -> Iterator[None]:
+        """Hold ``session_id`` across threads and processes (an ``flock`` on a file in
+        ``<path>.locks/``; the OS drops it if the holder dies)."""
+        import fcntl
+        import hashlib
+
+        folder = self.path + ".locks"
+        os.makedirs(folder, exist_ok=True)
+        name = hashlib.sha256(session_id.encode()).hexdigest()[:32]
+        fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreError(
+                            f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock
+
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+# Redis layout, under ``prefix`` (default ``convo:``):
+#   {p}s:{id}     hash   state fields (settings as JSON)
+#   {p}m:{id}     list   message records (JSON), in order
+#   {p}sessions   set    every session id
+#   {p}lock:{id}  string the turn lock's token (SET NX PX, renewed while held)
+_R_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+_R_APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = tonumber(ARGV[1])
+for i = 1, n do redis.call('RPUSH', KEYS[2], ARGV[1 + i]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, n + 2))
+return 1
+"""
+_R_SAVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+_R_DELETE = """
+local n = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[1])
+return n
+"""
+_R_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_R_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class RedisStore(Store):
+    """Sessions in Redis, shared by server replicas.
+
+    Each append (messages + state) is one Lua script, so it is atomic; :meth:`lock` is a
+    lease (``SET NX PX`` with a random token, renewed while held, released by a
+    compare-and-delete script), so two replicas never interleave turns of one session.
+
+    Args:
+        url: e.g. ``"redis://127.0.0.1:6379/0"``.
+        prefix: key prefix, so several apps (or tests) share one database. Default ``"convo:"``.
+        lock_lease_s: how long a lock outlives a holder that died without releasing it.
+            Renewed every third of it while held. Default 30 s.
+
+    Example:
+        >>> store = RedisStore("redis://127.0.0.1:6379/0")   # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, prefix: str = "convo:", lock_lease_s: float = 30.0) -> None:
+        try:
+            import redis
+        except ImportError:
+            from convo.errors import MissingDependency
+
+            raise MissingDependency("'redis' is not installed; run: pip install 'convo[server]'") from None
+        if lock_lease_s <= 0:
+            raise ConfigError("lock_lease_s must be > 0")
+        self.url = url
+        self.prefix = prefix
+        self.lock_lease_s = lock_lease_s
+        self._r = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            self._r.ping()
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot reach Redis at {url}: {exc}") from exc
+        self._create = self._r.register_script(_R_CREATE)
+        self._append = self._r.register_script(_R_APPEND)
+        self._save = self._r.register_script(_R_SAVE)
+        self._delete = self._r.register_script(_R_DELETE)
+        self._release = self._r.register_script(_R_RELEASE)
+        self._renew = self._r.register_script(_R_RENEW)
+
+    def _keys(self, session_id: str) -> tuple[str, str]:
+        return f"{self.prefix}s:{session_id}", f"{self.prefix}m:{session_id}"
+
+    @staticmethod
+    def _fields(state: SessionState, *, created: bool) -> list[Any]:
+        """HSET arguments; ``created_at`` only when creating (it never changes)."""
+        fields = [
+            "settings", json.dumps(dict(state.settings)),
+            "summary", state.summary,
+            "summarized_turns", state.summarized_turns,
+            "evicted_turns", state.evicted_turns,
+            "owner", state.owner,
+            "updated_at", repr(state.updated_at or time.time()),
+        ]  # fmt: skip
+        return [*fields, "created_at", repr(state.created_at)] if created else fields
+
+    def create(self, state: SessionState) -> None:
+        now = time.time()
+        state = replace(state, created_at=state.created_at or now, updated_at=now)
+        skey, _ = self._keys(state.session_id)
+        args = [state.session_id, *self._fields(state, created=True)]
+        if not self._create(keys=[skey, f"{self.prefix}sessions"], args=args):
+            raise StoreError(f"session {state.session_id!r} already exists")
+
+    def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
+        skey, mkey = self._keys(session_id)
+        pipe = self._r.pipeline(transaction=True)  # MULTI/EXEC: one consistent snapshot
+        pipe.hgetall(skey)
+        pipe.lrange(mkey, 0, -1)
+        row, records = pipe.execute()
+        if not row:
+            raise SessionNotFound(f"no session {session_id!r} in {self.url}")
+        state = SessionState(
+            session_id=session_id,
+            settings=json.loads(row["settings"]),
+            summary=row["summary"],
+            summarized_turns=int(row["summarized_turns"]),
+            evicted_turns=int(row["evicted_turns"]),
+            owner=row["owner"],
+            created_at=float(row["created_at"]),
+            updated_at=float(row["updated_at"]),
+        )
+        return state, [Message.from_record(json.loads(r)) for r in records]
+
+    def exists(self, session_id: str) -> bool:
+        return bool(self._r.exists(self._keys(session_id)[0]))
+
+    def append(
+        self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None
+    ) -> None:
+        skey, mkey = self._keys(session_id)
+        records = [json.dumps(m.to_record()) for m in messages]
+        if state is not None:
+            if state.session_id != session_id:
+                raise StoreError(f"state of {state.session_id!r} appended to {session_id!r}")
+            fields = self._fields(replace(state, updated_at=time.time()), created=False)
+        else:
+            fields = ["updated_at", repr(time.time())]
+        if not self._append(keys=[skey, mkey], args=[len(records), *records, *fields]):
+            raise SessionNotFound(f"no session {session_id!r} in {self.url}")
+
+    def save_state(self, state: SessionState) -> None:
+        fields = self._fields(replace(state, updated_at=time.time()), created=False)
+        if not self._save(keys=[self._keys(state.session_id)[0]], args=fields):
+            raise SessionNotFound(f"no session {state.session_id!r} in {self.url}")
+
+    def delete(self, session_id: str) -> None:
+        skey, mkey = self._keys(session_id)
+        if not self._delete(keys=[skey, mkey, f"{self.prefix}sessions"], args=[session_id]):
+            raise SessionNotFound(f"no session {session_id!r} in {self.url}")
+
+    def list_sessions(self) -> list[str]:
+        return sorted(str(s) for s in self._r.smembers(f"{self.prefix}sessions"))
+
+    @contextmanager
+    def lock(self, session_id: str, timeout_s: float = 60.0) -> Iterator[None]:
+        """Hold ``session_id`` across processes and hosts (a renewed Redis lease)."""
+        import secrets
+
+        key, token = f"{self.prefix}lock:{session_id}", secrets.token_hex(16)
+        lease_ms = int(self.lock_lease_s * 1000)
+        deadline = time.monotonic() + timeout_s
+        while not self._r.set(key, token, nx=True, px=lease_ms):
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
+                )
+            time.sleep(0.01)
+        done = threading.Event()
+
+        def renew() -> None:  # keep the lease while a long turn runs
+            while not done.wait(self.lock_lease_s / 3):
+                self._renew(keys=[key], args=[token, lease_ms])
+
+        keeper = threading.Thread(target=renew, name="convo-redis-lease", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            keeper.join()
+            self._release(keys=[key], args=[token])
+
+    def close(self) -> None:
+        self._r.close()

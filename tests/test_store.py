@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import threading
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,10 +18,88 @@ import pytest
 from convo import MemoryStore, SessionNotFound, SessionState, SQLiteStore, Store, StoreError
 from convo.messages import ToolCall, assistant, tool, user
 
+REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
-@pytest.fixture(params=["sqlite", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    return SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else MemoryStore()
+
+def redis_store() -> Iterator[Store]:
+    """A RedisStore under a fresh key prefix (deleted after). Skips without a Redis server,
+    except with CONVO_REQUIRE_REDIS=1 (CI), where a missing server fails the test."""
+    from convo.store import RedisStore
+
+    try:
+        store = RedisStore(REDIS_URL, prefix=f"convo-test:{uuid.uuid4().hex}:")
+    except (ImportError, StoreError) as exc:
+        if os.environ.get("CONVO_REQUIRE_REDIS") == "1":
+            pytest.fail(f"CONVO_REQUIRE_REDIS=1 but there is no Redis at {REDIS_URL}: {exc}")
+        pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    yield store
+    for key in store._r.scan_iter(match=store.prefix + "*"):
+        store._r.delete(key)
+    store.close()
+
+
+@pytest.fixture(params=["sqlite", "memory", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "redis":
+        yield from redis_store()
+    else:
+        yield SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else MemoryStore()
+
+
+def test_lock_serializes_holders_and_times_out(store: Store) -> None:
+    inside, overlaps = [0], []
+
+    def hold(n: int) -> None:
+        for _ in range(n):
+            with store.lock("L", timeout_s=10):
+                inside[0] += 1
+                overlaps.append(inside[0])
+                time.sleep(0.002)
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=hold, args=(10,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [1] * 40
+    errors: list[StoreError] = []
+
+    def second() -> None:
+        try:
+            with store.lock("L", timeout_s=0.1):
+                pass
+        except StoreError as exc:
+            errors.append(exc)
+
+    with store.lock("L"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join()
+        with store.lock("other", timeout_s=0.1):  # other sessions are not blocked
+            pass
+    assert len(errors) == 1 and "busy" in str(errors[0])
+
+
+def _locked_counter(path: str, n: int) -> None:
+    store = SQLiteStore(path)
+    for _ in range(n):
+        with store.lock("shared"):  # read-modify-write: safe only under the lock
+            count = len(store.load("shared")[1])
+            store.append("shared", [user(str(count))])
+
+
+def test_sqlite_lock_holds_across_processes(tmp_path: Path) -> None:
+    path = str(tmp_path / "l.db")
+    SQLiteStore(path).create(SessionState(session_id="shared"))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_locked_counter, args=(path, 25)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert [m.content for m in SQLiteStore(path).load("shared")[1]] == [str(i) for i in range(75)]
 
 
 def test_create_append_load_round_trip(store: Store) -> None:

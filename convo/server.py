@@ -1,0 +1,828 @@
+"""An OpenAI-compatible HTTP server that keeps each conversation inside its budget.
+
+``convo serve`` (or :func:`create_app` for an app of your own) answers
+``POST /v1/chat/completions`` like OpenAI's API, with and without ``stream``. With a
+session id (header ``X-Session-Id``, or the request's ``user`` field, or
+``metadata.session_id``) the server keeps the conversation: the client sends only the new
+message, and convo builds the prompt from the pinned system part, the rolling summary and
+the recent window (:class:`convo.Session`). Without one, it plans the given messages in a
+throw-away session, so even a stateless request never exceeds the budget::
+
+    request ── body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
+       │
+       ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
+       │                                        └─ waited > queue_timeout_s? 503
+       └─ worker thread: store.lock(session) ── Session.send / .stream ── store
+                          (one turn at a time, across replicas for SQLite and Redis)
+
+A session belongs to the API key that created it (the store keeps a hash of the key as
+``owner``); any other key gets 404 for it, as if it did not exist.
+
+Every ConvoError maps to an HTTP status in :func:`error_status` (one place).
+FastAPI and uvicorn are imported only by this module (``import convo`` does not load it):
+``pip install 'convo[server]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from convo.budget import Budget
+from convo.engine import GREEDY, FinishReason, Sampling, TextStream
+from convo.errors import (
+    AdmissionError,
+    BudgetError,
+    ConfigError,
+    ConvoError,
+    DeviceOutOfMemory,
+    GenerationTimeout,
+    MessageError,
+    MissingDependency,
+    QueueFullError,
+    QueueTimeoutError,
+    SessionNotFound,
+    StoreError,
+)
+from convo.messages import Message, Role
+from convo.metrics import ServingMetrics
+from convo.session import Reply, Session
+from convo.store import MemoryStore, Store
+
+try:
+    import anyio
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+except ImportError as exc:  # only `convo serve` and create_app need them
+    raise MissingDependency(f"the server needs {exc.name}; run: pip install 'convo[server]'") from None
+
+if TYPE_CHECKING:
+    from convo.admission import AdmissionController
+    from convo.engine import Engine
+
+#: The only test hook: ``CONVO_FAKE_ENGINE=1`` makes :func:`run_server` serve a tiny
+#: deterministic engine instead of loading a model (used by the multi-process tests).
+FAKE_ENGINE_ENV = "CONVO_FAKE_ENGINE"
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLimits:
+    """What one request may ask for and how much the server runs at once.
+
+    Args:
+        max_body_bytes: largest request body; larger gets 413. Default 1 MiB.
+        max_messages: most messages in one request; more gets 400. Default 256.
+        max_tokens: largest ``max_tokens`` a request may ask for; more gets 400.
+            ``None`` (default): the budget's ``max_new_tokens``. A request without
+            ``max_tokens`` gets the budget's.
+        admission_tokens: tokens (prompt + reply cap) all running requests may hold
+            together; the admission ledger counts tokens, so a request is charged at most
+            its budget's ``context_tokens``. Default 65536.
+        max_concurrency: requests generating at once. Default 4.
+        max_queue: requests waiting for admission; more get 429 with ``Retry-After``.
+            Default 64.
+        queue_timeout_s: seconds a request may wait for admission before 503. Default 30.
+        session_lock_timeout_s: seconds a turn waits for another turn of the same session
+            (in this process or another replica) before 409. Default 60.
+        generation_timeout_s: wall-clock cap of one generation, seconds (the reply is cut
+            and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
+    """
+
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 256
+    max_tokens: int | None = None
+    admission_tokens: int = 65536
+    max_concurrency: int = 4
+    max_queue: int = 64
+    queue_timeout_s: float = 30.0
+    session_lock_timeout_s: float = 60.0
+    generation_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"ServerLimits.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_queue < 0:
+            raise ConfigError(f"ServerLimits.max_queue must be >= 0, got {self.max_queue}")
+        for name in ("queue_timeout_s", "session_lock_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:
+            raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
+
+
+# --------------------------------------------------------------------------------------
+# Errors: one table from exception to HTTP
+# --------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+
+# Most specific first: the first isinstance match wins.
+_STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (QueueTimeoutError, 503, "server_error", "queue_timeout"),
+    (AdmissionError, 400, "invalid_request_error", "request_too_large"),
+    (BudgetError, 400, "invalid_request_error", "context_length_exceeded"),
+    (MessageError, 400, "invalid_request_error", "invalid_message"),
+    (ConfigError, 400, "invalid_request_error", "invalid_value"),
+    (SessionNotFound, 404, "invalid_request_error", "session_not_found"),
+    (StoreError, 500, "server_error", "store_error"),
+    (GenerationTimeout, 504, "server_error", "generation_timeout"),
+    (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),
+    (ConvoError, 500, "server_error", "internal_error"),
+)
+
+
+def error_status(exc: BaseException) -> ApiError:
+    """The HTTP error for an exception (the single ConvoError -> HTTP mapping)."""
+    if isinstance(exc, ApiError):
+        return exc
+    for kind, status, type_, code in _STATUS:
+        if isinstance(exc, kind):
+            headers = {}
+            if isinstance(exc, QueueFullError):
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+            return ApiError(status, str(exc), type=type_, code=code, headers=headers)
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+# --------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRequest:
+    """A parsed, validated ``/v1/chat/completions`` body."""
+
+    messages: tuple[Message, ...]
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+    sampling: Sampling = GREEDY
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ApiError(
+                    400, f"messages[{index}].content: only text parts are supported", code="invalid_content"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(
+        400, f"messages[{index}].content must be a string or a list of text parts", code="invalid_content"
+    )
+
+
+def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ApiError(
+            400, f"{name} must be a{'n integer' if kind is int else ' number'}", code="invalid_value"
+        )
+    return kind(value)
+
+
+def parse_chat_request(
+    body: Any, *, header_session_id: str | None, limits: ServerLimits, max_tokens_cap: int
+) -> ChatRequest:
+    """Validate a chat completions body (raises :class:`ApiError` 400).
+
+    Args:
+        body: the decoded JSON.
+        header_session_id: the ``X-Session-Id`` header, if any (wins over the body's).
+        limits: the server's limits.
+        max_tokens_cap: the largest ``max_tokens`` allowed.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list", code="invalid_messages")
+    if len(raw) > limits.max_messages:
+        raise ApiError(
+            400,
+            f"{len(raw)} messages, over the limit of {limits.max_messages} per request",
+            code="too_many_messages",
+        )
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", code="invalid_messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(
+                400,
+                f"messages[{i}].role {role!r} is not supported (system, user, assistant)",
+                code="invalid_role",
+            )
+        try:
+            messages.append(Message(role=Role(role), content=_content_text(m.get("content"), i)))
+        except MessageError as exc:
+            raise ApiError(400, f"messages[{i}]: {exc}", code="invalid_messages") from None
+    cap = max_tokens_cap
+    max_tokens = _number(body, "max_completion_tokens", int, None)
+    max_tokens = _number(body, "max_tokens", int, max_tokens)
+    if max_tokens is not None and not 1 <= max_tokens <= cap:
+        raise ApiError(400, f"max_tokens must be between 1 and {cap}", code="invalid_max_tokens")
+    options = body.get("stream_options") or {}
+    metadata = body.get("metadata") or {}
+    if not isinstance(options, dict) or not isinstance(metadata, dict):
+        raise ApiError(400, "stream_options and metadata must be objects", code="invalid_value")
+    session_id = header_session_id or body.get("user") or metadata.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id)):
+        raise ApiError(
+            400, "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -", code="invalid_session_id"
+        )
+    try:
+        sampling = Sampling(
+            temperature=_number(body, "temperature", float, 0.0),
+            top_p=_number(body, "top_p", float, 1.0),
+            seed=_number(body, "seed", int, None),
+        )
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), code="invalid_value") from None
+    return ChatRequest(
+        messages=tuple(messages),
+        max_tokens=max_tokens,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(options.get("include_usage", False)),
+        session_id=session_id,
+        sampling=sampling,
+    )
+
+
+def key_owner(api_key: str | None) -> str:
+    """What the store records as a session's owner: a hash of the key, never the key."""
+    if not api_key:
+        return ""
+    return hashlib.sha256(b"convo-owner:" + api_key.encode()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------------------
+# Turns (run in worker threads; the engine is synchronous)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class _Turn:
+    """Everything a worker needs to run one request."""
+
+    request: ChatRequest
+    owner: str
+    budget: Budget
+    store: Store
+    engine: Engine
+    limits: ServerLimits
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def run(
+        self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
+    ) -> Reply:
+        kwargs: dict[str, Any] = {"sampling": self.request.sampling, "on_text": on_text, "cancel": cancel}
+        if self.request.session_id is None:
+            return self._stateless(kwargs)
+        with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
+            return self._stateful(self.request.session_id, kwargs)
+
+    def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
+        msgs = list(self.request.messages)
+        if not msgs or msgs[-1].role is not Role.USER:
+            raise ApiError(
+                400,
+                "with a session id, the last message must be the new user message",
+                code="invalid_messages",
+            )
+        new = not self.store.exists(sid)
+        if not new and self.store.load(sid)[0].owner != self.owner:
+            raise SessionNotFound(f"no session {sid!r}")  # another key's: do not reveal it exists
+        system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM)
+        session = Session(
+            self.engine,
+            budget=self.budget,
+            store=self.store,
+            session_id=sid,
+            owner=self.owner,
+            system_prompt=system if new else None,
+            timeout_s=self.limits.generation_timeout_s,
+        )
+        # A new session may bring earlier turns; an existing one already has its system part.
+        for m in msgs[:-1]:
+            if m.role is not Role.SYSTEM:
+                session.add(m)
+        return session.send(msgs[-1].content, **kwargs)
+
+    def _stateless(self, kwargs: dict[str, Any]) -> Reply:
+        with Session(
+            self.engine,
+            budget=self.budget,
+            store=MemoryStore(),
+            session_id=self.session_id,
+            timeout_s=self.limits.generation_timeout_s,
+        ) as session:  # (closing releases the engine's KV cache of the id)
+            for m in self.request.messages:
+                session.add(m)
+            return session.reply(**kwargs)
+
+
+def _prompt_estimate(turn: _Turn) -> int:
+    """Prompt tokens to charge at admission: a stateless prompt's own size, a session's
+    upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``)."""
+    bound = turn.budget.context_tokens - turn.budget.max_new_tokens
+    if turn.request.session_id is not None:
+        return bound
+    return min(bound, turn.engine.counter.count_prompt(list(turn.request.messages)))
+
+
+# --------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------
+
+
+def _finish(reason: FinishReason) -> str:
+    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    g = reply.stats.generation
+    completion = g.new_tokens if g is not None else 0
+    prompt = reply.stats.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _convo_stats(reply: Reply, session_id: str | None) -> dict[str, Any]:
+    s = reply.stats
+    return {
+        "session_id": session_id,
+        "turn": s.turn,
+        "context_tokens": s.context_tokens,
+        "parts": dict(s.parts),
+        "evicted_turns": s.evicted_turns,
+        "summarized_turns": s.summarized_turns,
+    }
+
+
+def create_app(
+    engine: Engine,
+    *,
+    store: Store,
+    api_key: str | Sequence[str] | None = None,
+    budget: Budget | None = None,
+    limits: ServerLimits | None = None,
+    model_name: str = "convo",
+    metrics: ServingMetrics | None = None,
+    admission: AdmissionController | None = None,
+) -> FastAPI:
+    """Build the FastAPI app.
+
+    Args:
+        engine: generates replies (synchronous; runs in worker threads).
+        store: where sessions live (SQLiteStore / RedisStore for several replicas).
+        api_key: one key or several; when given, every ``/v1`` call needs
+            ``Authorization: Bearer <key>``. ``None``: no auth (loopback only).
+        budget: every session's budget (default ``Budget()``).
+        limits: request and admission limits (default :class:`ServerLimits`).
+        model_name: the id ``/v1/models`` lists and responses carry.
+        metrics: where to count (default: new :class:`~convo.metrics.ServingMetrics`).
+        admission: an admission controller of your own (default: a token ledger over
+            ``limits.admission_tokens``).
+
+    Example::
+
+        app = create_app(TransformersEngine(), store=SQLiteStore("sessions.db"))
+        uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    from convo.admission import AdmissionController, AdmissionLimits
+    from convo.admission import Request as AdmissionRequest
+
+    limits = limits or ServerLimits()
+    budget = budget or Budget()
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not k for k in keys):
+        raise ConfigError("an API key must not be empty")
+    metrics = metrics or ServingMetrics()
+    if admission is None:
+        admission = AdmissionController(
+            AdmissionLimits(
+                kv_budget_bytes=limits.admission_tokens,
+                max_concurrency=limits.max_concurrency,
+                max_queue_short=limits.max_queue,
+                max_queue_long=limits.max_queue,
+                queue_timeout_s=limits.queue_timeout_s,
+                long_request_tokens=budget.context_tokens,
+            ),
+            cost_fn=lambda prompt, new: prompt + new,  # a token ledger
+            metrics=metrics,
+        )
+    controller = admission
+    cap = min(limits.max_tokens or budget.max_new_tokens, budget.context_tokens - 1)
+    # Admitted turns and streams each hold a thread; the limiter keeps other work moving.
+    threads = anyio.CapacityLimiter(2 * limits.max_concurrency + 8)
+    app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store, app.state.engine, app.state.metrics, app.state.admission = (
+        store,
+        engine,
+        metrics,
+        controller,
+    )
+
+    def error_response(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(ConvoError)
+    async def _convo_error(request: Request, exc: ConvoError) -> JSONResponse:
+        return error_response(error_status(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, str(exc.errors()), code="invalid_request"))
+
+    def owner_of(request: Request) -> str:
+        """The caller's owner hash; 401 unless the bearer key is one of ours."""
+        if not keys:
+            return ""
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        for k in keys:
+            if given and hmac.compare_digest(given.encode(), k.encode()):
+                return key_owner(k)
+        raise ApiError(
+            401,
+            "invalid or missing API key (Authorization: Bearer ...)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+
+    async def read_body(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise ApiError(413, f"request body over {limits.max_body_bytes} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise ApiError(413, f"request body over {limits.max_body_bytes} bytes", code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=threads)
+
+    def owned(session_id: str, owner: str) -> Any:
+        """The session's export, or SessionNotFound when it is not the caller's."""
+        data = store.export_session(session_id)
+        if data["owner"] != owner:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return data
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "running": controller.running,
+            "waiting": controller.waiting,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render_prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        owner_of(request)
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "convo"}],
+        }
+
+    @app.get("/v1/sessions/{session_id}")
+    async def history(session_id: str, request: Request) -> dict[str, Any]:
+        data = await in_thread(owned, session_id, owner_of(request))
+        return {
+            "id": session_id,
+            "object": "session",
+            "summary": data["summary"],
+            "evicted_turns": data["evicted_turns"],
+            "summarized_turns": data["summarized_turns"],
+            "messages": [{"role": r["role"], "content": r["content"]} for r in data["messages"]],
+        }
+
+    @app.get("/v1/sessions/{session_id}/export")
+    async def export(session_id: str, request: Request) -> dict[str, Any]:
+        data: dict[str, Any] = await in_thread(owned, session_id, owner_of(request))
+        return data
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(session_id: str, request: Request) -> dict[str, Any]:
+        owner = owner_of(request)
+
+        def work() -> None:
+            with store.lock(session_id, limits.session_lock_timeout_s):
+                owned(session_id, owner)
+                store.delete(session_id)
+
+        await in_thread(work)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        owner = owner_of(request)
+        body = await read_body(request)
+        parsed = parse_chat_request(
+            body, header_session_id=request.headers.get("x-session-id"), limits=limits, max_tokens_cap=cap
+        )
+        turn_budget = budget
+        if parsed.max_tokens is not None and parsed.max_tokens != budget.max_new_tokens:
+            turn_budget = replace(budget, max_new_tokens=parsed.max_tokens)
+        turn = _Turn(
+            request=parsed, owner=owner, budget=turn_budget, store=store, engine=engine, limits=limits
+        )
+        prompt_est = await in_thread(_prompt_estimate, turn)
+        started = time.monotonic()
+        ticket = await controller.acquire_async(
+            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn_budget.max_new_tokens)
+        )
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        headers = {"X-Session-Id": parsed.session_id} if parsed.session_id else {}
+        if not parsed.stream:
+            try:
+                reply: Reply = await in_thread(turn.run)
+            finally:
+                ticket.release()
+            if reply.stats.generation is not None:
+                metrics.add_tokens(reply.stats.generation.new_tokens)
+            out = {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": _finish(reply.finish_reason),
+                        "logprobs": None,
+                    }
+                ],
+                "usage": _usage(reply),
+                "convo": _convo_stats(reply, parsed.session_id),
+            }
+            return JSONResponse(out, headers=headers)
+
+        stream: TextStream[Reply] = TextStream(turn.run, {})
+        chunks: Iterator[str] = iter(stream)
+        end = object()
+
+        async def close() -> None:
+            # Shielded: on a client disconnect this runs in a cancelled scope. Closing
+            # cancels generation; the worker stores the partial reply before it returns.
+            with anyio.CancelScope(shield=True):
+                await in_thread(stream.close)
+                ticket.release()
+
+        try:
+            first = await in_thread(next, chunks, end)  # errors before any text -> HTTP status
+        except BaseException:
+            await close()
+            raise
+        metrics.ttft.observe(time.monotonic() - started)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            data = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            }
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                text = first
+                while text is not end:
+                    if text:
+                        yield chunk({"content": text})
+                    text = await in_thread(next, chunks, end)
+                reply = stream.result
+                assert reply is not None
+                if reply.stats.generation is not None:
+                    metrics.add_tokens(reply.stats.generation.new_tokens)
+                yield chunk({}, _finish(reply.finish_reason))
+                if parsed.include_usage:
+                    data = {
+                        "id": completion_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [],
+                        "usage": _usage(reply),
+                    }
+                    yield f"data: {json.dumps(data)}\n\n"
+                yield "data: [DONE]\n\n"
+            except ConvoError as exc:  # headers are sent: report the error in the stream
+                yield f"data: {json.dumps(error_status(exc).body())}\n\n"
+            finally:
+                await close()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    return app
+
+
+# --------------------------------------------------------------------------------------
+# Test engine and CLI
+# --------------------------------------------------------------------------------------
+
+
+class EchoEngine:
+    """A tiny deterministic engine (TEST ONLY: no model, see :data:`FAKE_ENGINE_ENV`).
+
+    It answers ``"heard N: <last user message>"`` (N = messages in its prompt) followed
+    by ``pad_words`` words, one ``on_text`` chunk per word, sleeping ``delay_s`` between
+    words and stopping when ``cancel`` is set; ``max_new_tokens`` caps the words.
+    """
+
+    def __init__(self, *, delay_s: float = 0.0, pad_words: int = 0, context_window: int = 100_000) -> None:
+        from convo.tokens import CharCounter
+
+        self._counter = CharCounter()
+        self.delay_s = delay_s
+        self.pad_words = pad_words
+        self.context_window = context_window
+        self.prompts: list[tuple[Message, ...]] = []
+
+    @property
+    def counter(self) -> Any:
+        return self._counter
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        **_: Any,
+    ) -> Any:
+        from convo.engine import Generation, GenerationStats
+
+        self.prompts.append(tuple(messages))
+        last = next((m.content for m in reversed(messages) if m.role is Role.USER), "")
+        words = [*f"heard {len(messages)}: {last}".split(" "), *(f"w{i}" for i in range(self.pad_words))]
+        words = words[:max_new_tokens]
+        out, reason = [], FinishReason.STOP
+        for i, word in enumerate(words):
+            if cancel is not None and cancel.is_set():
+                reason = FinishReason.CANCELLED
+                break
+            piece = word if i == 0 else " " + word
+            out.append(piece)
+            if on_text is not None:
+                on_text(piece)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+        text = "".join(out)
+        prompt = self._counter.count_prompt(messages)
+        zero: dict[str, Any] = dict.fromkeys(
+            (
+                "kv_bytes",
+                "kv_bytes_expected",
+                "allocated_bytes",
+                "reserved_bytes",
+                "peak_allocated_bytes",
+                "peak_reserved_bytes",
+            ),
+            0,
+        )
+        stats = GenerationStats(
+            prompt_tokens=prompt,
+            cached_tokens=0,
+            prefill_tokens=prompt,
+            new_tokens=len(out),
+            kv_tokens=prompt + len(out),
+            prefill_s=0.0,
+            decode_s=0.0,
+            ttft_s=0.0,
+            total_s=0.0,
+            tokens_per_s=0.0,
+            memory_kind="rss",
+            attention="none",
+            **zero,
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
+
+    def release(self, cache_key: str) -> None:
+        pass
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``convo serve``: build the engine, the store and the app, then run uvicorn."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise MissingDependency("the server needs uvicorn; run: pip install 'convo[server]'") from None
+    from convo.cli import default_db_path, spinner
+    from convo.store import RedisStore, SQLiteStore
+
+    api_key = args.api_key or os.environ.get("CONVO_API_KEY") or None
+    if not _loopback(args.host) and not api_key:
+        raise ConfigError(
+            f"refusing to serve on {args.host} without an API key: pass --api-key (or set CONVO_API_KEY), "
+            "or bind 127.0.0.1"
+        )
+    defaults = {"context_tokens": 2048, "max_new_tokens": 256}
+    given = {"context_tokens": args.budget, "max_new_tokens": args.max_new_tokens}
+    budget = Budget(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+    store: Store = RedisStore(args.redis) if args.redis else SQLiteStore(args.db or default_db_path())
+    engine: Any
+    if os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
+        engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
+    else:
+        from convo.engine import DEFAULT_MODEL_NAME, TransformersEngine
+
+        with spinner("loading model") as update:
+            engine = TransformersEngine(args.model, quant=args.quant, progress=update)
+        name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
+    app = create_app(engine, store=store, api_key=api_key, budget=budget, model_name=name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    store.close()
+    return 0

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from convo.errors import ConvoError
+from convo.errors import ConfigError, ConvoError
 
 
 def default_db_path() -> Path:
@@ -111,8 +111,6 @@ def _build_session(args: argparse.Namespace) -> Any:
     from convo.store import SQLiteStore
 
     store = SQLiteStore(args.db or default_db_path())
-    with spinner("loading model") as update:
-        engine = TransformersEngine(args.model, quant=args.quant, device=args.device, progress=update)
     budget = None
     explicit = {
         "context_tokens": args.budget,
@@ -128,16 +126,30 @@ def _build_session(args: argparse.Namespace) -> Any:
             stored.update(given)
             budget = Budget.from_dict(stored)
     else:
-        defaults: dict[str, Any] = {"context_tokens": 2048, "max_new_tokens": 256, "window_turns": 8, "summary_tokens": 256}
+        defaults: dict[str, Any] = {
+            "context_tokens": 2048,
+            "max_new_tokens": 256,
+            "window_turns": 8,
+            "summary_tokens": 256,
+        }
         defaults.update(given)
         budget = Budget(**defaults)
+    # The budget is checked above, before the model loads: bad flags fail in a second.
+    with spinner("loading model") as update:
+        engine = TransformersEngine(args.model, quant=args.quant, device=args.device, progress=update)
     return Session(
-        engine, budget=budget, store=store, session_id=args.session, system_prompt=args.system,
+        engine,
+        budget=budget,
+        store=store,
+        session_id=args.session,
+        system_prompt=args.system,
         timeout_s=args.timeout,
     )
 
 
 def _chat(args: argparse.Namespace) -> int:
+    if args.script and not Path(args.script).is_file():
+        raise ConfigError(f"--script {args.script}: no such file")
     session = _build_session(args)
     out = sys.stdout
     if args.script:
@@ -153,7 +165,9 @@ def _chat(args: argparse.Namespace) -> int:
             out.flush()
         session.close()
         return 0
-    print(f"[convo] session {session.id} (resume with --session {session.id}); /exit to quit", file=sys.stderr)
+    print(
+        f"[convo] session {session.id} (resume with --session {session.id}); /exit to quit", file=sys.stderr
+    )
     while True:
         try:
             line = input("you> ")
@@ -182,11 +196,15 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="convo", description="LLM conversations inside a hard memory budget.")
+    parser = argparse.ArgumentParser(
+        prog="convo", description="LLM conversations inside a hard memory budget."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, or --script FILE)")
-    chat.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)")
+    chat.add_argument(
+        "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
+    )
     chat.add_argument("--quant", default="auto", choices=["auto", "nf4", "int8", "bf16", "fp16", "fp32"])
     chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     chat.add_argument("--budget", type=int, default=None, help="context_tokens of the session (default 2048)")
@@ -201,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
     chat.set_defaults(func=_chat)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
+    serve.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded)")
+    serve.add_argument("--quant", default="auto", choices=["auto", "nf4", "int8", "bf16", "fp16", "fp32"])
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None, help="bearer key clients must send (or $CONVO_API_KEY)")
+    where = serve.add_mutually_exclusive_group()
+    where.add_argument("--db", default=None, help=f"SQLite file for sessions (default {default_db_path()})")
+    where.add_argument("--redis", default=None, help="Redis URL, for sessions shared by several replicas")
+    serve.add_argument("--budget", type=int, default=None, help="context_tokens per session (default 2048)")
+    serve.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    serve.set_defaults(func=_serve)
+
     plan = sub.add_parser("plan", help="will this model fit context N with M sessions on this GPU?")
     try:
         from convo.memory import add_plan_arguments, run_plan_cli
@@ -210,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_arguments(plan)
         plan.set_defaults(func=run_plan_cli)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from convo.server import run_server
+
+    return run_server(args)
 
 
 def _missing(what: str) -> int:

@@ -184,7 +184,9 @@ class MemoryStore(Store):
         with self._lock:
             return session_id in self._data
 
-    def append(self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None) -> None:
+    def append(
+        self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None
+    ) -> None:
         with self._lock:
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
@@ -336,7 +338,9 @@ class SQLiteStore(Store):
         row = self._conn().execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone()
         return row is not None
 
-    def append(self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None) -> None:
+    def append(
+        self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None
+    ) -> None:
         with self._tx() as db:
             row = db.execute(
                 "SELECT COALESCE(MAX(seq), -1) FROM messages WHERE session_id = ?", (session_id,)

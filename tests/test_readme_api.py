@@ -33,7 +33,9 @@ def test_first_bash_block_has_exactly_two_commands_and_ci_runs_the_second() -> N
 @pytest.mark.parametrize(
     "code",
     [
-        pytest.param(code, marks=[pytest.mark.slow] if ("Engine(" in code or "Memory(" in code) else [], id=f"block{i}")
+        pytest.param(
+            code, marks=[pytest.mark.slow] if ("Engine(" in code or "Memory(" in code) else [], id=f"block{i}"
+        )
         for i, code in enumerate(python_blocks())
     ],
 )

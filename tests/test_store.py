@@ -110,7 +110,9 @@ def test_create_append_load_round_trip(store: Store) -> None:
         tool("42", tool_call_id="c"),
     ]
     store.append("a", msgs[:1])
-    store.append("a", msgs[1:], state=SessionState(session_id="a", summary="S", summarized_turns=2, evicted_turns=3))
+    store.append(
+        "a", msgs[1:], state=SessionState(session_id="a", summary="S", summarized_turns=2, evicted_turns=3)
+    )
     state, loaded = store.load("a")
     assert loaded == msgs
     assert (state.summary, state.summarized_turns, state.evicted_turns) == ("S", 2, 3)
@@ -152,7 +154,11 @@ def test_sqlite_threads_do_not_lock(tmp_path: Path) -> None:
     def work(i: int) -> None:
         try:
             for k in range(50):
-                store.append(f"s{i % 8}", [user(f"{i}-{k}")], state=SessionState(session_id=f"s{i % 8}", summary=str(k)))
+                store.append(
+                    f"s{i % 8}",
+                    [user(f"{i}-{k}")],
+                    state=SessionState(session_id=f"s{i % 8}", summary=str(k)),
+                )
         except BaseException as exc:
             errors.append(exc)
 

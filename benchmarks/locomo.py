@@ -39,7 +39,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,18 @@ def make_session(kind: str, **kwargs: Any) -> Any:
     from convo.session import Session
 
     return Session(**kwargs)
+
+
+def cut(conv: Conversation, max_lines: int | None, max_questions: int | None) -> Conversation:
+    """The first ``max_lines`` lines and the questions answerable from them (quick runs)."""
+    lines = conv.lines[:max_lines] if max_lines else conv.lines
+    kept = {line.dia_id for line in lines}
+    questions = (
+        [q for q in conv.questions if all(e in kept for e in q.evidence)] if max_lines else conv.questions
+    )
+    return replace(
+        conv, lines=tuple(lines), questions=tuple(questions[:max_questions] if max_questions else questions)
+    )
 
 
 def replay(conv: Conversation, session: Any) -> None:
@@ -415,6 +427,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
     ap.add_argument("--limit", type=int, help="only the first N conversations")
     ap.add_argument(
+        "--max-lines",
+        type=int,
+        help="only the first N lines of each conversation, and the questions whose evidence is in them "
+        "(a quick run with --model on a CPU)",
+    )
+    ap.add_argument("--max-questions", type=int, help="at most N questions per conversation")
+    ap.add_argument(
         "--planner",
         choices=["auto", "session", "local"],
         default="auto",
@@ -427,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from convo.embeddings import Embedder
     from convo.retrieval import Memory, RetrievalConfig
 
-    convs = load(args.data)[: args.limit]
+    convs = [cut(c, args.max_lines, args.max_questions) for c in load(args.data)[: args.limit]]
     planner = args.planner
     if planner == "auto":
         try:

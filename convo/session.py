@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from convo.budget import Budget, OversizePolicy
 from convo.engine import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
-from convo.messages import Message, Role, ToolCall
+from convo.messages import Message, Role
 from convo.plan import Passage, PromptPlan, Turn, plan_prompt
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer
@@ -226,8 +226,6 @@ class Session:
         if message.role is Role.TOOL:
             if message.tool_call_id not in self._pending_tool_ids:
                 raise MessageError(f"tool result {message.tool_call_id!r} answers no pending tool call")
-        elif not message.pinned and not self._log and message.role is not Role.USER:
-            pass  # a conversation may open with an assistant greeting
         if message.pinned:
             cost = sum(self.counter.message_tokens(m) for m in [*self._pinned, message])
             if cost > self.budget.pinned_cap:
@@ -392,8 +390,7 @@ class Session:
             parts = dict(plan.parts)
             parts["template"] += real - plan.prompt_tokens
             plan = replace(plan, prompt_tokens=real, parts=parts)
-        tool_calls: tuple[ToolCall, ...] = ()
-        self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=tool_calls)])
+        self._commit([Message(role=Role.ASSISTANT, content=gen.text)])
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
         # Slide the window for the next turn now, so that the summary changes on the same
         # turn as the window: one re-prefill per batch instead of two.

@@ -359,9 +359,17 @@ def test_stress_tight_queue_refuses_typed() -> None:
         with lock:
             setattr(out, kind, getattr(out, kind) + 1)
 
+    # Both slots are taken while the burst arrives, so the small queues must overflow
+    # whatever the scheduler does; then the slots free up and the queue drains.
+    held = [ctl.acquire(Request(prompt_tokens=8, max_new_tokens=8)) for _ in range(2)]
     threads = [threading.Thread(target=client, args=(r,)) for r in reqs]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 10
+    while ctl.waiting < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for ticket in held:
+        ticket.release()
     for t in threads:
         t.join()
     assert out.refused > 0

@@ -444,6 +444,7 @@ class TransformersEngine:
         self.cache_idle_s = cache_idle_s
         self._lock = threading.RLock()
         self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._sweeper: threading.Thread | None = None
         self._vocab_limit: int | None = None
         if _model is not None:
             self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
@@ -628,6 +629,16 @@ class TransformersEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def _sweep(self) -> None:
+        """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""
+        while True:
+            time.sleep(min(self.cache_idle_s, 60.0))
+            with self._lock:
+                self._expire()
+                if not self._caches:
+                    self._sweeper = None
+                    return
+
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
@@ -803,6 +814,9 @@ class TransformersEngine:
         if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
             self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
             self._expire()
+            if self._sweeper is None:  # idle caches are released even if no call comes
+                self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
+                self._sweeper.start()
 
         ttft_at = streamer.first_token_at or end_time
         n = len(new_ids)

@@ -132,3 +132,15 @@ def test_nf4_loads_and_runs_on_cpu(real_engine: TransformersEngine) -> None:
     assert engine.model.get_memory_footprint() < 0.6 * real_engine.model.get_memory_footprint()
     out = engine.generate(QUESTION, max_new_tokens=6)
     assert out.stats.new_tokens >= 1 and out.text.strip()
+
+
+def test_idle_kv_caches_are_released_without_further_calls(real_engine: TransformersEngine) -> None:
+    import time
+
+    engine = TransformersEngine.from_model(real_engine.model, real_engine.tokenizer, cache_idle_s=0.3)
+    engine.generate(QUESTION, max_new_tokens=2, cache_key="idle")
+    assert engine.cached_sessions == ["idle"]
+    deadline = time.monotonic() + 10
+    while engine.cached_sessions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.cached_sessions == []

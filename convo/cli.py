@@ -135,8 +135,17 @@ def _build_session(args: argparse.Namespace) -> Any:
         defaults.update(given)
         budget = Budget(**defaults)
     # The budget is checked above, before the model loads: bad flags fail in a second.
-    with spinner("loading model") as update:
-        engine = TransformersEngine(args.model, quant=args.quant, device=args.device, progress=update)
+    engine: Any
+    if args.engine_url:  # a remote OpenAI-compatible server generates and summarizes
+        from convo.remote import engine_from_args
+
+        engine = engine_from_args(args, default_context_tokens=(budget or Budget()).context_tokens)
+        if budget is not None and "margin_tokens" not in given:
+            derived = ("margin_tokens", "pinned_tokens", "recent_min_tokens")  # re-derived with the margin
+            budget = engine.budget(**{k: v for k, v in budget.to_dict().items() if k not in derived})
+    else:
+        with spinner("loading model") as update:
+            engine = TransformersEngine(args.model, quant=args.quant, device=args.device, progress=update)
     return Session(
         engine,
         budget=budget,
@@ -217,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--timeout", type=float, default=None, help="wall-clock cap of one reply, seconds")
     chat.add_argument("--script", default=None, help="file with one user turn per line")
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    add_engine_arguments(chat)
     chat.set_defaults(func=_chat)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
@@ -230,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--redis", default=None, help="Redis URL, for sessions shared by several replicas")
     serve.add_argument("--budget", type=int, default=None, help="context_tokens per session (default 2048)")
     serve.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
     plan = sub.add_parser("plan", help="will this model fit context N with M sessions on this GPU?")
@@ -241,6 +252,32 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_arguments(plan)
         plan.set_defaults(func=run_plan_cli)
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engine-*``: generate (and summarize) on a remote OpenAI-compatible server."""
+    group = parser.add_argument_group("remote engine (vLLM, SGLang, llama.cpp server, convo serve)")
+    group.add_argument(
+        "--engine-url", default=None, help="OpenAI-compatible API root, e.g. http://host:8080/v1"
+    )
+    group.add_argument(
+        "--engine-model", default=None, help="served model name (default: first in /v1/models)"
+    )
+    group.add_argument(
+        "--engine-api-key", default=None, help="bearer key for the engine (or $CONVO_ENGINE_API_KEY)"
+    )
+    group.add_argument(
+        "--engine-tokenizer",
+        default=None,
+        help="local Hugging Face folder of the served model's tokenizer, for exact counts "
+        "(default: tiktoken cl100k with a safety margin)",
+    )
+    group.add_argument(
+        "--engine-context",
+        type=int,
+        default=None,
+        help="the engine's context length in tokens (default: from /v1/models, else --budget)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ one type. Subclasses also derive from the builtin that fits (``ValueError``,
     │   ├── QueueFullError                   refused at once; ``retry_after_s`` says when to retry
     │   └── QueueTimeoutError (TimeoutError) waited in the queue past its deadline
     ├── GenerationTimeout    (TimeoutError)  generation ran past ``timeout_s`` (partial text kept)
+    ├── RemoteEngineError                    a remote engine refused, failed or is unreachable (``status``)
     ├── DeviceOutOfMemory    (MemoryError)   the device ran out of memory (cache already freed)
     ├── StoreError                           the session store failed or the session is unknown
     │   └── SessionNotFound  (KeyError)
@@ -66,6 +67,25 @@ class GenerationTimeout(ConvoError, TimeoutError):
     def __init__(self, message: str, *, partial_text: str = "") -> None:
         super().__init__(message)
         self.partial_text = partial_text
+
+
+class RemoteEngineError(ConvoError):
+    """A remote (OpenAI-compatible) engine refused the request, failed, or is unreachable.
+
+    Raised after the retries are spent (429, 5xx, connection errors) or at once for an
+    answer no retry can fix (401, 404, a malformed body).
+
+    Attributes:
+        status: the last HTTP status, or ``None`` when no answer came (connection error).
+        retry_after_s: the server's last ``Retry-After``, in seconds, if it sent one.
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class DeviceOutOfMemory(ConvoError, MemoryError):

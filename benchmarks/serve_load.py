@@ -1,0 +1,471 @@
+"""Load benchmark: flood ``convo serve`` on loopback beyond its capacity.
+
+It starts its own server process (127.0.0.1 only) with small admission limits, then runs
+``--sessions`` concurrent conversations of ``--turns`` turns each, with mixed message
+lengths (short / medium / long) and a mix of streaming and plain requests, through
+httpx's async client. It checks and reports:
+
+* admitted requests complete (200), the rest are refused quickly (429 + Retry-After, or
+  503 after the queue timeout) and nothing else happens;
+* no session loses a message: ``GET /v1/sessions/{id}`` afterwards holds, in order, the
+  user message and the reply of every turn that got a 200, and nothing of refused turns;
+* the admission ledger (``/metrics``, sampled every 0.1 s) never exceeds its budget; the
+  server process RSS (idle, peak) is sampled with psutil;
+* requests/s, p50/p95 latency, time to first token (streaming), refusal latency.
+
+Prints one JSON object (hardware, versions, config, results) and writes
+``serve_load_<engine>.json`` and ``serve_load_<engine>.png`` (latency timeline and
+histogram) under ``--out``.
+
+Fake engine (seconds):   python benchmarks/serve_load.py --fake --out /tmp/bench
+Real default model, small (CPU, ~1-2 min):
+    python benchmarks/serve_load.py --sessions 6 --turns 2 --max-new-tokens 16 \
+        --budget 512 --max-concurrency 2 --max-queue 2 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORDS = (
+    "the tide came in slowly over the harbour while we argued about the budget for the "
+    "new boat and whether the engine would survive another winter on the north coast"
+).split()
+LENGTHS = {"short": 6, "medium": 80, "long": 400}  # words per user message
+
+
+@dataclass
+class Outcome:
+    session: str
+    turn: int
+    kind: str  # short / medium / long
+    stream: bool
+    status: int  # HTTP status; 0 = transport error
+    start_s: float  # since the run began
+    latency_s: float
+    ttft_s: float | None
+    user: str
+    reply: str
+    error: str = ""
+
+
+# -- the server (child process) ---------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run ``convo serve``'s app with the benchmark's limits (in the child process)."""
+    import uvicorn
+
+    from convo.budget import Budget
+    from convo.server import EchoEngine, ServerLimits, create_app
+    from convo.store import SQLiteStore
+
+    engine: Any
+    if args.fake:
+        engine, name = EchoEngine(delay_s=args.delay_s), "echo"
+    else:
+        from convo.engine import TransformersEngine
+
+        engine, name = TransformersEngine(), "smollm2-135m-instruct"
+    budget = Budget(
+        context_tokens=args.budget, max_new_tokens=args.max_new_tokens, window_turns=4, summary_tokens=0
+    )
+    limits = ServerLimits(
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout_s,
+        admission_tokens=args.admission_tokens,
+    )
+    app = create_app(engine, store=SQLiteStore(args.db), budget=budget, limits=limits, model_name=name)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the client -------------------------------------------------------------------------------
+
+
+def message(rng: random.Random, kind: str, tag: str) -> str:
+    n = LENGTHS[kind]
+    return f"[{tag}] " + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def one_turn(
+    client: Any, base: str, sid: str, turn: int, kind: str, stream: bool, text: str, t0: float
+) -> Outcome:
+    body: dict[str, Any] = {"model": "any", "messages": [{"role": "user", "content": text}], "user": sid}
+    start = time.monotonic()
+    out = Outcome(sid, turn, kind, stream, 0, start - t0, 0.0, None, text, "")
+    try:
+        if not stream:
+            r = await client.post(f"{base}/v1/chat/completions", json=body)
+            out.status = r.status_code
+            if r.status_code == 200:
+                out.reply = r.json()["choices"][0]["message"]["content"]
+            else:
+                out.error = r.text[:200]
+        else:
+            body["stream"] = True
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                out.status = r.status_code
+                if r.status_code != 200:
+                    out.error = (await r.aread()).decode()[:200]
+                else:
+                    parts = []
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            out.error = str(event["error"])[:200]
+                        for ch in event.get("choices") or []:
+                            piece = (ch.get("delta") or {}).get("content")
+                            if piece:
+                                if out.ttft_s is None:
+                                    out.ttft_s = time.monotonic() - start
+                                parts.append(piece)
+                    out.reply = "".join(parts)
+    except Exception as exc:  # a transport failure is a result too
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.latency_s = time.monotonic() - start
+    return out
+
+
+async def conversation(
+    client: Any, base: str, sid: str, args: argparse.Namespace, rng: random.Random, t0: float, end: float
+) -> list[Outcome]:
+    outcomes = []
+    for turn in range(args.turns):
+        if time.monotonic() > end:
+            break
+        kind = rng.choices(list(LENGTHS), weights=(5, 3, 2))[0]
+        stream = rng.random() < args.stream_fraction
+        text = message(rng, kind, f"{sid} t{turn}")
+        outcomes.append(await one_turn(client, base, sid, turn, kind, stream, text, t0))
+    return outcomes
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+async def sampler(base: str, pid: int, stop: asyncio.Event, samples: dict[str, Any]) -> None:
+    import httpx
+    import psutil
+
+    proc = psutil.Process(pid)
+    async with httpx.AsyncClient(timeout=5) as c:
+        while not stop.is_set():
+            try:
+                m = parse_metrics((await c.get(f"{base}/metrics")).text)
+                samples["ledger_peak"] = max(samples["ledger_peak"], m.get("convo_kv_bytes_in_use", 0))
+                samples["ledger_budget"] = m.get("convo_kv_budget_bytes", 0)
+                samples["running_peak"] = max(samples["running_peak"], m.get("convo_requests_running", 0))
+                samples["waiting_peak"] = max(samples["waiting_peak"], m.get("convo_requests_waiting", 0))
+            except Exception:
+                pass
+            samples["rss_peak"] = max(samples["rss_peak"], proc.memory_info().rss)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.1)
+            except TimeoutError:
+                pass
+
+
+async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
+    import httpx
+    import psutil
+
+    samples: dict[str, Any] = {
+        "ledger_peak": 0.0,
+        "ledger_budget": 0.0,
+        "running_peak": 0.0,
+        "waiting_peak": 0.0,
+        "rss_peak": 0,
+    }
+    rss_idle = psutil.Process(pid).memory_info().rss
+    stop = asyncio.Event()
+    sample_task = asyncio.create_task(sampler(base, pid, stop, samples))
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.sessions + 8, max_keepalive_connections=args.sessions + 8)
+    t0 = time.monotonic()
+    end = t0 + args.duration_s
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
+        sids = [f"load-{i:03d}-{rng.randrange(1 << 30):x}" for i in range(args.sessions)]
+        rngs = [random.Random(rng.random()) for _ in sids]
+        results = await asyncio.gather(
+            *(conversation(client, base, s, args, r, t0, end) for s, r in zip(sids, rngs, strict=True))
+        )
+        wall = time.monotonic() - t0
+        stop.set()
+        await sample_task
+        # Nothing lost: every 200 turn's message and reply are stored, in order; refused ones not.
+        lost, extra = 0, 0
+        for sid, outs in zip(sids, results, strict=True):
+            expected = []
+            for o in outs:
+                if o.status == 200 and not o.error:
+                    expected += [o.user, o.reply]
+            r = await client.get(f"{base}/v1/sessions/{sid}")
+            stored = [m["content"] for m in r.json()["messages"]] if r.status_code == 200 else []
+            lost += sum(1 for m in expected if m not in stored)
+            extra += max(len(stored) - len(expected), 0)
+            if stored != expected:
+                print(
+                    f"[serve_load] session {sid}: stored {len(stored)} != expected {len(expected)}",
+                    file=sys.stderr,
+                )
+        metrics = parse_metrics((await client.get(f"{base}/metrics")).text)
+    outcomes = [o for outs in results for o in outs]
+    return {
+        "outcomes": outcomes,
+        "wall_s": wall,
+        "lost_messages": lost,
+        "unexpected_stored_messages": extra,
+        "samples": samples,
+        "rss_idle_bytes": rss_idle,
+        "metrics": metrics,
+    }
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4)
+
+
+def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    outs: list[Outcome] = res["outcomes"]
+    ok = [o for o in outs if o.status == 200 and not o.error]
+    refused = [o for o in outs if o.status == 429]
+    timed_out = [o for o in outs if o.status == 503]
+    other = [o for o in outs if o not in ok and o not in refused and o not in timed_out]
+    ttft = [o.ttft_s for o in ok if o.stream and o.ttft_s is not None]
+    m = res["metrics"]
+    s = res["samples"]
+    refused_by = {k.split('"')[1]: v for k, v in m.items() if k.startswith("convo_requests_refused_total{")}
+    return {
+        "requests": len(outs),
+        "completed_200": len(ok),
+        "refused_429": len(refused),
+        "queue_timeout_503": len(timed_out),
+        "other_errors": len(other),
+        "other_error_samples": [f"{o.status} {o.error}" for o in other[:3]],
+        "wall_s": round(res["wall_s"], 3),
+        "completed_per_s": round(len(ok) / res["wall_s"], 3),
+        "requests_per_s": round(len(outs) / res["wall_s"], 3),
+        "latency_s": {
+            "p50": pct([o.latency_s for o in ok], 0.5),
+            "p95": pct([o.latency_s for o in ok], 0.95),
+        },
+        "latency_by_length_p50_s": {k: pct([o.latency_s for o in ok if o.kind == k], 0.5) for k in LENGTHS},
+        "ttft_stream_s": {"p50": pct(ttft, 0.5), "p95": pct(ttft, 0.95), "n": len(ttft)},
+        "refusal_latency_s": {
+            "p50": pct([o.latency_s for o in refused], 0.5),
+            "p95": pct([o.latency_s for o in refused], 0.95),
+            "max": round(max((o.latency_s for o in refused), default=0.0), 4),
+        },
+        "lost_messages": res["lost_messages"],
+        "unexpected_stored_messages": res["unexpected_stored_messages"],
+        "admission_ledger": {
+            "unit": "tokens (prompt bound + reply cap per admitted request)",
+            "budget": s["ledger_budget"],
+            "peak_in_use": s["ledger_peak"],
+            "within_budget": s["ledger_peak"] <= s["ledger_budget"],
+            "running_peak": s["running_peak"],
+            "waiting_peak": s["waiting_peak"],
+            "admitted_total": m.get("convo_requests_admitted_total"),
+            "refused_total_by_reason": refused_by,
+        },
+        "server_rss_bytes": {
+            "idle": res["rss_idle_bytes"],
+            "peak": s["rss_peak"],
+            "growth": s["rss_peak"] - res["rss_idle_bytes"],
+        },
+    }
+
+
+def hardware() -> dict[str, Any]:
+    import psutil
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+    }
+
+
+def versions(fake: bool) -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    names = ["convo", "httpx", "fastapi", "uvicorn"] + ([] if fake else ["torch", "transformers"])
+    for name in names:
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = "missing"
+    return out
+
+
+def plot(outs: list[Outcome], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = {
+        "200": ([o for o in outs if o.status == 200 and not o.error], "tab:green"),
+        "429": ([o for o in outs if o.status == 429], "tab:red"),
+        "503": ([o for o in outs if o.status == 503], "tab:orange"),
+        "other": ([o for o in outs if o.status not in (200, 429, 503) or (o.status == 200 and o.error)], "k"),
+    }
+    for label, (group, color) in groups.items():
+        if group:
+            a.scatter([o.start_s for o in group], [o.latency_s for o in group], s=12, c=color, label=label)
+    a.set_xlabel("request start (s since run began)")
+    a.set_ylabel("latency (s)")
+    a.set_title("timeline")
+    a.legend()
+    ok = groups["200"][0]
+    if ok:
+        b.hist([o.latency_s for o in ok], bins=30, color="tab:green", alpha=0.7, label="200 latency")
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    if ttft:
+        b.hist(ttft, bins=30, color="tab:blue", alpha=0.6, label="TTFT (stream)")
+    if groups["429"][0]:
+        b.hist([o.latency_s for o in groups["429"][0]], bins=30, color="tab:red", alpha=0.6, label="429")
+    b.set_xlabel("seconds")
+    b.set_title("latency histogram")
+    b.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fake", action="store_true", help="the test engine (no model), with --delay-s per word")
+    p.add_argument("--delay-s", type=float, default=0.02, help="fake engine: seconds per word (0.02)")
+    p.add_argument("--sessions", type=int, default=48, help="concurrent conversations (48)")
+    p.add_argument("--turns", type=int, default=3, help="turns per conversation (3)")
+    p.add_argument("--stream-fraction", type=float, default=0.5, help="share of streaming requests (0.5)")
+    p.add_argument("--budget", type=int, default=2048, help="context_tokens per session (2048)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="reply cap (64)")
+    p.add_argument("--max-concurrency", type=int, default=4, help="server: requests generating at once (4)")
+    p.add_argument("--max-queue", type=int, default=8, help="server: requests waiting, more get 429 (8)")
+    p.add_argument("--queue-timeout-s", type=float, default=30.0, help="server: queue wait before 503 (30)")
+    p.add_argument("--admission-tokens", type=int, default=16384, help="server: token ledger budget (16384)")
+    p.add_argument("--duration-s", type=float, default=120.0, help="stop starting turns after this (120)")
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request (300)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--db", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if args.sessions < 1 or args.turns < 1 or args.sessions * args.turns > 5000:
+        p.error("--sessions and --turns must be >= 1, at most 5000 requests in all")
+
+    import httpx
+
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="convo-load-")
+    cmd = [sys.executable, __file__, "--child", "--port", str(port), "--db", f"{tmp}/s.db"]
+    for name in (
+        "delay_s",
+        "budget",
+        "max_new_tokens",
+        "max_concurrency",
+        "max_queue",
+        "queue_timeout_s",
+        "admission_tokens",
+    ):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.fake:
+        cmd.append("--fake")
+    base = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() - started > 300:
+                raise SystemExit("the server did not start")
+            time.sleep(0.2)
+        startup_s = time.monotonic() - started
+        res = asyncio.run(run(args, base, proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    results = summarize(args, res)
+    results["server_startup_s"] = round(startup_s, 2)
+    engine = "fake" if args.fake else "smollm2"
+    config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db")}
+    report = {
+        "benchmark": "serve_load",
+        "engine": engine,
+        "hardware": hardware(),
+        "versions": versions(args.fake),
+        "config": config,
+        "results": results,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"serve_load_{engine}.json").write_text(json.dumps(report, indent=2))
+    (out / f"serve_load_{engine}_requests.json").write_text(
+        json.dumps(
+            [{k: v for k, v in asdict(o).items() if k not in ("user", "reply")} for o in res["outcomes"]]
+        )
+    )
+    plot(res["outcomes"], out / f"serve_load_{engine}.png", f"convo serve under load ({engine})")
+    print(json.dumps(report, indent=2))
+    ok = results["lost_messages"] == 0 and results["admission_ledger"]["within_budget"]
+    return 0 if ok and results["other_errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""The remote engine: pure client logic on httpx.MockTransport, then real servers on loopback
+(``convo serve`` with its test engine, and llama-cpp-python's server on the default GGUF)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from convo import Session
+from convo.engine import FinishReason
+from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
+from convo.messages import Message, Role
+from convo.remote import OpenAIEngine, RetryPolicy, parse_retry_after
+
+USER = [Message(role=Role.USER, content="hello there")]
+
+
+def ok_body(text: str = "hi!", finish: str = "stop", prompt: int = 11, completion: int = 2) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+def mock_engine(handler: Callable[[httpx.Request], httpx.Response], **kwargs: Any) -> OpenAIEngine:
+    kwargs.setdefault("retry", RetryPolicy(max_retries=3, backoff_s=0.01, jitter=0))
+    return OpenAIEngine(
+        "http://engine.test/v1", "m", context_window=4096, transport=httpx.MockTransport(handler), **kwargs
+    )
+
+
+# -- pure client logic (MockTransport) ----------------------------------------------------------
+
+
+def test_plain_reply_maps_finish_reason_and_usage() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=ok_body("a b c", finish="length", prompt=40, completion=3))
+
+    engine = mock_engine(handler)
+    gen = engine.generate(USER, max_new_tokens=3, stop=["\n\n"])
+    assert gen.text == "a b c" and gen.finish_reason is FinishReason.LENGTH
+    s = gen.stats
+    assert (s.prompt_tokens, s.new_tokens, s.memory_kind, s.kv_bytes, s.peak_allocated_bytes) == (
+        40,
+        3,
+        "remote",
+        0,
+        0,
+    )
+    body = seen[0]
+    assert body["max_tokens"] == 3 and body["temperature"] == 0.0 and body["stop"] == ["\n\n"]
+    assert body["stream"] is False and body["messages"] == [{"role": "user", "content": "hello there"}]
+    assert engine.observed_token_ratio == 40 / engine.counter.count_prompt(USER)
+
+
+def test_retries_429_and_5xx_honoring_retry_after() -> None:
+    statuses = iter([429, 503, 200])
+    times: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        times.append(time.monotonic())
+        status = next(statuses)
+        if status == 429:
+            return httpx.Response(429, headers={"Retry-After": "0.3"}, json={"error": {"message": "busy"}})
+        if status == 503:
+            return httpx.Response(503, text="overloaded")
+        return httpx.Response(200, json=ok_body())
+
+    engine = mock_engine(handler)
+    assert engine.generate(USER, max_new_tokens=8).text == "hi!"
+    assert engine.retries == 2
+    assert times[1] - times[0] >= 0.3  # Retry-After honored (the backoff alone is 0.01 s)
+    assert times[2] - times[1] < 0.3  # then the backoff: 0.02 s
+
+
+def test_gives_up_with_typed_error_and_does_not_retry_client_errors() -> None:
+    calls = {"n": 0}
+
+    def always(status: int, message: str) -> Callable[[httpx.Request], httpx.Response]:
+        def handler(request: httpx.Request) -> httpx.Response:
+            calls["n"] += 1
+            return httpx.Response(status, json={"error": {"message": message}})
+
+        return handler
+
+    with pytest.raises(RemoteEngineError) as info:
+        mock_engine(always(502, "bad gateway")).generate(USER, max_new_tokens=4)
+    assert info.value.status == 502 and calls["n"] == 4  # 1 + max_retries
+    calls["n"] = 0
+    with pytest.raises(RemoteEngineError, match="API key") as info:
+        mock_engine(always(401, "nope")).generate(USER, max_new_tokens=4)
+    assert info.value.status == 401 and calls["n"] == 1
+    calls["n"] = 0
+    msg = "This model's maximum context length is 512 tokens. However, you requested 900 tokens"
+    with pytest.raises(BudgetError, match="does not fit"):
+        mock_engine(always(400, msg)).generate(USER, max_new_tokens=4)
+    assert calls["n"] == 1
+    # A Retry-After longer than the policy accepts ends the retries at once.
+    calls["n"] = 0
+
+    def long_wait(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        return httpx.Response(429, headers={"Retry-After": "120"})
+
+    with pytest.raises(RemoteEngineError) as info:
+        mock_engine(long_wait).generate(USER, max_new_tokens=4)
+    assert info.value.retry_after_s == 120 and calls["n"] == 1
+
+
+def test_connection_errors_are_retried() -> None:
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json=ok_body())
+
+    assert mock_engine(handler).generate(USER, max_new_tokens=4).text == "hi!"
+    assert calls["n"] == 3
+    engine = OpenAIEngine(
+        f"http://127.0.0.1:{free_port()}",
+        "m",
+        context_window=512,
+        retry=RetryPolicy(max_retries=1, backoff_s=0),
+    )
+    with pytest.raises(RemoteEngineError, match="2 attempts") as info:
+        engine.generate(USER, max_new_tokens=4)
+    assert info.value.status is None
+
+
+def test_sse_stream_is_parsed_with_usage() -> None:
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}},
+    ]
+    raw = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + ": keep-alive\n\ndata: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert json.loads(request.content)["stream_options"] == {"include_usage": True}
+        return httpx.Response(200, content=raw.encode(), headers={"content-type": "text/event-stream"})
+
+    pieces: list[str] = []
+    gen = mock_engine(handler).generate(USER, max_new_tokens=8, on_text=pieces.append)
+    assert pieces == ["Hel", "lo"] and gen.text == "Hello" and gen.finish_reason is FinishReason.STOP
+    assert gen.stats.prompt_tokens == 9 and gen.stats.new_tokens == 2
+
+
+def test_budget_is_checked_before_the_request_and_margin_is_documented() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:  # pragma: no cover - never reached
+        raise AssertionError("the request must not leave")
+
+    engine = mock_engine(handler)
+    assert not engine.exact_counter
+    assert engine.margin_tokens == engine.recommended_margin_tokens(4096) > 0
+    assert engine.context_window == 4096 - engine.margin_tokens
+    budget = engine.budget(context_tokens=1024, max_new_tokens=128)
+    assert budget.margin_tokens == engine.recommended_margin_tokens(1024, 128) == 224 + 32
+    big = [Message(role=Role.USER, content="word " * 5000)]
+    with pytest.raises(BudgetError):
+        engine.generate(big, max_new_tokens=16)
+    with pytest.raises(BudgetError):
+        engine.generate(USER, max_new_tokens=16, max_prompt_tokens=2)
+    with pytest.raises(ConfigError):
+        OpenAIEngine("localhost:8000")
+
+
+def test_retry_policy_and_retry_after_parsing() -> None:
+    policy = RetryPolicy(backoff_s=0.5, max_backoff_s=3, jitter=0)
+    assert [policy.delay_s(i) for i in range(4)] == [0.5, 1.0, 2.0, 3.0]
+    assert policy.delay_s(0, retry_after_s=5) == 5
+    jittery = RetryPolicy(backoff_s=1, jitter=0.5)
+    assert all(0.5 <= jittery.delay_s(0) <= 1.0 for _ in range(50))
+    assert parse_retry_after("7") == 7 and parse_retry_after(None) is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    with pytest.raises(ConfigError):
+        RetryPolicy(jitter=2)
+
+
+# -- a real OpenAI-compatible server: `convo serve` with its test engine -------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def process(cmd: list[str], ready_url: str, env: dict[str, str], timeout_s: float = 60) -> Iterator[None]:
+    """Run a server process until ``ready_url`` answers 200; stop it afterwards. Its output
+    goes to a temporary file (a pipe could fill up and stall a chatty server)."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    if httpx.get(ready_url, timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    log.seek(0)
+                    raise AssertionError(f"{cmd[:4]} did not start: {log.read().decode()[-2000:]}")
+                time.sleep(0.1)
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def echo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``convo serve`` with the test engine: 0.05 s per word, context 2048."""
+    port = free_port()
+    db = tmp_path_factory.mktemp("echo") / "s.db"
+    cmd = [sys.executable, "-m", "convo.cli", "serve", "--port", str(port), "--db", str(db)]
+    base = f"http://127.0.0.1:{port}"
+    with process(cmd, f"{base}/health", {"CONVO_FAKE_ENGINE": "1", "CONVO_FAKE_DELAY_S": "0.05"}):
+        yield base
+
+
+def test_session_over_convo_serve_answers_streams_and_times_out(echo_url: str) -> None:
+    engine = OpenAIEngine(echo_url, context_window=2048)  # model name from /v1/models
+    assert engine.model == "echo"
+    session = Session(engine, budget=engine.budget(max_new_tokens=64, summary_tokens=0))
+    assert session.send("my name is Ada").text == "heard 1: my name is Ada"
+    reply = session.send("who am I")
+    assert reply.text == "heard 3: who am I"  # the history travelled to the remote model
+    assert reply.stats.generation is not None and reply.stats.generation.memory_kind == "remote"
+    pieces = list(session.stream("stream this"))
+    assert "".join(pieces) == "heard 5: stream this" and len(pieces) == 4
+
+    long = [Message(role=Role.USER, content=" ".join(f"w{i}" for i in range(60)))]  # about 3 s
+    with pytest.raises(GenerationTimeout):
+        engine.generate(long, max_new_tokens=100, timeout_s=0.4)
+    t0 = time.monotonic()
+    gen = engine.generate(long, max_new_tokens=100, timeout_s=0.4, on_text=lambda s: None)
+    assert gen.finish_reason is FinishReason.TIMEOUT and gen.text.startswith("heard 1:")
+    assert time.monotonic() - t0 < 1.0
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    gen = engine.generate(long, max_new_tokens=100, on_text=lambda s: None, cancel=cancel)
+    assert gen.finish_reason is FinishReason.CANCELLED and 0 < len(gen.text.split()) < 20
+
+
+def test_convo_serve_engine_url_chains_to_a_remote_engine(echo_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "convo.cli", "serve", "--port", str(port), "--db", str(tmp_path / "f.db")]
+    cmd += ["--engine-url", f"{echo_url}/v1", "--engine-context", "2048", "--max-new-tokens", "64"]
+    front = f"http://127.0.0.1:{port}"
+    with process(cmd, f"{front}/health", {"CONVO_FAKE_ENGINE": "0"}):
+        with openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0) as c:
+            first = c.chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "hi"}], user="chain"
+            )
+            second = c.chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "again"}], user="chain"
+            )
+        # The front keeps the session; the upstream sees the whole planned prompt each time.
+        assert first.choices[0].message.content == "heard 1: hi"
+        assert second.choices[0].message.content == "heard 3: again"
+        msgs = httpx.get(f"{front}/v1/sessions/chain").json()["messages"]
+        assert [m["content"] for m in msgs] == ["hi", "heard 1: hi", "again", "heard 3: again"]
+
+
+# -- the real default model behind llama-cpp-python's server -------------------------------------
+
+LLAMA_CTX = 512
+
+
+@pytest.fixture(scope="session")
+def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-cpp-python's OpenAI server on the default GGUF, n_ctx=512, on a free port."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CONVO_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(f"CONVO_REQUIRE_LLAMA_CPP=1 but llama-cpp-python[server] is missing: {exc}")
+        pytest.skip("llama-cpp-python[server] is not installed (.ci/llama_cpp_wheel.sh)")
+    from convo.engine import default_gguf_path
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path())]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(LLAMA_CTX), "--n_threads", "2"]
+    base = f"http://127.0.0.1:{port}"
+    with process(cmd, f"{base}/v1/models", {}, timeout_s=120):
+        yield base
+
+
+@pytest.mark.slow
+def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> None:
+    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, timeout_s=120)
+    budget = engine.budget(max_new_tokens=32, window_turns=2, summary_tokens=48, summarize_batch_turns=1)
+    assert budget.context_tokens == LLAMA_CTX and budget.margin_tokens > 0
+    session = Session(engine, budget=budget, system_prompt="You are a terse assistant.")
+    prose = (
+        "I moved to Lisbon in March, I work as a marine biologist studying octopus behaviour, "
+        "and on weekends I sail a small boat called Nautilus along the coast. "
+    )
+    for i in range(5):
+        reply = session.send(f"Turn {i}. {prose * 2}What is my boat called?")
+        g = reply.stats.generation
+        assert g is not None and g.memory_kind == "remote"
+        # The server's own count of the prompt (usage.prompt_tokens) plus the reply cap fits.
+        assert reply.stats.prompt_tokens == g.prompt_tokens
+        assert g.prompt_tokens + budget.max_new_tokens <= LLAMA_CTX, (i, g.prompt_tokens)
+        assert 0 < g.new_tokens <= budget.max_new_tokens and reply.text.strip()
+    assert session.summarized_turns >= 2 and session.summary.strip()  # summaries ran remotely
+    assert 1.0 <= engine.observed_token_ratio < 1 + 0.25 + 32 / 100  # within the margin
+
+
+@pytest.mark.slow
+def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: str) -> None:
+    from convo.engine import default_model_path
+
+    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path())
+    assert engine.exact_counter and engine.margin_tokens == 0
+    msgs = [Message(role=Role.USER, content="Name three colours.")]
+    plain = engine.generate(msgs, max_new_tokens=24)
+    pieces: list[str] = []
+    streamed = engine.generate(msgs, max_new_tokens=24, on_text=pieces.append)
+    assert plain.text.strip() and streamed.text == plain.text == "".join(pieces)  # greedy
+    assert streamed.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert streamed.stats.ttft_s <= streamed.stats.total_s
+    # The served model's tokenizer counts the prompt as the server does (give or take BOS).
+    assert abs(engine.counter.count_prompt(msgs) - plain.stats.prompt_tokens) <= 1

@@ -22,13 +22,14 @@ from convo.errors import (
     ModelLoadError,
     QueueFullError,
     QueueTimeoutError,
+    RemoteEngineError,
     SessionNotFound,
     StoreError,
 )
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
 from convo.plan import Passage, PromptPlan, Turn, plan_prompt
 from convo.session import Reply, Session, TurnStats
-from convo.store import MemoryStore, SessionState, SQLiteStore, Store
+from convo.store import MemoryStore, RedisStore, SessionState, SQLiteStore, Store
 from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import CharCounter, HFTokenCounter, TiktokenCounter, TokenCounter
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from convo.engine import FinishReason, Generation, GenerationStats, Quant, Sampling, TransformersEngine
     from convo.memory import MemoryModel, parse_size
     from convo.metrics import ServingMetrics
+    from convo.remote import OpenAIEngine, RetryPolicy
     from convo.retrieval import (
         BM25Index,
         Chunk,
@@ -73,6 +75,8 @@ _LAZY = {
     "Chunk": "convo.retrieval",
     "chunk_text": "convo.retrieval",
     "Embedder": "convo.embeddings",
+    "OpenAIEngine": "convo.remote",
+    "RetryPolicy": "convo.remote",
 }
 
 __version__ = "0.1.0"
@@ -106,15 +110,19 @@ __all__ = [
     "MissingDependency",
     "ModelLoadError",
     "ModelSummarizer",
+    "OpenAIEngine",
     "OversizePolicy",
     "Passage",
     "PromptPlan",
     "Quant",
     "QueueFullError",
     "QueueTimeoutError",
+    "RedisStore",
+    "RemoteEngineError",
     "Reply",
     "Request",
     "RetrievalConfig",
+    "RetryPolicy",
     "Role",
     "SQLiteStore",
     "Sampling",

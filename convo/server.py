@@ -814,7 +814,13 @@ def run_server(args: argparse.Namespace) -> int:
     budget = Budget(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
     store: Store = RedisStore(args.redis) if args.redis else SQLiteStore(args.db or default_db_path())
     engine: Any
-    if os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
+    if getattr(args, "engine_url", None):  # a remote OpenAI-compatible engine
+        from convo.remote import engine_from_args
+
+        engine = engine_from_args(args, default_context_tokens=budget.context_tokens)
+        budget = engine.budget(context_tokens=budget.context_tokens, max_new_tokens=budget.max_new_tokens)
+        name = args.engine_model or engine.model
+    elif os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
         engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
     else:
         from convo.engine import DEFAULT_MODEL_NAME, TransformersEngine

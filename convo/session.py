@@ -391,10 +391,13 @@ class Session:
             parts["template"] += real - plan.prompt_tokens
             plan = replace(plan, prompt_tokens=real, parts=parts)
         self._commit([Message(role=Role.ASSISTANT, content=gen.text)])
+        budget_cut = plan.first_shown_turn > self.evicted_turns
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
         # Slide the window for the next turn now, so that the summary changes on the same
         # turn as the window: one re-prefill per batch instead of two.
         self._advance_window(lookahead=1)
+        if budget_cut:
+            self._make_room_for_batch()
         t_sum = time.monotonic()
         self._maybe_summarize()
         summarize_s = time.monotonic() - t_sum
@@ -536,6 +539,29 @@ class Session:
         if turns - self.evicted_turns > self.max_window_turns:
             self._state = replace(self._state, evicted_turns=turns - self.budget.window_turns)
             self.store.save_state(self._state)
+
+    def _make_room_for_batch(self) -> None:
+        """The token budget, not the turn count, pushed turns out: push out a batch.
+
+        Dropping just enough turns every turn would change the prompt's start every turn
+        and defeat KV reuse. Instead, free room for about ``summarize_batch_turns - 1``
+        more turns of the recent size, keeping at least one turn and ``recent_min_tokens``
+        of recent history, so the next turns extend the prompt until the next cut.
+        """
+        batch = self.budget.summarize_batch_turns
+        turns = self.turns(self.evicted_turns)
+        if batch <= 1 or len(turns) <= 1:
+            return
+        costs = [sum(self.counter.message_tokens(m) for m in t.messages) for t in turns]
+        per_turn = sum(costs[-batch:]) / len(costs[-batch:])
+        target = (batch - 1) * per_turn
+        kept, freed, drop = sum(costs), 0.0, 0
+        while drop < len(turns) - 1 and freed < target and kept - costs[drop] >= self.budget.recent_min:
+            freed += costs[drop]
+            kept -= costs[drop]
+            drop += 1
+        if drop:
+            self._state = replace(self._state, evicted_turns=self.evicted_turns + drop)
 
     def _remember_completed_turns(self) -> None:
         """Hand every completed turn (all but the last) to the retriever, once each."""

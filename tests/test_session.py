@@ -226,3 +226,19 @@ def test_a_wrong_additive_claim_is_caught_before_the_model() -> None:
         real = counter.count_prompt(engine.prompts[-1])
         assert real + 20 <= 120
         assert reply.stats.prompt_tokens == real
+
+
+def test_when_the_token_budget_binds_turns_leave_in_batches(fake_engine: FakeEngine) -> None:
+    # Each turn is ~30 tokens; the budget holds ~7 of them, far fewer than window_turns.
+    budget = Budget(context_tokens=300, max_new_tokens=40, window_turns=20, summarize_batch_turns=4, summary_tokens=0)
+    session = Session(fake_engine, budget=budget)
+    extends = []
+    for i in range(40):
+        reply = session.send(f"turn {i:02d} " + "w" * 80)
+        assert reply.stats.prompt_tokens + 40 <= 300
+        assert len(reply.plan.turns_shown) >= min(2, i + 1)
+        if len(fake_engine.prompts) > 1:
+            prev, cur = fake_engine.prompts[-2], fake_engine.prompts[-1]
+            extends.append(cur[: len(prev)] == prev)
+    # Without batching every turn past the first few would restart the prompt.
+    assert sum(extends[10:]) >= len(extends[10:]) // 2

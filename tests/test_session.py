@@ -230,7 +230,9 @@ def test_a_wrong_additive_claim_is_caught_before_the_model() -> None:
 
 def test_when_the_token_budget_binds_turns_leave_in_batches(fake_engine: FakeEngine) -> None:
     # Each turn is ~30 tokens; the budget holds ~7 of them, far fewer than window_turns.
-    budget = Budget(context_tokens=300, max_new_tokens=40, window_turns=20, summarize_batch_turns=4, summary_tokens=0)
+    budget = Budget(
+        context_tokens=300, max_new_tokens=40, window_turns=20, summarize_batch_turns=4, summary_tokens=0
+    )
     session = Session(fake_engine, budget=budget)
     extends = []
     for i in range(40):

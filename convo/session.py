@@ -391,6 +391,7 @@ class Session:
             parts["template"] += real - plan.prompt_tokens
             plan = replace(plan, prompt_tokens=real, parts=parts)
         self._commit([Message(role=Role.ASSISTANT, content=gen.text)])
+        evicted_before = self.evicted_turns
         budget_cut = plan.first_shown_turn > self.evicted_turns
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
         # Slide the window for the next turn now, so that the summary changes on the same
@@ -399,7 +400,7 @@ class Session:
         if budget_cut:
             self._make_room_for_batch()
         t_sum = time.monotonic()
-        self._maybe_summarize()
+        self._maybe_summarize(window_moved=self.evicted_turns != evicted_before)
         summarize_s = time.monotonic() - t_sum
         self.store.save_state(self._state)
         stats = TurnStats(
@@ -574,11 +575,14 @@ class Session:
         )
         self._indexed_turns = done
 
-    def _maybe_summarize(self) -> None:
+    def _maybe_summarize(self, *, window_moved: bool = False) -> None:
+        """Fold evicted turns into the summary once a batch is waiting, or whenever the
+        window has just moved (the prompt's start changes anyway, so changing the summary
+        on the same turn costs no extra re-prefill)."""
         pending = self.evicted_turns - self.summarized_turns
-        if self.summarizer is None or self.budget.summary_tokens == 0:
+        if self.summarizer is None or self.budget.summary_tokens == 0 or pending <= 0:
             return
-        if pending < self.budget.summarize_batch_turns:
+        if pending < self.budget.summarize_batch_turns and not window_moved:
             return
         messages = [m for t in self.turns(self.summarized_turns)[:pending] for m in t.messages]
         summary = self.summarizer.summarize(

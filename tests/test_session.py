@@ -228,12 +228,20 @@ def test_a_wrong_additive_claim_is_caught_before_the_model() -> None:
         assert reply.stats.prompt_tokens == real
 
 
-def test_when_the_token_budget_binds_turns_leave_in_batches(fake_engine: FakeEngine) -> None:
+@pytest.mark.parametrize("summary_tokens", [0, 20])
+def test_when_the_token_budget_binds_turns_leave_in_batches(
+    fake_engine: FakeEngine, summary_tokens: int
+) -> None:
     # Each turn is ~30 tokens; the budget holds ~7 of them, far fewer than window_turns.
     budget = Budget(
-        context_tokens=300, max_new_tokens=40, window_turns=20, summarize_batch_turns=4, summary_tokens=0
+        context_tokens=300,
+        max_new_tokens=40,
+        window_turns=20,
+        summarize_batch_turns=4,
+        summary_tokens=summary_tokens,
     )
-    session = Session(fake_engine, budget=budget)
+    # The summary changes on the same turn as the window, so it costs no extra restart.
+    session = Session(fake_engine, budget=budget, summarizer=CountingSummarizer())
     extends = []
     for i in range(40):
         reply = session.send(f"turn {i:02d} " + "w" * 80)

@@ -397,7 +397,7 @@ class Session:
         # Slide the window for the next turn now, so that the summary changes on the same
         # turn as the window: one re-prefill per batch instead of two.
         self._advance_window(lookahead=1)
-        if budget_cut:
+        if budget_cut or self._next_turn_overflows(plan):
             self._make_room_for_batch()
         t_sum = time.monotonic()
         self._maybe_summarize(window_moved=self.evicted_turns != evicted_before)
@@ -540,6 +540,18 @@ class Session:
         if turns - self.evicted_turns > self.max_window_turns:
             self._state = replace(self._state, evicted_turns=turns - self.budget.window_turns)
             self.store.save_state(self._state)
+
+    def _next_turn_overflows(self, plan: PromptPlan) -> bool:
+        """Whether the next turn, at the recent turns' average size, would not fit.
+
+        Making room now (after the reply) instead of letting the planner cut a turn on the
+        next one means the window and the summary move together, once per batch.
+        """
+        recent = self.turns(max(self.evicted_turns, self.turn_count - self.budget.summarize_batch_turns))
+        if not recent:
+            return False
+        per_turn = sum(self.counter.message_tokens(m) for t in recent for m in t.messages) / len(recent)
+        return plan.prompt_tokens + per_turn > self.budget.available_prompt_tokens
 
     def _make_room_for_batch(self) -> None:
         """The token budget, not the turn count, pushed turns out: push out a batch.

@@ -197,6 +197,8 @@ class Engine(Protocol):
         stop: Sequence[str] = (),
         cache_key: str | None = None,
         on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> Generation: ...
 
     def release(self, cache_key: str) -> None: ...

@@ -434,11 +434,6 @@ class Session:
         cancel: threading.Event | None,
     ) -> Generation:
         assert self.engine is not None
-        kwargs: dict[str, Any] = {}
-        if cancel is not None:
-            kwargs["cancel"] = cancel
-        if self.counter.additive:
-            kwargs["max_prompt_tokens"] = plan.context_tokens - self.budget.max_new_tokens
         return self.engine.generate(
             plan.messages,
             max_new_tokens=self.budget.max_new_tokens,
@@ -446,7 +441,9 @@ class Session:
             sampling=sampling or self.sampling,
             cache_key=self.id,
             on_text=on_text,
-            **kwargs,
+            cancel=cancel,
+            # The engine checks the real token ids against the budget before the model runs.
+            max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
         )
 
     # -- planning ------------------------------------------------------------------------------

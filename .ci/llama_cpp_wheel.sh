@@ -2,7 +2,7 @@
 # Install llama-cpp-python[server] into the active environment from a cached wheel.
 #
 # llama-cpp-python ships no binary wheel on PyPI: it compiles llama.cpp from source
-# (about 5-10 minutes on 2 CPU cores). Build it once into $CACHE and reuse it; the
+# (about 4.5 minutes on an idle 2-core machine). Build it once into $CACHE and reuse it; the
 # server extra's own dependencies (fastapi, uvicorn, sse-starlette, ...) are wheels.
 # tests/test_remote.py starts `python -m llama_cpp.server` on the default GGUF.
 #

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -65,6 +65,12 @@ class Quant(enum.StrEnum):
     prefill of 1,000 tokens 11.5 s fp32 vs 31.7 s bf16; a decode step 0.27 s vs 1.9 s).
     Ask for ``NF4`` to get 4-bit on CPU. ``NF4`` is bitsandbytes NormalFloat-4 with double
     quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
+
+    ``INT4`` is the fast 4-bit path: group-wise int4 (group 128) in the tile-packed layout of
+    PyTorch's tinygemm kernels, run by the static decoder (:mod:`convo.decode`), whose
+    compiled, graph-captured step these kernels fit into. The model is loaded dense (bf16
+    on CUDA, fp32 on CPU) and quantized at load; it needs ``kv_slots`` > 0 (the default
+    for it). On CPU the int4 kernels are slower than fp32: use it there to check quality.
     """
 
     AUTO = "auto"
@@ -73,6 +79,13 @@ class Quant(enum.StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    INT4 = "int4"
+
+
+#: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
+DEFAULT_KV_SLOTS = 8
+#: Tokens per slot when neither ``slot_tokens`` nor ``max_input_tokens`` is given.
+DEFAULT_SLOT_TOKENS = 4096
 
 
 class FinishReason(enum.StrEnum):
@@ -162,6 +175,7 @@ class GenerationStats:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     attention: str
+    kv_slot_bytes: int = 0  # the static KV slot the call ran in (0 without static decode)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,9 +355,13 @@ class _Streamer:
         if not self._prompt_seen:  # generate pushes the prompt first
             self._prompt_seen = True
             return
+        self.add(int(t) for t in value.reshape(-1).tolist())
+
+    def add(self, ids: Iterable[int]) -> None:
+        """New token ids of the reply."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.ids.extend(int(t) for t in value.reshape(-1).tolist())
+        self.ids.extend(ids)
         if self.on_text is not None:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             # Hold back an incomplete multi-byte character.
@@ -397,7 +415,19 @@ class TransformersEngine:
         prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
             clock between chunks (also bounds prefill activation memory). Default 512.
         max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
+            With static decode the slots bound this instead.
         cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
+        kv_slots: static KV slots (:mod:`convo.decode`): the KV memory of ``kv_slots``
+            sessions of ``slot_tokens`` tokens is taken once at load, every generating
+            session holds a slot, and sessions generating at once decode together in one
+            graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
+            supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
+            0; 0: plain ``generate`` with a growing cache.
+        slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
+            the input cap. Default: ``max_input_tokens`` if given, else the model's
+            context limit up to :data:`DEFAULT_SLOT_TOKENS`.
+        compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
+            Default: on CUDA (for plain and int4 weights).
         progress: called with a line of text while loading (CLIs show a spinner).
 
     Example:
@@ -420,6 +450,9 @@ class TransformersEngine:
         max_cached_sessions: int = 8,
         cache_idle_s: float = 600.0,
         progress: Callable[[str], None] | None = None,
+        kv_slots: int | None = None,
+        slot_tokens: int | None = None,
+        compile_decode: bool | None = None,
         _model: Any = None,
         _tokenizer: Any = None,
     ) -> None:
@@ -429,6 +462,10 @@ class TransformersEngine:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
         if max_cached_sessions < 0:
             raise ConfigError("max_cached_sessions must be >= 0")
+        if kv_slots is not None and kv_slots < 0:
+            raise ConfigError("kv_slots must be >= 0")
+        if slot_tokens is not None and slot_tokens < 2:
+            raise ConfigError("slot_tokens must be >= 2")
         try:
             import torch
             import transformers  # noqa: F401
@@ -464,6 +501,11 @@ class TransformersEngine:
         self.max_input_tokens = max_input_tokens or int(n_pos)
         if self.max_input_tokens < 1:
             raise ConfigError("max_input_tokens must be >= 1")
+        self._decoder: Any = None
+        self._scheduler: Any = None
+        self._start_static_decode(
+            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
+        )
         from convo.memory import DType, ModelShape
 
         kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
@@ -484,8 +526,10 @@ class TransformersEngine:
             return torch.float32
         if self.quant is Quant.FP16:
             return torch.float16
-        if self.quant is Quant.BF16:
+        if self.quant is Quant.BF16 or (self.quant is Quant.INT4 and self.device.startswith("cuda")):
             return torch.bfloat16
+        if self.quant is Quant.INT4:
+            return torch.float32
         # nf4 / int8: bf16 compute on CUDA (fp16 where unsupported), fp32 on CPU (see Quant).
         if not self.device.startswith("cuda"):
             return torch.float32
@@ -551,8 +595,10 @@ class TransformersEngine:
         quant = {Quant.NF4: memory.Quant.NF4, Quant.INT8: memory.Quant.INT8}.get(
             self.quant, memory.Quant.NONE
         )
-        dtype = {Quant.FP32: memory.DType.FP32, Quant.FP16: memory.DType.FP16}.get(
-            self.quant, memory.DType.BF16
+        import torch
+
+        dtype = {torch.float32: memory.DType.FP32, torch.float16: memory.DType.FP16}.get(
+            self.compute_dtype, memory.DType.BF16
         )
         if progress:
             progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
@@ -564,6 +610,53 @@ class TransformersEngine:
         )
         self._vocab_limit = int(config["vocab_size"])
         return model, tokenizer
+
+    def _start_static_decode(
+        self,
+        kv_slots: int | None,
+        slot_tokens: int | None,
+        n_pos: int,
+        compile_decode: bool | None,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        """Build the static decoder (KV slot pool, captured step) when asked or by default."""
+        from convo.decode import DecodeScheduler, StaticDecoder
+
+        auto = kv_slots is None
+        cuda = self.device.startswith("cuda")
+        if auto:
+            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) else 0
+        if not kv_slots:
+            if self.quant is Quant.INT4:
+                raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
+            return
+        tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
+        if progress:
+            progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
+        try:
+            decoder = StaticDecoder(
+                self.model,
+                slots=kv_slots,
+                slot_tokens=tokens,
+                weights="int4" if self.quant is Quant.INT4 else "as-loaded",
+                compile=compile_decode,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                free_dense=self.quant is Quant.INT4,
+            )
+        except ConfigError:
+            if auto and self.quant is not Quant.INT4:
+                return  # an architecture the static decoder does not know: plain generate
+            raise
+        if progress:
+            progress("static decode: compiling and capturing the decode step")
+        decoder.warmup()
+        self._decoder, self._scheduler = decoder, DecodeScheduler(decoder)
+        self.max_input_tokens = min(self.max_input_tokens, tokens)
+
+    @property
+    def decoder(self) -> Any:
+        """The :class:`~convo.decode.StaticDecoder` (KV slots), or ``None``."""
+        return self._decoder
 
     def _model_ids(self, ids: Sequence[int]) -> list[int]:
         if self._vocab_limit is None:
@@ -611,16 +704,24 @@ class TransformersEngine:
     @property
     def cached_sessions(self) -> list[str]:
         """Keys of the sessions whose KV cache is kept."""
+        if self._decoder is not None:
+            return self._decoder.pool.owners()
         with self._lock:
             return list(self._caches)
 
     def release(self, cache_key: str) -> None:
         """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
+        if self._decoder is not None:
+            self._decoder.pool.forget(cache_key)
         with self._lock:
             self._caches.pop(cache_key, None)
 
     def release_all(self) -> None:
-        """Drop every kept KV cache and return cached blocks to the device."""
+        """Drop every kept KV cache and return cached blocks to the device (the static
+        slots stay allocated: they are taken once, at load)."""
+        if self._decoder is not None:
+            for key in self._decoder.pool.owners():
+                self._decoder.pool.forget(key)
         with self._lock:
             self._caches.clear()
             self._empty_device_cache()
@@ -690,6 +791,10 @@ class TransformersEngine:
             raise BudgetError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"input cap max_input_tokens={self.max_input_tokens}"
+            )
+        if self._scheduler is not None:
+            return self._generate_slots(
+                ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel
             )
         with self._lock:
             try:
@@ -794,21 +899,8 @@ class TransformersEngine:
             timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
         end_time = time.monotonic()
 
-        # Finish reason and text.
-        hit_eos = bool(new_ids) and new_ids[-1] in self._eos
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        for s in stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, hit_eos = text[:cut], True
-        if hit_eos:
-            reason = FinishReason.STOP
-        elif criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out):
-            reason = FinishReason.CANCELLED
-        elif timed_out and len(new_ids) < max_new_tokens:
-            reason = FinishReason.TIMEOUT
-        else:
-            reason = FinishReason.LENGTH
+        cancelled = criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out)
+        text, reason = self._reply(new_ids, max_new_tokens, stop, cancelled=cancelled, timed_out=timed_out)
 
         # Keep the cache for the next turn: it holds the prompt and all but the last token.
         kv_tokens = cache.get_seq_length()
@@ -820,10 +912,114 @@ class TransformersEngine:
                 self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
                 self._sweeper.start()
 
-        ttft_at = streamer.first_token_at or end_time
+        stats = self._stats(
+            ids, new_ids, cached, kv_tokens, kv_bytes, start, streamer.first_token_at, end_time, device
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+
+    def _generate_slots(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        timeout_s: float,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache_key: str | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        """Generation through the static decoder: queued for a KV slot, decoded in batch."""
+        from convo.decode import DecodeRequest
+
+        start = time.monotonic()
+        streamer = _Streamer(self.tokenizer, on_text)
+        stops = list(stop)
+
+        def on_token(token: int) -> bool:
+            streamer.add([token])
+            if not stops:
+                return False
+            text = self.tokenizer.decode(streamer.ids, skip_special_tokens=True)
+            return any(s in text for s in stops)
+
+        request = DecodeRequest(
+            ids=self._model_ids(ids),
+            max_new_tokens=max_new_tokens,
+            deadline=start + timeout_s,
+            sampling=sampling,
+            eos=frozenset(self._eos),
+            cache_key=cache_key,
+            on_token=on_token,
+            cancel=cancel,
+        )
+        self._scheduler.run(request)  # DeviceOutOfMemory propagates
+        streamer.end()
+        end_time = request.finished_at or time.monotonic()
+        new_ids = request.new_ids
+        text, reason = self._reply(
+            new_ids,
+            max_new_tokens,
+            stop,
+            cancelled=request.finish == "cancelled",
+            timed_out=request.finish == "timeout",
+        )
+        pool = self._decoder.pool
+        per_token = pool.slot_nbytes // pool.slot_tokens
+        stats = self._stats(
+            ids,
+            new_ids,
+            request.cached_tokens,
+            request.kv_tokens,
+            request.kv_tokens * per_token,
+            start,
+            request.first_token_at,
+            end_time,
+            self._decoder.device,
+            kv_slot_bytes=pool.slot_nbytes,
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+
+    def _reply(
+        self,
+        new_ids: list[int],
+        max_new_tokens: int,
+        stop: Sequence[str],
+        *,
+        cancelled: bool,
+        timed_out: bool,
+    ) -> tuple[str, FinishReason]:
+        """The reply's text (cut at a stop string) and why it ended."""
+        hit_eos = bool(new_ids) and new_ids[-1] in self._eos
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        for s in stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, hit_eos = text[:cut], True
+        if hit_eos:
+            return text, FinishReason.STOP
+        if cancelled:
+            return text, FinishReason.CANCELLED
+        if timed_out and len(new_ids) < max_new_tokens:
+            return text, FinishReason.TIMEOUT
+        return text, FinishReason.LENGTH
+
+    def _stats(
+        self,
+        ids: list[int],
+        new_ids: list[int],
+        cached: int,
+        kv_tokens: int,
+        kv_bytes: int,
+        start: float,
+        first_token_at: float | None,
+        end_time: float,
+        device: Any,
+        kv_slot_bytes: int = 0,
+    ) -> GenerationStats:
+        ttft_at = first_token_at or end_time
         n = len(new_ids)
         decode_s = max(end_time - ttft_at, 0.0)
-        stats = GenerationStats(
+        return GenerationStats(
             prompt_tokens=len(ids),
             cached_tokens=cached,
             prefill_tokens=len(ids) - cached,
@@ -837,9 +1033,9 @@ class TransformersEngine:
             total_s=end_time - start,
             tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             attention=self.attention,
+            kv_slot_bytes=kv_slot_bytes,
             **_memory_report(device),
         )
-        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
 
     # -- streaming ---------------------------------------------------------------------------------
     def stream(self, messages: Sequence[Message], **kwargs: Any) -> TextStream[Generation]:

@@ -11,7 +11,7 @@ throw-away session, so even a stateless request never exceeds the budget::
     request ── body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
        │
        ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
-       │                                        └─ waited > queue_timeout_s? 503
+       │   (never waits for a worker thread)    └─ waited > queue_timeout_s? 503
        └─ worker thread: store.lock(session) ── Session.send / .stream ── store
                           (one turn at a time, across replicas for SQLite and Redis)
 
@@ -387,7 +387,8 @@ class _Turn:
 
 def _prompt_estimate(turn: _Turn) -> int:
     """Prompt tokens to charge at admission: a stateless prompt's own size, a session's
-    upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``)."""
+    upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``). Only the
+    stateless case counts tokens; a session's costs nothing to compute."""
     bound = turn.budget.context_tokens - turn.budget.max_new_tokens
     if turn.request.session_id is not None:
         return bound
@@ -478,6 +479,10 @@ def create_app(
     cap = min(limits.max_tokens or budget.max_new_tokens, budget.context_tokens - 1)
     # Admitted turns and streams each hold a thread; the limiter keeps other work moving.
     threads = anyio.CapacityLimiter(2 * limits.max_concurrency + 8)
+    # Admission must not wait for those threads: a request to refuse gets its 429 in
+    # milliseconds however busy generation is. Counting a stateless prompt's tokens, the
+    # only work before the decision, has threads of its own.
+    counting = anyio.CapacityLimiter(2)
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store, app.state.engine, app.state.metrics, app.state.admission = (
         store,
@@ -609,7 +614,10 @@ def create_app(
         turn = _Turn(
             request=parsed, owner=owner, budget=turn_budget, store=store, engine=engine, limits=limits
         )
-        prompt_est = await in_thread(_prompt_estimate, turn)
+        if parsed.session_id is None:
+            prompt_est = await anyio.to_thread.run_sync(_prompt_estimate, turn, limiter=counting)
+        else:
+            prompt_est = _prompt_estimate(turn)  # a bound from the budget: no counting
         started = time.monotonic()
         ticket = await controller.acquire_async(
             AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn_budget.max_new_tokens)

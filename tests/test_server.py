@@ -271,6 +271,43 @@ def test_queue_full_gets_429_with_retry_after_and_timeout_gets_503(store: Store)
     assert results["q"].status_code == 503 and results["q"].json()["error"]["code"] == "queue_timeout"
 
 
+def test_refusals_are_quick_while_every_worker_thread_is_busy(store: Store) -> None:
+    # One slow turn holds the only generation slot and its session's lock; DELETEs of that
+    # session wait for the lock, a worker thread each, until no worker thread is left.
+    # Admission needs none, so requests beyond capacity are still refused at once.
+    slow = EchoEngine(delay_s=0.05, pad_words=80)  # ~4 s per turn
+    limits = ServerLimits(max_concurrency=1, max_queue=0)
+    with serve(create_app(slow, store=store, budget=BUDGET, limits=limits)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            results: list[int] = []
+
+            def call(method: str, path: str, **kwargs: Any) -> None:
+                results.append(http.request(method, path, **kwargs).status_code)
+
+            body = {"messages": [{"role": "user", "content": "hi"}], "user": "busy"}
+            busy = [
+                threading.Thread(target=call, args=("POST", "/v1/chat/completions"), kwargs={"json": body})
+            ]
+            busy[0].start()
+            while slow.prompts == []:
+                time.sleep(0.01)
+            busy += [threading.Thread(target=call, args=("DELETE", "/v1/sessions/busy")) for _ in range(12)]
+            for t in busy[1:]:
+                t.start()
+            time.sleep(0.5)  # the DELETEs are waiting for the session lock now
+            refused = []
+            for extra in ({"user": "other"}, {}):  # a session's turn and a stateless one
+                t0 = time.monotonic()
+                r = http.post("/v1/chat/completions", json={**body, **extra})
+                refused.append((r.status_code, time.monotonic() - t0))
+            assert results == [], "the refusals came only after the slow turn ended"
+            for t in busy:
+                t.join()
+    assert [status for status, _ in refused] == [429, 429]
+    assert all(seconds < 1.0 for _, seconds in refused), refused  # the turn takes ~4 s
+    assert sorted(results) == [200, 200] + [404] * 11  # the turn, then one DELETE won
+
+
 def test_client_disconnect_mid_stream_keeps_history_consistent(store: Store) -> None:
     slow = EchoEngine(delay_s=0.02, pad_words=500)  # ~10 s if nobody stopped it
     with serve(create_app(slow, store=store, budget=BUDGET)) as base:

@@ -477,8 +477,9 @@ def create_app(
         )
     controller = admission
     cap = min(limits.max_tokens or budget.max_new_tokens, budget.context_tokens - 1)
-    # Admitted turns and streams each hold a thread; the limiter keeps other work moving.
-    threads = anyio.CapacityLimiter(2 * limits.max_concurrency + 8)
+    # Admitted turns and streams hold worker threads; sized from the controller in use (not
+    # `limits`, which a custom controller overrides), so admitted turns alone never run out.
+    threads = anyio.CapacityLimiter(2 * controller.limits.max_concurrency + 8)
     # Admission must not wait for those threads: a request to refuse gets its 429 in
     # milliseconds however busy generation is. Counting a stateless prompt's tokens, the
     # only work before the decision, has threads of its own.

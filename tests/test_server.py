@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from convo import Budget, ConfigError, MemoryStore, SQLiteStore, Store
+from convo import AdmissionController, AdmissionLimits, Budget, ConfigError, MemoryStore, SQLiteStore, Store
 from convo.server import EchoEngine, ServerLimits, create_app, key_owner
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -306,6 +306,30 @@ def test_refusals_are_quick_while_every_worker_thread_is_busy(store: Store) -> N
     assert [status for status, _ in refused] == [429, 429]
     assert all(seconds < 1.0 for _, seconds in refused), refused  # the turn takes ~4 s
     assert sorted(results) == [200, 200] + [404] * 11  # the turn, then one DELETE won
+
+
+def test_a_custom_controller_runs_all_it_admits_at_once(store: Store) -> None:
+    slow = EchoEngine(delay_s=0.05, pad_words=40)  # ~2 s per turn
+    admission = AdmissionController(
+        AdmissionLimits(kv_budget_bytes=1 << 30, max_concurrency=24), cost_fn=lambda p, n: p + n
+    )
+    limits = ServerLimits(max_concurrency=1)  # the custom controller decides, not this
+    with serve(create_app(slow, store=store, budget=BUDGET, limits=limits, admission=admission)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            turns = [
+                threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body})
+                for _ in range(16)
+            ]
+            for t in turns:
+                t.start()
+            deadline = time.monotonic() + 1.5
+            while len(slow.prompts) < 16 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            generating = len(slow.prompts)
+            for t in turns:
+                t.join()
+    assert generating == 16 and admission.peak_running == 16
 
 
 def test_client_disconnect_mid_stream_keeps_history_consistent(store: Store) -> None:

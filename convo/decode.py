@@ -553,6 +553,9 @@ class StaticDecoder:
         prefill_chunk_tokens: prefill runs in chunks of this many tokens. Default 512.
         free_dense: after quantizing to int4, drop the model's dense linear weights (the
             model can then only run through this decoder). Default False.
+        buckets: batch sizes to build the step for (default: powers of two up to the
+            next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
+            the largest bucket are refused.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -571,6 +574,7 @@ class StaticDecoder:
         cuda_graphs: bool | None = None,
         prefill_chunk_tokens: int = 512,
         free_dense: bool = False,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         import torch
 
@@ -648,7 +652,9 @@ class StaticDecoder:
             self._post = torch.compile(_post_attention, fullgraph=True, dynamic=False)
         #: Batch sizes the decode step is built for; a step of n rows runs in the smallest
         #: bucket >= n (extra rows repeat the first, writing the same values).
-        self.buckets = [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]
+        self.buckets = sorted(set(buckets or [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]))
+        if self.buckets[0] < 1:
+            raise ConfigError("batch buckets must be >= 1")
         self._graphs: dict[int, tuple[Any, Any, Any]] = {}
         #: CUDA graph captures so far (the warm-up captures one per bucket).
         self.captures = 0
@@ -709,6 +715,12 @@ class StaticDecoder:
             elif hasattr(obj, "numel") and id(obj) not in seen:
                 seen.add(id(obj))
                 total += obj.numel() * obj.element_size()
+                state = getattr(obj, "quant_state", None)  # bitsandbytes 4-bit: absmax, code
+                for part in (state, getattr(state, "state2", None)):
+                    for name in ("absmax", "code", "offset"):
+                        t = getattr(part, name, None)
+                        if hasattr(t, "numel"):
+                            add(t)
 
         for layer in self.layers:
             for part in (layer.ln1, layer.ln2, layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -726,8 +738,13 @@ class StaticDecoder:
         *,
         deadline: float | None = None,
         cancel: threading.Event | None = None,
+        all_logits: bool = False,
     ) -> tuple[Any, int]:
         """Run ``ids[start:]`` into slot ``slot`` (its first ``start`` tokens are kept).
+
+        Args:
+            all_logits: return the logits after every token of ``ids[start:]``
+                (``[n, vocab]``, for perplexity), not only after the last.
 
         Returns:
             ``(logits, done)``: float32 logits ``[vocab]`` after the last token, or ``None``
@@ -742,6 +759,7 @@ class StaticDecoder:
         shape = (self.heads, self.kv_heads, self.head_dim)
         pos = start
         x = None
+        outputs = []
         with torch.inference_mode():
             while pos < len(ids):
                 end = min(pos + self.prefill_chunk_tokens, len(ids))
@@ -767,12 +785,18 @@ class StaticDecoder:
                     a = a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
                     x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
                 pos = end
+                if all_logits:
+                    outputs.append(
+                        _linear(_rms_norm(x, self.norm, self.norm_eps * 1e-12), self.lm_head).float()
+                    )
                 if pos < len(ids) and (
                     (deadline is not None and time.monotonic() >= deadline)
                     or (cancel is not None and cancel.is_set())
                 ):
                     return None, pos
             assert x is not None
+            if all_logits:
+                return torch.cat(outputs), pos
             h = _rms_norm(x[-1:], self.norm, self.norm_eps * 1e-12)
             return _linear(h, self.lm_head)[0].float(), pos
 

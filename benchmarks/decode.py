@@ -38,7 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.decode import DecodeRequest, DecodeScheduler, StaticDecoder
 from convo.engine import GREEDY, TransformersEngine
-from convo.memory import Attn, DType, ModelShape, Quant, build_random_model, load_config
+from convo.memory import (
+    Attn,
+    DType,
+    MemoryModel,
+    ModelShape,
+    Quant,
+    build_random_model,
+    load_config,
+    weight_bytes,
+)
 
 GiB = 1 << 30
 
@@ -247,6 +256,9 @@ def main() -> None:
     shape = ModelShape.from_config(model.config)
     kv_per_token = shape.kv_bytes_per_token(DType.parse(str(dtype)))
     vocab = int(model.config.vocab_size)
+    kv_dtype = DType.parse(str(dtype))
+    weights_report = weight_bytes(model.config.to_dict(), Quant.NONE, kv_dtype)
+    planner = MemoryModel(shape=shape, weights=weights_report, kv_dtype=kv_dtype)
     log(f"{name} on {device} ({dtype}) in {time.perf_counter() - t0:.1f}s; paths {paths}, batches {batches}")
     bandwidth = copy_bandwidth(device)
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -312,6 +324,7 @@ def main() -> None:
                 compiled=dec.compiled,
                 cuda_graphs=dec.cuda_graphs,
                 pool_predicted_bytes=dec.pool_predicted_bytes,
+                planner_pool_bytes=planner.kv_pool_bytes(max(batches), args.slot_tokens),
                 pool_measured_bytes=dec.pool_measured_bytes,
                 pool_error=dec.pool_measured_bytes / dec.pool_predicted_bytes - 1,
                 allocated_above_model_GiB=((torch.cuda.memory_allocated() - base_alloc) / GiB)

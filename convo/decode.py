@@ -690,6 +690,11 @@ class StaticDecoder:
             )
         gs = int4_group_size(weight.shape[1], group_size) if weights == "int4" else None
         if gs is None or weight.shape[0] % 8:
+            if len(mods) > 1:  # the modules now view the fused weight: no second copy
+                row = 0
+                for m in mods:
+                    m.weight = torch.nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
+                    row += m.out_features
             return ((weight,) if bias is None else (weight, bias),)
         q = quantize_int4(weight, group_size=gs, bias=bias, dtype=self.dtype)
         if free:

@@ -422,7 +422,9 @@ class TransformersEngine:
             session holds a slot, and sessions generating at once decode together in one
             graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
             supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
-            0; 0: plain ``generate`` with a growing cache.
+            0 (on CUDA no more than fit in half the device memory left free by the
+            weights; plain ``generate`` if not one fits); 0: plain ``generate`` with a
+            growing cache.
         slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
             the input cap. Default: ``max_input_tokens`` if given, else the model's
             context limit up to :data:`DEFAULT_SLOT_TOKENS`.
@@ -631,6 +633,15 @@ class TransformersEngine:
                 raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
             return
         tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
+        if auto and cuda:  # as many slots as half the free device memory holds, up to the default
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            fitting = int(0.5 * free // max(tokens * self.kv_bytes_per_token, 1))
+            kv_slots = min(kv_slots, fitting)
+            if kv_slots < 1 and self.quant is not Quant.INT4:
+                return  # not even one slot fits: plain generate, whose cache grows as needed
+            kv_slots = max(kv_slots, 1)
         if progress:
             progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
         try:

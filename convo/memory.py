@@ -928,6 +928,12 @@ class MemoryModel:
         """KV bytes per token across layers, in ``kv_dtype``."""
         return self.shape.kv_bytes_per_token(self.kv_dtype)
 
+    def kv_pool_bytes(self, slots: int, slot_tokens: int) -> int:
+        """The static KV slot pool (:class:`convo.decode.KVSlotPool`): ``slots`` caches of
+        ``slot_tokens`` tokens, taken once at load. Exact: the pool is these bytes (checked
+        against ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
+        return int(slots * slot_tokens * self.kv_bytes_per_token())
+
     def act_bytes_per_token(self) -> float:
         """Prefill activation bytes per prompt token (all rows), SDPA."""
         c = self.calibration

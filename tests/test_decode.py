@@ -23,6 +23,7 @@ from convo.errors import ConfigError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from convo import memory  # noqa: E402
 from convo.decode import (  # noqa: E402
     DecodeRequest,
     DecodeScheduler,
@@ -78,6 +79,10 @@ def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
         num_layers=3, num_kv_heads=2, head_dim=8, slots=2, slot_tokens=16, dtype_bytes=2
     )
     assert pool.nbytes == 2 * 3 * 2 * 2 * 16 * 8 * 2
+    # The planner prices a pool the same way: Llama-2-7B, 16 slots of 1,024 tokens is 8 GiB
+    # (the H200 benchmark measured 8,589,934,592 bytes allocated for it).
+    planner = memory.MemoryModel.from_model("random:llama-2-7b", quant="nf4", dtype="bf16")
+    assert planner.kv_pool_bytes(16, 1024) == 8 << 30
     a, kept = pool.acquire("a") or (None, None)
     assert kept == []
     pool.release(a, [1, 2, 3])
@@ -142,6 +147,11 @@ def test_decoder_matches_transformers_forward(model_type: str) -> None:
         ref = model(torch.tensor([ids])).logits[0]
     dec = StaticDecoder(model, slots=3, slot_tokens=64, prefill_chunk_tokens=7)
     dec.warmup()
+    # q/k/v are fused without a second copy: the model's modules view the fused weight.
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.untyped_storage().data_ptr() == dec.layers[0].qkv[0][0].untyped_storage().data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([ids])).logits[0], ref)
     logits, done = dec.prefill(1, ids[:30], 0)
     assert done == 30 and torch.allclose(logits, ref[29], atol=1e-4)
     all_logits, _ = dec.prefill(2, ids[:25], 0, all_logits=True)

@@ -301,6 +301,12 @@ def main() -> int:
         "--ttft-compare", action="store_true", help="also time a fresh prefill of each reused prompt"
     )
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--kv-slots",
+        type=int,
+        default=None,
+        help="static KV slots (default: the engine's; 0 = plain generate)",
+    )
     p.add_argument("--max-seconds", type=float, default=1e9, help="stop the convo side after this long")
     p.add_argument("--naive-max-seconds", type=float, default=1e9, help="stop the naive side after this long")
     p.add_argument("--oom-check", action="store_true", help="then provoke a real CUDA OOM and recover (GPU)")
@@ -314,7 +320,11 @@ def main() -> int:
     import convo
 
     engine = convo.TransformersEngine(
-        args.model, quant=args.quant, progress=lambda m: print(f"[turns] {m}", file=sys.stderr)
+        args.model,
+        quant=args.quant,
+        kv_slots=args.kv_slots,
+        slot_tokens=args.budget,  # a slot holds one session's whole budget (static decode)
+        progress=lambda m: print(f"[turns] {m}", file=sys.stderr),
     )
     cuda = engine.device.startswith("cuda")
     if cuda:

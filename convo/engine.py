@@ -430,6 +430,10 @@ class TransformersEngine:
             context limit up to :data:`DEFAULT_SLOT_TOKENS`.
         compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
             Default: on CUDA (for plain and int4 weights).
+        int4_group_size: input features per int4 scale/zero pair (32, 64 or 128). Default
+            32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
+            default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
+            (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
         progress: called with a line of text while loading (CLIs show a spinner).
 
     Example:
@@ -455,6 +459,7 @@ class TransformersEngine:
         kv_slots: int | None = None,
         slot_tokens: int | None = None,
         compile_decode: bool | None = None,
+        int4_group_size: int = 32,
         _model: Any = None,
         _tokenizer: Any = None,
     ) -> None:
@@ -468,6 +473,8 @@ class TransformersEngine:
             raise ConfigError("kv_slots must be >= 0")
         if slot_tokens is not None and slot_tokens < 2:
             raise ConfigError("slot_tokens must be >= 2")
+        if int4_group_size not in (32, 64, 128):
+            raise ConfigError("int4_group_size must be 32, 64 or 128")
         try:
             import torch
             import transformers  # noqa: F401
@@ -503,11 +510,6 @@ class TransformersEngine:
         self.max_input_tokens = max_input_tokens or int(n_pos)
         if self.max_input_tokens < 1:
             raise ConfigError("max_input_tokens must be >= 1")
-        self._decoder: Any = None
-        self._scheduler: Any = None
-        self._start_static_decode(
-            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
-        )
         from convo.memory import DType, ModelShape
 
         kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
@@ -518,6 +520,12 @@ class TransformersEngine:
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.int4_group_size = int4_group_size
+        self._decoder: Any = None
+        self._scheduler: Any = None
+        self._start_static_decode(
+            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
+        )
 
     # -- loading ---------------------------------------------------------------------------------
     @property
@@ -650,6 +658,7 @@ class TransformersEngine:
                 slots=kv_slots,
                 slot_tokens=tokens,
                 weights="int4" if self.quant is Quant.INT4 else "as-loaded",
+                group_size=self.int4_group_size,
                 compile=compile_decode,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
                 free_dense=self.quant is Quant.INT4,

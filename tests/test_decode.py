@@ -289,6 +289,22 @@ def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
         fast.generate(q, max_new_tokens=200)
 
 
+def test_int4_engine_runs_only_through_its_slots() -> None:
+    from convo.engine import Quant, TransformersEngine
+    from convo.messages import user
+
+    engine = TransformersEngine("random:tiny-llama", device="cpu", quant="int4", slot_tokens=96)
+    assert engine.quant is Quant.INT4 and engine.decoder is not None and engine.decoder.quantized
+    assert engine.model.model.layers[0].mlp.down_proj.weight.numel() == 0  # dense copy freed
+    first = engine.generate([user("hi")], max_new_tokens=4, cache_key="a")
+    again = engine.generate([user("hi"), user("more")], max_new_tokens=4, cache_key="a")
+    assert first.stats.new_tokens == 4 and again.stats.cached_tokens > 0
+    with pytest.raises(ConfigError, match="kv_slots"):
+        TransformersEngine("random:tiny-llama", device="cpu", quant="int4", kv_slots=0)
+    with pytest.raises(ConfigError, match="int4_group_size"):
+        TransformersEngine("random:tiny-llama", device="cpu", int4_group_size=100)
+
+
 # -- the real default model ------------------------------------------------------------------------
 
 PASSAGE = (
@@ -444,3 +460,21 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     tol = 0.05 if weights == "as-loaded" else 0.25
     assert float((step - ref_logits).norm() / ref_logits.norm()) < tol
     sched.close()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("quant", ["auto", "int4"])
+def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
+    from convo.engine import TransformersEngine
+    from convo.messages import user
+
+    engine = TransformersEngine("random:tiny-llama", quant=quant, slot_tokens=256)
+    assert engine.decoder is not None and engine.decoder.cuda_graphs
+    assert 1 <= engine.decoder.pool.slots <= 8
+    allocated = torch.cuda.memory_allocated()
+    first = engine.generate([user("hello")], max_new_tokens=8, cache_key="s")
+    second = engine.generate([user("hello"), user("again")], max_new_tokens=8, cache_key="s")
+    assert second.stats.cached_tokens > 0 and first.stats.kv_slot_bytes == engine.decoder.pool.slot_nbytes
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - allocated < 1 << 20  # the pool was taken at load

@@ -513,6 +513,19 @@ def _post_attention(
     return x + _linear(F.silu(gate) * up, down)
 
 
+def _own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (a fresh dynamo cache)."""
+    import types
+
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COPIES)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+_COPIES = iter(range(1 << 62))
+
+
 @dataclass(frozen=True)
 class _Layer:
     ln1: Any
@@ -647,14 +660,19 @@ class StaticDecoder:
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
-        if self.compiled:
-            self._pre = torch.compile(_pre_attention, fullgraph=True, dynamic=False)
-            self._post = torch.compile(_post_attention, fullgraph=True, dynamic=False)
         #: Batch sizes the decode step is built for; a step of n rows runs in the smallest
         #: bucket >= n (extra rows repeat the first, writing the same values).
         self.buckets = sorted(set(buckets or [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]))
         if self.buckets[0] < 1:
             raise ConfigError("batch buckets must be >= 1")
+        if self.compiled:
+            # Each decoder compiles its own copies: dynamo keys its cache (and its limit of
+            # recompiles) on the code object, which every decoder in a process would share.
+            self._pre = torch.compile(_own_copy(_pre_attention), fullgraph=True, dynamic=False)
+            self._post = torch.compile(_own_copy(_post_attention), fullgraph=True, dynamic=False)
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
+            if limit is not None and limit < len(self.buckets):
+                torch._dynamo.config.recompile_limit = len(self.buckets)
         self._graphs: dict[int, tuple[Any, Any, Any]] = {}
         #: CUDA graph captures so far (the warm-up captures one per bucket).
         self.captures = 0

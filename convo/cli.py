@@ -106,7 +106,6 @@ def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
 
 def _build_session(args: argparse.Namespace) -> Any:
     from convo.budget import Budget
-    from convo.engine import TransformersEngine
     from convo.session import Session
     from convo.store import SQLiteStore
 
@@ -145,7 +144,7 @@ def _build_session(args: argparse.Namespace) -> Any:
             budget = engine.budget(**{k: v for k, v in budget.to_dict().items() if k not in derived})
     else:
         with spinner("loading model") as update:
-            engine = TransformersEngine(args.model, quant=args.quant, device=args.device, progress=update)
+            engine = local_engine(args, (budget or Budget()).context_tokens, update)
     return Session(
         engine,
         budget=budget,
@@ -214,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
     )
-    chat.add_argument("--quant", default="auto", choices=["auto", "nf4", "int8", "bf16", "fp16", "fp32"])
+    chat.add_argument(
+        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
+    )
     chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     chat.add_argument("--budget", type=int, default=None, help="context_tokens of the session (default 2048)")
     chat.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
@@ -226,12 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--timeout", type=float, default=None, help="wall-clock cap of one reply, seconds")
     chat.add_argument("--script", default=None, help="file with one user turn per line")
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    add_local_engine_arguments(chat)
     add_engine_arguments(chat)
     chat.set_defaults(func=_chat)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
     serve.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded)")
-    serve.add_argument("--quant", default="auto", choices=["auto", "nf4", "int8", "bf16", "fp16", "fp32"])
+    serve.add_argument(
+        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
+    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="bearer key clients must send (or $CONVO_API_KEY)")
@@ -240,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--redis", default=None, help="Redis URL, for sessions shared by several replicas")
     serve.add_argument("--budget", type=int, default=None, help="context_tokens per session (default 2048)")
     serve.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    add_local_engine_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
@@ -252,6 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_arguments(plan)
         plan.set_defaults(func=run_plan_cli)
     return parser
+
+
+def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--kv-slots``: the local engine's static KV slots (sized to the session budget)."""
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=None,
+        help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
+    )
+
+
+def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
+    """The local :class:`TransformersEngine` the flags ask for; a KV slot holds one session's
+    whole budget (``context_tokens``)."""
+    from convo.engine import TransformersEngine
+
+    return TransformersEngine(
+        args.model,
+        quant=args.quant,
+        device=getattr(args, "device", None),
+        kv_slots=getattr(args, "kv_slots", None),
+        slot_tokens=context_tokens,
+        progress=progress,
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -98,7 +98,9 @@ class ServerLimits:
         admission_tokens: tokens (prompt + reply cap) all running requests may hold
             together; the admission ledger counts tokens, so a request is charged at most
             its budget's ``context_tokens``. Default 65536.
-        max_concurrency: requests generating at once. Default 4.
+        max_concurrency: requests generating at once. Default 4. With a local engine
+            that has static KV slots, the slot count is used instead (each admitted turn
+            holds a slot; they decode together).
         max_queue: requests waiting for admission; more get 429 with ``Retry-After``.
             Default 64.
         queue_timeout_s: seconds a request may wait for admission before 503. Default 30.
@@ -463,10 +465,14 @@ def create_app(
         raise ConfigError("an API key must not be empty")
     metrics = metrics or ServingMetrics()
     if admission is None:
+        # With static KV slots the pool is the capacity: every admitted turn holds a slot
+        # and decodes in the shared step, so admit as many as there are slots.
+        decoder = getattr(engine, "decoder", None)
+        slots = decoder.pool.slots if decoder is not None else limits.max_concurrency
         admission = AdmissionController(
             AdmissionLimits(
                 kv_budget_bytes=limits.admission_tokens,
-                max_concurrency=limits.max_concurrency,
+                max_concurrency=slots,
                 max_queue_short=limits.max_queue,
                 max_queue_long=limits.max_queue,
                 queue_timeout_s=limits.queue_timeout_s,
@@ -832,10 +838,11 @@ def run_server(args: argparse.Namespace) -> int:
     elif os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
         engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
     else:
-        from convo.engine import DEFAULT_MODEL_NAME, TransformersEngine
+        from convo.cli import local_engine
+        from convo.engine import DEFAULT_MODEL_NAME
 
         with spinner("loading model") as update:
-            engine = TransformersEngine(args.model, quant=args.quant, progress=update)
+            engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
     app = create_app(engine, store=store, api_key=api_key, budget=budget, model_name=name)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -35,6 +35,7 @@ from convo.tokens import CharCounter, HFTokenCounter, TiktokenCounter, TokenCoun
 
 if TYPE_CHECKING:
     from convo.admission import AdmissionController, AdmissionLimits, Batcher, MemoryLedger, Request
+    from convo.decode import KVSlotPool, StaticDecoder
     from convo.embeddings import Embedder
     from convo.engine import FinishReason, Generation, GenerationStats, Quant, Sampling, TransformersEngine
     from convo.memory import MemoryModel, parse_size
@@ -75,6 +76,8 @@ _LAZY = {
     "Chunk": "convo.retrieval",
     "chunk_text": "convo.retrieval",
     "Embedder": "convo.embeddings",
+    "KVSlotPool": "convo.decode",
+    "StaticDecoder": "convo.decode",
     "OpenAIEngine": "convo.remote",
     "RetryPolicy": "convo.remote",
 }
@@ -101,6 +104,7 @@ __all__ = [
     "GenerationStats",
     "GenerationTimeout",
     "HFTokenCounter",
+    "KVSlotPool",
     "Memory",
     "MemoryLedger",
     "MemoryModel",
@@ -130,6 +134,7 @@ __all__ = [
     "Session",
     "SessionNotFound",
     "SessionState",
+    "StaticDecoder",
     "Store",
     "StoreError",
     "Summarizer",

@@ -23,6 +23,7 @@ from convo.errors import (
     QueueFullError,
     QueueTimeoutError,
     RemoteEngineError,
+    SessionBusy,
     SessionNotFound,
     StoreError,
 )
@@ -132,6 +133,7 @@ __all__ = [
     "Sampling",
     "ServingMetrics",
     "Session",
+    "SessionBusy",
     "SessionNotFound",
     "SessionState",
     "StaticDecoder",

@@ -15,6 +15,7 @@ one type. Subclasses also derive from the builtin that fits (``ValueError``,
     ├── RemoteEngineError                    a remote engine refused, failed or is unreachable (``status``)
     ├── DeviceOutOfMemory    (MemoryError)   the device ran out of memory (cache already freed)
     ├── StoreError                           the session store failed or the session is unknown
+    │   ├── SessionBusy                      another turn holds the session's lock (HTTP 409)
     │   └── SessionNotFound  (KeyError)
     ├── ModelLoadError                       a model or tokenizer could not be loaded
     └── MissingDependency    (ImportError)   an optional extra is not installed
@@ -98,6 +99,10 @@ class DeviceOutOfMemory(ConvoError, MemoryError):
 
 class StoreError(ConvoError):
     """The session store failed."""
+
+
+class SessionBusy(StoreError):
+    """Another turn of the session held its lock longer than the wait allowed (HTTP 409)."""
 
 
 class SessionNotFound(StoreError, KeyError):

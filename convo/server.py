@@ -52,6 +52,7 @@ from convo.errors import (
     MissingDependency,
     QueueFullError,
     QueueTimeoutError,
+    SessionBusy,
     SessionNotFound,
     StoreError,
 )
@@ -172,6 +173,7 @@ _STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (MessageError, 400, "invalid_request_error", "invalid_message"),
     (ConfigError, 400, "invalid_request_error", "invalid_value"),
     (SessionNotFound, 404, "invalid_request_error", "session_not_found"),
+    (SessionBusy, 409, "conflict_error", "session_busy"),
     (StoreError, 500, "server_error", "store_error"),
     (GenerationTimeout, 504, "server_error", "generation_timeout"),
     (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from convo.errors import ConfigError, SessionNotFound, StoreError
+from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
 
 #: Version of the export format written by :meth:`Store.export_session`.
@@ -153,7 +153,7 @@ _LOCKS_GUARD = threading.Lock()
 @contextmanager
 def _hold(lock: threading.Lock, session_id: str, timeout_s: float) -> Iterator[None]:
     if not lock.acquire(timeout=timeout_s):
-        raise StoreError(f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)")
+        raise SessionBusy(f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)")
     try:
         yield
     finally:
@@ -404,7 +404,7 @@ class SQLiteStore(Store):
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        raise StoreError(
+                        raise SessionBusy(
                             f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
                         ) from None
                     time.sleep(0.01)
@@ -583,7 +583,7 @@ class RedisStore(Store):
         deadline = time.monotonic() + timeout_s
         while not self._r.set(key, token, nx=True, px=lease_ms):
             if time.monotonic() >= deadline:
-                raise StoreError(
+                raise SessionBusy(
                     f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
                 )
             time.sleep(0.01)

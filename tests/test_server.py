@@ -308,6 +308,23 @@ def test_refusals_are_quick_while_every_worker_thread_is_busy(store: Store) -> N
     assert sorted(results) == [200, 200] + [404] * 11  # the turn, then one DELETE won
 
 
+def test_a_turn_that_cannot_get_its_session_lock_in_time_gets_409(store: Store) -> None:
+    slow = EchoEngine(delay_s=0.05, pad_words=40)  # ~2 s per turn
+    limits = ServerLimits(max_concurrency=2, session_lock_timeout_s=0.3)
+    with serve(create_app(slow, store=store, budget=BUDGET, limits=limits)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "user": "locked"}
+            first = threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body})
+            first.start()
+            while slow.prompts == []:
+                time.sleep(0.01)
+            second = http.post("/v1/chat/completions", json=body)
+            first.join()
+            kept = http.get("/v1/sessions/locked").json()
+    assert second.status_code == 409 and second.json()["error"]["code"] == "session_busy"
+    assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]  # only the first turn
+
+
 def test_a_custom_controller_runs_all_it_admits_at_once(store: Store) -> None:
     slow = EchoEngine(delay_s=0.05, pad_words=40)  # ~2 s per turn
     admission = AdmissionController(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from convo import MemoryStore, SessionNotFound, SessionState, SQLiteStore, Store, StoreError
+from convo import MemoryStore, SessionBusy, SessionNotFound, SessionState, SQLiteStore, Store, StoreError
 from convo.messages import ToolCall, assistant, tool, user
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -78,7 +78,7 @@ def test_lock_serializes_holders_and_times_out(store: Store) -> None:
         waiter.join()
         with store.lock("other", timeout_s=0.1):  # other sessions are not blocked
             pass
-    assert len(errors) == 1 and "busy" in str(errors[0])
+    assert len(errors) == 1 and "busy" in str(errors[0]) and isinstance(errors[0], SessionBusy)
 
 
 def _locked_counter(path: str, n: int) -> None:

@@ -604,6 +604,11 @@ class StaticDecoder:
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
         if prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
+        devices = {p.device for p in model.parameters()}
+        if len(devices) > 1:
+            raise ConfigError(
+                f"static decode needs the whole model on one device, not {sorted(map(str, devices))}"
+            )
         base = model.model
         self.model = model
         self.device = base.embed_tokens.weight.device

@@ -635,7 +635,9 @@ class TransformersEngine:
         auto = kv_slots is None
         cuda = self.device.startswith("cuda")
         if auto:
-            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) else 0
+            # A model spread over devices or offloaded (device_map) keeps plain generate.
+            spread = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) and not spread else 0
         if not kv_slots:
             if self.quant is Quant.INT4:
                 raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")

@@ -332,10 +332,12 @@ def main() -> None:
                 else None,
             )
             log(f"{path}: warm-up {info['warmup_s']}s, pool {dec.pool_measured_bytes / GiB:.2f} GiB")
-            weights = dec.weight_nbytes()
+            info["kernel_choice"] = dict(dec.kernel_choice) or None
             for b in batches:
-                log(f"{path} batch {b}")
+                log(f"{path} batch {b} ({dec.kernel_choice.get(b, 'dense')})")
+                weights = dec.weight_nbytes(alt=dec.kernel_choice.get(b) == "triton")
                 r = run_static(dec, b, args, vocab)
+                r["kernel"] = dec.kernel_choice.get(b)
                 results.append(_result(info, b, r, weights, kv_per_token, mean_len, bandwidth, device))
             del dec
         except Exception as exc:  # one path failing must not lose the others

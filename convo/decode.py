@@ -62,6 +62,7 @@ class Int4Weight:
     in_features: int
     out_features: int
     bias: Any = None
+    plain: tuple[Any, Any] | None = None  # (qweight, scales_zeros) of plain_int4, when asked
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +90,9 @@ def _inner_k_tiles(in_features: int) -> int:
     raise ConfigError(f"in_features={in_features} is not a multiple of 32")
 
 
-def quantize_int4(weight: Any, *, group_size: int = 128, bias: Any = None, dtype: Any = None) -> Int4Weight:
+def quantize_int4(
+    weight: Any, *, group_size: int = 128, bias: Any = None, dtype: Any = None, plain: bool = False
+) -> Int4Weight:
     """Quantize a dense ``[out, in]`` weight to :class:`Int4Weight` on its device.
 
     Args:
@@ -98,6 +101,7 @@ def quantize_int4(weight: Any, *, group_size: int = 128, bias: Any = None, dtype
         bias: an optional bias, kept in ``dtype``.
         dtype: compute dtype of scales, zeros and activations. Default: bf16 on CUDA,
             the weight's dtype on CPU.
+        plain: also keep the same grid in the plain layout (:func:`plain_int4`).
 
     Raises:
         ConfigError: the shape does not suit the kernels (``int4_group_size`` says which do).
@@ -128,6 +132,12 @@ def quantize_int4(weight: Any, *, group_size: int = 128, bias: Any = None, dtype
         packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+    simple = None
+    if plain:
+        qweight, sz = plain_int4(
+            q=q, scales=scales.reshape(out_features, -1), zeros=zeros.reshape(out_features, -1)
+        )
+        simple = (qweight, sz.to(dtype))
     return Int4Weight(
         packed=packed,
         scales_zeros=scales_zeros,
@@ -135,6 +145,7 @@ def quantize_int4(weight: Any, *, group_size: int = 128, bias: Any = None, dtype
         in_features=in_features,
         out_features=out_features,
         bias=None if bias is None else bias.detach().to(dtype),
+        plain=simple,
     )
 
 
@@ -170,10 +181,133 @@ def _linear(x: Any, w: Linear) -> Any:
 
     if not isinstance(w, tuple):
         return w(x)
+    if isinstance(w[0], str):  # ("w4", plain int4, scales/zeros[, bias]): see plain_int4
+        y = _plain_int4_mm(x, w[1], w[2])
+        return y + w[3] if len(w) > 3 else y
     if w[0].dtype.is_floating_point:
         return F.linear(x, w[0], w[1] if len(w) > 1 else None)
     y = _int4_mm(x, w[0], w[1])
     return y + w[2] if len(w) > 2 else y
+
+
+# -- plain int4 for a Triton kernel ---------------------------------------------------------------
+#
+# tinygemm's int4 kernel is fast for one row and slows down with more (measured on the H200:
+# 2.3x from 1 to 16 rows, slower than bf16 cuBLAS at 16). The plain layout below is read by
+# a small Triton kernel whose cost barely depends on the rows (up to 16: one MMA tile), and
+# dequantized in torch for prefill, where cuBLAS on bf16 beats any int4 kernel. Same grid as
+# Int4Weight: w = (q - 8) * scale + zero.
+
+#: Rows up to which the plain int4 layout runs through the Triton kernel (one MMA tile).
+W4_KERNEL_MAX_ROWS = 16
+
+
+def plain_int4(*, q: Any, scales: Any, zeros: Any) -> tuple[Any, Any]:
+    """``(qweight, scales_zeros)``: ``uint8 [out, in / 2]`` (low nibble = even input) and
+    ``[out, in / group, 2]`` scale/zero pairs, from the integer grid ``q`` ``[out, in]``."""
+    import torch
+
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    sz = torch.stack([scales, zeros], dim=-1).contiguous()
+    return packed, sz
+
+
+def _plain_int4_dequant(qweight: Any, sz: Any) -> Any:
+    import torch
+
+    n, half = qweight.shape
+    groups = sz.shape[1]
+    q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, groups, (2 * half) // groups)
+    return ((q.to(sz.dtype) - 8) * sz[:, :, 0:1] + sz[:, :, 1:2]).reshape(n, 2 * half)
+
+
+def _plain_int4_mm(x: Any, qweight: Any, sz: Any) -> Any:
+    import torch.nn.functional as F
+
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= W4_KERNEL_MAX_ROWS and _w4_op() is not None:
+        y = _w4_op()(x2, qweight, sz)  # type: ignore[misc]
+    else:
+        y = F.linear(x2, _plain_int4_dequant(qweight, sz).to(x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_W4: dict[str, Any] = {}
+
+
+def _w4_op() -> Callable[..., Any] | None:
+    """``convo::w4a16_mm``: the Triton kernel as a torch custom op (opaque to torch.compile),
+    or ``None`` without Triton."""
+    if "op" in _W4:
+        return _W4["op"]  # type: ignore[no-any-return,unused-ignore]
+    try:
+        import torch
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _W4["op"] = None
+        return None
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _kernel(  # type: ignore[no-untyped-def]
+        X, W, SZ, Y, M, N,
+        stride_xm, stride_wn, stride_szn, stride_ym,
+        K: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_kh = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x_ptr = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+            x = tl.load(x_ptr, mask=m_mask[:, None], other=0.0)
+            w_ptr = W + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
+            b = tl.load(w_ptr, mask=n_mask[:, None], other=0)
+            q = tl.join((b & 0xF).to(tl.float32), (b >> 4).to(tl.float32))
+            q = q.reshape(BLOCK_N, BLOCK_K)
+            sz_ptr = SZ + offs_n[:, None] * stride_szn + (k0 // GROUP + offs_g)[None, :] * 2
+            scale = tl.load(sz_ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            zero = tl.load(sz_ptr + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            q3 = q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
+            w = ((q3 - 8.0) * scale[:, :, None] + zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @torch.library.custom_op(  # type: ignore[misc,unused-ignore]
+        "convo::w4a16_mm", mutates_args=(), schema="(Tensor x, Tensor qweight, Tensor sz) -> Tensor"
+    )
+    def w4a16_mm(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = qweight.shape[0]
+        group = k // sz.shape[1]
+        block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
+        x = x.contiguous()
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        block_n = _W4["block_n"]
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
+        _kernel[grid](
+            x, qweight, sz, y, m, n,
+            x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
+            K=k, GROUP=group, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        )  # fmt: skip
+        return y
+
+    @w4a16_mm.register_fake  # type: ignore[misc,unused-ignore]
+    def _(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    _W4.setdefault("block_n", 32)
+    _W4["op"] = w4a16_mm
+    return w4a16_mm
 
 
 def _linears(x: Any, ws: tuple[Linear, ...]) -> Any:
@@ -535,6 +669,7 @@ class _Layer:
     gate_up: tuple[Linear, ...]
     down: Linear
     scale: float
+    alt: _Layer | None = None  # the same layer with plain int4 weights (the Triton kernel)
 
 
 def _is_plain_linear(module: Any) -> bool:
@@ -569,6 +704,11 @@ class StaticDecoder:
         buckets: batch sizes to build the step for (default: powers of two up to the
             next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
             the largest bucket are refused.
+        int4_kernel: the int4 decode kernel: ``"tinygemm"`` (PyTorch's), ``"triton"``
+            (convo's W4A16 kernel over a plain layout; prefill dequantizes to bf16 for
+            cuBLAS), or ``"auto"`` (default): on CUDA with Triton both are captured at
+            warm-up and each batch bucket keeps the faster (the other layout is dropped
+            unless some bucket uses it); elsewhere tinygemm.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -588,6 +728,7 @@ class StaticDecoder:
         prefill_chunk_tokens: int = 512,
         free_dense: bool = False,
         buckets: Sequence[int] | None = None,
+        int4_kernel: str = "auto",
     ) -> None:
         import torch
 
@@ -604,6 +745,20 @@ class StaticDecoder:
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
         if prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if int4_kernel not in ("auto", "tinygemm", "triton"):
+            raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
+        # (Triton's interpreter runs the kernel on CPU: tests use it with int4_kernel="triton".)
+        on_cuda = next(model.parameters()).device.type == "cuda" or (
+            _interpreting() and int4_kernel == "triton"
+        )
+        self._plain_candidate = (
+            weights == "int4" and on_cuda and int4_kernel != "tinygemm" and _w4_op() is not None
+        )
+        if int4_kernel == "triton" and not self._plain_candidate:
+            raise ConfigError("int4_kernel='triton' needs CUDA, Triton and weights='int4'")
+        self.int4_kernel = int4_kernel
+        #: The int4 kernel each batch bucket runs ("tinygemm" / "triton"), chosen at warm-up.
+        self.kernel_choice: dict[int, str] = {}
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:
             raise ConfigError(
@@ -627,7 +782,7 @@ class StaticDecoder:
             self.embed = base.embed_tokens.weight
             self.norm = base.norm.weight
             self.norm_eps = round(float(base.norm.variance_epsilon) * 1e12)
-            self.lm_head = self._linear_group([model.lm_head], "as-loaded", group_size, False)[0]
+            self.lm_head = self._linear_group([model.lm_head], "as-loaded", group_size, False)[0][0]
             positions = torch.arange(slot_tokens, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = base.rotary_emb(probe, positions)
@@ -676,31 +831,39 @@ class StaticDecoder:
             self._pre = torch.compile(_own_copy(_pre_attention), fullgraph=True, dynamic=False)
             self._post = torch.compile(_own_copy(_post_attention), fullgraph=True, dynamic=False)
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
-            if limit is not None and limit < len(self.buckets):
-                torch._dynamo.config.recompile_limit = len(self.buckets)
-        self._graphs: dict[int, tuple[Any, Any, Any]] = {}
+            if limit is not None and limit < 2 * len(self.buckets):
+                torch._dynamo.config.recompile_limit = 2 * len(self.buckets)
+        self._graphs: dict[int, tuple[Any, Any, Any, bool]] = {}
         #: CUDA graph captures so far (the warm-up captures one per bucket).
         self.captures = 0
 
     # -- weights -------------------------------------------------------------------------------
     def _layer(self, layer: Any, weights: str, group_size: int, free: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        return _Layer(
-            ln1=layer.input_layernorm.weight,
-            ln2=layer.post_attention_layernorm.weight,
-            qkv=self._linear_group([attn.q_proj, attn.k_proj, attn.v_proj], weights, group_size, free),
-            o=self._linear_group([attn.o_proj], weights, group_size, free)[0],
-            gate_up=self._linear_group([mlp.gate_proj, mlp.up_proj], weights, group_size, free),
-            down=self._linear_group([mlp.down_proj], weights, group_size, free)[0],
-            scale=float(getattr(attn, "scaling", self.head_dim**-0.5)),
-        )
+        groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj]]
+        groups.append([mlp.down_proj])
+        built = [self._linear_group(g, weights, group_size, free) for g in groups]
+        main, plain = [b[0] for b in built], [b[1] for b in built]
+        common: dict[str, Any] = {
+            "ln1": layer.input_layernorm.weight,
+            "ln2": layer.post_attention_layernorm.weight,
+            "scale": float(getattr(attn, "scaling", self.head_dim**-0.5)),
+        }
+        alt = None
+        qkv, o, gate_up, down = plain
+        if qkv is not None and o is not None and gate_up is not None and down is not None:
+            alt = _Layer(qkv=qkv, o=o[0], gate_up=gate_up, down=down[0], **common)
+        return _Layer(qkv=main[0], o=main[1][0], gate_up=main[2], down=main[3][0], alt=alt, **common)
 
-    def _linear_group(self, mods: list[Any], weights: str, group_size: int, free: bool) -> tuple[Linear, ...]:
-        """One fused linear for plain modules (int4 where asked and possible), else the modules."""
+    def _linear_group(
+        self, mods: list[Any], weights: str, group_size: int, free: bool
+    ) -> tuple[tuple[Linear, ...], tuple[Linear, ...] | None]:
+        """One fused linear for plain modules (int4 where asked and possible), else the
+        modules; and the plain-int4 alternative when the Triton kernel is a candidate."""
         import torch
 
         if not all(_is_plain_linear(m) for m in mods):
-            return tuple(mods)
+            return tuple(mods), None
         weight = torch.cat([m.weight for m in mods], dim=0) if len(mods) > 1 else mods[0].weight
         biases = [m.bias for m in mods]
         bias = None
@@ -718,15 +881,19 @@ class StaticDecoder:
                 for m in mods:
                     m.weight = torch.nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
                     row += m.out_features
-            return ((weight,) if bias is None else (weight, bias),)
-        q = quantize_int4(weight, group_size=gs, bias=bias, dtype=self.dtype)
+            return ((weight,) if bias is None else (weight, bias),), None
+        candidate = self._plain_candidate
+        q = quantize_int4(weight, group_size=gs, bias=bias, dtype=self.dtype, plain=candidate)
         if free:
             for m in mods:
                 m.weight = torch.nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-        return ((q.packed, q.scales_zeros) if q.bias is None else (q.packed, q.scales_zeros, q.bias),)
+        extra = () if q.bias is None else (q.bias,)
+        plain = None if q.plain is None else (("w4", *q.plain, *extra),)
+        return ((q.packed, q.scales_zeros, *extra),), plain
 
-    def weight_nbytes(self) -> int:
-        """Bytes of the weights one decode step reads (all layers, final norm, lm_head)."""
+    def weight_nbytes(self, *, alt: bool = False) -> int:
+        """Bytes of the weights one decode step reads (all layers, final norm, lm_head);
+        ``alt``: with the plain int4 layout (the Triton kernel) where the layers have it."""
         seen: set[int] = set()
         total = 0
 
@@ -740,6 +907,8 @@ class StaticDecoder:
                     add(p)
                 for b in obj.buffers():
                     add(b)
+            elif isinstance(obj, str):
+                return
             elif hasattr(obj, "numel") and id(obj) not in seen:
                 seen.add(id(obj))
                 total += obj.numel() * obj.element_size()
@@ -750,12 +919,17 @@ class StaticDecoder:
                         if hasattr(t, "numel"):
                             add(t)
 
-        for layer in self.layers:
+        for layer in self._layer_set(alt):
             for part in (layer.ln1, layer.ln2, layer.qkv, layer.o, layer.gate_up, layer.down):
                 add(part)
         add(self.norm)
         add(self.lm_head)
         return total
+
+    def _layer_set(self, alt: bool) -> list[_Layer]:
+        if alt and self.layers[0].alt is not None:
+            return [layer.alt for layer in self.layers if layer.alt is not None]
+        return self.layers
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(
@@ -797,7 +971,9 @@ class StaticDecoder:
                 cos, sin = self.cos[pos:end, None, :], self.sin[pos:end, None, :]
                 keys = torch.arange(end, device=self.device)
                 mask = keys[None, :] <= torch.arange(pos, end, device=self.device)[:, None]
-                for i, layer in enumerate(self.layers):
+                # Plain int4 prefills through bf16 cuBLAS (dequantized per chunk): far faster
+                # than tinygemm on hundreds of rows.
+                for i, layer in enumerate(self._layer_set(alt=True)):
                     q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
                     k_cache, v_cache = self.pool.k[i], self.pool.v[i]
                     k_cache[slot, :, pos:end] = k.transpose(0, 1)
@@ -829,8 +1005,9 @@ class StaticDecoder:
             return _linear(h, self.lm_head)[0].float(), pos
 
     # -- decode --------------------------------------------------------------------------------
-    def _step(self, inputs: Any) -> Any:
-        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions)."""
+    def _step(self, inputs: Any, alt: bool = False) -> Any:
+        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions);
+        ``alt``: with the plain int4 layers (the Triton kernel)."""
         import torch
         import torch.nn.functional as F
 
@@ -840,7 +1017,7 @@ class StaticDecoder:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         lengths = (positions + 1).to(torch.int32)
         shape = (self.heads, self.kv_heads, self.head_dim)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._layer_set(alt)):
             q, k, v = self._pre(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
             k_cache, v_cache = self.pool.k[i], self.pool.v[i]
             k_cache[slots, :, positions] = k
@@ -862,25 +1039,52 @@ class StaticDecoder:
         uses the pool: warm-up writes position 0 of slot 0)."""
         import torch
 
+        has_alt = self.layers[0].alt is not None
+        variants = [False, True] if has_alt and self.int4_kernel == "auto" else [has_alt]
         with torch.inference_mode():
             for b in self.buckets:
                 inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
                 if not self.cuda_graphs:
-                    self._step(inputs)
+                    self._step(inputs, alt=variants[0])
                     continue
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._step(inputs)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = self._step(inputs)
-                self._graphs[b] = (graph, inputs, out)
-                self.captures += 1
+                captured = [(self._capture(inputs, alt), alt) for alt in variants]
+                if len(captured) > 1:  # keep the faster kernel for this bucket
+                    captured.sort(key=lambda c: _replay_ms(c[0][0]))
+                (graph, out), alt = captured[0]
+                self._graphs[b] = (graph, inputs, out, alt)
+                if has_alt:
+                    self.kernel_choice[b] = "triton" if alt else "tinygemm"
+            if has_alt and self.cuda_graphs:
+                self._drop_unused_layout()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    def _capture(self, inputs: Any, alt: bool) -> tuple[Any, Any]:
+        import torch
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(inputs, alt)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(inputs, alt)
+        self.captures += 1
+        return graph, out
+
+    def _drop_unused_layout(self) -> None:
+        """Free the int4 layout no bucket chose (both stay when the buckets differ)."""
+        import dataclasses as dc
+
+        used = set(self.kernel_choice.values())
+        if used == {"triton"}:
+            self.layers = [dc.replace(layer.alt, alt=None) for layer in self.layers if layer.alt is not None]
+            self._graphs = {b: (g, i, o, False) for b, (g, i, o, _) in self._graphs.items()}
+        elif used == {"tinygemm"}:
+            self.layers = [dc.replace(layer, alt=None) for layer in self.layers]
+        _empty_cuda_cache()
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> Any:
         """Decode one token for each row: feed ``tokens[r]`` at ``positions[r]`` of slot
@@ -901,7 +1105,7 @@ class StaticDecoder:
                 return self._step(host.to(self.device))[:rows]
             if b not in self._graphs:
                 raise ConfigError("warmup() first: the decode step is captured at start")
-            graph, inputs, out = self._graphs[b]
+            graph, inputs, out, _ = self._graphs[b]
             if rows < b:  # pad with copies of row 0: same slot, position and value
                 host = torch.cat([host, host[:, :1].expand(3, b - rows)], dim=1)
             inputs.copy_(host, non_blocking=False)
@@ -1161,6 +1365,22 @@ def _sample(logits: Any, rows: Sequence[DecodeRequest]) -> list[int]:
         probs = torch.softmax(row, dim=-1)
         result[i] = int(torch.multinomial(probs, 1, generator=r._generator))
     return [int(t) for t in result]
+
+
+def _replay_ms(graph: Any, reps: int = 20) -> float:
+    """Median milliseconds of one replay of a captured graph."""
+    import torch
+
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _device_error(exc: BaseException) -> BaseException:

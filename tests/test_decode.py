@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -199,6 +200,38 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-4
+
+
+def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
+    """The W4A16 kernel (in Triton's interpreter), compiled into the decode step, gives the
+    logits of the tinygemm path: both hold the same int4 grid."""
+    pytest.importorskip("triton")
+    code = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_decode import tiny_model\n"
+        "from convo.decode import StaticDecoder, _plain_int4_mm, _plain_int4_dequant, quantize_int4\n"
+        "w = torch.randn(96, 256)\n"
+        "q = quantize_int4(w, group_size=32, plain=True)\n"
+        "x = torch.randn(5, 256)\n"
+        "ref = x @ _plain_int4_dequant(*q.plain).t()\n"
+        "err = float((_plain_int4_mm(x, *q.plain) - ref).abs().max())\n"
+        "model = tiny_model()\n"
+        "kw = dict(slots=2, slot_tokens=64, weights='int4', group_size=32)\n"
+        "a = StaticDecoder(model, **kw)\n"
+        "b = StaticDecoder(model, int4_kernel='triton', compile=True, **kw)\n"
+        "assert b.layers[0].alt is not None\n"
+        "a.warmup(); b.warmup()\n"
+        "ids = list(range(3, 40))\n"
+        "err = max(err, float((a.prefill(0, ids, 0)[0] - b.prefill(0, ids, 0)[0]).abs().max()))\n"
+        "for p in range(37, 42):\n"
+        "    err = max(err, float((a.step([p], [0], [p]) - b.step([p], [0], [p])).abs().max()))\n"
+        "print(err)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-4
 
 
@@ -430,6 +463,13 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     y = _linear(x, (qw.packed, qw.scales_zeros)).float()
     ref_y = x.float() @ dequantize_int4(qw).t()
     assert float((y - ref_y).norm() / ref_y.norm()) < 2e-2
+    plain = quantize_int4(w, group_size=32, plain=True)
+    assert plain.plain is not None
+    for rows in (1, 7, 16, 40):  # the Triton kernel up to 16 rows, dequantize + cuBLAS above
+        xr = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        yr = _linear(xr, ("w4", *plain.plain)).float()
+        ref_r = xr.float() @ dequantize_int4(plain).t()
+        assert float((yr - ref_r).norm() / ref_r.norm()) < 2e-2, rows
 
 
 @pytest.mark.gpu
@@ -445,7 +485,10 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     assert dec.compiled and dec.cuda_graphs
     dec.warmup()
     graphs, captures = counters["stats"]["unique_graphs"], dec.captures
-    assert captures == len(dec.buckets)
+    variants = 2 if weights == "int4" else 1  # int4: tinygemm and the Triton kernel, timed
+    assert captures == variants * len(dec.buckets)
+    if weights == "int4":
+        assert set(dec.kernel_choice) == set(dec.buckets)
     sched = DecodeScheduler(dec)
     # Turns of different lengths, alone and together: no new graphs, no new captures.
     for n in (5, 17, 49, 120):

@@ -282,6 +282,16 @@ def _w4_op() -> Callable[..., Any] | None:
         y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    # Tile width, warps and pipeline depth are tuned per shape and row count on the device,
+    # at the first call (the decoder's warm-up, before any graph is captured).
+    tuned = None
+    if not _interpreting():
+        configs = [
+            triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in ((16, 2, 3), (32, 4, 3), (32, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3))
+        ]
+        tuned = triton.autotune(configs=configs, key=["M", "N", "K"])(_kernel)
+
     @torch.library.custom_op(  # type: ignore[misc,unused-ignore]
         "convo::w4a16_mm", mutates_args=(), schema="(Tensor x, Tensor qweight, Tensor sz) -> Tensor"
     )
@@ -292,12 +302,15 @@ def _w4_op() -> Callable[..., Any] | None:
         block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
         x = x.contiguous()
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        block_n = _W4["block_n"]
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
-        _kernel[grid](
+
+        def grid(meta: dict[str, Any]) -> tuple[int, int]:
+            return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16))
+
+        fixed = {} if tuned is not None else {"BLOCK_N": 32}  # the interpreter: no tuning
+        (tuned or _kernel)[grid](
             x, qweight, sz, y, m, n,
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
-            K=k, GROUP=group, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            K=k, GROUP=group, BLOCK_M=16, BLOCK_K=block_k, **fixed,
         )  # fmt: skip
         return y
 
@@ -305,7 +318,6 @@ def _w4_op() -> Callable[..., Any] | None:
     def _(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
-    _W4.setdefault("block_n", 32)
     _W4["op"] = w4a16_mm
     return w4a16_mm
 

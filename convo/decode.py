@@ -251,7 +251,7 @@ def _w4_op() -> Callable[..., Any] | None:
 
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _kernel(  # type: ignore[no-untyped-def]
-        X, W, SZ, Y, M, N,
+        X, W, SZ, Y, M, N, M_KEY,
         stride_xm, stride_wn, stride_szn, stride_ym,
         K: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -290,7 +290,9 @@ def _w4_op() -> Callable[..., Any] | None:
             triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bn, w, st in ((16, 2, 3), (32, 4, 3), (32, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3))
         ]
-        tuned = triton.autotune(configs=configs, key=["M", "N", "K"])(_kernel)
+        # Keyed on the rows rounded up to a power of two (the decode buckets), so a short
+        # prefill chunk reuses a tuned entry instead of tuning during a request.
+        tuned = triton.autotune(configs=configs, key=["M_KEY", "N", "K"])(_kernel)
 
     @torch.library.custom_op(  # type: ignore[misc,unused-ignore]
         "convo::w4a16_mm", mutates_args=(), schema="(Tensor x, Tensor qweight, Tensor sz) -> Tensor"
@@ -308,7 +310,7 @@ def _w4_op() -> Callable[..., Any] | None:
 
         fixed = {} if tuned is not None else {"BLOCK_N": 32}  # the interpreter: no tuning
         (tuned or _kernel)[grid](
-            x, qweight, sz, y, m, n,
+            x, qweight, sz, y, m, n, _next_power_of_2(m),
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
             K=k, GROUP=group, BLOCK_M=16, BLOCK_K=block_k, **fixed,
         )  # fmt: skip
@@ -1058,6 +1060,8 @@ class StaticDecoder:
                 inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
                 if not self.cuda_graphs:
                     self._step(inputs, alt=variants[0])
+                    if has_alt:
+                        self.kernel_choice[b] = "triton" if variants[0] else "tinygemm"
                     continue
                 captured = [(self._capture(inputs, alt), alt) for alt in variants]
                 if len(captured) > 1:  # keep the faster kernel for this bucket
@@ -1114,7 +1118,8 @@ class StaticDecoder:
             if not self.cuda_graphs:  # eager; padded to the bucket when compiled (no new shapes)
                 if self.compiled and rows < b:
                     host = torch.cat([host, host[:, :1].expand(3, b - rows)], dim=1)
-                return self._step(host.to(self.device))[:rows]
+                alt = self.kernel_choice.get(b) == "triton"
+                return self._step(host.to(self.device), alt)[:rows]
             if b not in self._graphs:
                 raise ConfigError("warmup() first: the decode step is captured at start")
             graph, inputs, out, _ = self._graphs[b]

@@ -434,6 +434,10 @@ class TransformersEngine:
             32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
             default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
             (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
+        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: which int4 kernel
+            the decode step runs (see :class:`~convo.decode.StaticDecoder`). ``auto`` times
+            both per batch bucket at load and keeps each bucket's faster one; when buckets
+            differ both weight layouts stay (+3.4 GiB for Llama-2-7B): pick one to save it.
         progress: called with a line of text while loading (CLIs show a spinner).
 
     Example:
@@ -460,6 +464,7 @@ class TransformersEngine:
         slot_tokens: int | None = None,
         compile_decode: bool | None = None,
         int4_group_size: int = 32,
+        int4_kernel: str = "auto",
         _model: Any = None,
         _tokenizer: Any = None,
     ) -> None:
@@ -521,6 +526,7 @@ class TransformersEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.int4_group_size = int4_group_size
+        self.int4_kernel = int4_kernel
         self._decoder: Any = None
         self._scheduler: Any = None
         self._start_static_decode(
@@ -661,6 +667,7 @@ class TransformersEngine:
                 slot_tokens=tokens,
                 weights="int4" if self.quant is Quant.INT4 else "as-loaded",
                 group_size=self.int4_group_size,
+                int4_kernel=self.int4_kernel,
                 compile=compile_decode,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
                 free_dense=self.quant is Quant.INT4,

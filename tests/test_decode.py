@@ -223,6 +223,7 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "b = StaticDecoder(model, int4_kernel='triton', compile=True, **kw)\n"
         "assert b.layers[0].alt is not None\n"
         "a.warmup(); b.warmup()\n"
+        "assert set(b.kernel_choice.values()) == {'triton'}, b.kernel_choice\n"
         "ids = list(range(3, 40))\n"
         "err = max(err, float((a.prefill(0, ids, 0)[0] - b.prefill(0, ids, 0)[0]).abs().max()))\n"
         "for p in range(37, 42):\n"

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convo.decode import DecodeRequest, DecodeScheduler, StaticDecoder
+from convo.decode import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
 from convo.engine import GREEDY, TransformersEngine
 from convo.memory import (
     Attn,
@@ -162,27 +162,6 @@ def run_stock(model: Any, batch: int, args: argparse.Namespace, vocab: int, devi
     }
 
 
-def module_bytes(model: Any) -> int:
-    """Bytes a decode step reads from the model's weights (decoder layers, norm, lm_head)."""
-    seen: set[int] = set()
-    total = 0
-    base = model.model
-    for part in (base.layers, base.norm, model.lm_head):
-        for t in list(part.parameters()) + list(part.buffers()):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-            state = getattr(t, "quant_state", None)
-            for s in (state, getattr(state, "state2", None)):
-                for name in ("absmax", "code"):
-                    x = getattr(s, name, None)
-                    if x is not None and id(x) not in seen:
-                        seen.add(id(x))
-                        total += x.numel() * x.element_size()
-    return total
-
-
 def to_nf4(model: Any, dtype: Any) -> None:
     """Replace every decoder linear with bitsandbytes nf4 + double quant, in place."""
     import bitsandbytes as bnb
@@ -303,7 +282,7 @@ def main() -> None:
         info: dict[str, Any] = {"path": path}
         try:
             if path.endswith("-stock"):
-                weights = module_bytes(model)
+                weights = tensor_nbytes(model.model.layers, model.model.norm, model.lm_head)
                 for b in batches:
                     log(f"{path} batch {b}")
                     r = run_stock(model, b, args, vocab, device)

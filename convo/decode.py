@@ -465,10 +465,6 @@ class KVSlotPool:
         with self._lock:
             return [s.owner for s in self._table if s.owner is not None]
 
-    def busy_count(self) -> int:
-        with self._lock:
-            return sum(s.busy for s in self._table)
-
 
 # -- decode attention -----------------------------------------------------------------------------
 
@@ -632,6 +628,35 @@ def _interpreting() -> bool:
 
 
 # -- the decoder ----------------------------------------------------------------------------------
+
+
+def tensor_nbytes(*objs: Any) -> int:
+    """Bytes of the tensors in ``objs`` (tensors, tuples of them, modules), each counted
+    once; bitsandbytes 4-bit weights include their quantization state (absmax, code)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, tuple):
+            for t in obj:
+                add(t)
+        elif hasattr(obj, "parameters"):
+            for t in (*obj.parameters(), *obj.buffers()):
+                add(t)
+        elif hasattr(obj, "numel") and id(obj) not in seen:
+            seen.add(id(obj))
+            total += obj.numel() * obj.element_size()
+            state = getattr(obj, "quant_state", None)
+            for part in (state, getattr(state, "state2", None)):
+                for name in ("absmax", "code", "offset"):
+                    t = getattr(part, name, None)
+                    if hasattr(t, "numel"):
+                        add(t)
+
+    for obj in objs:
+        add(obj)
+    return total
 
 
 def _pre_attention(
@@ -908,37 +933,10 @@ class StaticDecoder:
     def weight_nbytes(self, *, alt: bool = False) -> int:
         """Bytes of the weights one decode step reads (all layers, final norm, lm_head);
         ``alt``: with the plain int4 layout (the Triton kernel) where the layers have it."""
-        seen: set[int] = set()
-        total = 0
-
-        def add(obj: Any) -> None:
-            nonlocal total
-            if isinstance(obj, tuple):
-                for t in obj:
-                    add(t)
-            elif hasattr(obj, "parameters"):
-                for p in obj.parameters():
-                    add(p)
-                for b in obj.buffers():
-                    add(b)
-            elif isinstance(obj, str):
-                return
-            elif hasattr(obj, "numel") and id(obj) not in seen:
-                seen.add(id(obj))
-                total += obj.numel() * obj.element_size()
-                state = getattr(obj, "quant_state", None)  # bitsandbytes 4-bit: absmax, code
-                for part in (state, getattr(state, "state2", None)):
-                    for name in ("absmax", "code", "offset"):
-                        t = getattr(part, name, None)
-                        if hasattr(t, "numel"):
-                            add(t)
-
+        parts: list[Any] = [self.norm, self.lm_head]
         for layer in self._layer_set(alt):
-            for part in (layer.ln1, layer.ln2, layer.qkv, layer.o, layer.gate_up, layer.down):
-                add(part)
-        add(self.norm)
-        add(self.lm_head)
-        return total
+            parts += [layer.ln1, layer.ln2, layer.qkv, layer.o, layer.gate_up, layer.down]
+        return tensor_nbytes(*parts)
 
     def _layer_set(self, alt: bool) -> list[_Layer]:
         if alt and self.layers[0].alt is not None:
@@ -1163,14 +1161,12 @@ class DecodeRequest:
     kv_tokens: int = 0
     slot: int = -1
     started_at: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     finish: str | None = None  # "stop", "length", "timeout", "cancelled"
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     _generator: Any = None
-    _seen: Any = None
 
     @property
     def position(self) -> int:
@@ -1225,11 +1221,6 @@ class DecodeScheduler:
             self._closed = True
             self._cv.notify()
 
-    @property
-    def waiting(self) -> int:
-        with self._cv:
-            return len(self._pending)
-
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -1281,7 +1272,6 @@ class DecodeScheduler:
                 self._finish(req, stop)
                 continue
             req.slot, kept = got
-            req.admitted_at = time.monotonic()
             try:
                 self._prefill(req, kept)
             except BaseException as exc:
@@ -1423,4 +1413,5 @@ __all__ = [
     "dequantize_int4",
     "int4_group_size",
     "quantize_int4",
+    "tensor_nbytes",
 ]

@@ -84,6 +84,9 @@ class Quant(enum.StrEnum):
 
 #: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
 DEFAULT_KV_SLOTS = 8
+#: Share of the free device memory (after the weights) that ``kv_slots=None`` lets the slot
+#: pool take on CUDA; the rest is left to prefill activations, graphs and other work.
+AUTO_SLOTS_MEMORY_FRACTION = 0.5
 #: Tokens per slot when neither ``slot_tokens`` nor ``max_input_tokens`` is given.
 DEFAULT_SLOT_TOKENS = 4096
 
@@ -154,7 +157,8 @@ class GenerationStats:
     On CUDA ``allocated_bytes`` / ``reserved_bytes`` are read after the call and the
     ``peak_*`` values are the peaks during it. On CPU ``memory_kind`` is ``"rss"``: the
     allocated / reserved fields hold the process RSS after the call and ``peak_*`` the
-    process's peak RSS so far (the OS keeps no per-call peak).
+    process's peak RSS so far (the OS keeps no per-call peak). An engine that cannot see
+    the memory (a remote server, a test engine) leaves the byte fields at 0.
     """
 
     prompt_tokens: int
@@ -162,18 +166,18 @@ class GenerationStats:
     prefill_tokens: int  # prompt tokens actually run through the model
     new_tokens: int
     kv_tokens: int  # tokens in the KV cache after the call
-    kv_bytes: int  # measured from the cache tensors
-    kv_bytes_expected: int  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
+    kv_bytes: int = 0  # measured from the cache tensors
+    kv_bytes_expected: int = 0  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
     prefill_s: float
     decode_s: float
     ttft_s: float
     total_s: float
     tokens_per_s: float
-    memory_kind: str  # "cuda" or "rss"
-    allocated_bytes: int
-    reserved_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
+    memory_kind: str  # "cuda", "rss", "remote" (a server's) or "none" (a test engine)
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
     attention: str
     kv_slot_bytes: int = 0  # the static KV slot the call ran in (0 without static decode)
 
@@ -343,10 +347,15 @@ class _Deadline:
 class _Streamer:
     """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
 
-    def __init__(self, tokenizer: Any, on_text: Callable[[str], None] | None) -> None:
+    def __init__(
+        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, keep_text: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.on_text = on_text
+        self.keep_text = keep_text or on_text is not None
         self.ids: list[int] = []
+        #: The reply decoded so far (kept when streaming or when asked: stop strings).
+        self.text = ""
         self.first_token_at: float | None = None
         self._prompt_seen = False
         self._emitted = ""
@@ -362,8 +371,9 @@ class _Streamer:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.ids.extend(ids)
+        if self.keep_text:
+            self.text = text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if self.on_text is not None:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             # Hold back an incomplete multi-byte character.
             if text.endswith("\ufffd"):
                 return
@@ -422,9 +432,9 @@ class TransformersEngine:
             session holds a slot, and sessions generating at once decode together in one
             graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
             supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
-            0 (on CUDA no more than fit in half the device memory left free by the
-            weights; plain ``generate`` if not one fits); 0: plain ``generate`` with a
-            growing cache.
+            0 (on CUDA no more than fit in :data:`AUTO_SLOTS_MEMORY_FRACTION`, half, of
+            the memory the weights left free; plain ``generate`` if not one fits); 0:
+            plain ``generate`` with a growing cache.
         slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
             the input cap. Default: ``max_input_tokens`` if given, else the model's
             context limit up to :data:`DEFAULT_SLOT_TOKENS`.
@@ -653,7 +663,7 @@ class TransformersEngine:
             import torch
 
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
-            fitting = int(0.5 * free // max(tokens * self.kv_bytes_per_token, 1))
+            fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(tokens * self.kv_bytes_per_token, 1))
             kv_slots = min(kv_slots, fitting)
             if kv_slots < 1 and self.quant is not Quant.INT4:
                 return  # not even one slot fits: plain generate, whose cache grows as needed
@@ -961,15 +971,12 @@ class TransformersEngine:
         from convo.decode import DecodeRequest
 
         start = time.monotonic()
-        streamer = _Streamer(self.tokenizer, on_text)
         stops = list(stop)
+        streamer = _Streamer(self.tokenizer, on_text, keep_text=bool(stops))
 
-        def on_token(token: int) -> bool:
+        def on_token(token: int) -> bool:  # True: a stop string appeared
             streamer.add([token])
-            if not stops:
-                return False
-            text = self.tokenizer.decode(streamer.ids, skip_special_tokens=True)
-            return any(s in text for s in stops)
+            return any(s in streamer.text for s in stops)
 
         request = DecodeRequest(
             ids=self._model_ids(ids),

@@ -1131,20 +1131,17 @@ class Plan:
 
     def max_safe_concurrency(self) -> dict[int, int]:
         """Per context: the largest concurrency of the grid that is safe (0: none)."""
-        out: dict[int, int] = {}
-        for c in self.cells:
-            out.setdefault(c.context, 0)
-            if c.safe:
-                out[c.context] = max(out[c.context], c.concurrency)
-        return out
+        return self._largest_safe(by="context", value="concurrency")
 
     def max_safe_context(self) -> dict[int, int]:
         """Per concurrency: the largest context of the grid that is safe (0: none)."""
+        return self._largest_safe(by="concurrency", value="context")
+
+    def _largest_safe(self, *, by: str, value: str) -> dict[int, int]:
         out: dict[int, int] = {}
         for c in self.cells:
-            out.setdefault(c.concurrency, 0)
-            if c.safe:
-                out[c.concurrency] = max(out[c.concurrency], c.context)
+            key = getattr(c, by)
+            out[key] = max(out.get(key, 0), getattr(c, value) if c.safe else 0)
         return out
 
 

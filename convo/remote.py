@@ -525,7 +525,6 @@ class OpenAIEngine:
         text = result.text
         ttft = (result.first_text_at or end) - start
         decode_s = max(end - (result.first_text_at or end), 0.0)
-        zero = dict.fromkeys(("kv_bytes", "kv_bytes_expected", "allocated_bytes", "reserved_bytes"), 0)
         stats = GenerationStats(
             prompt_tokens=prompt,
             cached_tokens=cached,
@@ -538,10 +537,7 @@ class OpenAIEngine:
             total_s=end - start,
             tokens_per_s=(new - 1) / decode_s if new > 1 and decode_s > 0 else 0.0,
             memory_kind="remote",
-            peak_allocated_bytes=0,
-            peak_reserved_bytes=0,
             attention="remote",
-            **zero,
         )
         return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
 

@@ -775,17 +775,6 @@ class EchoEngine:
                 time.sleep(self.delay_s)
         text = "".join(out)
         prompt = self._counter.count_prompt(messages)
-        zero: dict[str, Any] = dict.fromkeys(
-            (
-                "kv_bytes",
-                "kv_bytes_expected",
-                "allocated_bytes",
-                "reserved_bytes",
-                "peak_allocated_bytes",
-                "peak_reserved_bytes",
-            ),
-            0,
-        )
         stats = GenerationStats(
             prompt_tokens=prompt,
             cached_tokens=0,
@@ -797,9 +786,8 @@ class EchoEngine:
             ttft_s=0.0,
             total_s=0.0,
             tokens_per_s=0.0,
-            memory_kind="rss",
+            memory_kind="none",
             attention="none",
-            **zero,
         )
         return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
 

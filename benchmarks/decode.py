@@ -156,6 +156,8 @@ def run_stock(model: Any, batch: int, args: argparse.Namespace, vocab: int, devi
     one = sorted(gen(1) for _ in range(args.repeats))[args.repeats // 2]
     full = sorted(gen(args.new_tokens) for _ in range(args.repeats))[args.repeats // 2]
     elapsed = full - one
+    if elapsed <= 0:  # a tiny model on a busy machine: the noise exceeds the decode time
+        raise RuntimeError(f"decode time not measurable ({elapsed * 1000:.1f} ms): raise --new-tokens")
     return {
         "tok_s": batch * (args.new_tokens - 1) / elapsed,
         "step_ms": 1000 * elapsed / (args.new_tokens - 1),

@@ -40,17 +40,9 @@ from convo.admission import (
     split_for_padding,
 )
 from convo.errors import AdmissionError
-from convo.memory import (
-    Attn,
-    DType,
-    MemoryModel,
-    Quant,
-    _device_info,
-    build_random_model,
-    load_config,
-    parse_size,
-)
 from convo.metrics import ServingMetrics
+from convo.planner.measure import _device_info, build_random_model
+from convo.planner.model import Attn, DType, MemoryModel, Quant, load_config, parse_size
 
 
 def build_model(name: str, *, device: str, quant: str) -> Any:

@@ -37,17 +37,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.decode import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
-from convo.engine import GREEDY, TransformersEngine
-from convo.memory import (
-    Attn,
-    DType,
-    MemoryModel,
-    ModelShape,
-    Quant,
-    build_random_model,
-    load_config,
-    weight_bytes,
-)
+from convo.engines.base import GREEDY
+from convo.engines.transformers import TransformersEngine
+from convo.planner.measure import build_random_model
+from convo.planner.model import Attn, DType, MemoryModel, ModelShape, Quant, load_config, weight_bytes
 
 GiB = 1 << 30
 

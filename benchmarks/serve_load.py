@@ -72,14 +72,16 @@ def child(args: argparse.Namespace) -> None:
     import uvicorn
 
     from convo.budget import Budget
-    from convo.server import EchoEngine, ServerLimits, create_app
+    from convo.server.app import create_app
+    from convo.server.limits import ServerLimits
     from convo.store import SQLiteStore
+    from convo.testing import EchoEngine
 
     engine: Any
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
     else:
-        from convo.engine import TransformersEngine
+        from convo.engines.transformers import TransformersEngine
 
         engine, name = TransformersEngine(), "smollm2-135m-instruct"
     budget = Budget(

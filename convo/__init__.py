@@ -1,169 +1,137 @@
 """convo: keep LLM conversations inside a hard memory budget.
 
-Everything a user needs is importable from ``convo``. Heavy parts (torch, transformers,
-FAISS, sentence-transformers) are imported only when first used.
+The names a user needs are importable from ``convo`` (``__all__``); everything else lives in
+its module (``convo.errors``, ``convo.plan``, ``convo.engines``, ``convo.planner``,
+``convo.fast``, ``convo.admission``, ``convo.testing``...). ``import convo`` loads no
+torch, transformers, FAISS, sentence-transformers, httpx or FastAPI: heavy names are
+imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from convo.budget import Budget, OversizePolicy
-from convo.errors import (
-    AdmissionError,
-    BudgetError,
-    ConfigError,
-    ConvoError,
-    DeviceOutOfMemory,
-    GenerationTimeout,
-    MessageError,
-    MissingDependency,
-    ModelLoadError,
-    QueueFullError,
-    QueueTimeoutError,
-    RemoteEngineError,
-    SessionBusy,
-    SessionNotFound,
-    StoreError,
-)
+from convo.engines.base import FinishReason, Sampling
+from convo.errors import BudgetError, ConvoError
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
-from convo.plan import Passage, PromptPlan, Turn, plan_prompt
-from convo.session import Reply, Session, TurnStats
-from convo.store import MemoryStore, RedisStore, SessionState, SQLiteStore, Store
-from convo.summarize import ModelSummarizer, Summarizer
-from convo.tokens import CharCounter, HFTokenCounter, TiktokenCounter, TokenCounter
+from convo.plan import PromptPlan, plan_prompt
+from convo.session import Reply, Session
+from convo.store import MemoryStore, RedisStore, SQLiteStore
+from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
 
 if TYPE_CHECKING:
-    from convo.admission import AdmissionController, AdmissionLimits, Batcher, MemoryLedger, Request
-    from convo.decode import KVSlotPool, StaticDecoder
-    from convo.embeddings import Embedder
-    from convo.engine import FinishReason, Generation, GenerationStats, Quant, Sampling, TransformersEngine
-    from convo.memory import MemoryModel, parse_size
-    from convo.metrics import ServingMetrics
-    from convo.remote import OpenAIEngine, RetryPolicy
-    from convo.retrieval import (
-        BM25Index,
-        Chunk,
-        DocumentCollection,
-        Memory,
-        RetrievalConfig,
-        VectorIndex,
-        chunk_text,
-    )
-
-# Names served lazily, with the module that defines them: `import convo` stays light
-# (no torch, transformers, FAISS or sentence-transformers until they are used).
-_LAZY = {
-    "FinishReason": "convo.engine",
-    "Generation": "convo.engine",
-    "GenerationStats": "convo.engine",
-    "Quant": "convo.engine",
-    "Sampling": "convo.engine",
-    "TransformersEngine": "convo.engine",
-    "AdmissionController": "convo.admission",
-    "AdmissionLimits": "convo.admission",
-    "Batcher": "convo.admission",
-    "MemoryLedger": "convo.admission",
-    "Request": "convo.admission",
-    "MemoryModel": "convo.memory",
-    "parse_size": "convo.memory",
-    "ServingMetrics": "convo.metrics",
-    "Memory": "convo.retrieval",
-    "DocumentCollection": "convo.retrieval",
-    "RetrievalConfig": "convo.retrieval",
-    "VectorIndex": "convo.retrieval",
-    "BM25Index": "convo.retrieval",
-    "Chunk": "convo.retrieval",
-    "chunk_text": "convo.retrieval",
-    "Embedder": "convo.embeddings",
-    "KVSlotPool": "convo.decode",
-    "StaticDecoder": "convo.decode",
-    "OpenAIEngine": "convo.remote",
-    "RetryPolicy": "convo.remote",
-}
+    from convo.admission import AdmissionController
+    from convo.engines.openai import OpenAIEngine
+    from convo.engines.transformers import TransformersEngine
+    from convo.planner.model import MemoryModel
+    from convo.retrieval import DocumentCollection, RetrievalMemory
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionController",
-    "AdmissionError",
-    "AdmissionLimits",
-    "BM25Index",
-    "Batcher",
     "Budget",
     "BudgetError",
-    "CharCounter",
-    "Chunk",
-    "ConfigError",
     "ConvoError",
-    "DeviceOutOfMemory",
     "DocumentCollection",
-    "Embedder",
     "FinishReason",
-    "Generation",
-    "GenerationStats",
-    "GenerationTimeout",
     "HFTokenCounter",
-    "KVSlotPool",
-    "Memory",
-    "MemoryLedger",
     "MemoryModel",
     "MemoryStore",
     "Message",
-    "MessageError",
-    "MissingDependency",
-    "ModelLoadError",
-    "ModelSummarizer",
     "OpenAIEngine",
     "OversizePolicy",
-    "Passage",
     "PromptPlan",
-    "Quant",
-    "QueueFullError",
-    "QueueTimeoutError",
     "RedisStore",
-    "RemoteEngineError",
     "Reply",
-    "Request",
-    "RetrievalConfig",
-    "RetryPolicy",
+    "RetrievalMemory",
     "Role",
     "SQLiteStore",
     "Sampling",
-    "ServingMetrics",
     "Session",
-    "SessionBusy",
-    "SessionNotFound",
-    "SessionState",
-    "StaticDecoder",
-    "Store",
-    "StoreError",
-    "Summarizer",
     "TiktokenCounter",
     "TokenCounter",
     "ToolCall",
     "TransformersEngine",
-    "Turn",
-    "TurnStats",
-    "VectorIndex",
     "assistant",
-    "chunk_text",
-    "parse_size",
     "plan_prompt",
     "system",
     "tool",
     "user",
 ]
 
+# Public names served lazily, with the module that defines them.
+_LAZY = {
+    "AdmissionController": "convo.admission",
+    "DocumentCollection": "convo.retrieval",
+    "MemoryModel": "convo.planner.model",
+    "OpenAIEngine": "convo.engines.openai",
+    "RetrievalMemory": "convo.retrieval",
+    "TransformersEngine": "convo.engines.transformers",
+}
+
+# Names ``convo`` exported before 0.2, with their home now: still served, with a
+# DeprecationWarning, for one release.
+_MOVED = {
+    **dict.fromkeys(
+        [
+            "AdmissionError",
+            "ConfigError",
+            "DeviceOutOfMemory",
+            "GenerationTimeout",
+            "MessageError",
+            "MissingDependency",
+            "ModelLoadError",
+            "QueueFullError",
+            "QueueTimeoutError",
+            "RemoteEngineError",
+            "SessionBusy",
+            "SessionNotFound",
+            "StoreError",
+        ],
+        "convo.errors",
+    ),
+    **dict.fromkeys(["AdmissionLimits", "Batcher", "MemoryLedger", "Request"], "convo.admission"),
+    **dict.fromkeys(
+        ["BM25Index", "Chunk", "RetrievalConfig", "VectorIndex", "chunk_text"], "convo.retrieval"
+    ),
+    **dict.fromkeys(["Generation", "GenerationStats", "Quant"], "convo.engines.base"),
+    **dict.fromkeys(["Passage", "Turn"], "convo.plan"),
+    **dict.fromkeys(["SessionState", "Store"], "convo.store"),
+    **dict.fromkeys(["ModelSummarizer", "Summarizer"], "convo.summarize"),
+    **dict.fromkeys(["KVSlotPool", "StaticDecoder"], "convo.decode"),
+    "RetryPolicy": "convo.engines.openai",
+    "TurnStats": "convo.session",
+    "CharCounter": "convo.tokens",
+    "Embedder": "convo.embeddings",
+    "ServingMetrics": "convo.metrics",
+    "parse_size": "convo.planner.model",
+}
+_RENAMED = {"Memory": ("RetrievalMemory", "convo.retrieval")}
+
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'convo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if name in _MOVED:
+        module = _MOVED[name]
+        warnings.warn(
+            f"convo.{name} is deprecated; import it from {module}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(importlib.import_module(module), name)
+    if name in _RENAMED:
+        new, module = _RENAMED[name]
+        warnings.warn(f"convo.{name} is deprecated; use convo.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new)
+    if name == "memory":  # the planner module's old name (``import convo.memory`` warns too)
+        return importlib.import_module("convo.memory")
+    raise AttributeError(f"module 'convo' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,6 +1,6 @@
 """Retrieval memory: turns and documents found again when a later question needs them.
 
-A :class:`Memory` is what a session retrieves from. It holds, per session id, the
+A :class:`RetrievalMemory` is what a session retrieves from. It holds, per session id, the
 completed turns of that session, and it can see shared :class:`DocumentCollection` objects.
 Each store keeps two indexes over the same *units* (a message of a turn, a chunk of a
 document):
@@ -56,8 +56,8 @@ __all__ = [
     "Chunk",
     "DocumentCollection",
     "Fusion",
-    "Memory",
     "RetrievalConfig",
+    "RetrievalMemory",
     "VectorIndex",
     "chunk_text",
 ]
@@ -418,14 +418,14 @@ class Fusion(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class RetrievalConfig:
-    """How a :class:`Memory` ranks candidates.
+    """How a :class:`RetrievalMemory` ranks candidates.
 
     Args:
         fusion: :class:`Fusion` or its name. Default ``"mix"``.
         dense_weight: weight of the cosine in ``MIX``, in [0, 1]. Default 0.5.
         bm25_half: the BM25 score that maps to 0.5 in ``MIX``. Default 6.0.
         rrf_k: the rank offset of ``RRF``. Default 60.
-        candidates_factor: :meth:`Memory.retrieve` returns up to ``candidates_factor *
+        candidates_factor: :meth:`RetrievalMemory.retrieve` returns up to ``candidates_factor *
             top_k`` passages, so the planner can skip duplicates. Default 3.
         unit_candidates: units fetched from each index before fusion (at least). Default
             256.
@@ -746,7 +746,7 @@ def chunk_text(
 class DocumentCollection:
     """A named, shareable collection of document chunks, searchable by meaning and words.
 
-    Attach it to a :class:`Memory` (for every session, or one session) to make it
+    Attach it to a :class:`RetrievalMemory` (for every session, or one session) to make it
     retrievable; one collection can serve many memories and sessions.
 
     Args:
@@ -933,7 +933,7 @@ def _passage(rec: _Record, hit: _Hit, text: str | None = None) -> Passage:
 
 
 # ---------------------------------------------------------------------------------------
-# Memory: what a session retrieves from
+# RetrievalMemory: what a session retrieves from
 # ---------------------------------------------------------------------------------------
 
 
@@ -945,7 +945,7 @@ def _speaker_line(message: Message) -> str:
     return f"{name}: {content}"
 
 
-class Memory:
+class RetrievalMemory:
     """Per-session turn memory plus shared document collections, for a Session.
 
     The session calls :meth:`remember_turns` with each completed turn and
@@ -964,7 +964,7 @@ class Memory:
         min_score: passages below this fused score are dropped by the planner.
 
     Example:
-        >>> memory = Memory(collections=[docs])                              # doctest: +SKIP
+        >>> memory = RetrievalMemory(collections=[docs])                              # doctest: +SKIP
         >>> session = Session(engine=engine, retriever=memory, session_id="a")  # doctest: +SKIP
     """
 
@@ -1158,7 +1158,7 @@ class Memory:
         *,
         embedder: TextEncoder | None = None,
         counter: TokenCounter | None = None,
-    ) -> Memory:
+    ) -> RetrievalMemory:
         """Read a memory written by :meth:`save` (the embedder must be the same model).
 
         Raises:
@@ -1177,3 +1177,16 @@ class Memory:
                 DocumentCollection.load(folder / "collections" / sub, embedder=out.embedder, counter=counter)
             )
         return out
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Memory":  # the old name, kept for one release
+        import warnings
+
+        warnings.warn(
+            "convo.retrieval.Memory is deprecated; use convo.RetrievalMemory",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return RetrievalMemory
+    raise AttributeError(f"module 'convo.retrieval' has no attribute {name!r}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from convo.budget import Budget, OversizePolicy
-from convo.engine import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
+from convo.engines.base import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, Role
 from convo.plan import Passage, PromptPlan, Turn, plan_prompt
@@ -113,7 +113,7 @@ class Session:
         summarizer: folds evicted turns into the summary; default: the engine itself
             through :class:`~convo.summarize.ModelSummarizer` (none without an engine or
             with ``budget.summary_tokens == 0``).
-        retriever: a retrieval memory (e.g. :class:`convo.retrieval.Memory`), or ``None``.
+        retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
         sampling: decoding settings (default greedy).
         timeout_s: wall-clock limit of one generate call (default: the engine's).

@@ -21,7 +21,7 @@ from convo.errors import ConfigError
 from convo.messages import Message, Role
 
 if TYPE_CHECKING:
-    from convo.engine import Engine
+    from convo.engines.base import Engine
 
 DEFAULT_TEMPLATE = (
     "Earlier summary: {previous}\n\n"

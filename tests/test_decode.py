@@ -24,7 +24,6 @@ from convo.errors import ConfigError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from convo import memory  # noqa: E402
 from convo.decode import (  # noqa: E402
     DecodeRequest,
     DecodeScheduler,
@@ -36,7 +35,8 @@ from convo.decode import (  # noqa: E402
     int4_group_size,
     quantize_int4,
 )
-from convo.engine import GREEDY, Sampling  # noqa: E402
+from convo.engines.base import GREEDY, Sampling  # noqa: E402
+from convo.planner import model as memory  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -299,7 +299,7 @@ def test_scheduler_queues_for_a_slot_and_times_out_while_waiting() -> None:
 
 
 def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
-    from convo.engine import TransformersEngine
+    from convo.engines.transformers import TransformersEngine
 
     stock = TransformersEngine("random:tiny-llama", device="cpu", kv_slots=0)
     fast = TransformersEngine.from_model(
@@ -326,7 +326,8 @@ def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
 
 
 def test_int4_engine_runs_only_through_its_slots() -> None:
-    from convo.engine import Quant, TransformersEngine
+    from convo.engines.base import Quant
+    from convo.engines.transformers import TransformersEngine
     from convo.messages import user
 
     engine = TransformersEngine("random:tiny-llama", device="cpu", quant="int4", slot_tokens=96)
@@ -363,7 +364,8 @@ def _perplexity(logits: Any, ids: list[int]) -> float:
 
 @pytest.mark.slow
 def test_static_engine_matches_the_stock_engine_on_the_real_model(real_engine: Any) -> None:
-    from convo.engine import FinishReason, TransformersEngine
+    from convo.engines.base import FinishReason
+    from convo.engines.transformers import TransformersEngine
     from convo.messages import assistant, user
 
     fast = TransformersEngine.from_model(
@@ -512,7 +514,7 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
 @cuda
 @pytest.mark.parametrize("quant", ["auto", "int4"])
 def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
-    from convo.engine import TransformersEngine
+    from convo.engines.transformers import TransformersEngine
     from convo.messages import user
 
     engine = TransformersEngine("random:tiny-llama", quant=quant, slot_tokens=256)

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from convo import Budget, BudgetError, Session
-from convo.engine import FinishReason, Quant, TransformersEngine
+from convo.engines.base import FinishReason, Quant
+from convo.engines.transformers import TransformersEngine
 from convo.messages import assistant, system, user
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from convo import Budget, ConfigError, Message, MessageError, OversizePolicy, Role, ToolCall
+from convo import Budget, Message, OversizePolicy, Role, ToolCall
+from convo.errors import ConfigError, MessageError
 from convo.messages import assistant, group_blocks, tool, user
 
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from convo import Budget, BudgetError, Message, OversizePolicy, Passage, Role, Session, ToolCall, Turn
+from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
 from convo.messages import assistant, system, tool, user
-from convo.plan import passage_message, plan_prompt, summary_message, turn_key
+from convo.plan import Passage, Turn, passage_message, plan_prompt, summary_message, turn_key
 from convo.tokens import CharCounter, TokenCounter
 
 

@@ -57,3 +57,51 @@ def test_import_is_light() -> None:
     code = f"import sys, convo; print(any(m in sys.modules for m in {heavy}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_public_api_is_small() -> None:
+    assert len(convo.__all__) <= 32, len(convo.__all__)
+
+
+def test_no_library_module_imports_the_cli() -> None:
+    """The CLI is a client of the library, never the reverse (all argparse lives in convo.cli)."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "convo").rglob("*.py"):
+        rel = path.relative_to(ROOT / "convo")
+        if rel.parts[0] == "cli" or rel.name == "__main__.py":  # the CLI and `python -m convo`
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n == "convo.cli" or n.startswith("convo.cli.") for n in names):
+                offenders.append(str(rel))
+            if isinstance(node, ast.Import | ast.ImportFrom) and any(
+                (a.name == "argparse") for a in node.names
+            ):
+                offenders.append(f"{rel} (argparse)")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("Memory", "RetrievalMemory"), ("ConfigError", "ConfigError"), ("Turn", "Turn")],
+)
+def test_old_top_level_names_still_work_with_a_warning(old: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=old):
+        value = getattr(convo, old)
+    assert value.__name__ == new
+
+
+def test_old_planner_module_warns() -> None:
+    code = (
+        "import warnings; warnings.simplefilter('error');\n"
+        "try:\n import convo.memory\nexcept DeprecationWarning as e:\n print('warned', e)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.startswith("warned") and "convo.planner" in out.stdout

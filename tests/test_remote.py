@@ -21,10 +21,10 @@ import openai
 import pytest
 
 from convo import Session
-from convo.engine import FinishReason
+from convo.engines.base import FinishReason
+from convo.engines.openai import OpenAIEngine, RetryPolicy, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
-from convo.remote import OpenAIEngine, RetryPolicy, parse_retry_after
 
 USER = [Message(role=Role.USER, content="hello there")]
 
@@ -315,7 +315,7 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if os.environ.get("CONVO_REQUIRE_LLAMA_CPP") == "1":
             pytest.fail(f"CONVO_REQUIRE_LLAMA_CPP=1 but llama-cpp-python[server] is missing: {exc}")
         pytest.skip("llama-cpp-python[server] is not installed (.ci/llama_cpp_wheel.sh)")
-    from convo.engine import default_gguf_path
+    from convo.engines.models import default_gguf_path
 
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path())]
@@ -350,7 +350,7 @@ def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> No
 
 @pytest.mark.slow
 def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: str) -> None:
-    from convo.engine import default_model_path
+    from convo.engines.transformers import default_model_path
 
     engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeout_s=120)
     assert engine.exact_counter and engine.margin_tokens == 0

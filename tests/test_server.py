@@ -21,8 +21,14 @@ import openai
 import pytest
 import uvicorn
 
-from convo import AdmissionController, AdmissionLimits, Budget, ConfigError, MemoryStore, SQLiteStore, Store
-from convo.server import EchoEngine, ServerLimits, create_app, key_owner
+from convo import AdmissionController, Budget, MemoryStore, SQLiteStore
+from convo.admission import AdmissionLimits
+from convo.errors import ConfigError
+from convo.server.app import create_app
+from convo.server.auth import key_owner
+from convo.server.limits import ServerLimits
+from convo.store import Store
+from convo.testing import EchoEngine
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)
@@ -417,7 +423,7 @@ def test_delete_and_export(url: str) -> None:
 
 def test_serve_refuses_public_bind_without_key(monkeypatch: pytest.MonkeyPatch) -> None:
     from convo.cli import build_parser
-    from convo.server import run_server
+    from convo.cli.serve import run_server
 
     monkeypatch.delenv("CONVO_API_KEY", raising=False)
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--db", "/nonexistent/never.db"])

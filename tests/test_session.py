@@ -8,22 +8,11 @@ from collections.abc import Mapping, Sequence
 import pytest
 from conftest import FakeEngine
 
-from convo import (
-    Budget,
-    BudgetError,
-    DeviceOutOfMemory,
-    Message,
-    MessageError,
-    ModelSummarizer,
-    OversizePolicy,
-    Passage,
-    Role,
-    Session,
-    ToolCall,
-    Turn,
-)
+from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
+from convo.errors import DeviceOutOfMemory, MessageError
 from convo.messages import assistant, tool
-from convo.plan import turn_key
+from convo.plan import Passage, Turn, turn_key
+from convo.summarize import ModelSummarizer
 from convo.tokens import CharCounter
 
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from convo import MemoryStore, SessionBusy, SessionNotFound, SessionState, SQLiteStore, Store, StoreError
+from convo import MemoryStore, SQLiteStore
+from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.messages import ToolCall, assistant, tool, user
+from convo.store import SessionState, Store
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

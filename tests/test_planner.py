@@ -9,19 +9,18 @@ import sys
 
 import pytest
 
+from convo.cli.plan import add_plan_arguments, run_plan_cli
 from convo.errors import ConfigError
-from convo.memory import (
+from convo.planner.model import (
     BUILTIN_CONFIGS,
     GiB,
     MemoryModel,
     ModelShape,
     Quant,
-    add_plan_arguments,
     kv_generations,
     load_config,
     parse_size,
     quantized_linear_bytes,
-    run_plan_cli,
     weight_bytes,
 )
 
@@ -234,6 +233,9 @@ def test_plan_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_import_convo_memory_does_not_import_torch() -> None:
-    code = "import sys, convo.memory, convo.admission, convo.metrics; print('torch' in sys.modules)"
+    code = (
+        "import sys, convo.planner, convo.planner.measure, convo.admission, convo.metrics;"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,0 +1,7 @@
+"""``python -m convo`` = ``convo``."""
+
+import sys
+
+from convo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""The ``convo`` command line.
+
+::
+
+    convo chat                               interactive chat on the embedded default model
+    convo chat --script turns.txt --json     one user turn per line, one JSON object per turn
+    convo plan --model M --context 1024,4096 --concurrency 1,4 --gpu-memory 24GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from convo.cli.chat import _chat
+from convo.cli.common import _missing, add_engine_arguments, add_local_engine_arguments, default_db_path
+from convo.errors import ConvoError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convo", description="LLM conversations inside a hard memory budget."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat with a model (interactive, or --script FILE)")
+    chat.add_argument(
+        "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
+    )
+    chat.add_argument(
+        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
+    )
+    chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    chat.add_argument("--budget", type=int, default=None, help="context_tokens of the session (default 2048)")
+    chat.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    chat.add_argument("--window", type=int, default=None, help="recent turns kept verbatim (default 8)")
+    chat.add_argument("--summary-tokens", type=int, default=None, help="summary cap (default 256; 0 = off)")
+    chat.add_argument("--system", default=None, help="system prompt of a new session")
+    chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
+    chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    chat.add_argument("--timeout", type=float, default=None, help="wall-clock cap of one reply, seconds")
+    chat.add_argument("--script", default=None, help="file with one user turn per line")
+    chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    add_local_engine_arguments(chat)
+    add_engine_arguments(chat)
+    chat.set_defaults(func=_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
+    serve.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded)")
+    serve.add_argument(
+        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None, help="bearer key clients must send (or $CONVO_API_KEY)")
+    where = serve.add_mutually_exclusive_group()
+    where.add_argument("--db", default=None, help=f"SQLite file for sessions (default {default_db_path()})")
+    where.add_argument("--redis", default=None, help="Redis URL, for sessions shared by several replicas")
+    serve.add_argument("--budget", type=int, default=None, help="context_tokens per session (default 2048)")
+    serve.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    add_local_engine_arguments(serve)
+    add_engine_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    plan = sub.add_parser("plan", help="will this model fit context N with M sessions on this GPU?")
+    try:
+        from convo.cli.plan import add_plan_arguments, run_plan_cli
+    except ImportError:
+        plan.set_defaults(func=lambda a: _missing("convo plan"))
+    else:
+        add_plan_arguments(plan)
+        plan.set_defaults(func=run_plan_cli)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from convo.cli.serve import run_server
+
+    return run_server(args)
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConvoError as exc:
+        print(f"convo: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+

@@ -1,0 +1,150 @@
+"""What the subcommands share: the session database's place, a progress spinner, and the
+engine flags (local ``--kv-slots``, remote ``--engine-*``)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+from convo.engines.openai import OpenAIEngine
+from convo.errors import ConfigError
+
+
+def default_db_path() -> Path:
+    """Where ``convo chat`` keeps sessions: ``$CONVO_HOME/sessions.db``, else
+    ``$XDG_DATA_HOME/convo/sessions.db``, else ``~/.local/share/convo/sessions.db``."""
+    home = os.environ.get("CONVO_HOME")
+    if home:
+        return Path(home) / "sessions.db"
+    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(data) / "convo" / "sessions.db"
+
+
+@contextmanager
+def spinner(message: str, stream: TextIO = sys.stderr) -> Iterator[Any]:
+    """Show ``message`` with a spinner (or plain progress lines off a terminal)."""
+    done = threading.Event()
+    state = {"text": message}
+    tty = stream.isatty()
+
+    def update(text: str) -> None:
+        state["text"] = text
+        if not tty:
+            print(f"[convo] {text}", file=stream, flush=True)
+
+    def spin() -> None:
+        for ch in itertools.cycle("|/-\\"):
+            if done.wait(0.1):
+                break
+            stream.write(f"\r{ch} {state['text']}"[:120].ljust(80))
+            stream.flush()
+
+    started = time.monotonic()
+    if tty:
+        thread = threading.Thread(target=spin, daemon=True)
+        thread.start()
+    else:
+        print(f"[convo] {message}", file=stream, flush=True)
+    try:
+        yield update
+    finally:
+        done.set()
+        elapsed = time.monotonic() - started
+        if tty:
+            thread.join()
+            stream.write("\r" + " " * 80 + "\r")
+        print(f"[convo] ready in {elapsed:.1f} s", file=stream, flush=True)
+
+
+def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--kv-slots``: the local engine's static KV slots (sized to the session budget)."""
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=None,
+        help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
+    )
+
+
+def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
+    """The local :class:`TransformersEngine` the flags ask for; a KV slot holds one session's
+    whole budget (``context_tokens``)."""
+    from convo.engines.transformers import TransformersEngine
+
+    return TransformersEngine(
+        args.model,
+        quant=args.quant,
+        device=getattr(args, "device", None),
+        kv_slots=getattr(args, "kv_slots", None),
+        slot_tokens=context_tokens,
+        progress=progress,
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engine-*``: generate (and summarize) on a remote OpenAI-compatible server."""
+    group = parser.add_argument_group("remote engine (vLLM, SGLang, llama.cpp server, convo serve)")
+    group.add_argument(
+        "--engine-url", default=None, help="OpenAI-compatible API root, e.g. http://host:8080/v1"
+    )
+    group.add_argument(
+        "--engine-model", default=None, help="served model name (default: first in /v1/models)"
+    )
+    group.add_argument(
+        "--engine-api-key", default=None, help="bearer key for the engine (or $CONVO_ENGINE_API_KEY)"
+    )
+    group.add_argument(
+        "--engine-tokenizer",
+        default=None,
+        help="local Hugging Face folder of the served model's tokenizer, for exact counts "
+        "(default: tiktoken cl100k with a safety margin)",
+    )
+    group.add_argument(
+        "--engine-context",
+        type=int,
+        default=None,
+        help="the engine's context length in tokens (default: from /v1/models, else --budget)",
+    )
+
+
+def engine_from_args(args: Any, *, default_context_tokens: int) -> OpenAIEngine:
+    """The engine ``convo chat`` / ``convo serve`` build from ``--engine-*`` flags.
+
+    ``--engine-context`` wins; else the window ``/v1/models`` lists; else (llama.cpp's
+    Python server and others do not list it) ``default_context_tokens``, the session
+    budget's, with a note on stderr. The API key may also come from
+    ``$CONVO_ENGINE_API_KEY``.
+    """
+    engine = OpenAIEngine(
+        args.engine_url,
+        args.engine_model,
+        api_key=args.engine_api_key or os.environ.get("CONVO_ENGINE_API_KEY") or None,
+        tokenizer=args.engine_tokenizer,
+        context_window=args.engine_context,
+        timeout_s=getattr(args, "timeout", None) or 60.0,
+    )
+    if args.engine_context is None:
+        try:
+            _ = engine.server_context_window
+        except ConfigError:
+            print(
+                f"[convo] {engine.base_url} does not list its context length; assuming "
+                f"{default_context_tokens} (pass --engine-context N)",
+                file=sys.stderr,
+            )
+            engine.assume_context_window(default_context_tokens)
+    return engine
+
+
+def _missing(what: str) -> int:
+    print(f"convo: {what} is not available in this installation", file=sys.stderr)
+    return 2
+

@@ -1,0 +1,325 @@
+"""``convo plan``: will this model fit context N with M sessions on this GPU?"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from convo.errors import ConfigError, require
+from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
+from convo.planner.measure import (
+    MeasuredCell,
+    _device_info,
+    build_random_model,
+    fit_calibration,
+    measure_cells,
+)
+from convo.planner.model import (
+    BUILTIN_CONFIGS,
+    Attn,
+    GiB,
+    MemoryModel,
+    Plan,
+    Quant,
+    _model_key,
+    _parse_int_list,
+    format_size,
+    load_config,
+    parse_size,
+    plan_grid,
+)
+
+# --------------------------------------------------------------------------------------
+# CLI: convo plan
+# --------------------------------------------------------------------------------------
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define the flags of ``convo plan`` on ``parser``."""
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="model folder, config.json, 'default' (SmolLM2-135M) or one of: "
+        + ", ".join(sorted(k for k in BUILTIN_CONFIGS if k != "default")),
+    )
+    parser.add_argument(
+        "--context", default="1024,4096,8192", help="comma-separated tokens per request, prompt + reply"
+    )
+    parser.add_argument(
+        "--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight (batch rows)"
+    )
+    parser.add_argument(
+        "--gpu-memory", default="24GiB", help="device memory to plan against: 24GiB, 80GB, 24000MiB"
+    )
+    parser.add_argument(
+        "--quant", default="none", choices=[q.value for q in Quant], help="bitsandbytes weight quantization"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="dtype of unquantized weights and activations (default: config's)"
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="KV cache dtype: bf16, fp16, fp32, fp8, int8, int4 (default: --dtype)",
+    )
+    parser.add_argument("--attn", default="sdpa", choices=[a.value for a in Attn])
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="reply tokens per request (default 256; 16 with --measure)",
+    )
+    parser.add_argument(
+        "--calibration",
+        default="auto",
+        help="calibration JSON, 'auto' (newest cached for this model) or 'none'",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="run every cell on the GPU with random weights, print predicted "
+        "vs measured and write a calibration",
+    )
+    parser.add_argument(
+        "--out", default=None, help="with --measure: folder for plan_measure.json and calibration.json"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
+    quant = Quant.parse(args.quant)
+    attn = Attn.parse(args.attn)
+    cal: Calibration | None = None
+    source = str(getattr(args, "calibration", "auto") or "auto")
+    if source == "auto":
+        path = find_calibration(_model_key(args.model), quant, attn)
+        if path is not None:
+            cal = load_calibration(path)
+    elif source != "none":
+        cal = load_calibration(source)
+    mm = MemoryModel.from_model(
+        args.model,
+        quant=quant,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        attn=attn,
+        calibration=cal,
+    )
+    return mm, source
+
+
+def plan_to_json(plan: Plan, mm: MemoryModel, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``--json`` object (field names are a contract)."""
+    return {
+        "model": plan.model,
+        "memory_bytes": plan.memory_bytes,
+        "weights_bytes": plan.weights_bytes,
+        "weights_method": mm.weights.method,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "quant": mm.quant.value,
+        "dtype": mm.compute_dtype.value,
+        "kv_dtype": mm.kv_dtype.value,
+        "attn": mm.attn.value,
+        "calibration": plan.calibration_source,
+        "cells": [dataclasses.asdict(c) for c in plan.cells],
+        "max_safe_concurrency": {str(k): v for k, v in plan.max_safe_concurrency().items()},
+        "max_safe_context": {str(k): v for k, v in plan.max_safe_context().items()},
+        **(extra or {}),
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def render_plan_table(plan: Plan, measured: Mapping[tuple[int, int], MeasuredCell] | None = None) -> str:
+    """The human table of ``convo plan`` (GiB)."""
+    head = (
+        f"{'context':>8} {'conc':>5} {'weights':>8} {'kv':>8} {'act':>7} {'alloc':>8} {'reserved':>9}  safe"
+    )
+    if measured:
+        head += f" {'m.alloc':>8} {'m.resv':>8} {'err%':>6}"
+    lines = [
+        f"model {plan.model}: weights {format_size(plan.weights_bytes)}, "
+        f"KV {plan.kv_bytes_per_token:,} B/token, memory {format_size(plan.memory_bytes)}, "
+        f"calibration: {plan.calibration_source}",
+        "sizes in GiB; alloc/reserved are predicted peaks including weights",
+        head,
+    ]
+    for c in plan.cells:
+        row = (
+            f"{c.context:>8} {c.concurrency:>5} {_gib(c.weights_bytes):>8} {_gib(c.kv_bytes):>8} "
+            f"{_gib(c.activation_bytes):>7} {_gib(c.peak_allocated_bytes):>8} "
+            f"{_gib(c.peak_reserved_bytes):>9}  {'yes' if c.safe else 'NO ':<4}"
+        )
+        if measured:
+            m = measured.get((c.context, c.concurrency))
+            if m is None:
+                row += f" {'':>8} {'':>8} {'':>6}"
+            elif m.oom:
+                row += f" {'OOM':>8} {_gib(m.peak_reserved_bytes):>8} {'':>6}"
+            else:
+                err = (
+                    100.0
+                    * (c.peak_reserved_bytes - (m.peak_reserved_bytes or 0))
+                    / max(m.peak_reserved_bytes or 1, 1)
+                )
+                row += f" {_gib(m.peak_allocated_bytes):>8} {_gib(m.peak_reserved_bytes):>8} {err:>+6.1f}"
+        lines.append(row)
+    lines.append(
+        "largest safe concurrency per context: "
+        + ", ".join(f"{k}: {v}" for k, v in plan.max_safe_concurrency().items())
+    )
+    lines.append(
+        "largest safe context per concurrency: "
+        + ", ".join(f"{k}: {v}" for k, v in plan.max_safe_context().items())
+    )
+    return "\n".join(lines)
+
+
+def run_plan_cli(args: argparse.Namespace) -> int:
+    """Run ``convo plan`` with parsed ``args`` (see :func:`add_plan_arguments`).
+
+    Returns:
+        The exit status: 0, or 2 for a configuration error (message on stderr).
+    """
+    try:
+        contexts = _parse_int_list(str(args.context), "context")
+        concs = _parse_int_list(str(args.concurrency), "concurrency")
+        memory = parse_size(args.gpu_memory)
+        measure = bool(getattr(args, "measure", False))
+        new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (16 if measure else 256)
+        if new_tokens < 0:
+            raise ConfigError("--max-new-tokens must be >= 0")
+        mm, _ = _build_memory_model(args)
+    except ConfigError as exc:
+        print(f"convo plan: {exc}", file=sys.stderr)
+        return 2
+    if not measure:
+        plan = plan_grid(
+            mm,
+            model=args.model,
+            contexts=contexts,
+            concurrencies=concs,
+            memory_bytes=memory,
+            new_tokens=new_tokens,
+        )
+        if args.json:
+            print(json.dumps(plan_to_json(plan, mm), indent=2))
+        else:
+            print(render_plan_table(plan))
+        return 0
+    return _run_measure(args, mm, contexts, concs, memory, new_tokens)
+
+
+def _run_measure(
+    args: argparse.Namespace,
+    mm: MemoryModel,
+    contexts: list[int],
+    concs: list[int],
+    memory: int,
+    new_tokens: int,
+) -> int:
+    require("torch", "local")
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("convo plan --measure needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    device_memory = int(torch.cuda.get_device_properties(0).total_memory)
+    t0 = time.perf_counter()
+    model = build_random_model(load_config(args.model), quant=mm.quant, dtype=mm.compute_dtype, attn=mm.attn)
+    gc.collect()
+    torch.cuda.empty_cache()
+    w_alloc = int(torch.cuda.memory_allocated())
+    w_res = int(torch.cuda.memory_reserved())
+    log(
+        f"model built in {time.perf_counter() - t0:.1f}s: weights allocated {format_size(w_alloc)} "
+        f"(predicted {format_size(mm.weights.total_bytes)}), reserved {format_size(w_res)}"
+    )
+    plan = plan_grid(
+        mm,
+        model=args.model,
+        contexts=contexts,
+        concurrencies=concs,
+        memory_bytes=memory,
+        new_tokens=new_tokens,
+    )
+    preds = {(c.context, c.concurrency): c for c in plan.cells}
+    cells = measure_cells(
+        model,
+        contexts=contexts,
+        concurrencies=concs,
+        new_tokens=new_tokens,
+        skip_above_bytes=device_memory,
+        predicted=preds,
+        log=log,
+    )
+    measured = {(c.context, c.concurrency): c for c in cells}
+    info = _device_info()
+    cal = fit_calibration(
+        mm,
+        cells,
+        weights_allocated=w_alloc,
+        weights_reserved=w_res,
+        source=f"measured on {info.get('device')}",
+    )
+    record = {
+        "model": args.model,
+        "model_key": _model_key(args.model),
+        "quant": mm.quant.value,
+        "attn": mm.attn.value,
+        "dtype": mm.compute_dtype.value,
+        "env": info,
+        "weights_allocated_bytes": w_alloc,
+        "weights_reserved_bytes": w_res,
+        "predicted_weights_bytes": mm.weights.total_bytes,
+        "prior_calibration": mm.calibration.to_json(),
+        "calibration": cal.to_json(),
+        "cells": [
+            {**dataclasses.asdict(m), "predicted": dataclasses.asdict(preds[(m.context, m.concurrency)])}
+            for m in cells
+        ],
+    }
+    path = calibration_path(_model_key(args.model), mm.quant, mm.attn, str(info.get("device")))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+    except OSError as exc:
+        log(f"could not cache calibration at {path}: {exc}")
+    if out_dir is not None:
+        (out_dir / "plan_measure.json").write_text(json.dumps(record, indent=2))
+    summary = plan_to_json(
+        plan,
+        mm,
+        {
+            "measured": record["cells"],
+            "env": info,
+            "weights_allocated_bytes": w_alloc,
+            "calibration_written": str(path),
+            "refit": cal.to_json(),
+        },
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(render_plan_table(plan, measured))
+        print(f"calibration written to {path}")
+    return 0
+
+

@@ -1,0 +1,59 @@
+"""``convo serve``: build the engine, the store and the app, then run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from convo.budget import Budget
+from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
+from convo.errors import ConfigError, MissingDependency
+from convo.store import Store
+from convo.testing import EchoEngine
+
+#: The only test hook: ``CONVO_FAKE_ENGINE=1`` makes :func:`run_server` serve a tiny
+#: deterministic engine instead of loading a model (used by the multi-process tests).
+FAKE_ENGINE_ENV = "CONVO_FAKE_ENGINE"
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``convo serve``: build the engine, the store and the app, then run uvicorn."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise MissingDependency("the server needs uvicorn; run: pip install 'convo[server]'") from None
+    from convo.server.app import create_app
+    from convo.store import RedisStore, SQLiteStore
+
+    api_key = args.api_key or os.environ.get("CONVO_API_KEY") or None
+    if not _loopback(args.host) and not api_key:
+        raise ConfigError(
+            f"refusing to serve on {args.host} without an API key: pass --api-key (or set CONVO_API_KEY), "
+            "or bind 127.0.0.1"
+        )
+    defaults = {"context_tokens": 2048, "max_new_tokens": 256}
+    given = {"context_tokens": args.budget, "max_new_tokens": args.max_new_tokens}
+    budget = Budget(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+    store: Store = RedisStore(args.redis) if args.redis else SQLiteStore(args.db or default_db_path())
+    engine: Any
+    if getattr(args, "engine_url", None):  # a remote OpenAI-compatible engine
+        engine = engine_from_args(args, default_context_tokens=budget.context_tokens)
+        budget = engine.budget(context_tokens=budget.context_tokens, max_new_tokens=budget.max_new_tokens)
+        name = args.engine_model or engine.model
+    elif os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
+        engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
+    else:
+        from convo.engines.models import DEFAULT_MODEL_NAME
+
+        with spinner("loading model") as update:
+            engine = local_engine(args, budget.context_tokens, update)
+        name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
+    app = create_app(engine, store=store, api_key=api_key, budget=budget, model_name=name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    store.close()
+    return 0

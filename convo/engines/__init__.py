@@ -1,0 +1,39 @@
+"""Engines: what generates text for a :class:`~convo.session.Session`.
+
+* :mod:`convo.engines.base` — the :class:`Engine` protocol and its typed values;
+* :mod:`convo.engines.transformers` — :class:`TransformersEngine`, a local Hugging Face model
+  behind a capped, measured ``generate`` (torch is imported on first use);
+* :mod:`convo.engines.openai` — :class:`OpenAIEngine`, any OpenAI-compatible server (httpx);
+* :mod:`convo.engines.models` — the embedded default model and model resolution.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from convo.engines.base import Engine, FinishReason, Generation, GenerationStats, Quant, Sampling
+
+if TYPE_CHECKING:
+    from convo.engines.openai import OpenAIEngine
+    from convo.engines.transformers import TransformersEngine
+
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "Generation",
+    "GenerationStats",
+    "OpenAIEngine",
+    "Quant",
+    "Sampling",
+    "TransformersEngine",
+]
+
+_LAZY = {"TransformersEngine": "convo.engines.transformers", "OpenAIEngine": "convo.engines.openai"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'convo.engines' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

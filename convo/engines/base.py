@@ -1,0 +1,303 @@
+"""What every engine is: the :class:`Engine` protocol a :class:`~convo.session.Session`
+drives, and the typed values it returns.
+
+* :class:`Sampling` — decoding settings (greedy by default);
+* :class:`Generation` — the reply text, its :class:`FinishReason` and its
+  :class:`GenerationStats` (tokens, KV bytes, device memory, timings);
+* :class:`TextStream` — text chunks of a call running in a worker thread.
+
+Engines: :class:`~convo.engines.transformers.TransformersEngine` (local, Hugging Face
+transformers, optional static KV slots from :mod:`convo.fast`) and
+:class:`~convo.engines.openai.OpenAIEngine` (any OpenAI-compatible server). A test engine
+that needs no model is :class:`convo.testing.EchoEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from convo.errors import (
+    ConfigError,
+)
+from convo.messages import Message
+from convo.tokens import TokenCounter
+
+
+class Quant(enum.StrEnum):
+    """Weight format.
+
+    ``AUTO`` (the default) is ``NF4`` on CUDA, where weights compete with the KV cache for
+    memory, and ``FP32`` on CPU, where host memory is rarely the limit and both
+    bitsandbytes' 4-bit kernels and bf16 matrix products run several times slower than
+    fp32 on CPUs without bf16 matrix units (measured on the CI machine: SmolLM2-135M
+    prefill of 1,000 tokens 11.5 s fp32 vs 31.7 s bf16; a decode step 0.27 s vs 1.9 s).
+    Ask for ``NF4`` to get 4-bit on CPU. ``NF4`` is bitsandbytes NormalFloat-4 with double
+    quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
+
+    ``INT4`` is the fast 4-bit path: group-wise int4 (group 128) in the tile-packed layout of
+    PyTorch's tinygemm kernels, run by the static decoder (:mod:`convo.decode`), whose
+    compiled, graph-captured step these kernels fit into. The model is loaded dense (bf16
+    on CUDA, fp32 on CPU) and quantized at load; it needs ``kv_slots`` > 0 (the default
+    for it). On CPU the int4 kernels are slower than fp32: use it there to check quality.
+    """
+
+    AUTO = "auto"
+    NF4 = "nf4"
+    INT8 = "int8"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    INT4 = "int4"
+
+
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation stopped."""
+
+    STOP = "stop"  # end-of-turn token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    TIMEOUT = "timeout"  # the wall-clock limit
+    CANCELLED = "cancelled"  # the consumer stopped reading a stream
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """Decoding settings. The default is greedy (``temperature=0``).
+
+    Args:
+        temperature: 0 for greedy, else the sampling temperature.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        repetition_penalty: 1.0 = off.
+        seed: seeds torch before sampling, for reproducible samples.
+        min_new_tokens: suppress end-of-turn before this many tokens (benchmarks use it
+            to fix reply lengths). Default 0.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_new_tokens < 0:
+            raise ConfigError("min_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ConfigError("repetition_penalty must be > 0")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        extra = {"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}
+        if self.temperature == 0:
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty, **extra}
+        return {
+            **extra,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationStats:
+    """What one generate call cost. Bytes are bytes, times are seconds.
+
+    On CUDA ``allocated_bytes`` / ``reserved_bytes`` are read after the call and the
+    ``peak_*`` values are the peaks during it. On CPU ``memory_kind`` is ``"rss"``: the
+    allocated / reserved fields hold the process RSS after the call and ``peak_*`` the
+    process's peak RSS so far (the OS keeps no per-call peak). An engine that cannot see
+    the memory (a remote server, a test engine) leaves the byte fields at 0.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the previous turn
+    prefill_tokens: int  # prompt tokens actually run through the model
+    new_tokens: int
+    kv_tokens: int  # tokens in the KV cache after the call
+    kv_bytes: int = 0  # measured from the cache tensors
+    kv_bytes_expected: int = 0  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+    tokens_per_s: float
+    memory_kind: str  # "cuda", "rss", "remote" (a server's) or "none" (a test engine)
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    attention: str
+    kv_slot_bytes: int = 0  # the static KV slot the call ran in (0 without static decode)
+
+    @classmethod
+    def from_times(
+        cls,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        new_tokens: int,
+        kv_tokens: int,
+        start: float,
+        first_token_at: float | None,
+        end: float,
+        memory_kind: str,
+        attention: str,
+        **extra: Any,
+    ) -> GenerationStats:
+        """Stats of a call timed by ``time.perf_counter()`` stamps: its start, its first
+        token (``None``: no token, the whole call counts as prefill) and its end."""
+        ttft_at = first_token_at or end
+        decode_s = max(end - ttft_at, 0.0)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefill_tokens=prompt_tokens - cached_tokens,
+            new_tokens=new_tokens,
+            kv_tokens=kv_tokens,
+            prefill_s=ttft_at - start,
+            decode_s=decode_s,
+            ttft_s=ttft_at - start,
+            total_s=end - start,
+            tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else 0.0,
+            memory_kind=memory_kind,
+            attention=attention,
+            **extra,
+        )
+
+    @classmethod
+    def untimed(cls, *, prompt_tokens: int, new_tokens: int) -> GenerationStats:
+        """Stats of an engine that neither times nor sees memory (test engines)."""
+        return cls.from_times(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=0,
+            new_tokens=new_tokens,
+            kv_tokens=prompt_tokens + new_tokens,
+            start=0.0,
+            first_token_at=None,
+            end=0.0,
+            memory_kind="none",
+            attention="none",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """A reply from the engine."""
+
+    text: str
+    finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+    @property
+    def timed_out(self) -> bool:
+        return self.finish_reason is FinishReason.TIMEOUT
+
+
+class Engine(Protocol):
+    """What a :class:`~convo.session.Session` needs from an engine."""
+
+    @property
+    def counter(self) -> TokenCounter: ...
+
+    @property
+    def context_window(self) -> int: ...
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> Generation: ...
+
+    def release(self, cache_key: str) -> None: ...
+
+
+
+_END = object()
+T = TypeVar("T")
+
+
+class TextStream(Generic[T]):
+    """Text chunks of a call running in a worker thread.
+
+    ``call(on_text=..., cancel=..., **kwargs)`` runs in the worker; iterate the stream
+    (sync) or ``async for`` over :meth:`aiter`. ``result`` holds the call's return value
+    after the last chunk; an error in the call is raised to the consumer. ``close()``
+    cancels the call and waits for it.
+    """
+
+    def __init__(self, call: Callable[..., T], kwargs: dict[str, Any]) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._cancel = threading.Event()
+        self.result: T | None = None
+        self.error: BaseException | None = None
+        kwargs = dict(kwargs, on_text=self._queue.put, cancel=self._cancel)
+
+        def work() -> None:
+            try:
+                self.result = call(**kwargs)
+            except BaseException as exc:  # delivered to the consumer
+                self.error = exc
+            finally:
+                self._queue.put(_END)
+
+        self._thread = threading.Thread(target=work, name="convo-generate", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    break
+                yield item
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+
+    async def aiter(self) -> AsyncIterator[str]:
+        """Async iteration without blocking the event loop."""
+        try:
+            while True:
+                item = await asyncio.to_thread(self._queue.get)
+                if item is _END:
+                    break
+                yield item
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Cancel the call (if still running) and wait for the worker to finish."""
+        if self._thread.is_alive():
+            self._cancel.set()
+        self._thread.join()

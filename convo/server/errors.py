@@ -1,0 +1,76 @@
+"""Errors: one table from exception to HTTP status and OpenAI-style body."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from convo.errors import (
+    AdmissionError,
+    BudgetError,
+    ConfigError,
+    ConvoError,
+    DeviceOutOfMemory,
+    GenerationTimeout,
+    MessageError,
+    QueueFullError,
+    QueueTimeoutError,
+    SessionBusy,
+    SessionNotFound,
+    StoreError,
+)
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+
+# Most specific first: the first isinstance match wins.
+_STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (QueueTimeoutError, 503, "server_error", "queue_timeout"),
+    (AdmissionError, 400, "invalid_request_error", "request_too_large"),
+    (BudgetError, 400, "invalid_request_error", "context_length_exceeded"),
+    (MessageError, 400, "invalid_request_error", "invalid_message"),
+    (ConfigError, 400, "invalid_request_error", "invalid_value"),
+    (SessionNotFound, 404, "invalid_request_error", "session_not_found"),
+    (SessionBusy, 409, "conflict_error", "session_busy"),
+    (StoreError, 500, "server_error", "store_error"),
+    (GenerationTimeout, 504, "server_error", "generation_timeout"),
+    (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),
+    (ConvoError, 500, "server_error", "internal_error"),
+)
+
+
+def error_status(exc: BaseException) -> ApiError:
+    """The HTTP error for an exception (the single ConvoError -> HTTP mapping)."""
+    if isinstance(exc, ApiError):
+        return exc
+    for kind, status, type_, code in _STATUS:
+        if isinstance(exc, kind):
+            headers = {}
+            if isinstance(exc, QueueFullError):
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+            return ApiError(status, str(exc), type=type_, code=code, headers=headers)
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+

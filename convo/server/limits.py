@@ -1,0 +1,61 @@
+"""The server's limits: one frozen, validated config object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convo.errors import (
+    ConfigError,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLimits:
+    """What one request may ask for and how much the server runs at once.
+
+    Args:
+        max_body_bytes: largest request body; larger gets 413. Default 1 MiB.
+        max_messages: most messages in one request; more gets 400. Default 256.
+        max_tokens: largest ``max_tokens`` a request may ask for; more gets 400.
+            ``None`` (default): the budget's ``max_new_tokens``. A request without
+            ``max_tokens`` gets the budget's.
+        admission_tokens: tokens (prompt + reply cap) all running requests may hold
+            together; the admission ledger counts tokens, so a request is charged at most
+            its budget's ``context_tokens``. Default 65536.
+        max_concurrency: requests generating at once. Default 4. With a local engine
+            that has static KV slots, the slot count is used instead (each admitted turn
+            holds a slot; they decode together).
+        max_queue: requests waiting for admission; more get 429 with ``Retry-After``.
+            Default 64.
+        queue_timeout_s: seconds a request may wait for admission before 503. Default 30.
+        session_lock_timeout_s: seconds a turn waits for another turn of the same session
+            (in this process or another replica) before 409. Default 60.
+        generation_timeout_s: wall-clock cap of one generation, seconds (the reply is cut
+            and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
+    """
+
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 256
+    max_tokens: int | None = None
+    admission_tokens: int = 65536
+    max_concurrency: int = 4
+    max_queue: int = 64
+    queue_timeout_s: float = 30.0
+    session_lock_timeout_s: float = 60.0
+    generation_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"ServerLimits.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_queue < 0:
+            raise ConfigError(f"ServerLimits.max_queue must be >= 0, got {self.max_queue}")
+        for name in ("queue_timeout_s", "session_lock_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:
+            raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
+
+

@@ -1,0 +1,139 @@
+"""Parsing and validating ``/v1/chat/completions`` bodies."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from convo.engines.base import GREEDY, Sampling
+from convo.errors import (
+    ConfigError,
+    MessageError,
+)
+from convo.messages import Message, Role
+from convo.server.errors import ApiError
+from convo.server.limits import ServerLimits
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatRequest:
+    """A parsed, validated ``/v1/chat/completions`` body."""
+
+    messages: tuple[Message, ...]
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+    sampling: Sampling = GREEDY
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ApiError(
+                    400, f"messages[{index}].content: only text parts are supported", code="invalid_content"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(
+        400, f"messages[{index}].content must be a string or a list of text parts", code="invalid_content"
+    )
+
+
+def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ApiError(
+            400, f"{name} must be a{'n integer' if kind is int else ' number'}", code="invalid_value"
+        )
+    return kind(value)
+
+
+def parse_chat_request(
+    body: Any, *, header_session_id: str | None, limits: ServerLimits, max_tokens_cap: int
+) -> ChatRequest:
+    """Validate a chat completions body (raises :class:`ApiError` 400).
+
+    Args:
+        body: the decoded JSON.
+        header_session_id: the ``X-Session-Id`` header, if any (wins over the body's).
+        limits: the server's limits.
+        max_tokens_cap: the largest ``max_tokens`` allowed.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list", code="invalid_messages")
+    if len(raw) > limits.max_messages:
+        raise ApiError(
+            400,
+            f"{len(raw)} messages, over the limit of {limits.max_messages} per request",
+            code="too_many_messages",
+        )
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", code="invalid_messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(
+                400,
+                f"messages[{i}].role {role!r} is not supported (system, user, assistant)",
+                code="invalid_role",
+            )
+        try:
+            messages.append(Message(role=Role(role), content=_content_text(m.get("content"), i)))
+        except MessageError as exc:
+            raise ApiError(400, f"messages[{i}]: {exc}", code="invalid_messages") from None
+    cap = max_tokens_cap
+    max_tokens = _number(body, "max_completion_tokens", int, None)
+    max_tokens = _number(body, "max_tokens", int, max_tokens)
+    if max_tokens is not None and not 1 <= max_tokens <= cap:
+        raise ApiError(400, f"max_tokens must be between 1 and {cap}", code="invalid_max_tokens")
+    options = body.get("stream_options") or {}
+    metadata = body.get("metadata") or {}
+    if not isinstance(options, dict) or not isinstance(metadata, dict):
+        raise ApiError(400, "stream_options and metadata must be objects", code="invalid_value")
+    session_id = header_session_id or body.get("user") or metadata.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id)):
+        raise ApiError(
+            400, "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -", code="invalid_session_id"
+        )
+    try:
+        sampling = Sampling(
+            temperature=_number(body, "temperature", float, 0.0),
+            top_p=_number(body, "top_p", float, 1.0),
+            seed=_number(body, "seed", int, None),
+        )
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), code="invalid_value") from None
+    return ChatRequest(
+        messages=tuple(messages),
+        max_tokens=max_tokens,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(options.get("include_usage", False)),
+        session_id=session_id,
+        sampling=sampling,
+    )
+
+

@@ -1,0 +1,138 @@
+"""Engines and counters that need no model, for tests of code built on convo (and convo's own).
+
+* :class:`EchoEngine` answers ``"heard N: <last user message>"``; it can stream slowly
+  (``delay_s``) and honours ``cancel`` — what ``convo serve`` runs with
+  ``CONVO_FAKE_ENGINE=1``.
+* :class:`ScriptedEngine` answers ``reply {n}`` (or ``reply_fn(messages)``), records every
+  prompt and can be told to fail, to test session logic around errors.
+* :class:`~convo.tokens.CharCounter` counts one token per character.
+
+Example::
+
+    import convo
+    from convo.testing import EchoEngine
+
+    session = convo.Session(EchoEngine(), budget=convo.Budget(context_tokens=512, max_new_tokens=32))
+    assert session.send("hello").text.startswith("heard")
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Sampling
+from convo.errors import BudgetError
+from convo.messages import Message, Role
+from convo.tokens import CharCounter, TokenCounter
+
+__all__ = ["CharCounter", "EchoEngine", "ScriptedEngine"]
+
+
+class EchoEngine:
+    """A tiny deterministic engine with no model (tests, demos, ``CONVO_FAKE_ENGINE=1``).
+
+    It answers ``"heard N: <last user message>"`` (N = messages in its prompt) followed
+    by ``pad_words`` words, one ``on_text`` chunk per word, sleeping ``delay_s`` between
+    words and stopping when ``cancel`` is set; ``max_new_tokens`` caps the words.
+    """
+
+    def __init__(self, *, delay_s: float = 0.0, pad_words: int = 0, context_window: int = 100_000) -> None:
+        self._counter = CharCounter()
+        self.delay_s = delay_s
+        self.pad_words = pad_words
+        self.context_window = context_window
+        self.prompts: list[tuple[Message, ...]] = []
+
+    @property
+    def counter(self) -> Any:
+        return self._counter
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        **_: Any,
+    ) -> Any:
+        self.prompts.append(tuple(messages))
+        last = next((m.content for m in reversed(messages) if m.role is Role.USER), "")
+        words = [*f"heard {len(messages)}: {last}".split(" "), *(f"w{i}" for i in range(self.pad_words))]
+        words = words[:max_new_tokens]
+        out, reason = [], FinishReason.STOP
+        for i, word in enumerate(words):
+            if cancel is not None and cancel.is_set():
+                reason = FinishReason.CANCELLED
+                break
+            piece = word if i == 0 else " " + word
+            out.append(piece)
+            if on_text is not None:
+                on_text(piece)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+        text = "".join(out)
+        prompt = self._counter.count_prompt(messages)
+        stats = GenerationStats.untimed(prompt_tokens=prompt, new_tokens=len(out))
+        return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
+
+    def release(self, cache_key: str) -> None:
+        pass
+
+
+class ScriptedEngine:
+    """A deterministic engine for unit tests of session logic (no model).
+
+    It answers ``reply {n}`` (or what ``replies`` yields), records every prompt, and can be
+    told to fail: ``fail_with`` is raised on the next ``fail_times`` calls.
+    """
+
+    def __init__(self, counter: TokenCounter | None = None, *, context_window: int = 100_000) -> None:
+        self._counter = counter or CharCounter()
+        self.context_window = context_window
+        self.prompts: list[tuple[Message, ...]] = []
+        self.released: list[str] = []
+        self.fail_with: BaseException | None = None
+        self.fail_times = 0
+        self.reply_fn: Callable[[Sequence[Message]], str] | None = None
+
+    @property
+    def counter(self) -> TokenCounter:
+        return self._counter
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> Generation:
+        if max_prompt_tokens is not None and self._counter.count_prompt(messages) > max_prompt_tokens:
+            raise BudgetError("rendered prompt over the budget")  # as the real engine does
+        if self.fail_times > 0 and self.fail_with is not None:
+            self.fail_times -= 1
+            raise self.fail_with
+        self.prompts.append(tuple(messages))
+        text = self.reply_fn(messages) if self.reply_fn else f"reply {len(self.prompts)}"
+        if on_text is not None:
+            for word in text.split(" "):
+                on_text(word + " ")
+        prompt = self._counter.count_prompt(messages)
+        return Generation(
+            text=text,
+            finish_reason=FinishReason.STOP,
+            token_ids=(),
+            stats=GenerationStats.untimed(prompt_tokens=prompt, new_tokens=self._counter.count_text(text)),
+        )
+
+    def release(self, cache_key: str) -> None:
+        self.released.append(cache_key)

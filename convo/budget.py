@@ -47,11 +47,11 @@ class Budget:
             are waiting, so the model is not asked to re-summarize every turn. Default 4.
         retrieval_tokens: cap on retrieved passages. Default 384; 0 disables retrieval.
         retrieval_top_k: at most this many passages. Default 6.
-        pinned_tokens: cap on the pinned part (system prompt, pinned facts). Default:
-            a quarter of ``context_tokens``.
+        pinned_tokens: cap on the pinned part (system prompt, pinned facts). Default
+            ``None``: a quarter of the prompt room (:attr:`pinned_cap`).
         recent_min_tokens: share guaranteed to the recent turns before the summary and
-            retrieval take theirs. Default: half of what the reserve and the pinned cap
-            leave.
+            retrieval take theirs. Default ``None``: half of what the reserve and the
+            pinned cap leave (:attr:`recent_min`).
         margin_tokens: safety margin kept free, for counters that are not exact (e.g. a
             tiktoken count for a remote model). Default 0.
         oversize: policy for a single message too large to fit. Default ``TRUNCATE``.
@@ -109,17 +109,15 @@ class Budget:
         room = self.context_tokens - self.max_new_tokens - self.margin_tokens
         if room <= 0:
             raise ConfigError("Budget.margin_tokens leaves no room for the prompt")
-        pinned = self.pinned_tokens if self.pinned_tokens is not None else room // 4
-        if not isinstance(pinned, int) or pinned < 0 or pinned > room:
+        pinned = self.pinned_cap
+        if not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0 or pinned > room:
             raise ConfigError(f"Budget.pinned_tokens must be in [0, {room}], got {pinned!r}")
-        object.__setattr__(self, "pinned_tokens", pinned)
-        recent = self.recent_min_tokens if self.recent_min_tokens is not None else (room - pinned) // 2
-        if not isinstance(recent, int) or recent < 0 or pinned + recent > room:
+        recent = self.recent_min
+        if not isinstance(recent, int) or isinstance(recent, bool) or recent < 0 or pinned + recent > room:
             raise ConfigError(
                 f"Budget.recent_min_tokens ({recent!r}) + pinned_tokens ({pinned}) must fit in "
                 f"the {room} prompt tokens the reply reserve leaves"
             )
-        object.__setattr__(self, "recent_min_tokens", recent)
 
     @property
     def available_prompt_tokens(self) -> int:
@@ -128,15 +126,19 @@ class Budget:
 
     @property
     def pinned_cap(self) -> int:
-        """``pinned_tokens`` resolved to an int."""
-        assert self.pinned_tokens is not None
-        return self.pinned_tokens
+        """The pinned part's cap: ``pinned_tokens``, or a quarter of the prompt room when it is
+        ``None`` (derived on every read, so ``dataclasses.replace`` never keeps a stale cap)."""
+        if self.pinned_tokens is not None:
+            return self.pinned_tokens
+        return self.available_prompt_tokens // 4
 
     @property
     def recent_min(self) -> int:
-        """``recent_min_tokens`` resolved to an int."""
-        assert self.recent_min_tokens is not None
-        return self.recent_min_tokens
+        """The recent turns' guaranteed share: ``recent_min_tokens``, or half of what the
+        pinned cap leaves of the prompt room when it is ``None`` (derived on every read)."""
+        if self.recent_min_tokens is not None:
+            return self.recent_min_tokens
+        return (self.available_prompt_tokens - self.pinned_cap) // 2
 
     def to_dict(self) -> dict[str, object]:
         """JSON-safe settings (what a store persists with the session)."""

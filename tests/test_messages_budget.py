@@ -70,3 +70,15 @@ def test_budget_defaults_and_shares() -> None:
 def test_nonsense_budgets_raise_config_error(kwargs: dict) -> None:
     with pytest.raises((ConfigError, ValueError)):
         Budget(**kwargs)
+
+
+def test_replace_rederives_the_caps_that_were_left_to_the_budget() -> None:
+    import dataclasses
+
+    b = Budget(context_tokens=1000, max_new_tokens=100)
+    assert (b.pinned_cap, b.recent_min) == (225, 337)
+    smaller = dataclasses.replace(b, max_new_tokens=500)  # a per-request reply cap
+    assert (smaller.pinned_cap, smaller.recent_min) == (125, 187)
+    assert smaller.to_dict()["pinned_tokens"] is None  # persisted as "derived", not a stale int
+    fixed = Budget(context_tokens=1000, max_new_tokens=100, pinned_tokens=50)
+    assert dataclasses.replace(fixed, max_new_tokens=500).pinned_cap == 50

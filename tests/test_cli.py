@@ -109,3 +109,130 @@ def test_bad_arguments_fail_cleanly(tmp_path: Path) -> None:
     assert "convo: error:" in out.stderr and "Traceback" not in out.stderr
     missing = run_cli("chat", "--script", str(tmp_path / "missing.txt"), "--db", str(tmp_path / "x.db"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+# -- the CLI tells the truth --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_budget_flag_gives_one_message_for_zero_and_negatives(value: str) -> None:
+    out = run_cli("chat", "--budget", value, "--script", "/dev/null")
+    assert out.returncode == 2
+    assert f"--budget: must be a whole number >= 1, got {value}" in out.stderr
+
+
+def test_a_missing_model_path_fails_before_loading_and_never_says_ready(tmp_path: Path) -> None:
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    out = run_cli("chat", "--model", "/nope/model", "--script", str(script), "--db", str(tmp_path / "x.db"))
+    assert out.returncode == 2
+    assert "no model at /nope/model" in out.stderr
+    assert "ready" not in out.stderr and "loading model" not in out.stderr
+
+
+def test_spinner_reports_failure_not_ready() -> None:
+    import io
+
+    from convo.cli.common import spinner
+
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError), spinner("loading model", stream) as update:
+        update("step 1")
+        raise RuntimeError("boom")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[convo] loading model" and lines[1] == "[convo] step 1"
+    assert lines[-1].startswith("[convo] failed after") and "ready" not in stream.getvalue()
+
+
+def _session(tmp_path: Path, engine: object | None = None) -> object:
+    import convo
+    from convo.testing import ScriptedEngine
+
+    return convo.Session(
+        engine or ScriptedEngine(),
+        budget=convo.Budget(context_tokens=400, max_new_tokens=20),
+        store=convo.SQLiteStore(tmp_path / "s.db"),
+    )
+
+
+def _args(**kw: object) -> object:
+    import argparse
+
+    return argparse.Namespace(**{"timeout": None, "json": False, **kw})
+
+
+def test_interactive_commands_are_not_sent_or_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from convo.cli.chat import _handle
+
+    session = _session(tmp_path)
+    args = _args()
+    last = _handle(session, "hello", "hello", args, None)
+    assert last is not None and last.text == "reply 1"
+    for line in ["/help", "/history", "/summary", "/stats", "/nope"]:
+        assert _handle(session, line, line, args, last) is last
+    out = capsys.readouterr()
+    assert "/pin TEXT" in out.out and "user: hello" in out.out and "assistant: reply 1" in out.out
+    assert "unknown command '/nope'" in out.err
+    _handle(session, "/pin I am vegetarian", "/pin I am vegetarian", args, last)
+    assert "pinned (1 pinned message(s))" in capsys.readouterr().out
+    assert [m.content for m in session.messages] == ["I am vegetarian", "hello", "reply 1"]
+    _handle(session, "//etc is a folder", "//etc is a folder", args, last)
+    assert session.messages[-2].content == "/etc is a folder"  # '//' escapes a leading '/'
+
+
+def test_a_scripted_reply_cut_by_the_timeout_says_so_and_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+
+    from convo.cli.chat import EXIT_TIMEOUT, _script
+    from convo.engines.base import FinishReason
+    from convo.testing import ScriptedEngine
+
+    class SlowEngine(ScriptedEngine):
+        def generate(self, messages: object, **kw: object) -> object:  # type: ignore[override]
+            gen = super().generate(messages, **kw)  # type: ignore[arg-type]
+            return dataclasses.replace(gen, finish_reason=FinishReason.TIMEOUT)
+
+    script = tmp_path / "t.txt"
+    script.write_text("one\ntwo\n")
+    status = _script(_session(tmp_path, SlowEngine()), _args(script=str(script), timeout=2.0))
+    assert status == EXIT_TIMEOUT
+    assert "turn 1: reply cut: it hit the --timeout of 2 s" in capsys.readouterr().err
+
+
+def test_serve_says_where_it_listens(tmp_path: Path) -> None:
+    import os
+    import time
+
+    env = {**os.environ, "CONVO_FAKE_ENGINE": "1"}
+    cmd = [sys.executable, "-m", "convo.cli", "serve", "--port", "0", "--db", str(tmp_path / "s.db")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, line = time.monotonic() + 60, ""
+        assert proc.stderr is not None
+        while time.monotonic() < deadline and "listening on" not in line:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "[convo] listening on http://127.0.0.1:" in line, line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0  # the real port, even when asked for port 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_too_long_system_prompt_is_a_flag_error(tmp_path: Path) -> None:
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    out = run_cli(
+        "chat", "--system", "be brief " * 400, "--budget", "512", "--script", str(script),
+        "--db", str(tmp_path / "x.db"),
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--system is" in out.stderr and "raise --budget" in out.stderr
+    assert "pinned_tokens" not in out.stderr

@@ -13,7 +13,15 @@ import argparse
 import sys
 
 from convo.cli.chat import _chat
-from convo.cli.common import _missing, add_engine_arguments, add_local_engine_arguments, default_db_path
+from convo.cli.common import (
+    _missing,
+    add_engine_arguments,
+    add_local_engine_arguments,
+    default_db_path,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
 from convo.errors import ConvoError
 
 
@@ -23,7 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", help="chat with a model (interactive, or --script FILE)")
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a model (interactive, or --script FILE)",
+        description="Chat inside a token budget. Interactive commands: /help, /history, /summary, "
+        "/pin TEXT, /exit. Ctrl-C cancels the reply being written.",
+        epilog="exit status: 0 ok; 2 bad flags or a convo error; 3 a scripted reply was cut by --timeout",
+    )
     chat.add_argument(
         "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
     )
@@ -31,14 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
     )
     chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    chat.add_argument("--budget", type=int, default=None, help="context_tokens of the session (default 2048)")
-    chat.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
-    chat.add_argument("--window", type=int, default=None, help="recent turns kept verbatim (default 8)")
-    chat.add_argument("--summary-tokens", type=int, default=None, help="summary cap (default 256; 0 = off)")
+    chat.add_argument(
+        "--budget", type=positive_int, default=None, help="context_tokens of the session (default 2048)"
+    )
+    chat.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
+    chat.add_argument(
+        "--window", type=positive_int, default=None, help="recent turns kept verbatim (default 8)"
+    )
+    chat.add_argument(
+        "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
+    )
     chat.add_argument("--system", default=None, help="system prompt of a new session")
     chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
     chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
-    chat.add_argument("--timeout", type=float, default=None, help="wall-clock cap of one reply, seconds")
+    chat.add_argument(
+        "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one reply, seconds"
+    )
     chat.add_argument("--script", default=None, help="file with one user turn per line")
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
     add_local_engine_arguments(chat)
@@ -51,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
     )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="bearer key clients must send (or $CONVO_API_KEY)")
     where = serve.add_mutually_exclusive_group()
     where.add_argument("--db", default=None, help=f"SQLite file for sessions (default {default_db_path()})")
     where.add_argument("--redis", default=None, help="Redis URL, for sessions shared by several replicas")
-    serve.add_argument("--budget", type=int, default=None, help="context_tokens per session (default 2048)")
-    serve.add_argument("--max-new-tokens", type=int, default=None, help="reply cap (default 256)")
+    serve.add_argument(
+        "--budget", type=positive_int, default=None, help="context_tokens per session (default 2048)"
+    )
+    serve.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
     add_local_engine_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
@@ -79,7 +103,6 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -89,4 +112,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-

@@ -4,12 +4,10 @@ engine flags (local ``--kv-slots``, remote ``--engine-*``)."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,46 +27,63 @@ def default_db_path() -> Path:
 
 
 @contextmanager
-def spinner(message: str, stream: TextIO = sys.stderr) -> Iterator[Any]:
-    """Show ``message`` with a spinner (or plain progress lines off a terminal)."""
-    done = threading.Event()
-    state = {"text": message}
-    tty = stream.isatty()
+def spinner(message: str, stream: TextIO = sys.stderr) -> Iterator[Callable[[str], None]]:
+    """Report a slow step as plain lines on ``stream``: ``message``, each progress text passed
+    to the yielded ``update``, then ``ready in N s`` on success or ``failed after N s`` when
+    the step raised. Plain lines (no carriage-return animation) never fight with other
+    progress output (transformers' bars) for the same terminal line."""
+    started = time.monotonic()
+    print(f"[convo] {message}", file=stream, flush=True)
 
     def update(text: str) -> None:
-        state["text"] = text
-        if not tty:
-            print(f"[convo] {text}", file=stream, flush=True)
+        print(f"[convo] {text}", file=stream, flush=True)
 
-    def spin() -> None:
-        for ch in itertools.cycle("|/-\\"):
-            if done.wait(0.1):
-                break
-            stream.write(f"\r{ch} {state['text']}"[:120].ljust(80))
-            stream.flush()
-
-    started = time.monotonic()
-    if tty:
-        thread = threading.Thread(target=spin, daemon=True)
-        thread.start()
-    else:
-        print(f"[convo] {message}", file=stream, flush=True)
     try:
         yield update
-    finally:
-        done.set()
-        elapsed = time.monotonic() - started
-        if tty:
-            thread.join()
-            stream.write("\r" + " " * 80 + "\r")
-        print(f"[convo] ready in {elapsed:.1f} s", file=stream, flush=True)
+    except BaseException:
+        print(f"[convo] failed after {time.monotonic() - started:.1f} s", file=stream, flush=True)
+        raise
+    print(f"[convo] ready in {time.monotonic() - started:.1f} s", file=stream, flush=True)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the same message for 0 and for negatives)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text}")
+    return value
 
 
 def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """``--kv-slots``: the local engine's static KV slots (sized to the session budget)."""
     parser.add_argument(
         "--kv-slots",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
     )
@@ -109,7 +124,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--engine-context",
-        type=int,
+        type=positive_int,
         default=None,
         help="the engine's context length in tokens (default: from /v1/models, else --budget)",
     )
@@ -147,4 +162,3 @@ def engine_from_args(args: Any, *, default_context_tokens: int) -> OpenAIEngine:
 def _missing(what: str) -> int:
     print(f"convo: {what} is not available in this installation", file=sys.stderr)
     return 2
-

@@ -321,5 +321,3 @@ def _run_measure(
         print(render_plan_table(plan, measured))
         print(f"calibration written to {path}")
     return 0
-
-

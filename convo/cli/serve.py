@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from convo.budget import Budget
@@ -36,9 +37,8 @@ def run_server(args: argparse.Namespace) -> int:
             f"refusing to serve on {args.host} without an API key: pass --api-key (or set CONVO_API_KEY), "
             "or bind 127.0.0.1"
         )
-    defaults = {"context_tokens": 2048, "max_new_tokens": 256}
     given = {"context_tokens": args.budget, "max_new_tokens": args.max_new_tokens}
-    budget = Budget(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+    budget = Budget(**{k: v for k, v in given.items() if v is not None})  # Budget's own defaults
     store: Store = RedisStore(args.redis) if args.redis else SQLiteStore(args.db or default_db_path())
     engine: Any
     if getattr(args, "engine_url", None):  # a remote OpenAI-compatible engine
@@ -48,12 +48,43 @@ def run_server(args: argparse.Namespace) -> int:
     elif os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
         engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
     else:
-        from convo.engines.models import DEFAULT_MODEL_NAME
+        from convo.engines.models import DEFAULT_MODEL_NAME, check_model
 
+        check_model(args.model)
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
     app = create_app(engine, store=store, api_key=api_key, budget=budget, model_name=name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    store.close()
+    where = f"redis {_redacted(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # say where, once the socket is really bound
+                for server in self.servers:
+                    for sock in server.sockets:
+                        host, port = sock.getsockname()[:2]
+                        shown = f"[{host}]" if ":" in host else host
+                        print(
+                            f"[convo] listening on http://{shown}:{port}/v1 (model {name}, sessions in "
+                            f"{where}, budget {budget.context_tokens} tokens); Ctrl-C to stop",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+
+    try:
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+    finally:
+        store.close()
     return 0
+
+
+def _redacted(url: str) -> str:
+    """A store URL fit to print: the password, if any, replaced by ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

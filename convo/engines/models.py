@@ -87,22 +87,50 @@ def default_model_path(*, progress: Callable[[str], None] | None = None) -> Path
     return convert_gguf(default_gguf_path(), target, progress=progress)
 
 
+def looks_like_path(model: str | os.PathLike[str]) -> bool:
+    """Whether a model argument names a local file or folder rather than a hub id: it is
+    absolute, starts with ``.`` or ``~``, ends in ``.gguf``, or exists on disk. (A hub id is
+    ``name`` or ``org/name``.)"""
+    text = os.fspath(model)
+    return (
+        os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or text.endswith(".gguf")
+        or os.path.exists(os.path.expanduser(text))
+    )
+
+
+def check_model(model: str | os.PathLike[str] | None) -> None:
+    """Fail fast, before anything loads, on a model argument that names a missing path.
+
+    Raises:
+        ModelLoadError: ``model`` looks like a path (:func:`looks_like_path`) and there is
+            nothing there.
+    """
+    if model is None or str(model) == "default" or str(model).startswith("random:"):
+        return
+    if looks_like_path(model) and not Path(os.fspath(model)).expanduser().exists():
+        raise ModelLoadError(
+            f"no model at {os.fspath(model)}: no such file or folder (give a model folder, a .gguf "
+            "file, or leave --model out for the embedded default)"
+        )
+
+
 def resolve_model(
     model: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None
 ) -> str:
     """Turn a model argument into what ``from_pretrained`` takes.
 
     ``None`` or ``"default"``: the embedded SmolLM2; a ``.gguf`` file: converted once into
-    the cache; a local folder: itself; anything else: a hub id (needs network).
+    the cache; a local folder: itself; a missing local path: :class:`ModelLoadError`;
+    anything else: a hub id (needs network).
     """
     if model is None or str(model) == "default":
         return str(default_model_path(progress=progress))
+    check_model(model)
     path = Path(os.fspath(model)).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), progress=progress))
     if path.is_dir():
         return str(path)
     return str(model)
-
-
-# -- the engine ----------------------------------------------------------------------------------

@@ -131,3 +131,14 @@ def require(module: str, extra: str) -> None:
 
     if importlib.util.find_spec(module) is None:
         raise MissingDependency(f"{module!r} is not installed; run: pip install 'convo[{extra}]'")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device (or host) out-of-memory error: ``torch.OutOfMemoryError``
+    (CUDA, MPS, XPU...) or ``MemoryError``. The one place convo recognizes OOM; the engines
+    map it to :class:`DeviceOutOfMemory` at their boundary. Needs no torch import."""
+    if isinstance(exc, MemoryError):
+        return True
+    return any(
+        cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("torch") for cls in type(exc).__mro__
+    )

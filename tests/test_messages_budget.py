@@ -82,3 +82,26 @@ def test_replace_rederives_the_caps_that_were_left_to_the_budget() -> None:
     assert smaller.to_dict()["pinned_tokens"] is None  # persisted as "derived", not a stale int
     fixed = Budget(context_tokens=1000, max_new_tokens=100, pinned_tokens=50)
     assert dataclasses.replace(fixed, max_new_tokens=500).pinned_cap == 50
+
+
+def test_out_of_memory_is_recognized_in_one_place() -> None:
+    import torch
+
+    from convo.errors import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
+
+    class OutOfMemoryError(Exception):  # same name, not torch's
+        pass
+
+    assert not is_out_of_memory(OutOfMemoryError())
+
+
+def test_common_prefix_length() -> None:
+    from convo.tokens import common_prefix_length
+
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix_length([1, 2, 3], [1, 2, 3], limit=2) == 2
+    assert common_prefix_length([], [1]) == 0

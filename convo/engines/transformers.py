@@ -41,9 +41,10 @@ from convo.errors import (
     DeviceOutOfMemory,
     MissingDependency,
     ModelLoadError,
+    is_out_of_memory,
 )
 from convo.messages import Message
-from convo.tokens import HFTokenCounter
+from convo.tokens import HFTokenCounter, common_prefix_length
 
 #: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
 DEFAULT_KV_SLOTS = 8
@@ -580,7 +581,7 @@ class TransformersEngine:
                     cancel,
                 )
             except Exception as exc:
-                if not (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)):
+                if not is_out_of_memory(exc):
                     raise
                 message = f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
             # Outside the except block the traceback, whose frames still hold the partly
@@ -617,9 +618,9 @@ class TransformersEngine:
         entry = self._caches.pop(cache_key, None) if cache_key is not None else None
         cached = 0
         if entry is not None:
-            limit = min(len(entry.token_ids), len(ids) - 1, entry.cache.get_seq_length())
-            while cached < limit and entry.token_ids[cached] == ids[cached]:
-                cached += 1
+            cached = common_prefix_length(
+                entry.token_ids, ids, min(len(ids) - 1, entry.cache.get_seq_length())
+            )
             if cached == 0:
                 entry = None
             else:
@@ -812,9 +813,6 @@ class TransformersEngine:
         """Async iterator of text chunks (the model runs in a worker thread)."""
         async for chunk in self.stream(messages, **kwargs).aiter():
             yield chunk
-
-
-
 
 
 def _memory_report(device: Any) -> dict[str, Any]:

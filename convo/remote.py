@@ -1,24 +1,5 @@
-"""Deprecated: ``convo.remote`` moved to :mod:`convo.engines.openai`. This alias warns and goes away in the
-next release."""
+"""Deprecated: ``convo.remote`` moved to :mod:`convo.engines.openai` (alias for one release)."""
 
-from __future__ import annotations
+from convo._deprecated import moved
 
-import importlib
-import warnings
-from typing import Any
-
-warnings.warn(
-    "convo.remote is deprecated; import from convo.engines.openai instead",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-_MODULES = ('convo.engines.openai',)
-
-
-def __getattr__(name: str) -> Any:
-    for module in _MODULES:
-        mod = importlib.import_module(module)
-        if hasattr(mod, name):
-            return getattr(mod, name)
-    raise AttributeError(f"module 'convo.remote' has no attribute {name!r}")
+__getattr__ = moved("convo.remote", "convo.engines.openai", ["convo.engines.openai"])

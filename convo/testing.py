@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Sampling
+from convo.engines.base import FinishReason, Generation, GenerationStats
 from convo.errors import BudgetError
 from convo.messages import Message, Role
 from convo.tokens import CharCounter, TokenCounter
@@ -108,13 +108,9 @@ class ScriptedEngine:
         messages: Sequence[Message],
         *,
         max_new_tokens: int,
-        timeout_s: float | None = None,
-        sampling: Sampling = GREEDY,
-        stop: Sequence[str] = (),
-        cache_key: str | None = None,
         on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
         max_prompt_tokens: int | None = None,
+        **_: Any,
     ) -> Generation:
         if max_prompt_tokens is not None and self._counter.count_prompt(messages) > max_prompt_tokens:
             raise BudgetError("rendered prompt over the budget")  # as the real engine does

@@ -46,26 +46,23 @@ def spinner(message: str, stream: TextIO = sys.stderr) -> Iterator[Callable[[str
     print(f"[convo] ready in {time.monotonic() - started:.1f} s", file=stream, flush=True)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (the same message for 0 and for negatives)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
+def _whole_number(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
-    return value
+#: argparse type: an int >= 1 (one message for 0 and for negatives).
+positive_int = _whole_number(1)
+#: argparse type: an int >= 0.
+non_negative_int = _whole_number(0)
 
 
 def positive_seconds(text: str) -> float:

@@ -130,37 +130,120 @@ class Message:
         out["created_at"] = self.created_at
         return out
 
+    def to_openai(self) -> dict[str, Any]:
+        """The message as an OpenAI Chat Completions dict.
+
+        An assistant message that only calls tools gets ``"content": None``, as the API
+        returns it. :meth:`from_openai` reads the result back to an equal message.
+
+        Example:
+            >>> Message(role="user", content="hi").to_openai()
+            {'role': 'user', 'content': 'hi'}
+        """
+        out = self.to_dict()
+        if self.tool_calls and not self.content:
+            out["content"] = None
+        return out
+
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Message:
-        """Build a message from an OpenAI-style dict (or a stored record)."""
-        if not isinstance(record, Mapping):
-            raise MessageError(f"a message must be a mapping, got {type(record).__name__}")
-        if "role" not in record:
+    def from_openai(cls, message: Mapping[str, Any] | Message) -> Message:
+        """Read an OpenAI Chat Completions message dict.
+
+        Accepts what the ``openai`` SDK sends and returns: ``content`` as a string,
+        ``None`` (an assistant message that only calls tools) or a list of text parts
+        (``[{"type": "text", "text": ...}]``); assistant ``tool_calls`` (``arguments`` as a
+        JSON string, or an object that is serialized); ``tool`` results with their
+        ``tool_call_id``; the ``developer`` role, read as ``system``. Other keys (``refusal``,
+        ``audio``...) are ignored. A :class:`Message` is returned unchanged.
+
+        Raises:
+            MessageError: not a mapping, an unknown role, non-text content parts, or a
+                tool call without an id.
+
+        Example:
+            >>> Message.from_openai({"role": "tool", "tool_call_id": "c1", "content": "42"}).role
+            <Role.TOOL: 'tool'>
+        """
+        if isinstance(message, Message):
+            return message
+        if not isinstance(message, Mapping):
+            raise MessageError(f"a message must be a mapping, got {type(message).__name__}")
+        if "role" not in message:
             raise MessageError("a message needs a 'role'")
-        content = record.get("content")
-        if content is None and record.get("tool_calls"):
-            content = ""
+        role = message["role"]
+        if role == "developer":
+            role = Role.SYSTEM
         calls = []
-        for raw in record.get("tool_calls") or ():
+        raw_calls = message.get("tool_calls") or ()
+        if not isinstance(raw_calls, (list, tuple)):
+            raise MessageError("tool_calls must be a list")
+        for raw in raw_calls:
             if not isinstance(raw, Mapping):
                 raise MessageError("each tool call must be a mapping")
             fn = raw.get("function") or {}
+            if not isinstance(fn, Mapping):
+                raise MessageError("a tool call's 'function' must be a mapping")
             args = fn.get("arguments", "{}")
             if not isinstance(args, str):
                 args = json.dumps(args)
-            calls.append(ToolCall(id=raw.get("id", ""), name=fn.get("name", ""), arguments=args))
+            calls.append(ToolCall(id=raw.get("id") or "", name=fn.get("name", ""), arguments=args))
         kwargs: dict[str, Any] = {}
-        if "created_at" in record:
-            kwargs["created_at"] = float(record["created_at"])
+        if "created_at" in message:
+            kwargs["created_at"] = float(message["created_at"])
         return cls(
-            role=record["role"],
-            content=content,  # type: ignore[arg-type]  # validated in __post_init__
+            role=role,
+            content=content_text(message.get("content")),
             tool_calls=tuple(calls),
-            tool_call_id=record.get("tool_call_id"),
-            name=record.get("name"),
-            pinned=bool(record.get("pinned", False)),
+            tool_call_id=message.get("tool_call_id"),
+            name=message.get("name"),
+            pinned=bool(message.get("pinned", False)),
             **kwargs,
         )
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Message:
+        """Build a message from a stored record (or any OpenAI-style dict)."""
+        return cls.from_openai(record)
+
+
+#: What APIs that take messages accept: a :class:`Message` or an OpenAI message dict.
+MessageLike = Message | Mapping[str, Any]
+
+
+def content_text(content: Any) -> str:
+    """The text of an OpenAI ``content`` field: a string, ``None`` (empty) or a list of
+    text parts, joined.
+
+    Raises:
+        MessageError: a part that is not text (images, audio, files are not supported).
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") not in ("text", "input_text", "output_text")
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise MessageError(f"only text content parts are supported, got {kind!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise MessageError(
+        f"message content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def as_message(message: MessageLike) -> Message:
+    """A :class:`Message` from a message or an OpenAI dict (see :meth:`Message.from_openai`)."""
+    return Message.from_openai(message)
 
 
 def system(content: str) -> Message:

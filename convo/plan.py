@@ -14,6 +14,9 @@ The recent turns are fitted newest first and only whole turns are shown, except 
 turn, which always keeps its first message and its newest blocks (a block is an assistant
 tool call with all its results: it is never split). A message too large for the room left
 is shortened in the middle or refused, as the budget's ``oversize`` policy says.
+
+:func:`plan_checked` re-checks a plan against the exact count of the rendered prompt;
+:func:`fit` applies it to a list of OpenAI message dicts that the caller owns (agent loops).
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from convo.budget import Budget, OversizePolicy
-from convo.errors import BudgetError
-from convo.messages import Message, Role, group_blocks
+from convo.errors import BudgetError, ConfigError, MessageError
+from convo.messages import Message, MessageLike, Role, group_blocks
 from convo.tokens import TokenCounter
 
 #: How the rolling summary is shown to the model (a system message).
@@ -388,3 +391,195 @@ def plan_prompt(
         passages_dropped=tuple(dropped),
         summary_truncated=summary_truncated,
     )
+
+
+#: How many times :func:`plan_checked` re-plans when the exact count of the rendered prompt
+#: exceeds the planner's sum (each attempt holds the difference back).
+EXACT_REPLAN_ATTEMPTS = 4
+
+
+def plan_checked(
+    *,
+    budget: Budget,
+    counter: TokenCounter,
+    turns: Sequence[Turn],
+    pinned: Sequence[Message] = (),
+    summary: str = "",
+    passages: Sequence[Passage] = (),
+    min_score: float = float("-inf"),
+    exact: bool = False,
+) -> PromptPlan:
+    """:func:`plan_prompt`, checked against the count of the rendered prompt.
+
+    When the counter is not additive (or ``exact`` is set), the planned messages are
+    rendered through the counter's chat template and counted; if the template costs more
+    than the per-message sum, the difference is held back and the prompt re-planned, so
+    ``plan.prompt_tokens + budget.max_new_tokens <= budget.context_tokens`` always holds
+    for the returned plan, and ``prompt_tokens`` is the exact count. Pure: no I/O.
+
+    Args:
+        exact: re-count the rendered prompt even when the counter is additive.
+        (the others as in :func:`plan_prompt`)
+
+    Raises:
+        BudgetError: as :func:`plan_prompt`, or the prompt still does not fit after
+            :data:`EXACT_REPLAN_ATTEMPTS` attempts.
+    """
+    held_back = 0
+    for _ in range(EXACT_REPLAN_ATTEMPTS):
+        try:
+            b = budget if held_back == 0 else replace(budget, margin_tokens=budget.margin_tokens + held_back)
+        except ConfigError as exc:
+            raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
+        plan = plan_prompt(
+            budget=b,
+            counter=counter,
+            turns=turns,
+            pinned=pinned,
+            summary=summary,
+            passages=passages,
+            min_score=min_score,
+        )
+        # An additive counter's sum is exact (the engine re-checks the real length).
+        count = plan.prompt_tokens if counter.additive and not exact else counter.count_prompt(plan.messages)
+        if count + budget.max_new_tokens <= budget.context_tokens:
+            if count != plan.prompt_tokens:
+                parts = dict(plan.parts)
+                parts["template"] += count - plan.prompt_tokens
+                plan = replace(plan, prompt_tokens=count, parts=parts)
+            return replace(plan, context_tokens=budget.context_tokens)
+        held_back += count + budget.max_new_tokens - budget.context_tokens
+    raise BudgetError(f"could not fit the prompt in the budget after {EXACT_REPLAN_ATTEMPTS} attempts")
+
+
+# -- fit: a message list the caller owns (agent loops) ------------------------------------
+
+
+class PassageSource(Protocol):
+    """Anything that retrieves passages for a query (e.g. :class:`convo.RetrievalMemory`)."""
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]: ...
+
+
+class Fitted(NamedTuple):
+    """What :func:`fit` returns: unpack it as ``messages, plan = fit(...)``.
+
+    Attributes:
+        messages: OpenAI message dicts for the model, in order.
+        plan: the plan report: tokens per part, turns shown, dropped blocks, passages.
+    """
+
+    messages: list[dict[str, Any]]
+    plan: PromptPlan
+
+
+def split_turns(messages: Sequence[Message]) -> list[Turn]:
+    """Cut unpinned messages into turns: each user message starts one (messages before
+    the first user message form turn 0)."""
+    turns: list[list[Message]] = []
+    for m in messages:
+        if m.role is Role.USER or not turns:
+            turns.append([])
+        turns[-1].append(m)
+    return [Turn(index=i, messages=tuple(t)) for i, t in enumerate(turns)]
+
+
+def fit(
+    messages: Sequence[MessageLike],
+    *,
+    budget: Budget,
+    counter: TokenCounter,
+    summary: str | None = None,
+    retriever: PassageSource | None = None,
+    session_id: str = "",
+) -> Fitted:
+    """The messages to send the model now, within ``budget``: for agent loops that own
+    their message list.
+
+    The same pure planner as :class:`~convo.session.Session` (:func:`plan_checked`), with
+    these rules:
+
+    * System (and ``developer``) messages are pinned: all are kept, ahead of the
+      conversation, in their order. They must fit ``budget.pinned_tokens``.
+    * The conversation is cut into turns at user messages. Older turns are kept whole,
+      newest first, while they fit (and at most ``budget.window_turns`` of them). The
+      newest turn keeps its first message (the task) and as many of its newest blocks as
+      fit.
+    * A block is an assistant message with tool calls plus every tool result answering
+      it: it is kept whole or dropped whole, never split.
+    * The result never exceeds the budget: ``plan.prompt_tokens + budget.max_new_tokens
+      <= budget.context_tokens``, where ``prompt_tokens`` is the count of the rendered
+      prompt through the counter's chat template (for
+      :class:`~convo.tokens.HFTokenCounter`), not a sum of per-message estimates.
+    * Messages kept unchanged come back as the very dicts you passed (extra keys intact);
+      a message shortened by the ``TRUNCATE`` policy, the summary and retrieved passages
+      come back as new dicts.
+
+    No I/O of its own, no model call: ``summary`` is a text you keep up to date;
+    ``retriever`` is asked for passages about the newest user message.
+
+    Args:
+        messages: the whole history, oldest first: OpenAI message dicts
+            (:meth:`Message.from_openai` reads them) or :class:`Message` objects.
+        budget: the token budget (``max_new_tokens`` is held back for the reply).
+        counter: counts tokens with the model's tokenizer and chat template, e.g.
+            ``engine.counter`` or ``TiktokenCounter()`` for a hosted model (then give the
+            budget a ``margin_tokens``, as the count is an estimate of another tokenizer).
+        summary: a summary of turns you dropped earlier, shown as a system message (cut to
+            ``budget.summary_tokens``).
+        retriever: asked for ``budget.retrieval_top_k`` passages about the newest user
+            message; those that fit ``budget.retrieval_tokens`` and do not repeat a shown
+            turn are shown as system messages.
+        session_id: passed to the retriever.
+
+    Returns:
+        :class:`Fitted` ``(messages, plan)``.
+
+    Raises:
+        MessageError: a message is malformed, or a tool result does not follow the call
+            it answers.
+        BudgetError: the system messages exceed ``budget.pinned_tokens``, or the newest
+            turn cannot fit even shortened (or ``budget.oversize`` is RAISE).
+
+    Example:
+        >>> from convo import Budget, CharCounter, fit
+        >>> history = [{"role": "system", "content": "Be brief."}] + [
+        ...     {"role": "user", "content": f"question {i} " * 20} for i in range(50)]
+        >>> kept, plan = fit(history, budget=Budget(context_tokens=512, max_new_tokens=64),
+        ...                  counter=CharCounter())
+        >>> plan.prompt_tokens + 64 <= 512, kept[0]["content"]
+        (True, 'Be brief.')
+    """
+    if not isinstance(budget, Budget):
+        raise ConfigError(f"fit() needs budget=Budget(...), got {type(budget).__name__}")
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes, Mapping)):
+        raise MessageError("fit() takes a list of messages")
+    parsed = [Message.from_openai(m) for m in messages]
+    originals = {id(p): m for p, m in zip(parsed, messages, strict=True) if not isinstance(m, Message)}
+    pinned = [m for m in parsed if m.pinned]
+    rest = [m for m in parsed if not m.pinned]
+    group_blocks(rest)  # a tool result that answers no call is an error, not a silent drop
+    turns = split_turns(rest)
+    passages: list[Passage] = []
+    if retriever is not None and budget.retrieval_tokens > 0 and budget.retrieval_top_k > 0:
+        query = next((m.content for m in reversed(rest) if m.role is Role.USER), "")
+        if query:
+            passages = retriever.retrieve(query, session_id=session_id, top_k=budget.retrieval_top_k)
+    plan = plan_checked(
+        budget=budget,
+        counter=counter,
+        turns=turns,
+        pinned=pinned,
+        summary=summary or "",
+        passages=passages,
+        min_score=float(getattr(retriever, "min_score", float("-inf"))),
+        exact=True,  # always count through the template: the caller renders these dicts
+    )
+    out = []
+    for m in plan.messages:
+        original = originals.get(id(m))
+        if original is None:
+            out.append(m.to_openai())
+        else:
+            out.append(original if isinstance(original, dict) else dict(original))
+    return Fitted(messages=out, plan=plan)

@@ -21,13 +21,13 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from convo.budget import Budget, OversizePolicy
 from convo.engines.base import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
-from convo.messages import Message, Role
-from convo.plan import Passage, PromptPlan, Turn, plan_prompt
+from convo.messages import Message, MessageLike, Role
+from convo.plan import Passage, PromptPlan, Turn, plan_checked
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import TokenCounter
@@ -95,9 +95,41 @@ class Reply:
     plan: PromptPlan = field(repr=False)
 
     @property
+    def message(self) -> Message:
+        """The reply as an assistant :class:`~convo.messages.Message` (``.to_openai()``
+        gives the dict an agent loop appends to its history)."""
+        return Message(role=Role.ASSISTANT, content=self.text)
+
+    @property
     def timed_out(self) -> bool:
         """Generation hit its wall-clock limit (``text`` holds what was produced)."""
         return self.finish_reason is FinishReason.TIMEOUT
+
+
+def incoming_messages(content: str | MessageLike | Sequence[MessageLike]) -> list[Message]:
+    """What :meth:`Session.send` stores: a string is a user message; a message or an
+    OpenAI dict is read as is; a list is read item by item.
+
+    Raises:
+        MessageError: a malformed message, or a last message that is neither user nor tool.
+    """
+    if isinstance(content, str):
+        return [Message(role=Role.USER, content=content)]
+    if isinstance(content, (Message, Mapping)):
+        messages = [Message.from_openai(content)]
+    elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        # (from_openai refuses items that are not messages)
+        messages = [Message.from_openai(cast(MessageLike, m)) for m in content]
+    else:
+        raise MessageError(
+            f"send() takes a string, a message or a list of messages, not {type(content).__name__}"
+        )
+    if not messages or messages[-1].role not in (Role.USER, Role.TOOL):
+        raise MessageError(
+            "send() ends with a user message or tool results; store other messages with add() "
+            "and generate with reply()"
+        )
+    return messages
 
 
 class Session:
@@ -219,12 +251,17 @@ class Session:
         return out
 
     # -- adding messages ---------------------------------------------------------------------
-    def _check(self, message: Message) -> None:
-        """Validate ``message`` against the history before anything is stored."""
+    def _check(self, message: Message, pending_tool_ids: set[str] | None = None) -> None:
+        """Validate ``message`` against the history before anything is stored.
+
+        ``pending_tool_ids``: the calls still open before ``message`` (default: the
+        history's), for checking several messages before any is stored.
+        """
         if not isinstance(message, Message):
             raise MessageError(f"expected a Message, got {type(message).__name__}")
+        pending = self._pending_tool_ids if pending_tool_ids is None else pending_tool_ids
         if message.role is Role.TOOL:
-            if message.tool_call_id not in self._pending_tool_ids:
+            if message.tool_call_id not in pending:
                 raise MessageError(f"tool result {message.tool_call_id!r} answers no pending tool call")
         if message.pinned:
             cost = sum(self.counter.message_tokens(m) for m in [*self._pinned, message])
@@ -259,23 +296,33 @@ class Session:
             self._pending_tool_ids = set()
 
     def _commit(self, messages: Sequence[Message]) -> None:
+        pending = set(self._pending_tool_ids)
         for m in messages:
-            self._check(m)
+            self._check(m, pending)
+            if m.role is Role.ASSISTANT:
+                pending = {c.id for c in m.tool_calls}
+            elif m.role is Role.TOOL:
+                pending.discard(m.tool_call_id or "")
+            elif not m.pinned:
+                pending = set()
         self.store.append(self.id, messages, state=self._state)
         for m in messages:
             self._index(m)
 
-    def add(self, message: Message, *, date: str | None = None) -> None:
+    def add(self, message: MessageLike, *, date: str | None = None) -> None:
         """Append a message without generating (tool results, imported history...).
 
         Args:
-            message: the message; tool results must answer a pending tool call.
+            message: a :class:`~convo.messages.Message` or an OpenAI message dict
+                (assistant ``tool_calls``, ``tool`` results...); tool results must answer
+                a pending tool call.
             date: a human date for the turn this message starts or belongs to (indexed
                 with it for retrieval, e.g. ``"8 May 2023"``).
 
         Raises:
             MessageError / BudgetError: invalid message; nothing is stored.
         """
+        message = Message.from_openai(message)
         with self._lock:
             self._commit([message])
             if date is not None and self._turn_starts:
@@ -296,19 +343,25 @@ class Session:
     # -- turns -------------------------------------------------------------------------------
     def send(
         self,
-        content: str,
+        content: str | MessageLike | Sequence[MessageLike],
         *,
         sampling: Sampling | None = None,
         timeout_s: float | None = None,
         on_text: Any = None,
         cancel: threading.Event | None = None,
     ) -> Reply:
-        """Send a user message and return the reply.
+        """Send a user message (or tool results) and return the reply.
 
-        The message is stored before generation starts.
+        Args:
+            content: the user's text; or a message (a :class:`~convo.messages.Message` or
+                an OpenAI dict); or a list of them, e.g. the results of every tool an
+                assistant message called. The last one must be a user or tool message.
+
+        The messages are stored (all or none) before generation starts.
 
         Raises:
-            MessageError: ``content`` is not a string.
+            MessageError: a malformed message, a tool result answering no pending call,
+                or a last message that is neither user nor tool.
             BudgetError: the message is too large and the oversize policy is RAISE
                 (nothing is stored).
             DeviceOutOfMemory: out of memory even after one retry with a smaller plan
@@ -316,18 +369,18 @@ class Session:
         """
         with self._lock:
             started = time.monotonic()
-            self._commit([Message(role=Role.USER, content=content)])
+            self._commit(incoming_messages(content))
             self._advance_window()
             return self._reply(started, sampling, timeout_s, on_text, cancel)
 
-    def stream(self, content: str, **kwargs: Any) -> TextStream[Reply]:
+    def stream(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> TextStream[Reply]:
         """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
 
         Closing the stream early cancels generation; what was generated is stored.
         """
         return TextStream(lambda **kw: self.send(content, **kw), kwargs)
 
-    async def asend(self, content: str, **kwargs: Any) -> Reply:
+    async def asend(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> Reply:
         """:meth:`send` without blocking the event loop."""
         return await asyncio.to_thread(self.send, content, **kwargs)
 
@@ -482,38 +535,16 @@ class Session:
         ):
             passages = self.retriever.retrieve(last_user, session_id=self.id, top_k=budget.retrieval_top_k)
             min_score = getattr(self.retriever, "min_score", min_score)
-        held_back = 0
-        for _ in range(4):
-            try:
-                b = (
-                    budget
-                    if held_back == 0
-                    else replace(budget, margin_tokens=budget.margin_tokens + held_back)
-                )
-            except ConfigError as exc:
-                raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
-            plan = plan_prompt(
-                budget=b,
-                counter=self.counter,
-                turns=turns,
-                pinned=self._pinned,
-                summary=self.summary,
-                passages=passages,
-                min_score=min_score,
-            )
-            # An additive counter's sum is exact (the engine re-checks the real length).
-            if self.counter.additive and not exact:
-                count = plan.prompt_tokens
-            else:
-                count = self.counter.count_prompt(plan.messages)
-            if count + budget.max_new_tokens <= budget.context_tokens:
-                if count != plan.prompt_tokens:
-                    parts = dict(plan.parts)
-                    parts["template"] += count - plan.prompt_tokens
-                    plan = replace(plan, prompt_tokens=count, parts=parts)
-                return replace(plan, context_tokens=budget.context_tokens)
-            held_back += count + budget.max_new_tokens - budget.context_tokens
-        raise BudgetError("could not fit the prompt in the budget after 4 attempts")
+        return plan_checked(
+            budget=budget,
+            counter=self.counter,
+            turns=turns,
+            pinned=self._pinned,
+            summary=self.summary,
+            passages=passages,
+            min_score=min_score,
+            exact=exact,
+        )
 
     # -- eviction, summary, retrieval ------------------------------------------------------------
     @property

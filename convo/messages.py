@@ -86,7 +86,7 @@ class Message:
 
     def __post_init__(self) -> None:
         try:
-            role = Role(self.role)
+            role = self.role if type(self.role) is Role else Role(self.role)
         except ValueError:
             valid = ", ".join(r.value for r in Role)
             raise MessageError(f"invalid role {self.role!r}; expected one of: {valid}") from None

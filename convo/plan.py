@@ -455,6 +455,72 @@ def plan_checked(
 # -- fit: a message list the caller owns (agent loops) ------------------------------------
 
 
+def _is_pinned(message: MessageLike) -> bool:
+    if type(message) is dict or isinstance(message, Mapping):  # (the exact type test is fast)
+        return message.get("role") in ("system", "developer") or bool(message.get("pinned"))
+    return isinstance(message, Message) and message.pinned
+
+
+def _candidate_turns(
+    messages: Sequence[MessageLike], budget: Budget, counter: TokenCounter
+) -> tuple[list[Message], list[Turn], dict[int, Mapping[str, Any]]]:
+    """The pinned messages and the turns :func:`plan_prompt` could show, parsed.
+
+    Walks back from the newest message and stops at the first turn boundary past
+    ``budget.window_turns`` turns or past ``budget.available_prompt_tokens`` tokens: the
+    planner shows older turns only whole and only newest first, so nothing before that
+    point can be shown, and an agent loop's 10k-message history costs what its window
+    costs. Turn indices count every turn of the history.
+
+    Returns:
+        ``(pinned, turns, originals)``: ``originals`` maps ``id(parsed message)`` to the
+        caller's dict.
+    """
+    originals: dict[int, Mapping[str, Any]] = {}
+
+    def parse(raw: MessageLike) -> Message:
+        m = Message.from_openai(raw)
+        if not isinstance(raw, Message):
+            originals[id(m)] = raw
+        return m
+
+    is_pinned = [_is_pinned(m) for m in messages]
+    pinned = [parse(m) for m, p in zip(messages, is_pinned, strict=True) if p]
+    limit = budget.available_prompt_tokens
+    reversed_turns: list[list[Message]] = []
+    current: list[Message] = []
+    cost = 0
+    stop = 0  # messages before this index cannot be shown
+    for i in range(len(messages) - 1, -1, -1):
+        if is_pinned[i]:
+            continue
+        m = parse(messages[i])
+        current.append(m)
+        cost += counter.message_tokens(m)
+        if m.role is Role.USER:
+            reversed_turns.append(current[::-1])
+            current = []
+            if len(reversed_turns) >= budget.window_turns or cost > limit:
+                stop = i
+                break
+    if current:
+        reversed_turns.append(current[::-1])
+    skipped = [m for m, p in zip(messages[:stop], is_pinned, strict=False) if not p]
+    first_index = sum(1 for m in skipped if _starts_turn(m))
+    if skipped and not _starts_turn(skipped[0]):
+        first_index += 1  # messages before the first user message form turn 0
+    flat = [m for t in reversed(reversed_turns) for m in t]
+    group_blocks(flat)  # a tool result that answers no call is an error, not a silent drop
+    turns = [Turn(index=first_index + k, messages=tuple(t)) for k, t in enumerate(reversed(reversed_turns))]
+    return pinned, turns, originals
+
+
+def _starts_turn(message: MessageLike) -> bool:
+    if type(message) is dict or isinstance(message, Mapping):
+        return message.get("role") == "user"
+    return isinstance(message, Message) and message.role is Role.USER
+
+
 class PassageSource(Protocol):
     """Anything that retrieves passages for a query (e.g. :class:`convo.RetrievalMemory`)."""
 
@@ -515,7 +581,9 @@ def fit(
       a message shortened by the ``TRUNCATE`` policy, the summary and retrieved passages
       come back as new dicts.
 
-    No I/O of its own, no model call: ``summary`` is a text you keep up to date;
+    Only the messages that could be shown are parsed and validated (walking back from the
+    newest, up to ``budget.window_turns`` turns or a prompt's worth of tokens), so a call
+    costs what the window costs, not what the history costs. No I/O, no model call: ``summary`` is a text you keep up to date;
     ``retriever`` is asked for passages about the newest user message.
 
     Args:
@@ -554,12 +622,8 @@ def fit(
         raise ConfigError(f"fit() needs budget=Budget(...), got {type(budget).__name__}")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes, Mapping)):
         raise MessageError("fit() takes a list of messages")
-    parsed = [Message.from_openai(m) for m in messages]
-    originals = {id(p): m for p, m in zip(parsed, messages, strict=True) if not isinstance(m, Message)}
-    pinned = [m for m in parsed if m.pinned]
-    rest = [m for m in parsed if not m.pinned]
-    group_blocks(rest)  # a tool result that answers no call is an error, not a silent drop
-    turns = split_turns(rest)
+    pinned, turns, originals = _candidate_turns(messages, budget, counter)
+    rest = [m for t in turns for m in t.messages]
     passages: list[Passage] = []
     if retriever is not None and budget.retrieval_tokens > 0 and budget.retrieval_top_k > 0:
         query = next((m.content for m in reversed(rest) if m.role is Role.USER), "")

@@ -167,6 +167,19 @@ def test_fit_keeps_task_system_and_newest_blocks_of_an_agent_loop(counter: CharC
     assert plan.prompt_tokens + block + budget.max_new_tokens > budget.context_tokens
 
 
+def test_fit_parses_only_what_could_be_shown(counter: CharCounter) -> None:
+    history = agent_history(5)
+    old = [{"role": "user", "content": f"old {i}"} for i in range(50)]
+    # Malformed messages far outside the window are never read.
+    kept, plan = fit(
+        [history[0], {"role": "tool", "content": "bad"}, *old, *history[1:]],
+        budget=Budget(context_tokens=2000, max_new_tokens=100, window_turns=1),
+        counter=counter,
+    )
+    assert kept == history
+    assert plan.turns_shown == (51,)
+
+
 def test_fit_exactly_on_the_limit(counter: CharCounter) -> None:
     history = agent_history(3)
     need = counter.count_prompt([Message.from_openai(m) for m in history])
@@ -282,6 +295,10 @@ def check_fit(history: list[dict[str, Any]], budget: Budget, counter: TokenCount
     assert positions == sorted(positions)
     # 5. the newest user message is shown
     assert any(m["role"] == "user" for m in kept[len(systems) :])
+    # 6. turns are numbered over the whole history (fit parses only what could be shown)
+    convo_msgs = [m for m in history if m["role"] not in ("system", "developer")]
+    n_turns = sum(m["role"] == "user" for m in convo_msgs) + (convo_msgs[0]["role"] != "user")
+    assert plan.turns_shown[-1] == n_turns - 1
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

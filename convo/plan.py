@@ -583,8 +583,9 @@ def fit(
 
     Only the messages that could be shown are parsed and validated (walking back from the
     newest, up to ``budget.window_turns`` turns or a prompt's worth of tokens), so a call
-    costs what the window costs, not what the history costs. No I/O, no model call: ``summary`` is a text you keep up to date;
-    ``retriever`` is asked for passages about the newest user message.
+    costs what the window costs, not what the history costs. No I/O, no model call:
+    ``summary`` is a text you keep up to date; ``retriever`` is asked for passages about
+    the newest user message.
 
     Args:
         messages: the whole history, oldest first: OpenAI message dicts
@@ -618,6 +619,40 @@ def fit(
         >>> plan.prompt_tokens + 64 <= 512, kept[0]["content"]
         (True, 'Be brief.')
     """
+    plan, originals = _fit(messages, budget, counter, summary, retriever, session_id)
+    out = []
+    for m in plan.messages:
+        original = originals.get(id(m))
+        if original is None:
+            out.append(m.to_openai())
+        else:
+            out.append(original if isinstance(original, dict) else dict(original))
+    return Fitted(messages=out, plan=plan)
+
+
+def fit_plan(
+    messages: Sequence[MessageLike],
+    *,
+    budget: Budget,
+    counter: TokenCounter,
+    summary: str | None = None,
+    retriever: PassageSource | None = None,
+    session_id: str = "",
+) -> PromptPlan:
+    """:func:`fit`, returning only the plan: its ``messages`` are :class:`Message` objects,
+    the very objects passed in for those kept unchanged (adapters map them back to their
+    own message types by identity)."""
+    return _fit(messages, budget, counter, summary, retriever, session_id)[0]
+
+
+def _fit(
+    messages: Sequence[MessageLike],
+    budget: Budget,
+    counter: TokenCounter,
+    summary: str | None,
+    retriever: PassageSource | None,
+    session_id: str,
+) -> tuple[PromptPlan, dict[int, Mapping[str, Any]]]:
     if not isinstance(budget, Budget):
         raise ConfigError(f"fit() needs budget=Budget(...), got {type(budget).__name__}")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes, Mapping)):
@@ -639,11 +674,4 @@ def fit(
         min_score=float(getattr(retriever, "min_score", float("-inf"))),
         exact=True,  # always count through the template: the caller renders these dicts
     )
-    out = []
-    for m in plan.messages:
-        original = originals.get(id(m))
-        if original is None:
-            out.append(m.to_openai())
-        else:
-            out.append(original if isinstance(original, dict) else dict(original))
-    return Fitted(messages=out, plan=plan)
+    return plan, originals

@@ -17,7 +17,7 @@ from convo.budget import Budget, OversizePolicy
 from convo.engines.base import FinishReason, Sampling
 from convo.errors import BudgetError, ConvoError
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
-from convo.plan import PromptPlan, plan_prompt
+from convo.plan import PromptPlan, fit, plan_prompt
 from convo.session import Reply, Session
 from convo.store import MemoryStore, RedisStore, SQLiteStore
 from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
@@ -57,6 +57,7 @@ __all__ = [
     "ToolCall",
     "TransformersEngine",
     "assistant",
+    "fit",
     "plan_prompt",
     "system",
     "tool",

@@ -611,7 +611,8 @@ def fit(
             turn cannot fit even shortened (or ``budget.oversize`` is RAISE).
 
     Example:
-        >>> from convo import Budget, CharCounter, fit
+        >>> from convo import Budget, fit
+        >>> from convo.tokens import CharCounter
         >>> history = [{"role": "system", "content": "Be brief."}] + [
         ...     {"role": "user", "content": f"question {i} " * 20} for i in range(50)]
         >>> kept, plan = fit(history, budget=Budget(context_tokens=512, max_new_tokens=64),

@@ -673,6 +673,6 @@ def _fit(
         summary=summary or "",
         passages=passages,
         min_score=float(getattr(retriever, "min_score", float("-inf"))),
-        exact=True,  # always count through the template: the caller renders these dicts
+        exact=bool(messages),  # count through the template (which refuses an empty list)
     )
     return plan, originals

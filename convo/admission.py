@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ from typing import Any, Generic, TypeVar
 
 from convo.errors import AdmissionError, ConfigError, QueueFullError, QueueTimeoutError
 from convo.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------
 # Accounting
@@ -364,6 +367,7 @@ class AdmissionController:
         return round(self._mean_hold_s * ahead / self.limits.max_concurrency, 3)
 
     def _refuse(self, reason: str) -> None:
+        logger.info("refused a request: %s", reason)
         if self.metrics is not None:
             self.metrics.refused.inc(reason=reason)
 

@@ -16,6 +16,7 @@ a crash or timeout mid-turn keeps it; a turn that fails can be re-run with
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from convo.plan import Passage, PromptPlan, Turn, plan_checked
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import TokenCounter
+
+logger = logging.getLogger(__name__)
 
 
 class Retriever(Protocol):
@@ -436,6 +439,7 @@ class Session:
                 f"{smaller.window_turns}, retrieval_top_k={smaller.retrieval_top_k} "
                 f"({plan.prompt_tokens} prompt tokens)"
             )
+            logger.warning("session %s: %s", self.id, recovery)
             gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
         generate_s = time.monotonic() - t_gen
         real = gen.stats.prompt_tokens  # counted on the token ids the model got
@@ -566,6 +570,12 @@ class Session:
         """
         turns = self.turn_count + lookahead
         if turns - self.evicted_turns > self.max_window_turns:
+            logger.info(
+                "session %s: turns %d-%d left the window",
+                self.id,
+                self.evicted_turns,
+                turns - self.budget.window_turns - 1,
+            )
             self._state = replace(self._state, evicted_turns=turns - self.budget.window_turns)
             self.store.save_state(self._state)
 
@@ -602,6 +612,12 @@ class Session:
             kept -= costs[drop]
             drop += 1
         if drop:
+            logger.info(
+                "session %s: the token budget pushed turns %d-%d out of the window",
+                self.id,
+                self.evicted_turns,
+                self.evicted_turns + drop - 1,
+            )
             self._state = replace(self._state, evicted_turns=self.evicted_turns + drop)
 
     def _remember_completed_turns(self) -> None:
@@ -627,6 +643,13 @@ class Session:
         messages = [m for t in self.turns(self.summarized_turns)[:pending] for m in t.messages]
         summary = self.summarizer.summarize(
             previous=self.summary, messages=messages, max_tokens=self.budget.summary_tokens
+        )
+        logger.info(
+            "session %s: folded turns %d-%d into the summary (%d tokens)",
+            self.id,
+            self.summarized_turns,
+            self.evicted_turns - 1,
+            self.counter.count_text(summary),
         )
         self._state = replace(self._state, summary=summary, summarized_turns=self.evicted_turns)
         self.store.save_state(self._state)

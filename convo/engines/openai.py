@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import logging
 import math
 import random
 import threading
@@ -66,6 +67,8 @@ from convo.errors import (
 )
 from convo.messages import Message
 from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
+
+logger = logging.getLogger(__name__)
 
 try:
     import httpx
@@ -489,6 +492,14 @@ class OpenAIEngine:
                         f"no reply from {self.base_url} within {deadline - start:.1f} s "
                         f"({attempt + 1} attempts; last: {exc})"
                     ) from exc
+                logger.warning(
+                    "%s: %s; retry %d of %d in %.2f s",
+                    self.base_url,
+                    exc,
+                    attempt + 1,
+                    self.retry.max_retries,
+                    wait,
+                )
                 attempt += 1
                 self.retries += 1
                 if cancel is not None and cancel.wait(wait):

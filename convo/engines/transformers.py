@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import inspect
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,8 @@ from convo.errors import (
 )
 from convo.messages import Message
 from convo.tokens import HFTokenCounter, common_prefix_length
+
+logger = logging.getLogger(__name__)
 
 #: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
 DEFAULT_KV_SLOTS = 8
@@ -518,8 +521,10 @@ class TransformersEngine:
         now = time.monotonic()
         for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
             del self._caches[key]
+            logger.info("evicted the KV cache of session %r (idle over %.0f s)", key, self.cache_idle_s)
         while len(self._caches) > self.max_cached_sessions:
-            self._caches.popitem(last=False)
+            key, _ = self._caches.popitem(last=False)
+            logger.info("evicted the KV cache of session %r (over %d cached)", key, self.max_cached_sessions)
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
@@ -590,6 +595,7 @@ class TransformersEngine:
                 self._caches.pop(cache_key, None)
             gc.collect()
             self._empty_device_cache()
+        logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
         raise DeviceOutOfMemory(message)
 
     def _generate(

@@ -9,7 +9,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from convo.errors import (
@@ -24,6 +25,19 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
+@contextmanager
+def progress_bars(enabled: bool) -> Iterator[None]:
+    """Turn transformers' progress bars (weight loading, GGUF conversion) on or off for
+    the block, then restore them. Library calls load quietly; the CLI, which passes a
+    ``progress`` callback, keeps them."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def default_gguf_path() -> Path:
@@ -56,10 +70,11 @@ def convert_gguf(gguf: Path, target: Path, *, progress: Callable[[str], None] | 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
-        )
+        with progress_bars(progress is not None):
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+            )
         # The GGUF weights were dequantized on load; save them as plain bf16.
         model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Quant, Sampling, TextStream
-from convo.engines.models import default_model_path, resolve_model
+from convo.engines.models import default_model_path, progress_bars, resolve_model
 from convo.errors import (
     BudgetError,
     ConfigError,
@@ -340,8 +340,9 @@ class TransformersEngine:
         if progress:
             progress(f"loading {path} ({self.quant.value}, {self.device})")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            with progress_bars(progress is not None):
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+                model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except Exception as exc:
             raise ModelLoadError(f"could not load {path!r}: {exc}") from exc
         return model, tokenizer

@@ -285,10 +285,14 @@ def test_convo_serve_engine_url_chains_to_a_remote_engine(echo_url: str, tmp_pat
     with process(cmd, f"{front}/health", {"CONVO_FAKE_ENGINE": "0"}):
         with openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0) as c:
             first = c.chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": "hi"}], user="chain"
+                model="echo",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"X-Session-Id": "chain"},
             )
             second = c.chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": "again"}], user="chain"
+                model="echo",
+                messages=[{"role": "user", "content": "again"}],
+                extra_headers={"X-Session-Id": "chain"},
             )
         # The front keeps the session; the upstream sees the whole planned prompt each time.
         assert first.choices[0].message.content == "heard 1: hi"

@@ -118,7 +118,9 @@ def test_session_keeps_memory_and_belongs_to_its_key(url: str, store: Store) -> 
         assert first.usage is not None and first.usage.completion_tokens == 6
         # Only the new message: the server adds the system prompt and the earlier turn.
         second = c.chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "who am I"}], user="s1"
+            model="echo",
+            messages=[{"role": "user", "content": "who am I"}],
+            extra_headers={"X-Session-Id": "s1"},
         )
         assert second.choices[0].message.content == "heard 4: who am I"
         third = c.chat.completions.create(
@@ -130,7 +132,9 @@ def test_session_keeps_memory_and_belongs_to_its_key(url: str, store: Store) -> 
     with client(url, "k2") as other:  # another key: the session does not exist for it
         with pytest.raises(openai.NotFoundError):
             other.chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": "hi"}], user="s1"
+                model="echo",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"X-Session-Id": "s1"},
             )
     for path in ("/v1/sessions/s1", "/v1/sessions/s1/export"):
         r = httpx.get(url + path, headers={"Authorization": "Bearer k2"})
@@ -185,13 +189,18 @@ def test_async_client_parallel_sessions_and_stream(url: str) -> None:
 
             async def turn(i: int) -> str:
                 r = await c.chat.completions.create(
-                    model="echo", messages=[{"role": "user", "content": f"n{i}"}], user=f"a{i}"
+                    model="echo",
+                    messages=[{"role": "user", "content": f"n{i}"}],
+                    extra_headers={"X-Session-Id": f"a{i}"},
                 )
                 return r.choices[0].message.content or ""
 
             out = list(await asyncio.gather(*(turn(i) for i in range(6))))
             stream = await c.chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": "again"}], user="a0", stream=True
+                model="echo",
+                messages=[{"role": "user", "content": "again"}],
+                extra_headers={"X-Session-Id": "a0"},
+                stream=True,
             )
             out.append("".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices]))
             return out
@@ -233,8 +242,9 @@ def test_bad_requests_get_openai_style_errors(url: str) -> None:
             chat(messages=[{"role": "user", "content": "x"}], max_tokens=201),  # over the budget's cap
             chat(messages=[{"role": "user", "content": "x"}], max_tokens="ten"),
             chat(messages=[{"role": "user", "content": "x"}], temperature=-1),
-            chat(messages=[{"role": "user", "content": "x"}], user="bad id!"),
-            chat(messages=[{"role": "assistant", "content": "x"}], user="s-bad"),  # last must be user
+            chat(messages=[{"role": "user", "content": "x"}], metadata={"session_id": "bad id!"}),
+            # with a session, the last message must be a user message or tool results
+            chat(messages=[{"role": "assistant", "content": "x"}], metadata={"session_id": "s-bad"}),
         ],
         413: [post(json.dumps({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}))],
         401: [post("{}", {"Authorization": "Bearer nope"}), post("{}", {})],
@@ -290,7 +300,7 @@ def test_refusals_are_quick_while_every_worker_thread_is_busy(store: Store) -> N
             def call(method: str, path: str, **kwargs: Any) -> None:
                 results.append(http.request(method, path, **kwargs).status_code)
 
-            body = {"messages": [{"role": "user", "content": "hi"}], "user": "busy"}
+            body = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"session_id": "busy"}}
             busy = [
                 threading.Thread(target=call, args=("POST", "/v1/chat/completions"), kwargs={"json": body})
             ]
@@ -302,7 +312,8 @@ def test_refusals_are_quick_while_every_worker_thread_is_busy(store: Store) -> N
                 t.start()
             time.sleep(0.5)  # the DELETEs are waiting for the session lock now
             refused = []
-            for extra in ({"user": "other"}, {}):  # a session's turn and a stateless one
+            # a session's turn and a stateless one
+            for extra in ({"metadata": {"session_id": "other"}}, {"metadata": {}}):
                 t0 = time.monotonic()
                 r = http.post("/v1/chat/completions", json={**body, **extra})
                 refused.append((r.status_code, time.monotonic() - t0))
@@ -319,7 +330,7 @@ def test_a_turn_that_cannot_get_its_session_lock_in_time_gets_409(store: Store) 
     limits = ServerLimits(max_concurrency=2, session_lock_timeout_s=0.3)
     with serve(create_app(slow, store=store, budget=BUDGET, limits=limits)) as base:
         with httpx.Client(base_url=base, timeout=30) as http:
-            body = {"messages": [{"role": "user", "content": "hi"}], "user": "locked"}
+            body = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"session_id": "locked"}}
             first = threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body})
             first.start()
             while slow.prompts == []:
@@ -397,7 +408,7 @@ def test_one_turn_at_a_time_per_session(store: Store) -> None:
         with httpx.Client(base_url=base, timeout=30) as http:
 
             def turn(i: int) -> None:
-                body = {"messages": [{"role": "user", "content": f"m{i}"}], "user": "one"}
+                body = {"messages": [{"role": "user", "content": f"m{i}"}], "metadata": {"session_id": "one"}}
                 assert http.post("/v1/chat/completions", json=body).status_code == 200
 
             threads = [threading.Thread(target=turn, args=(i,)) for i in range(4)]
@@ -413,7 +424,9 @@ def test_one_turn_at_a_time_per_session(store: Store) -> None:
 
 def test_delete_and_export(url: str) -> None:
     with client(url) as c:
-        c.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}], user="gone")
+        c.chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "hi"}], extra_headers={"X-Session-Id": "gone"}
+        )
     auth = {"Authorization": "Bearer k1"}
     data = httpx.get(f"{url}/v1/sessions/gone/export", headers=auth).json()
     assert data["format"] == "convo.session/1" and len(data["messages"]) == 2
@@ -483,7 +496,9 @@ def test_two_replicas_share_sessions_on_redis() -> None:
         try:
             for i in range(4):  # alternate replicas: each sees every earlier turn
                 out = clients[i % 2].chat.completions.create(
-                    model="echo", messages=[{"role": "user", "content": f"t{i}"}], user=sid
+                    model="echo",
+                    messages=[{"role": "user", "content": f"t{i}"}],
+                    extra_headers={"X-Session-Id": sid},
                 )
                 assert out.choices[0].message.content == f"heard {2 * i + 1}: t{i}"
             errors: list[BaseException] = []
@@ -491,7 +506,9 @@ def test_two_replicas_share_sessions_on_redis() -> None:
             def burst(c: openai.OpenAI, k: int) -> None:
                 try:
                     c.chat.completions.create(
-                        model="echo", messages=[{"role": "user", "content": f"b{k}"}], user=sid
+                        model="echo",
+                        messages=[{"role": "user", "content": f"b{k}"}],
+                        extra_headers={"X-Session-Id": sid},
                     )
                 except BaseException as exc:
                     errors.append(exc)
@@ -525,13 +542,16 @@ def test_real_model_over_http(real_engine: Any, tmp_path: Path) -> None:
         first = c.chat.completions.create(
             model="smol",
             messages=[{"role": "user", "content": "My name is Priya."}],
-            user="real",
+            extra_headers={"X-Session-Id": "real"},
             max_tokens=8,
         )
         assert first.usage is not None and 0 < first.usage.completion_tokens <= 8
         assert first.usage.prompt_tokens + 8 <= 512
         stream = c.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": "What is my name?"}], user="real", stream=True
+            model="smol",
+            messages=[{"role": "user", "content": "What is my name?"}],
+            extra_headers={"X-Session-Id": "real"},
+            stream=True,
         )
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text.strip()

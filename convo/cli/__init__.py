@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", type=positive_int, default=None, help="context_tokens per session (default 2048)"
     )
     serve.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
+    serve.add_argument(
+        "--session-from-user",
+        action="store_true",
+        help="also read a request's 'user' field as its session id (OpenAI's 'user' names an end "
+        "user, who may have many chats: use only when each user has one conversation)",
+    )
     add_local_engine_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)

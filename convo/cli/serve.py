@@ -54,7 +54,14 @@ def run_server(args: argparse.Namespace) -> int:
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
-    app = create_app(engine, store=store, api_key=api_key, budget=budget, model_name=name)
+    app = create_app(
+        engine,
+        store=store,
+        api_key=api_key,
+        budget=budget,
+        model_name=name,
+        session_from_user=args.session_from_user,
+    )
     where = f"redis {_redacted(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
     class Server(uvicorn.Server):

@@ -2,10 +2,12 @@
 
 ``convo serve`` (or :func:`create_app` for an app of your own) answers
 ``POST /v1/chat/completions`` like OpenAI's API, with and without ``stream``. With a
-session id (header ``X-Session-Id``, or the request's ``user`` field, or
-``metadata.session_id``) the server keeps the conversation: the client sends only the new
-message, and convo builds the prompt from the pinned system part, the rolling summary and
-the recent window (:class:`convo.Session`). Without one, it plans the given messages in a
+session id (header ``X-Session-Id`` or ``metadata.session_id``; the ``user`` field only
+with ``session_from_user``) the server keeps the conversation. The client may send only the
+new message or resend the whole conversation: each message is stored once
+(:mod:`convo.server.reconcile`, which also states the rule for a history that diverges).
+convo builds the prompt from the pinned system part, the rolling summary and the recent
+window (:class:`convo.Session`). Without one, it plans the given messages in a
 throw-away session, so even a stateless request never exceeds the budget::
 
     request ── body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -42,11 +45,12 @@ from convo.errors import (
     MissingDependency,
     SessionNotFound,
 )
-from convo.messages import Role
+from convo.messages import Message, Role
 from convo.metrics import ServingMetrics
 from convo.server.auth import key_owner
 from convo.server.errors import ApiError, error_status
 from convo.server.limits import ServerLimits
+from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest, parse_chat_request
 from convo.session import Reply, Session
 from convo.store import MemoryStore, Store
@@ -64,6 +68,8 @@ if TYPE_CHECKING:
     from convo.admission import AdmissionController
     from convo.engines.base import Engine
 
+logger = logging.getLogger(__name__)
+
 # --------------------------------------------------------------------------------------
 # Turns (run in worker threads; the engine is synchronous)
 # --------------------------------------------------------------------------------------
@@ -80,6 +86,8 @@ class _Turn:
     engine: Engine
     limits: ServerLimits
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: Set when the client's history diverged: the id holding the replaced tail.
+    forked: str | None = None
 
     def run(
         self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
@@ -92,15 +100,29 @@ class _Turn:
 
     def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
         msgs = list(self.request.messages)
-        if not msgs or msgs[-1].role is not Role.USER:
+        exists = self.store.exists(sid)
+        stored: list[Message] = []
+        if exists:
+            state, history = self.store.load(sid)
+            if state.owner != self.owner:
+                raise SessionNotFound(f"no session {sid!r}")  # another key's: do not reveal it exists
+            stored = [m for m in history if not m.pinned]
+        # Store only what the session does not hold yet (see convo.server.reconcile); an
+        # existing session keeps the system part it was created with.
+        plan = reconcile(stored, [m for m in msgs if m.role is not Role.SYSTEM])
+        # The message to answer: the last new one; else the last one kept (a regenerated
+        # answer after a fork, or a retry of a turn whose user message is already stored).
+        kept = stored if plan.fork_at is None else stored[: plan.fork_at]
+        last = plan.new[-1] if plan.new else (kept[-1] if kept else None)
+        if last is None or last.role not in (Role.USER, Role.TOOL):
             raise ApiError(
                 400,
-                "with a session id, the last message must be the new user message",
+                "with a session id, the messages must end with a new user message or tool results "
+                "(or resend the history up to the message to answer again)",
                 code="invalid_messages",
             )
-        new = not self.store.exists(sid)
-        if not new and self.store.load(sid)[0].owner != self.owner:
-            raise SessionNotFound(f"no session {sid!r}")  # another key's: do not reveal it exists
+        if plan.fork_at is not None:
+            self.forked = _fork(self.store, sid, plan.fork_at)
         system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM)
         session = Session(
             self.engine,
@@ -108,14 +130,15 @@ class _Turn:
             store=self.store,
             session_id=sid,
             owner=self.owner,
-            system_prompt=system if new else None,
+            system_prompt=system if not exists else None,
             timeout_s=self.limits.generation_timeout_s,
         )
-        # A new session may bring earlier turns; an existing one already has its system part.
-        for m in msgs[:-1]:
-            if m.role is not Role.SYSTEM:
-                session.add(m)
-        return session.send(msgs[-1].content, **kwargs)
+        if not plan.new:
+            return session.reply(**kwargs)
+        *earlier, final = plan.new
+        for m in earlier:
+            session.add(m)
+        return session.send(final, **kwargs)
 
     def _stateless(self, kwargs: dict[str, Any]) -> Reply:
         with Session(
@@ -128,6 +151,30 @@ class _Turn:
             for m in self.request.messages:
                 session.add(m)
             return session.reply(**kwargs)
+
+
+def _fork(store: Store, sid: str, at: int) -> str:
+    """Apply the divergence rule: the whole session as it was moves, readable, to the
+    next free ``<sid>~<n>``; ``sid`` keeps its first ``at`` conversation messages (and its
+    pinned part). Its summary and window survive when every summarized turn lies before
+    ``at``; otherwise they start again. Returns the fork's id."""
+    data = store.export_session(sid)
+    n = 1
+    while store.exists(fork_id(sid, n)):
+        n += 1
+    archive = store.import_session(data, session_id=fork_id(sid, n))
+    state, history = store.load(sid)
+    pinned = [m for m in history if m.pinned]
+    convo = [m for m in history if not m.pinned][:at]
+    # Turns wholly before the fork point (the last kept turn may be cut).
+    starts = sum(1 for i, m in enumerate(convo) if m.role is Role.USER or i == 0)
+    if state.evicted_turns > max(starts - 1, 0):
+        state = replace(state, summary="", summarized_turns=0, evicted_turns=0)
+    store.delete(sid)
+    store.create(state)
+    store.append(sid, [*pinned, *convo])
+    logger.info("session %s: history diverged at message %d; the replaced tail is in %s", sid, at, archive)
+    return archive
 
 
 def _prompt_estimate(turn: _Turn) -> int:
@@ -156,10 +203,11 @@ def _usage(reply: Reply) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _convo_stats(reply: Reply, session_id: str | None) -> dict[str, Any]:
+def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:
     s = reply.stats
     return {
         "session_id": session_id,
+        "forked": forked,  # where the replaced tail went, when the client's history diverged
         "turn": s.turn,
         "context_tokens": s.context_tokens,
         "parts": dict(s.parts),
@@ -178,6 +226,7 @@ def create_app(
     model_name: str = "convo",
     metrics: ServingMetrics | None = None,
     admission: AdmissionController | None = None,
+    session_from_user: bool = False,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -192,6 +241,9 @@ def create_app(
         metrics: where to count (default: new :class:`~convo.metrics.ServingMetrics`).
         admission: an admission controller of your own (default: a token ledger over
             ``limits.admission_tokens``).
+        session_from_user: also take the request's ``user`` field as the session id (after
+            ``X-Session-Id`` and ``metadata.session_id``). Off by default: OpenAI's ``user``
+            names an end user, and one user's separate chats must not merge.
 
     Example::
 
@@ -356,7 +408,11 @@ def create_app(
         owner = owner_of(request)
         body = await read_body(request)
         parsed = parse_chat_request(
-            body, header_session_id=request.headers.get("x-session-id"), limits=limits, max_tokens_cap=cap
+            body,
+            header_session_id=request.headers.get("x-session-id"),
+            limits=limits,
+            max_tokens_cap=cap,
+            session_from_user=session_from_user,
         )
         turn_budget = budget
         if parsed.max_tokens is not None and parsed.max_tokens != budget.max_new_tokens:
@@ -396,7 +452,7 @@ def create_app(
                     }
                 ],
                 "usage": _usage(reply),
-                "convo": _convo_stats(reply, parsed.session_id),
+                "convo": _convo_stats(reply, parsed.session_id, turn.forked),
             }
             return JSONResponse(out, headers=headers)
 

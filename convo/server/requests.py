@@ -11,7 +11,7 @@ from convo.errors import (
     ConfigError,
     MessageError,
 )
-from convo.messages import Message, Role
+from convo.messages import Message
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 
@@ -67,7 +67,12 @@ def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
 
 
 def parse_chat_request(
-    body: Any, *, header_session_id: str | None, limits: ServerLimits, max_tokens_cap: int
+    body: Any,
+    *,
+    header_session_id: str | None,
+    limits: ServerLimits,
+    max_tokens_cap: int,
+    session_from_user: bool = False,
 ) -> ChatRequest:
     """Validate a chat completions body (raises :class:`ApiError` 400).
 
@@ -76,6 +81,9 @@ def parse_chat_request(
         header_session_id: the ``X-Session-Id`` header, if any (wins over the body's).
         limits: the server's limits.
         max_tokens_cap: the largest ``max_tokens`` allowed.
+        session_from_user: read the ``user`` field as a session id (after the header and
+            ``metadata.session_id``). Off by default: OpenAI's ``user`` names an end user,
+            who may have many conversations.
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
@@ -95,14 +103,17 @@ def parse_chat_request(
         role = m.get("role")
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(
                 400,
-                f"messages[{i}].role {role!r} is not supported (system, user, assistant)",
+                f"messages[{i}].role {role!r} is not supported (system, user, assistant, tool)",
                 code="invalid_role",
             )
+        fields = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
         try:
-            messages.append(Message(role=Role(role), content=_content_text(m.get("content"), i)))
+            messages.append(
+                Message.from_openai({**fields, "role": role, "content": _content_text(m.get("content"), i)})
+            )
         except MessageError as exc:
             raise ApiError(400, f"messages[{i}]: {exc}", code="invalid_messages") from None
     cap = max_tokens_cap
@@ -114,7 +125,9 @@ def parse_chat_request(
     metadata = body.get("metadata") or {}
     if not isinstance(options, dict) or not isinstance(metadata, dict):
         raise ApiError(400, "stream_options and metadata must be objects", code="invalid_value")
-    session_id = header_session_id or body.get("user") or metadata.get("session_id")
+    session_id = (
+        header_session_id or metadata.get("session_id") or (body.get("user") if session_from_user else None)
+    )
     if session_id is not None and (not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id)):
         raise ApiError(
             400, "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -", code="invalid_session_id"

@@ -1,0 +1,188 @@
+"""Clients that resend history, clients that send only the new message, and the ``user``
+field: a real uvicorn on loopback with the echo engine, driven by the official ``openai``
+client and LangChain's ``ChatOpenAI``. The stored history holds each message once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_server import serve  # the suite's live-server helper
+
+from convo import Budget, Message, SQLiteStore
+from convo.server.app import create_app
+from convo.server.reconcile import reconcile
+from convo.store import Store
+from convo.testing import EchoEngine
+
+BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return SQLiteStore(tmp_path / "reconcile.db")
+
+
+@pytest.fixture
+def url(store: Store) -> Iterator[str]:
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET, model_name="echo")) as base:
+        yield base
+
+
+def stored(url: str, sid: str) -> list[tuple[str, str]]:
+    r = httpx.get(f"{url}/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return [(m["role"], m["content"]) for m in r.json()["messages"]]
+
+
+def u(text: str) -> Message:
+    return Message(role="user", content=text)
+
+
+def a(text: str) -> Message:
+    return Message(role="assistant", content=text)
+
+
+# -- the pure rule ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("incoming", "new", "fork_at"),
+    [
+        (["u1", "a1", "u2", "a2", "u3"], ["u3"], None),  # resend everything
+        (["u3"], ["u3"], None),  # only the new message
+        (["u2", "a2", "u3"], ["u3"], None),  # a recent window
+        (
+            [
+                "u1",
+                "a1",
+                "u2*",
+            ],
+            ["u2*"],
+            2,
+        ),  # an edited message: fork
+        (["u1", "a1", "u2"], [], 3),  # a resent prefix: answer u2 again
+        (["u1"], ["u1"], None),  # one message equal to the first: a new message
+        (["a2", "u2"], ["u2"], None),  # the stored tail "a2" repeated, then new
+    ],
+)
+def test_reconcile_rule(incoming: list[str], new: list[str], fork_at: int | None) -> None:
+    history = [u("u1"), a("a1"), u("u2"), a("a2")]
+    msg = {"u": u, "a": a}
+    out = reconcile(history, [msg[x[0]](x) for x in incoming])
+    assert [m.content for m in out.new] == new
+    assert out.fork_at == fork_at
+
+
+# -- live server, official client -------------------------------------------------------------
+
+
+def test_openai_client_resending_everything_stores_each_message_once(url: str) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        for i in range(4):
+            messages.append({"role": "user", "content": f"question {i}"})
+            out = c.chat.completions.create(
+                model="echo", messages=messages, metadata={"session_id": "carol-1"}
+            )
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+    assert stored(url, "carol-1") == [(m["role"], m["content"]) for m in messages]
+
+
+def test_openai_client_sending_only_new_messages(url: str) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        replies = []
+        for i in range(3):
+            out = c.chat.completions.create(
+                model="echo",
+                messages=[{"role": "user", "content": f"q{i}"}],
+                extra_headers={"X-Session-Id": "dana"},
+            )
+            replies.append(out.choices[0].message.content)
+    assert replies == ["heard 1: q0", "heard 3: q1", "heard 5: q2"]  # the server kept the rest
+    assert stored(url, "dana") == [
+        ("user", "q0"), ("assistant", replies[0]), ("user", "q1"),
+        ("assistant", replies[1]), ("user", "q2"), ("assistant", replies[2]),
+    ]  # fmt: skip
+
+
+def test_tool_calls_resent_by_an_agent_are_stored_once(url: str) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Porto"}'}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "weather in Porto?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        out = c.chat.completions.create(
+            model="echo", messages=messages, extra_headers={"X-Session-Id": "agent"}
+        )
+        messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        messages.append({"role": "user", "content": "and tomorrow?"})
+        c.chat.completions.create(model="echo", messages=messages, extra_headers={"X-Session-Id": "agent"})
+    roles = [r for r, _ in stored(url, "agent")]
+    assert roles == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+
+
+def test_divergence_forks_and_the_replaced_tail_stays_readable(url: str) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+
+        def ask(messages: list[dict[str, Any]]) -> Any:
+            return c.chat.completions.create(model="echo", messages=messages, metadata={"session_id": "ed"})
+
+        first = ask([{"role": "user", "content": "plan a trip to Porto"}])
+        a1 = first.choices[0].message.content
+        start = [{"role": "user", "content": "plan a trip to Porto"}, {"role": "assistant", "content": a1}]
+        ask([*start, {"role": "user", "content": "in May"}])
+        edited = ask([*start, {"role": "user", "content": "in June"}])  # the client edited its turn
+    assert edited.model_extra is not None and edited.model_extra["convo"]["forked"] == "ed~1"
+    now = stored(url, "ed")
+    assert [c for _, c in now][:3] == ["plan a trip to Porto", a1, "in June"] and len(now) == 4
+    replaced = stored(url, "ed~1")
+    assert [c for _, c in replaced][2] == "in May" and len(replaced) == 4
+
+
+def test_user_field_is_not_a_session_unless_the_server_says_so(store: Store) -> None:
+    secret = [{"role": "system", "content": "A's system"}, {"role": "user", "content": "my secret is 42"}]
+    other = [{"role": "system", "content": "B's system"}, {"role": "user", "content": "hello"}]
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
+            c.chat.completions.create(model="echo", messages=secret, user="alice@example.com")
+            b = c.chat.completions.create(model="echo", messages=other, user="alice@example.com")
+    assert b.choices[0].message.content == "heard 2: hello"  # chat B saw only itself
+    assert store.list_sessions() == []  # stateless: nothing stored under the user's name
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET, session_from_user=True)) as base:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
+            c.chat.completions.create(model="echo", messages=secret, user="alice-chat-1")
+    assert store.list_sessions() == ["alice-chat-1"]
+
+
+# -- live server, LangChain's ChatOpenAI --------------------------------------------------------
+
+
+def test_langchain_chat_openai_resending_history(url: str) -> None:
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model="echo",
+        base_url=f"{url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        max_retries=0,
+        default_headers={"X-Session-Id": "lc-1"},
+    )
+    history: list[Any] = [SystemMessage("be brief")]
+    for i in range(3):
+        history.append(HumanMessage(f"turn {i}"))
+        history.append(llm.invoke(history))
+    assert all(isinstance(m, AIMessage) for m in history[2::2])
+    assert stored(url, "lc-1") == [
+        ("system" if isinstance(m, SystemMessage) else "user" if isinstance(m, HumanMessage) else "assistant",
+         m.content)
+        for m in history
+    ]  # fmt: skip

@@ -259,6 +259,11 @@ class Registry:
         self._add(m)
         return m
 
+    def metrics(self) -> list[Counter | Gauge | Histogram]:
+        """Every registered metric, in registration order (exporters read them)."""
+        with self._lock:
+            return [m for m in self._metrics.values() if isinstance(m, (Counter, Gauge, Histogram))]
+
     def render_prometheus(self) -> str:
         """All metrics in the Prometheus text exposition format (version 0.0.4)."""
         lines: list[str] = []
@@ -293,24 +298,40 @@ class Registry:
         return out
 
 
+#: What the admission ledger counts, as metric names spell it.
+LEDGER_UNITS = ("bytes", "tokens")
+
+
 class ServingMetrics:
     """The metrics of a serving process (admission, queue, generation).
 
     Args:
         registry: where to register them; a new one by default.
         prefix: metric name prefix. Default ``"convo"``.
+        ledger_unit: what the admission ledger charges: ``"bytes"`` (a KV memory model;
+            ``convo_kv_budget_bytes``, ``convo_kv_bytes_in_use``) or ``"tokens"`` (the
+            server's token ledger; ``convo_kv_budget_tokens``, ``convo_kv_tokens_in_use``).
+            Default ``"bytes"``.
+
+    Raises:
+        ConfigError: an unknown ``ledger_unit``.
     """
 
-    def __init__(self, registry: Registry | None = None, *, prefix: str = "convo") -> None:
+    def __init__(
+        self, registry: Registry | None = None, *, prefix: str = "convo", ledger_unit: str = "bytes"
+    ) -> None:
+        if ledger_unit not in LEDGER_UNITS:
+            raise ConfigError(f"ledger_unit must be one of {LEDGER_UNITS}, got {ledger_unit!r}")
+        self.ledger_unit = ledger_unit
         self.registry = registry or Registry()
-        r, p = self.registry, prefix
+        r, p, unit = self.registry, prefix, ledger_unit
         self.running = r.gauge(f"{p}_requests_running", "requests admitted and not yet released")
         self.waiting = r.gauge(f"{p}_requests_waiting", "requests in the admission queues")
         self.admitted = r.counter(f"{p}_requests_admitted_total", "requests admitted")
         self.completed = r.counter(f"{p}_requests_completed_total", "requests released")
         self.refused = r.counter(f"{p}_requests_refused_total", "requests refused, by reason", ("reason",))
-        self.kv_in_use = r.gauge(f"{p}_kv_bytes_in_use", "bytes charged to admitted requests")
-        self.kv_budget = r.gauge(f"{p}_kv_budget_bytes", "the admission memory budget in bytes")
+        self.kv_in_use = r.gauge(f"{p}_kv_{unit}_in_use", f"{unit} charged to admitted requests")
+        self.kv_budget = r.gauge(f"{p}_kv_budget_{unit}", f"the admission budget in {unit}")
         self.queue_wait = r.histogram(f"{p}_queue_wait_seconds", "time from submit to admission")
         self.ttft = r.histogram(
             f"{p}_time_to_first_token_seconds", "time from submit to the first generated token"

@@ -186,3 +186,24 @@ def test_langchain_chat_openai_resending_history(url: str) -> None:
          m.content)
         for m in history
     ]  # fmt: skip
+
+
+# -- /metrics through prometheus_client ----------------------------------------------------------
+
+
+def test_metrics_names_say_what_they_count(url: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        c.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}  # parses: valid exposition
+    # The server's ledger counts tokens, and says so (it once reported them as bytes).
+    budget = families["convo_kv_budget_tokens"].samples[0].value
+    assert budget == 65536  # ServerLimits.admission_tokens
+    assert "convo_kv_budget_bytes" not in families and "convo_kv_tokens_in_use" in families
+    assert families["convo_generated_tokens"].samples[0].value == 3  # counter: _total on the sample
+    assert families["convo_requests_admitted"].type == "counter"
+    assert families["convo_queue_wait_seconds"].type == "histogram"
+    assert "process_cpu_seconds" in families  # the process collector comes with prometheus_client

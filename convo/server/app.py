@@ -50,6 +50,8 @@ from convo.metrics import ServingMetrics
 from convo.server.auth import key_owner
 from convo.server.errors import ApiError, error_status
 from convo.server.limits import ServerLimits
+from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from convo.server.prometheus import metrics_registry, render
 from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest, parse_chat_request
 from convo.session import Reply, Session
@@ -59,7 +61,7 @@ try:
     import anyio
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 except ImportError as exc:  # only `convo serve` and create_app need them
     raise MissingDependency(f"the server needs {exc.name}; run: pip install 'convo[server]'") from None
@@ -258,7 +260,9 @@ def create_app(
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
         raise ConfigError("an API key must not be empty")
-    metrics = metrics or ServingMetrics()
+    # The default controller charges tokens (prompt + reply cap): its ledger gauges say so.
+    metrics = metrics or ServingMetrics(ledger_unit="tokens" if admission is None else "bytes")
+    scrape = metrics_registry(metrics)
     if admission is None:
         # With static KV slots the pool is the capacity: every admitted turn holds a slot
         # and decodes in the shared step, so admit as many as there are slots.
@@ -363,8 +367,8 @@ def create_app(
         }
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render_prometheus(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(render(scrape), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""``GET /metrics`` through ``prometheus_client``: the serving metrics (admission, queue,
+generation) and the process's own (CPU, memory, open files), in the exposition format
+Prometheus negotiates.
+
+The counts live in :class:`convo.metrics.ServingMetrics` (dependency-free, so the admission
+controller works without the server extra); :class:`ServingCollector` reads them at scrape
+time. Names say what they count: ``*_seconds``, ``*_tokens``, ``*_bytes``, ``*_total``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from convo.errors import MissingDependency
+from convo.metrics import Counter, Gauge, Histogram, HistogramSnapshot, ServingMetrics
+
+try:
+    from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.registry import Collector
+except ImportError:  # pragma: no cover - the server extra installs it
+    raise MissingDependency("the server needs prometheus_client; run: pip install 'convo[server]'") from None
+
+#: What ``/metrics`` answers with (the classic text format, version 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServingCollector(Collector):
+    """Reads a :class:`~convo.metrics.ServingMetrics` registry at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        snapshot = self.metrics.registry.snapshot()
+        for m in self.metrics.registry.metrics():
+            value = snapshot[m.name]
+            labelled: dict[tuple[tuple[str, str], ...], Any] = (
+                value if m.labelnames else {(): value}  # type: ignore[assignment]
+            )
+            if isinstance(m, Counter):
+                family: Any = CounterMetricFamily(m.name, m.help, labels=m.labelnames)
+                for key, v in labelled.items():
+                    family.add_metric([v_ for _, v_ in key], v)
+            elif isinstance(m, Gauge):
+                family = GaugeMetricFamily(m.name, m.help, labels=m.labelnames)
+                for key, v in labelled.items():
+                    family.add_metric([v_ for _, v_ in key], v)
+            elif isinstance(m, Histogram):
+                family = HistogramMetricFamily(m.name, m.help, labels=m.labelnames)
+                for key, snap in labelled.items():
+                    assert isinstance(snap, HistogramSnapshot)
+                    buckets = [("+Inf" if math.isinf(b) else repr(b), float(c)) for b, c in snap.buckets]
+                    family.add_metric([v_ for _, v_ in key], buckets, snap.sum)
+            else:  # pragma: no cover
+                continue
+            yield family
+
+
+def metrics_registry(metrics: ServingMetrics) -> CollectorRegistry:
+    """A registry of its own for one app: the serving metrics and the process's."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServingCollector(metrics))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text format."""
+    return bytes(generate_latest(registry))

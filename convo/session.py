@@ -16,16 +16,26 @@ a crash or timeout mid-turn keeps it; a turn that fails can be re-run with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from convo.budget import Budget, OversizePolicy
-from convo.engines.base import GREEDY, Engine, FinishReason, Generation, GenerationStats, Sampling, TextStream
+from convo.engines.base import (
+    GREEDY,
+    AsyncTextStream,
+    Engine,
+    FinishReason,
+    Generation,
+    GenerationStats,
+    Sampling,
+    TextStream,
+)
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role
 from convo.plan import Passage, PromptPlan, Turn, plan_checked
@@ -34,6 +44,9 @@ from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
+
+#: How often an async turn checks whether a thread's turn on the same session has ended.
+TURN_LOCK_POLL_S = 0.005
 
 
 class Retriever(Protocol):
@@ -185,6 +198,7 @@ class Session:
         self.sampling = sampling
         self.timeout_s = timeout_s
         self._lock = threading.RLock()
+        self._alock: asyncio.Lock | None = None
         self._pinned: list[Message] = []
         self._log: list[Message] = []
         self._turn_starts: list[int] = []
@@ -383,9 +397,51 @@ class Session:
         """
         return TextStream(lambda **kw: self.send(content, **kw), kwargs)
 
-    async def asend(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> Reply:
-        """:meth:`send` without blocking the event loop."""
-        return await asyncio.to_thread(self.send, content, **kwargs)
+    async def asend(
+        self,
+        content: str | MessageLike | Sequence[MessageLike],
+        *,
+        sampling: Sampling | None = None,
+        timeout_s: float | None = None,
+        on_text: Any = None,
+        cancel: threading.Event | None = None,
+    ) -> Reply:
+        """:meth:`send` on the event loop.
+
+        The same turn as :meth:`send` (one planning core, :meth:`_reply_flow`); generation
+        is awaited through the engine's ``agenerate`` when it has one (``OpenAIEngine``:
+        an ``httpx.AsyncClient``, no thread), else the engine's ``generate`` runs in a worker
+        thread (a local model computes on its own device anyway). Turns of one session run
+        one at a time, across threads and tasks.
+        """
+        async with self._turn_lock():
+            started = time.monotonic()
+            self._commit(incoming_messages(content))
+            self._advance_window()
+            return await self._areply(started, sampling, timeout_s, on_text, cancel)
+
+    def astream(
+        self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any
+    ) -> AsyncTextStream[Reply]:
+        """Like :meth:`asend`, but an async iterator of text chunks; ``.result`` is the Reply.
+
+        ``async with session.astream("hi") as stream: async for piece in stream: ...``.
+        Leaving the block early cancels generation; what was generated is stored.
+        """
+        return AsyncTextStream(lambda **kw: self.asend(content, **kw), kwargs)
+
+    @contextlib.asynccontextmanager
+    async def _turn_lock(self) -> AsyncIterator[None]:
+        """The session's turn lock, taken without blocking the event loop."""
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:  # tasks of this loop, one at a time
+            while not self._lock.acquire(blocking=False):  # and no thread mid-turn
+                await asyncio.sleep(TURN_LOCK_POLL_S)
+            try:
+                yield
+            finally:
+                self._lock.release()
 
     def reply(
         self,
@@ -410,6 +466,45 @@ class Session:
         on_text: Any,
         cancel: threading.Event | None,
     ) -> Reply:
+        flow = self._reply_flow(started)
+        try:
+            plan = next(flow)
+            while True:
+                try:
+                    gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+                except Exception as exc:
+                    plan = flow.throw(exc)
+                else:
+                    plan = flow.send(gen)
+        except StopIteration as done:
+            return cast(Reply, done.value)
+
+    async def _areply(
+        self,
+        started: float,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+    ) -> Reply:
+        """:meth:`_reply`, awaiting each generation (the same flow)."""
+        flow = self._reply_flow(started)
+        try:
+            plan = next(flow)
+            while True:
+                try:
+                    gen = await self._agenerate(plan, sampling, timeout_s, on_text, cancel)
+                except Exception as exc:
+                    plan = flow.throw(exc)
+                else:
+                    plan = flow.send(gen)
+        except StopIteration as done:
+            return cast(Reply, done.value)
+
+    def _reply_flow(self, started: float) -> Generator[PromptPlan, Generation, Reply]:
+        """One turn, without I/O of the model: it yields each prompt to generate and is sent
+        the :class:`Generation` (or thrown the engine's error). :meth:`_reply` drives it
+        with blocking calls, :meth:`_areply` with awaited ones."""
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
         self._remember_completed_turns()
@@ -419,11 +514,11 @@ class Session:
         t_gen = time.monotonic()
         try:
             try:
-                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+                gen = yield plan
             except BudgetError:
                 # The template cost more than the counter's sum: re-plan on exact counts.
                 plan = self.plan(exact=True)
-                gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+                gen = yield plan
         except DeviceOutOfMemory:
             # Half the turns that were shown, half the passages, no window slack.
             smaller = replace(
@@ -440,7 +535,7 @@ class Session:
                 f"({plan.prompt_tokens} prompt tokens)"
             )
             logger.warning("session %s: %s", self.id, recovery)
-            gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+            gen = yield plan
         generate_s = time.monotonic() - t_gen
         real = gen.stats.prompt_tokens  # counted on the token ids the model got
         if real != plan.prompt_tokens:
@@ -481,6 +576,29 @@ class Session:
             generation=gen.stats,
         )
         return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
+
+    async def _agenerate(
+        self,
+        plan: PromptPlan,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+    ) -> Generation:
+        agenerate = getattr(self.engine, "agenerate", None)
+        if agenerate is None:  # a synchronous engine: its own call, in a worker thread
+            return await asyncio.to_thread(self._generate, plan, sampling, timeout_s, on_text, cancel)
+        result = await agenerate(
+            plan.messages,
+            max_new_tokens=self.budget.max_new_tokens,
+            timeout_s=timeout_s or self.timeout_s,
+            sampling=sampling or self.sampling,
+            cache_key=self.id,
+            on_text=on_text,
+            cancel=cancel,
+            max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+        )
+        return cast(Generation, result)
 
     def _generate(
         self,

@@ -301,3 +301,64 @@ class TextStream(Generic[T]):
         if self._thread.is_alive():
             self._cancel.set()
         self._thread.join()
+
+
+class AsyncTextStream(Generic[T]):
+    """Text chunks of a coroutine, on the event loop.
+
+    ``call(on_text=..., cancel=..., **kwargs)`` is awaited in a task from the first
+    ``__anext__``; each ``on_text`` piece is yielded (``on_text`` may be called from the
+    loop or from a worker thread). ``result`` holds the call's return value after the last
+    chunk; an error in the call is raised to the consumer. Use it as a context manager so
+    that leaving early cancels the call and waits for it (``async for`` alone cannot tell
+    an early ``break`` in time)::
+
+        async with session.astream("hi") as stream:
+            async for piece in stream:
+                ...
+    """
+
+    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self._call = call
+        self._kwargs = kwargs
+        self._task: asyncio.Future[Any] | None = None
+        self._pieces: asyncio.Queue[Any] | None = None
+        self._cancel = threading.Event()
+        self.result: T | None = None
+
+    def _start(self) -> asyncio.Queue[Any]:
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_text(piece: str) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+        self._task = asyncio.ensure_future(self._call(on_text=on_text, cancel=self._cancel, **self._kwargs))
+        self._task.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, _END))
+        self._pieces = pieces
+        return pieces
+
+    def __aiter__(self) -> AsyncTextStream[T]:
+        return self
+
+    async def __anext__(self) -> str:
+        pieces = self._pieces or self._start()
+        item = await pieces.get()
+        if item is _END:
+            assert self._task is not None
+            pieces.put_nowait(_END)  # stay exhausted
+            self.result = self._task.result()  # raises the call's error
+            raise StopAsyncIteration
+        return str(item)
+
+    async def aclose(self) -> None:
+        """Cancel the call (if still running) and wait for it to finish."""
+        if self._task is not None and not self._task.done():
+            self._cancel.set()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def __aenter__(self) -> AsyncTextStream[T]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

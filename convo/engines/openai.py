@@ -44,6 +44,7 @@ httpx is imported by this module only (``import convo`` does not load it).
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
 import logging
@@ -452,6 +453,99 @@ class OpenAIEngine:
             GenerationTimeout: no text came before the deadline.
             RemoteEngineError: refused after the retries, unreachable, or a bad answer.
         """
+        local, body, stream = self._prepare(
+            messages,
+            max_new_tokens,
+            sampling,
+            stop,
+            on_text is not None or cancel is not None,
+            max_prompt_tokens,
+        )
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                result = self._attempt(body, stream, deadline, on_text, cancel)
+                break
+            except _Retry as exc:
+                wait = self._retry_wait(exc, attempt, start, deadline)
+                attempt += 1
+                self.retries += 1
+                if cancel is not None and cancel.wait(wait):
+                    return self._generation(
+                        _Result("", None, None, None, 0), local, start, FinishReason.CANCELLED, max_new_tokens
+                    )
+                if cancel is None:
+                    time.sleep(wait)
+        return self._generation(
+            result, local, start, self._finish_reason(result, cancel, deadline), max_new_tokens
+        )
+
+    async def agenerate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_new_tokens: int,
+        timeout_s: float | None = None,
+        sampling: Sampling = GREEDY,
+        stop: Sequence[str] = (),
+        cache_key: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> Generation:
+        """:meth:`generate` on the event loop (``httpx.AsyncClient``): same arguments,
+        checks, retries, deadline and errors; no thread. ``cancel`` is checked between
+        streamed pieces and during retry waits."""
+        local, body, stream = self._prepare(
+            messages,
+            max_new_tokens,
+            sampling,
+            stop,
+            on_text is not None or cancel is not None,
+            max_prompt_tokens,
+        )
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.timeout_s)
+        attempt = 0
+        async with httpx.AsyncClient(
+            headers=self._client.headers, transport=self._async_transport
+        ) as client:  # (one per call: an AsyncClient belongs to the event loop that made it)
+            while True:
+                try:
+                    result = await self._aattempt(client, body, stream, deadline, on_text, cancel)
+                    break
+                except _Retry as exc:
+                    wait = self._retry_wait(exc, attempt, start, deadline)
+                    attempt += 1
+                    self.retries += 1
+                    waited = 0.0
+                    while waited < wait and not (cancel is not None and cancel.is_set()):
+                        await asyncio.sleep(min(0.05, wait - waited))
+                        waited += 0.05
+                    if cancel is not None and cancel.is_set():
+                        return self._generation(
+                            _Result("", None, None, None, 0),
+                            local,
+                            start,
+                            FinishReason.CANCELLED,
+                            max_new_tokens,
+                        )
+        return self._generation(
+            result, local, start, self._finish_reason(result, cancel, deadline), max_new_tokens
+        )
+
+    def _prepare(
+        self,
+        messages: Sequence[Message],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop: Sequence[str],
+        stream: bool,
+        max_prompt_tokens: int | None,
+    ) -> tuple[int, dict[str, Any], bool]:
+        """Check the prompt against the budget and build the body: ``(local count, body, stream)``."""
         if max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be >= 1")
         local = self._counter.count_prompt(messages)
@@ -463,59 +557,47 @@ class OpenAIEngine:
                 f"context_window={self.context_window} (server window {self.server_context_window} "
                 f"minus a {self.margin_tokens}-token counting margin)"
             )
-        stream = on_text is not None or cancel is not None
         body = self._body(messages, max_new_tokens, sampling, stop, stream)
-        start = time.monotonic()
-        deadline = start + (timeout_s or self.timeout_s)
-        attempt = 0
-        while True:
-            try:
-                result = self._attempt(body, stream, deadline, on_text, cancel)
-                break
-            except _Retry as exc:
-                if attempt >= self.retry.max_retries:
-                    raise RemoteEngineError(
-                        f"{self.base_url} failed after {attempt + 1} attempts: {exc}",
-                        status=exc.status,
-                        retry_after_s=exc.retry_after_s,
-                    ) from exc
-                if exc.retry_after_s is not None and exc.retry_after_s > self.retry.max_retry_after_s:
-                    raise RemoteEngineError(
-                        f"{self.base_url} asks to retry after {exc.retry_after_s:.0f} s (over "
-                        f"max_retry_after_s={self.retry.max_retry_after_s:.0f}): {exc}",
-                        status=exc.status,
-                        retry_after_s=exc.retry_after_s,
-                    ) from exc
-                wait = self.retry.delay_s(attempt, exc.retry_after_s, self._rng)
-                if time.monotonic() + wait >= deadline:
-                    raise GenerationTimeout(
-                        f"no reply from {self.base_url} within {deadline - start:.1f} s "
-                        f"({attempt + 1} attempts; last: {exc})"
-                    ) from exc
-                logger.warning(
-                    "%s: %s; retry %d of %d in %.2f s",
-                    self.base_url,
-                    exc,
-                    attempt + 1,
-                    self.retry.max_retries,
-                    wait,
-                )
-                attempt += 1
-                self.retries += 1
-                if cancel is not None and cancel.wait(wait):
-                    return self._generation(
-                        _Result("", None, None, None, 0), local, start, FinishReason.CANCELLED, max_new_tokens
-                    )
-                if cancel is None:
-                    time.sleep(wait)
-        end = time.monotonic()
+        return local, body, stream
+
+    def _retry_wait(self, exc: _Retry, attempt: int, start: float, deadline: float) -> float:
+        """Seconds to wait before retrying after ``exc``, or the error that ends the call."""
+        if attempt >= self.retry.max_retries:
+            raise RemoteEngineError(
+                f"{self.base_url} failed after {attempt + 1} attempts: {exc}",
+                status=exc.status,
+                retry_after_s=exc.retry_after_s,
+            ) from exc
+        if exc.retry_after_s is not None and exc.retry_after_s > self.retry.max_retry_after_s:
+            raise RemoteEngineError(
+                f"{self.base_url} asks to retry after {exc.retry_after_s:.0f} s (over "
+                f"max_retry_after_s={self.retry.max_retry_after_s:.0f}): {exc}",
+                status=exc.status,
+                retry_after_s=exc.retry_after_s,
+            ) from exc
+        wait = self.retry.delay_s(attempt, exc.retry_after_s, self._rng)
+        if time.monotonic() + wait >= deadline:
+            raise GenerationTimeout(
+                f"no reply from {self.base_url} within {deadline - start:.1f} s "
+                f"({attempt + 1} attempts; last: {exc})"
+            ) from exc
+        logger.warning(
+            "%s: %s; retry %d of %d in %.2f s",
+            self.base_url,
+            exc,
+            attempt + 1,
+            self.retry.max_retries,
+            wait,
+        )
+        return wait
+
+    @staticmethod
+    def _finish_reason(result: _Result, cancel: threading.Event | None, deadline: float) -> FinishReason:
         if cancel is not None and cancel.is_set() and result.finish is None:
-            reason = FinishReason.CANCELLED
-        elif result.finish is None and end >= deadline:
-            reason = FinishReason.TIMEOUT
-        else:
-            reason = _FINISH.get(result.finish or "stop", FinishReason.STOP)
-        return self._generation(result, local, start, reason, max_new_tokens)
+            return FinishReason.CANCELLED
+        if result.finish is None and time.monotonic() >= deadline:
+            return FinishReason.TIMEOUT
+        return _FINISH.get(result.finish or "stop", FinishReason.STOP)
 
     def _generation(
         self, result: _Result, local: int, start: float, reason: FinishReason, max_new_tokens: int
@@ -579,32 +661,11 @@ class OpenAIEngine:
             if not stream:
                 data = json.loads(response.read())
                 return self._parse_plain(data)
-            text: list[str] = []
-            finish: str | None = None
-            usage: Mapping[str, Any] | None = None
-            first_at: float | None = None
-            chunks = 0
+            state = _StreamState(self.base_url, on_text)
             try:
                 for event in _sse_events(response.iter_lines()):
-                    if isinstance(event.get("error"), dict | str):
-                        err = event["error"]
-                        msg = str(err.get("message", err)) if isinstance(err, dict) else err
-                        raise RemoteEngineError(f"{self.base_url} stream error: {msg}")
-                    if isinstance(event.get("usage"), dict):
-                        usage = event["usage"]
-                    for choice in event.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        piece = delta.get("content")
-                        if piece:
-                            if first_at is None:
-                                first_at = time.monotonic()
-                            text.append(piece)
-                            chunks += 1
-                            emitted = True
-                            if on_text is not None:
-                                on_text(piece)
-                        if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
+                    state.feed(event)
+                    emitted = state.chunks > 0
                     if watchdog.fired:
                         break
             except (httpx.TransportError, httpx.StreamError) as exc:
@@ -619,7 +680,7 @@ class OpenAIEngine:
                     raise RemoteEngineError(f"{self.base_url} stream broke mid-reply: {exc!r}") from exc
             if watchdog.deadline_hit and not emitted:
                 raise GenerationTimeout(f"no text from {self.base_url} before the deadline")
-            return _Result("".join(text), finish, usage, first_at, chunks)
+            return state.result()
         except httpx.ReadTimeout as exc:
             raise GenerationTimeout(f"no reply from {self.base_url} before the deadline") from exc
         except (httpx.TransportError, httpx.StreamError) as exc:
@@ -633,6 +694,77 @@ class OpenAIEngine:
         finally:
             watchdog.stop()
             response.close()
+
+    async def _aattempt(
+        self,
+        client: httpx.AsyncClient,
+        body: dict[str, Any],
+        stream: bool,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> _Result:
+        """:meth:`_attempt` on the event loop: the same outcomes (``_Retry``, timeouts,
+        errors); the deadline is an asyncio timeout instead of a watchdog thread."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise GenerationTimeout(f"no reply from {self.base_url} before the deadline")
+        timeout = httpx.Timeout(remaining, connect=min(self.connect_timeout_s, remaining))
+        state = _StreamState(self.base_url, on_text)
+        try:
+            async with asyncio.timeout(remaining):
+                request = client.build_request(
+                    "POST", f"{self.base_url}/chat/completions", json=body, timeout=timeout
+                )
+                try:
+                    response = await client.send(request, stream=True)
+                except httpx.TimeoutException as exc:
+                    if isinstance(exc, httpx.ConnectTimeout) and time.monotonic() < deadline:
+                        raise _Retry(f"connect timeout: {exc}") from exc
+                    raise GenerationTimeout(
+                        f"no reply from {self.base_url} before the deadline: {exc!r}"
+                    ) from exc
+                except httpx.TransportError as exc:
+                    raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+                try:
+                    if response.status_code != 200:
+                        await response.aread()
+                        self._raise_for_status(response)
+                    if not stream:
+                        return self._parse_plain(json.loads(await response.aread()))
+                    parser = _SSEParser()
+                    async for line in response.aiter_lines():
+                        event = parser.feed(line)
+                        if event is not None:
+                            state.feed(event)
+                        if parser.done or (cancel is not None and cancel.is_set()):
+                            break
+                    else:
+                        last = parser.flush()
+                        if last is not None:
+                            state.feed(last)
+                    return state.result()
+                except (httpx.TransportError, httpx.StreamError) as exc:
+                    if state.chunks:
+                        raise RemoteEngineError(f"{self.base_url} stream broke mid-reply: {exc!r}") from exc
+                    raise _Retry(f"stream broke before any text: {exc!r}") from exc
+                except json.JSONDecodeError as exc:
+                    raise RemoteEngineError(
+                        f"{self.base_url} answered something that is not JSON: {exc}"
+                    ) from exc
+                finally:
+                    await response.aclose()
+        except TimeoutError as exc:
+            if state.chunks:
+                return state.result()  # cut at the deadline: the text so far, finish None
+            raise GenerationTimeout(f"no text from {self.base_url} before the deadline") from exc
+
+    @property
+    def _async_transport(self) -> httpx.AsyncBaseTransport | None:
+        """The transport given to the engine, when it can also serve async requests
+        (``httpx.MockTransport`` can); else httpx's default."""
+        transport = getattr(self._client, "_transport", None)
+        return transport if isinstance(transport, httpx.AsyncBaseTransport) else None
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         status = response.status_code
@@ -718,21 +850,80 @@ class _Watchdog:
         self._thread.join()
 
 
+class _SSEParser:
+    """An OpenAI-style SSE stream (``data: {...}`` ... ``data: [DONE]``), a line at a time
+    (shared by the sync and the async reader)."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+        self.done = False
+
+    def feed(self, line: str) -> dict[str, Any] | None:
+        """The event this line completes, if any; ``done`` turns true at ``[DONE]``."""
+        if line.startswith("data:"):
+            self._data.append(line[5:].lstrip())
+            return None
+        if line.strip() or not self._data:
+            return None  # comments, event: / id: fields, blank keep-alives
+        payload, self._data = "\n".join(self._data), []
+        if payload == "[DONE]":
+            self.done = True
+            return None
+        return _json_event(payload)
+
+    def flush(self) -> dict[str, Any] | None:
+        """An event left unterminated when the stream ended."""
+        payload, self._data = "\n".join(self._data), []
+        return _json_event(payload) if payload and payload != "[DONE]" else None
+
+
 def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     """JSON objects of an OpenAI-style SSE stream (``data: {...}`` ... ``data: [DONE]``)."""
-    data: list[str] = []
+    parser = _SSEParser()
     for line in lines:
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-            continue
-        if line.strip() or not data:
-            continue  # comments, event: / id: fields, blank keep-alives
-        payload, data = "\n".join(data), []
-        if payload == "[DONE]":
+        event = parser.feed(line)
+        if parser.done:
             return
-        yield _json_event(payload)
-    if data and "\n".join(data) != "[DONE]":
-        yield _json_event("\n".join(data))
+        if event is not None:
+            yield event
+    last = parser.flush()
+    if last is not None:
+        yield last
+
+
+class _StreamState:
+    """What a streamed reply has said so far (shared by the sync and the async reader)."""
+
+    def __init__(self, base_url: str, on_text: Callable[[str], None] | None) -> None:
+        self.base_url = base_url
+        self.on_text = on_text
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.usage: Mapping[str, Any] | None = None
+        self.first_at: float | None = None
+        self.chunks = 0
+
+    def feed(self, event: Mapping[str, Any]) -> None:
+        if isinstance(event.get("error"), dict | str):
+            err = event["error"]
+            msg = str(err.get("message", err)) if isinstance(err, dict) else err
+            raise RemoteEngineError(f"{self.base_url} stream error: {msg}")
+        if isinstance(event.get("usage"), dict):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
+                self.text.append(piece)
+                self.chunks += 1
+                if self.on_text is not None:
+                    self.on_text(piece)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+
+    def result(self) -> _Result:
+        return _Result("".join(self.text), self.finish, self.usage, self.first_at, self.chunks)
 
 
 def _json_event(payload: str) -> dict[str, Any]:

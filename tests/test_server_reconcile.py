@@ -207,3 +207,10 @@ def test_metrics_names_say_what_they_count(url: str) -> None:
     assert families["convo_requests_admitted"].type == "counter"
     assert families["convo_queue_wait_seconds"].type == "histogram"
     assert "process_cpu_seconds" in families  # the process collector comes with prometheus_client
+
+
+def test_convo_serve_has_the_user_flag() -> None:
+    from convo.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).session_from_user is False
+    assert build_parser().parse_args(["serve", "--session-from-user"]).session_from_user is True

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-pytest.importorskip("langchain_core")
-
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult

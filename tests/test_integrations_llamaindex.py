@@ -7,9 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-
-pytest.importorskip("llama_index.core")
-
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, ToolCallBlock
 from llama_index.core.chat_engine import SimpleChatEngine
 from llama_index.core.llms.callbacks import llm_chat_callback

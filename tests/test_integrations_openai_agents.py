@@ -8,10 +8,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-
-pytest.importorskip("agents")
-
 from agents import Agent, Model, ModelResponse, RunConfig, Runner, Usage, function_tool, set_tracing_disabled
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 

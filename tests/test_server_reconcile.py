@@ -165,7 +165,6 @@ def test_user_field_is_not_a_session_unless_the_server_says_so(store: Store) -> 
 
 
 def test_langchain_chat_openai_resending_history(url: str) -> None:
-    pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langchain_openai import ChatOpenAI
 

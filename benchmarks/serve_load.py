@@ -114,7 +114,11 @@ def message(rng: random.Random, kind: str, tag: str) -> str:
 async def one_turn(
     client: Any, base: str, sid: str, turn: int, kind: str, stream: bool, text: str, t0: float
 ) -> Outcome:
-    body: dict[str, Any] = {"model": "any", "messages": [{"role": "user", "content": text}], "user": sid}
+    body: dict[str, Any] = {
+        "model": "any",
+        "messages": [{"role": "user", "content": text}],
+        "metadata": {"session_id": sid},
+    }
     start = time.monotonic()
     out = Outcome(sid, turn, kind, stream, 0, start - t0, 0.0, None, text, "")
     try:
@@ -187,8 +191,9 @@ async def sampler(base: str, pid: int, stop: asyncio.Event, samples: dict[str, A
         while not stop.is_set():
             try:
                 m = parse_metrics((await c.get(f"{base}/metrics")).text)
-                samples["ledger_peak"] = max(samples["ledger_peak"], m.get("convo_kv_bytes_in_use", 0))
-                samples["ledger_budget"] = m.get("convo_kv_budget_bytes", 0)
+                # (the server's ledger counts tokens: prompt + reply cap)
+                samples["ledger_peak"] = max(samples["ledger_peak"], m.get("convo_kv_tokens_in_use", 0))
+                samples["ledger_budget"] = m.get("convo_kv_budget_tokens", 0)
                 samples["running_peak"] = max(samples["running_peak"], m.get("convo_requests_running", 0))
                 samples["waiting_peak"] = max(samples["waiting_peak"], m.get("convo_requests_waiting", 0))
             except Exception:

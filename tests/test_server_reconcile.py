@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_server import serve  # the suite's live-server helper
 
 from convo import Budget, Message, SQLiteStore
@@ -76,6 +78,32 @@ def test_reconcile_rule(incoming: list[str], new: list[str], fork_at: int | None
     out = reconcile(history, [msg[x[0]](x) for x in incoming])
     assert [m.content for m in out.new] == new
     assert out.fork_at == fork_at
+
+
+@settings(max_examples=200, deadline=None)
+@given(modes=st.lists(st.sampled_from(["all", "new", "window"]), min_size=1, max_size=12), data=st.data())
+def test_property_each_message_stored_once_whatever_the_client_resends(modes: list[str], data: Any) -> None:
+    """Whatever mix of resend-everything, only-new and recent-window requests a client
+    makes, the stored conversation is the conversation, each message once."""
+    stored: list[Message] = []
+    truth: list[Message] = []
+    for turn, mode in enumerate(modes):
+        question = u(f"q{turn} " + data.draw(st.sampled_from(["", "again", "hi"])))
+        if mode == "all":
+            incoming = [*truth, question]
+        elif mode == "new":
+            incoming = [question]
+        else:
+            w = data.draw(st.integers(1, max(1, len(truth))))
+            incoming = [*truth[-w:], question]
+        out = reconcile(stored, incoming)
+        assert out.fork_at is None
+        stored += out.new
+        truth.append(question)
+        answer = a(f"a{turn}")
+        stored.append(answer)  # the server's reply
+        truth.append(answer)
+    assert stored == truth
 
 
 # -- live server, official client -------------------------------------------------------------

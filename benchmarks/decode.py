@@ -36,9 +36,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convo.decode import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
 from convo.engines.base import GREEDY
 from convo.engines.transformers import TransformersEngine
+from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
 from convo.planner.measure import build_random_model
 from convo.planner.model import Attn, DType, MemoryModel, ModelShape, Quant, load_config, weight_bytes
 

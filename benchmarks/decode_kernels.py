@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
-from convo.decode import decode_attention, quantize_int4
+from convo.fast import decode_attention, quantize_int4
 
 
 def time_ms(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]

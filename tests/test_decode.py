@@ -1,4 +1,4 @@
-"""Static KV slots, the batched decode step and int4 weights (convo.decode).
+"""Static KV slots, the batched decode step and int4 weights (convo.fast).
 
 Three tiers: pure accounting (the slot pool), a tiny random-weight Llama checked against
 transformers' own forward on CPU, and the real default model (slow). Tests marked ``gpu``
@@ -24,18 +24,18 @@ from convo.errors import ConfigError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from convo.decode import (  # noqa: E402
+from convo.engines.base import GREEDY, Sampling  # noqa: E402
+from convo.fast import (  # noqa: E402
     DecodeRequest,
     DecodeScheduler,
     KVSlotPool,
     StaticDecoder,
-    _attention_reference,
     decode_attention,
     dequantize_int4,
     int4_group_size,
     quantize_int4,
 )
-from convo.engines.base import GREEDY, Sampling  # noqa: E402
+from convo.fast.kernels import _attention_reference  # noqa: E402
 from convo.planner import model as memory  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -127,7 +127,7 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
     assert torch.allclose(deq, ref, atol=1e-5)
     assert (deq - w).abs().max() <= step.max() / 2 + 1e-5
     x = torch.randn(5, 256)
-    from convo.decode import _linear
+    from convo.fast.int4 import _linear
 
     y = _linear(x, (q.packed, q.scales_zeros))
     assert torch.allclose(y, x @ deq.t(), atol=1e-3, rtol=1e-4)
@@ -188,7 +188,7 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from convo.decode import decode_attention, _attention_reference\n"
+        "from convo.fast.kernels import decode_attention, _attention_reference\n"
         "torch.manual_seed(0)\n"
         "k, v = torch.randn(4, 2, 300, 64), torch.randn(4, 2, 300, 64)\n"
         "q = torch.randn(3, 4, 64)\n"
@@ -216,7 +216,8 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_decode import tiny_model\n"
-        "from convo.decode import StaticDecoder, _plain_int4_mm, _plain_int4_dequant, quantize_int4\n"
+        "from convo.fast import StaticDecoder, quantize_int4\n"
+        "from convo.fast.int4 import _plain_int4_mm, _plain_int4_dequant\n"
         "w = torch.randn(96, 256)\n"
         "q = quantize_int4(w, group_size=32, plain=True)\n"
         "x = torch.randn(5, 256)\n"
@@ -463,7 +464,7 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     w = torch.randn(256, 512, device="cuda")
     qw = quantize_int4(w, group_size=128)
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
-    from convo.decode import _linear
+    from convo.fast.int4 import _linear
 
     y = _linear(x, (qw.packed, qw.scales_zeros)).float()
     ref_y = x.float() @ dequantize_int4(qw).t()

@@ -1,0 +1,259 @@
+"""Triton kernels of the fast path: the W4A16 matmul and split (flash-decoding) attention."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+#: Tokens one program of the split decode-attention kernel reads (a power of two).
+ATTENTION_SPLIT_TOKENS = 128
+
+
+_W4: dict[str, Any] = {}
+
+
+def _w4_op() -> Callable[..., Any] | None:
+    """``convo::w4a16_mm``: the Triton kernel as a torch custom op (opaque to torch.compile),
+    or ``None`` without Triton."""
+    if "op" in _W4:
+        return _W4["op"]  # type: ignore[no-any-return,unused-ignore]
+    try:
+        import torch
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _W4["op"] = None
+        return None
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _kernel(  # type: ignore[no-untyped-def]
+        X, W, SZ, Y, M, N, M_KEY,
+        stride_xm, stride_wn, stride_szn, stride_ym,
+        K: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_kh = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x_ptr = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+            x = tl.load(x_ptr, mask=m_mask[:, None], other=0.0)
+            w_ptr = W + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
+            b = tl.load(w_ptr, mask=n_mask[:, None], other=0)
+            q = tl.join((b & 0xF).to(tl.float32), (b >> 4).to(tl.float32))
+            q = q.reshape(BLOCK_N, BLOCK_K)
+            sz_ptr = SZ + offs_n[:, None] * stride_szn + (k0 // GROUP + offs_g)[None, :] * 2
+            scale = tl.load(sz_ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            zero = tl.load(sz_ptr + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            q3 = q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
+            w = ((q3 - 8.0) * scale[:, :, None] + zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    # Tile width, warps and pipeline depth are tuned per shape and row count on the device,
+    # at the first call (the decoder's warm-up, before any graph is captured).
+    tuned = None
+    if not _interpreting():
+        configs = [
+            triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in ((16, 2, 3), (32, 4, 3), (32, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3))
+        ]
+        # Keyed on the rows rounded up to a power of two (the decode buckets), so a short
+        # prefill chunk reuses a tuned entry instead of tuning during a request.
+        tuned = triton.autotune(configs=configs, key=["M_KEY", "N", "K"])(_kernel)
+
+    @torch.library.custom_op(  # type: ignore[misc,unused-ignore]
+        "convo::w4a16_mm", mutates_args=(), schema="(Tensor x, Tensor qweight, Tensor sz) -> Tensor"
+    )
+    def w4a16_mm(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = qweight.shape[0]
+        group = k // sz.shape[1]
+        block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
+        x = x.contiguous()
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+
+        def grid(meta: dict[str, Any]) -> tuple[int, int]:
+            return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16))
+
+        fixed = {} if tuned is not None else {"BLOCK_N": 32}  # the interpreter: no tuning
+        (tuned or _kernel)[grid](
+            x, qweight, sz, y, m, n, _next_power_of_2(m),
+            x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
+            K=k, GROUP=group, BLOCK_M=16, BLOCK_K=block_k, **fixed,
+        )  # fmt: skip
+        return y
+
+    @w4a16_mm.register_fake  # type: ignore[misc,unused-ignore]
+    def _(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    _W4["op"] = w4a16_mm
+    return w4a16_mm
+
+
+def _attention_reference(
+    q: Any, k_cache: Any, v_cache: Any, slots: Any, lengths: Any, length: int, scale: float
+) -> Any:
+    """Decode attention in plain torch: ``q`` ``[B, H, D]`` over the first ``lengths[b]``
+    tokens of slot ``slots[b]`` (``length`` >= every entry of ``lengths``)."""
+    import torch
+    import torch.nn.functional as F
+
+    k = k_cache.index_select(0, slots)[:, :, :length]
+    v = v_cache.index_select(0, slots)[:, :, :length]
+    mask = torch.arange(length, device=q.device)[None, :] < lengths[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[:, :, 0, :]
+
+
+_TRITON: dict[str, Any] = {}
+
+
+def _triton_kernels() -> dict[str, Any] | None:
+    """The split decode-attention kernels (flash-decoding), or ``None`` without Triton."""
+    if _TRITON:
+        return None if "missing" in _TRITON else _TRITON
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _TRITON["missing"] = True
+        return None
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _split_kernel(  # type: ignore[no-untyped-def]
+        Q, K, V, Slots, Lens, Acc, M, L,
+        scale,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kt,
+        stride_vs, stride_vh, stride_vt,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        NSPLIT: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        slot = tl.load(Slots + b).to(tl.int64)
+        length = tl.load(Lens + b)
+        kvh = h // GROUP
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d).to(tl.float32) * scale
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        acc = tl.zeros([D], tl.float32)
+        start = sp * SPLIT
+        end = tl.minimum(start + SPLIT, length)
+        # A fixed trip count (the grid and the loop depend on shapes only); lanes past the
+        # row's length are masked, so their memory is never read.
+        for n in range(0, SPLIT, BLOCK_N):
+            offs_n = start + n + tl.arange(0, BLOCK_N)
+            valid = offs_n < end
+            k_ptr = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], 1)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
+            p = tl.exp(s - m_safe)
+            alpha = tl.exp(m_i - m_safe)
+            v_ptr = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        row = (b * tl.num_programs(1) + h) * NSPLIT + sp
+        tl.store(Acc + row * D + offs_d, acc)
+        tl.store(M + row, m_i)
+        tl.store(L + row, l_i)
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _combine_kernel(  # type: ignore[no-untyped-def]
+        Acc, M, L, Out, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, D: tl.constexpr
+    ):
+        bh = tl.program_id(0)
+        offs_s = tl.arange(0, NSPLIT_P2)
+        valid = offs_s < NSPLIT
+        m = tl.load(M + bh * NSPLIT + offs_s, mask=valid, other=float("-inf"))
+        lse = tl.load(L + bh * NSPLIT + offs_s, mask=valid, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+        offs_d = tl.arange(0, D)
+        acc = tl.load(
+            Acc + (bh * NSPLIT + offs_s[:, None]) * D + offs_d[None, :], mask=valid[:, None], other=0.0
+        )
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(lse * w, 0)
+        tl.store(Out + bh * D + offs_d, out.to(Out.dtype.element_ty))
+
+    _TRITON.update(split=_split_kernel, combine=_combine_kernel)
+    return _TRITON
+
+
+def decode_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, lengths: Any, *, scale: float) -> Any:
+    """Attention of one new token per row over its slot: reads only ``lengths[b]`` tokens.
+
+    Args:
+        q: ``[B, heads, head_dim]`` queries (already rotated).
+        k_cache, v_cache: one layer of the pool, ``[slots, kv_heads, slot_tokens, head_dim]``.
+        slots: ``[B]`` slot of each row; lengths: ``[B]`` valid tokens (>= 1) of each row.
+        scale: the softmax scale (``head_dim ** -0.5`` for Llama).
+
+    On CUDA with Triton this is a split-K (flash-decoding) kernel whose grid depends only
+    on the shapes, so it can be captured in a CUDA graph; elsewhere plain SDPA.
+    """
+    kernels = _triton_kernels() if q.device.type == "cuda" or _interpreting() else None
+    if kernels is None:
+        length = k_cache.shape[2]
+        if q.device.type != "cuda":  # no graph here: read only what the longest row needs
+            length = min(length, (int(lengths.max()) + 63) // 64 * 64)
+        return _attention_reference(q, k_cache, v_cache, slots, lengths, length, scale)
+    import torch
+
+    batch, heads, dim = q.shape
+    kv_heads, slot_tokens = k_cache.shape[1], k_cache.shape[2]
+    nsplit = math.ceil(slot_tokens / ATTENTION_SPLIT_TOKENS)
+    q = q.contiguous()
+    acc = torch.empty((batch, heads, nsplit, dim), dtype=torch.float32, device=q.device)
+    m = torch.empty((batch, heads, nsplit), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, heads, nsplit), dtype=torch.float32, device=q.device)
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
+    kernels["split"][(batch, heads, nsplit)](
+        q, k_cache, v_cache, slots, lengths, acc, m, lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=heads // kv_heads, D=dim, BLOCK_N=64, SPLIT=ATTENTION_SPLIT_TOKENS, NSPLIT=nsplit,
+    )  # fmt: skip
+    kernels["combine"][(batch * heads,)](
+        acc, m, lse, out, NSPLIT=nsplit, NSPLIT_P2=_next_power_of_2(nsplit), D=dim
+    )
+    return out
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -29,6 +29,7 @@ from convo.fast import (  # noqa: E402
     DecodeRequest,
     DecodeScheduler,
     KVSlotPool,
+    PrefillChunk,
     StaticDecoder,
     decode_attention,
     dequantize_int4,
@@ -173,6 +174,28 @@ def test_decoder_matches_transformers_forward(model_type: str) -> None:
         dec.step([1], [0], [64])  # past the slot
 
 
+def test_prefill_batch_runs_several_turns_in_one_forward() -> None:
+    """Chunks of three turns (one continuing a kept prefix) in one forward give each turn
+    the logits of transformers' forward, and decoding continues from every slot."""
+    model = tiny_model("qwen2")  # grouped-query attention and q/k/v biases
+    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    dec = StaticDecoder(model, slots=3, slot_tokens=64)
+    dec.warmup()
+    dec.prefill(1, ids[:10], 0)
+    chunks = [PrefillChunk(slot=0, ids=ids, start=0, end=20), PrefillChunk(slot=1, ids=ids, start=10, end=30)]
+    chunks.append(PrefillChunk(slot=2, ids=ids, start=0, end=45))
+    outs = dec.prefill_batch(chunks)
+    for out, p in zip(outs, (19, 29, 44), strict=True):
+        assert torch.allclose(out, ref[p], atol=1e-4)
+    out = dec.step([ids[20], ids[30], ids[45]], [0, 1, 2], [20, 30, 45])
+    for row, p in enumerate((20, 30, 45)):
+        assert torch.allclose(out[row], ref[p], atol=1e-4)
+    with pytest.raises(ConfigError):
+        dec.prefill_batch([PrefillChunk(slot=0, ids=ids, start=0, end=65)])
+
+
 def test_unsupported_architectures_are_refused() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -223,6 +246,8 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "x = torch.randn(5, 256)\n"
         "ref = x @ _plain_int4_dequant(*q.plain).t()\n"
         "err = float((_plain_int4_mm(x, *q.plain) - ref).abs().max())\n"
+        "from convo.fast import dequantize_plain_int4 as dq\n"
+        "err = max(err, float((dq(*q.plain) - _plain_int4_dequant(*q.plain)).abs().max()))\n"
         "model = tiny_model()\n"
         "kw = dict(slots=2, slot_tokens=64, weights='int4', group_size=32)\n"
         "a = StaticDecoder(model, **kw)\n"

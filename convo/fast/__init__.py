@@ -31,22 +31,26 @@ Nothing here imports torch at import time.
 
 from __future__ import annotations
 
-from convo.fast.decoder import SUPPORTED_MODEL_TYPES, StaticDecoder, tensor_nbytes
+from convo.fast.decoder import SUPPORTED_MODEL_TYPES, PrefillChunk, StaticDecoder, tensor_nbytes
 from convo.fast.int4 import Int4Weight, dequantize_int4, int4_group_size, plain_int4, quantize_int4
-from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention
+from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
 from convo.fast.kv_pool import KVSlotPool
-from convo.fast.scheduler import DecodeRequest, DecodeScheduler
+from convo.fast.scheduler import DEFAULT_STEP_TOKENS, DecodeRequest, DecodeScheduler, Priority
 
 __all__ = [
     "ATTENTION_SPLIT_TOKENS",
+    "DEFAULT_STEP_TOKENS",
     "SUPPORTED_MODEL_TYPES",
     "DecodeRequest",
     "DecodeScheduler",
     "Int4Weight",
     "KVSlotPool",
+    "PrefillChunk",
+    "Priority",
     "StaticDecoder",
     "decode_attention",
     "dequantize_int4",
+    "dequantize_plain_int4",
     "int4_group_size",
     "plain_int4",
     "quantize_int4",

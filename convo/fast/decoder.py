@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from convo.errors import ConfigError
-from convo.fast.int4 import Linear, _linear, _linears, int4_group_size, quantize_int4
+from convo.fast.int4 import (
+    Linear,
+    _dense_linear,
+    _dense_linears,
+    _linear,
+    _linears,
+    int4_group_size,
+    quantize_int4,
+)
 from convo.fast.kernels import _interpreting, _w4_op, decode_attention
 from convo.fast.kv_pool import KVSlotPool
 
@@ -90,6 +98,43 @@ def _post_attention(
     return x + _linear(F.silu(gate) * up, down)
 
 
+def _pre_attention_dense(
+    x: Any, ln: Any, qkv: tuple[Linear, ...], cos: Any, sin: Any, shape: tuple[int, ...]
+) -> Any:
+    """:func:`_pre_attention` for many rows (prefill): plain int4 dequantized, then cuBLAS."""
+    heads, kv_heads, dim, eps_pico = shape
+    h = _rms_norm(x, ln, eps_pico * 1e-12)
+    out = _dense_linears(h, qkv)
+    n = x.shape[0]
+    q = out[:, : heads * dim].view(n, heads, dim)
+    k = out[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
+    v = out[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _post_attention_dense(
+    x: Any, attn: Any, o: Linear, ln: Any, gate_up: tuple[Linear, ...], down: Linear, eps_pico: int
+) -> Any:
+    """:func:`_post_attention` for many rows (prefill)."""
+    import torch.nn.functional as F
+
+    x = x + _dense_linear(attn, o)
+    h = _rms_norm(x, ln, eps_pico * 1e-12)
+    gate, up = _dense_linears(h, gate_up).chunk(2, dim=-1)
+    return x + _dense_linear(F.silu(gate) * up, down)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens ``ids[start:end]`` of one turn, to run into slot ``slot`` (which holds
+    ``ids[:start]`` already)."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    end: int
+
+
 def _own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with a code object of its own (a fresh dynamo cache)."""
     import types
@@ -148,10 +193,11 @@ class StaticDecoder:
             next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
             the largest bucket are refused.
         int4_kernel: the int4 decode kernel: ``"tinygemm"`` (PyTorch's), ``"triton"``
-            (convo's W4A16 kernel over a plain layout; prefill dequantizes to bf16 for
-            cuBLAS), or ``"auto"`` (default): on CUDA with Triton both are captured at
-            warm-up and each batch bucket keeps the faster (the other layout is dropped
-            unless some bucket uses it); elsewhere tinygemm.
+            (convo's W4A16 kernel over a plain layout), or ``"auto"`` (default): on CUDA
+            with Triton both are captured at warm-up and each batch bucket keeps the
+            faster (tinygemm's layout is dropped when no bucket uses it); elsewhere
+            tinygemm. On CUDA with Triton the plain layout is always kept: prefill
+            dequantizes it, one layer weight at a time, for cuBLAS.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -194,9 +240,9 @@ class StaticDecoder:
         on_cuda = next(model.parameters()).device.type == "cuda" or (
             _interpreting() and int4_kernel == "triton"
         )
-        self._plain_candidate = (
-            weights == "int4" and on_cuda and int4_kernel != "tinygemm" and _w4_op() is not None
-        )
+        # On CUDA int4 weights also keep the plain layout: prefill dequantizes it for cuBLAS
+        # (tinygemm is slow on hundreds of rows), and the Triton decode kernel reads it.
+        self._plain_candidate = weights == "int4" and on_cuda and _w4_op() is not None
         if int4_kernel == "triton" and not self._plain_candidate:
             raise ConfigError("int4_kernel='triton' needs CUDA, Triton and weights='int4'")
         self.int4_kernel = int4_kernel
@@ -358,7 +404,8 @@ class StaticDecoder:
         cancel: threading.Event | None = None,
         all_logits: bool = False,
     ) -> tuple[Any, int]:
-        """Run ``ids[start:]`` into slot ``slot`` (its first ``start`` tokens are kept).
+        """Run ``ids[start:]`` into slot ``slot`` (its first ``start`` tokens are kept), in
+        chunks of ``prefill_chunk_tokens`` with the clock checked between chunks.
 
         Args:
             all_logits: return the logits after every token of ``ids[start:]``
@@ -370,55 +417,91 @@ class StaticDecoder:
             tokens of ``ids`` the slot now holds.
         """
         import torch
-        import torch.nn.functional as F
 
         if not 0 <= start < len(ids) <= self.pool.slot_tokens:
             raise ConfigError(f"prefill of {len(ids)} tokens from {start} does not fit a slot")
-        shape = (self.heads, self.kv_heads, self.head_dim)
         pos = start
-        x = None
         outputs = []
-        with torch.inference_mode():
-            while pos < len(ids):
-                end = min(pos + self.prefill_chunk_tokens, len(ids))
-                n = end - pos
-                tokens = torch.tensor(ids[pos:end], device=self.device)
-                x = F.embedding(tokens, self.embed)
-                cos, sin = self.cos[pos:end, None, :], self.sin[pos:end, None, :]
-                keys = torch.arange(end, device=self.device)
-                mask = keys[None, :] <= torch.arange(pos, end, device=self.device)[:, None]
-                # Plain int4 prefills through bf16 cuBLAS (dequantized per chunk): far faster
-                # than tinygemm on hundreds of rows.
-                for i, layer in enumerate(self._layer_set(alt=True)):
-                    q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
-                    k_cache, v_cache = self.pool.k[i], self.pool.v[i]
-                    k_cache[slot, :, pos:end] = k.transpose(0, 1)
-                    v_cache[slot, :, pos:end] = v.transpose(0, 1)
-                    a = F.scaled_dot_product_attention(
-                        q.transpose(0, 1)[None],
-                        k_cache[slot, :, :end][None],
-                        v_cache[slot, :, :end][None],
-                        attn_mask=mask,
-                        scale=layer.scale,
-                        enable_gqa=self.kv_heads != self.heads,
-                    )
-                    a = a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
-                    x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
-                pos = end
-                if all_logits:
-                    outputs.append(
-                        _linear(_rms_norm(x, self.norm, self.norm_eps * 1e-12), self.lm_head).float()
-                    )
-                if pos < len(ids) and (
-                    (deadline is not None and time.monotonic() >= deadline)
-                    or (cancel is not None and cancel.is_set())
-                ):
-                    return None, pos
-            assert x is not None
+        last = None
+        while pos < len(ids):
+            end = min(pos + self.prefill_chunk_tokens, len(ids))
+            out = self.prefill_batch(
+                [PrefillChunk(slot=slot, ids=ids, start=pos, end=end)], all_logits=all_logits
+            )
+            last = out[0]
             if all_logits:
-                return torch.cat(outputs), pos
-            h = _rms_norm(x[-1:], self.norm, self.norm_eps * 1e-12)
-            return _linear(h, self.lm_head)[0].float(), pos
+                outputs.append(last)
+            pos = end
+            if pos < len(ids) and (
+                (deadline is not None and time.monotonic() >= deadline)
+                or (cancel is not None and cancel.is_set())
+            ):
+                return None, pos
+        if all_logits:
+            return torch.cat(outputs), pos
+        return last, pos
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk], *, all_logits: bool = False) -> list[Any]:
+        """One forward over the chunks of several turns together (each into its own slot).
+
+        The matrix products run once over all the chunks' tokens: dense weights through
+        cuBLAS, plain int4 dequantized once per layer (one kernel) and then cuBLAS, modules
+        (bitsandbytes) called once per layer. Attention runs per chunk over its slot with
+        SDPA (causal from the chunk's start: flash or memory-efficient kernels).
+
+        Returns:
+            per chunk, float32 logits ``[vocab]`` after its last token (``[n, vocab]`` after
+            every token with ``all_logits``).
+        """
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention.bias import causal_lower_right
+
+        if not chunks:
+            return []
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
+                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
+        sizes = [c.end - c.start for c in chunks]
+        shape = (self.heads, self.kv_heads, self.head_dim)
+        gqa = self.kv_heads != self.heads
+        with torch.inference_mode():
+            flat = [t for c in chunks for t in c.ids[c.start : c.end]]
+            positions = [p for c in chunks for p in range(c.start, c.end)]
+            host = torch.tensor([flat, positions], dtype=torch.long)
+            dev = host.to(self.device, non_blocking=True)
+            x = F.embedding(dev[0], self.embed)
+            cos, sin = self.cos[dev[1]][:, None, :], self.sin[dev[1]][:, None, :]
+            masks = [None if c.start == 0 else causal_lower_right(c.end - c.start, c.end) for c in chunks]
+            for i, layer in enumerate(self._layer_set(alt=True)):
+                q, k, v = _pre_attention_dense(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
+                k_cache, v_cache = self.pool.k[i], self.pool.v[i]
+                outs = []
+                off = 0
+                for c, n, mask in zip(chunks, sizes, masks, strict=True):
+                    k_cache[c.slot, :, c.start : c.end] = k[off : off + n].transpose(0, 1)
+                    v_cache[c.slot, :, c.start : c.end] = v[off : off + n].transpose(0, 1)
+                    qc = q[off : off + n].transpose(0, 1)[None]
+                    kc, vc = k_cache[c.slot, :, : c.end][None], v_cache[c.slot, :, : c.end][None]
+                    if mask is None:
+                        a = F.scaled_dot_product_attention(
+                            qc, kc, vc, is_causal=True, scale=layer.scale, enable_gqa=gqa
+                        )
+                    else:
+                        a = F.scaled_dot_product_attention(
+                            qc, kc, vc, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
+                        )
+                    outs.append(a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+                    off += n
+                a = outs[0] if len(outs) == 1 else torch.cat(outs)
+                x = _post_attention_dense(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
+            if all_logits:
+                logits = _dense_linear(_rms_norm(x, self.norm, self.norm_eps * 1e-12), self.lm_head).float()
+                return list(torch.split(logits, sizes))
+            last = torch.tensor([sum(sizes[: j + 1]) - 1 for j in range(len(sizes))], device=self.device)
+            h = _rms_norm(x.index_select(0, last), self.norm, self.norm_eps * 1e-12)
+            logits = _dense_linear(h, self.lm_head).float()
+            return list(logits.unbind(0))
 
     # -- decode --------------------------------------------------------------------------------
     def _step(self, inputs: Any, alt: bool = False) -> Any:
@@ -456,7 +539,10 @@ class StaticDecoder:
         import torch
 
         has_alt = self.layers[0].alt is not None
-        variants = [False, True] if has_alt and self.int4_kernel == "auto" else [has_alt]
+        if not has_alt or self.int4_kernel == "tinygemm":
+            variants = [False]
+        else:
+            variants = [False, True] if self.int4_kernel == "auto" else [True]
         with torch.inference_mode():
             for b in self.buckets:
                 inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
@@ -493,15 +579,14 @@ class StaticDecoder:
         return graph, out
 
     def _drop_unused_layout(self) -> None:
-        """Free the int4 layout no bucket chose (both stay when the buckets differ)."""
+        """Free tinygemm's layout when no bucket chose it (the plain layout stays: prefill
+        dequantizes it)."""
         import dataclasses as dc
 
         used = set(self.kernel_choice.values())
         if used == {"triton"}:
             self.layers = [dc.replace(layer.alt, alt=None) for layer in self.layers if layer.alt is not None]
             self._graphs = {b: (g, i, o, False) for b, (g, i, o, _) in self._graphs.items()}
-        elif used == {"tinygemm"}:
-            self.layers = [dc.replace(layer, alt=None) for layer in self.layers]
         _empty_cuda_cache()
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> Any:

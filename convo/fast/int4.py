@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from convo.errors import ConfigError
-from convo.fast.kernels import _w4_op
+from convo.fast.kernels import _w4_op, dequantize_plain_int4
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def _plain_int4_mm(x: Any, qweight: Any, sz: Any) -> Any:
     if x2.shape[0] <= W4_KERNEL_MAX_ROWS and _w4_op() is not None:
         y = _w4_op()(x2, qweight, sz)  # type: ignore[misc]
     else:
-        y = F.linear(x2, _plain_int4_dequant(qweight, sz).to(x.dtype))
+        y = F.linear(x2, dequantize_plain_int4(qweight, sz).to(x.dtype))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -203,3 +203,22 @@ def _linears(x: Any, ws: tuple[Linear, ...]) -> Any:
     if len(ws) == 1:
         return _linear(x, ws[0])
     return torch.cat([_linear(x, w) for w in ws], dim=-1)
+
+
+def _dense_linear(x: Any, w: Linear) -> Any:
+    """:func:`_linear` for many rows (prefill): a plain int4 weight is dequantized once, in
+    one kernel, and multiplied by cuBLAS; everything else as :func:`_linear`."""
+    import torch.nn.functional as F
+
+    if isinstance(w, tuple) and isinstance(w[0], str):
+        y = F.linear(x, dequantize_plain_int4(w[1], w[2]).to(x.dtype))
+        return y + w[3] if len(w) > 3 else y
+    return _linear(x, w)
+
+
+def _dense_linears(x: Any, ws: tuple[Linear, ...]) -> Any:
+    import torch
+
+    if len(ws) == 1:
+        return _dense_linear(x, ws[0])
+    return torch.cat([_dense_linear(x, w) for w in ws], dim=-1)

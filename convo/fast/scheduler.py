@@ -1,7 +1,27 @@
-"""The decode loop: every generating session decoded together, one row per slot."""
+"""The decode loop: continuous batching over the KV slots.
+
+Modelled on vLLM v1's scheduler. Each step has a token budget (``step_tokens``):
+
+1. every running reply gets its row first (one token each, one batched decode step);
+2. the rest of the budget goes to prefill chunks of turns that hold a slot but have not
+   produced their first token yet, in priority order (replies before background work
+   such as summaries), then arrival order; the chunks of several turns run together in one
+   forward (:meth:`~convo.fast.decoder.StaticDecoder.prefill_batch`).
+
+So a long prompt that arrives while replies stream delays them by at most one chunk of
+``step_tokens`` tokens per step, never by its whole prefill; and a prompt's prefill is
+spread over as many steps as its length needs, each step reading (and, for int4,
+dequantizing) the weights once for every turn it carries.
+
+A request waits for a slot (in priority, then arrival order) while every slot holds a
+turn; it finishes with ``timeout`` when its deadline passes and with ``cancelled`` when
+its ``cancel`` event is set, whether it is waiting, prefilling or decoding.
+"""
 
 from __future__ import annotations
 
+import enum
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -9,7 +29,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory
-from convo.fast.decoder import StaticDecoder, _empty_cuda_cache
+from convo.fast.decoder import PrefillChunk, _empty_cuda_cache
+
+try:  # the layout of issue 13 moves FinishReason to convo.engines.base
+    from convo.engines.base import FinishReason
+except ImportError:  # pragma: no cover - before the move
+    from convo.engine import FinishReason  # type: ignore[no-redef,attr-defined,unused-ignore]
+
+#: Tokens one scheduler step may run by default: the running replies' rows, then prefill
+#: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
+#: smaller: shorter stalls of the running replies while a prompt is prefilled.
+DEFAULT_STEP_TOKENS = 2048
+
+
+class Priority(enum.IntEnum):
+    """Order in which waiting work gets slots and prefill budget (lower first)."""
+
+    REPLY = 0  # a turn a user waits for
+    BACKGROUND = 1  # work nobody waits on token by token: summaries
+
+
+_ARRIVALS = itertools.count()
 
 
 @dataclass(eq=False, kw_only=True)
@@ -21,11 +61,12 @@ class DecodeRequest:
         max_new_tokens: cap on the reply.
         deadline: ``time.monotonic()`` value at which generation stops (finish ``timeout``).
         sampling: an object with ``temperature``, ``top_p``, ``top_k``,
-            ``repetition_penalty``, ``seed`` and ``min_new_tokens`` (:class:`~convo.engine.Sampling`).
+            ``repetition_penalty``, ``seed`` and ``min_new_tokens`` (``Sampling``).
         eos: token ids that end the reply (finish ``stop``).
         cache_key: the session whose slot (and cached tokens) to use.
         on_token: called with each new token id; returning True stops (a stop string).
         cancel: set to stop early (finish ``cancelled``).
+        priority: :class:`Priority` (or any int, lower first): replies before summaries.
     """
 
     ids: list[int]
@@ -36,6 +77,7 @@ class DecodeRequest:
     cache_key: str | None = None
     on_token: Callable[[int], bool] | None = None
     cancel: threading.Event | None = None
+    priority: int = Priority.REPLY
     # Filled in by the scheduler.
     new_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -44,39 +86,61 @@ class DecodeRequest:
     started_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
-    finish: str | None = None  # "stop", "length", "timeout", "cancelled"
+    finish: FinishReason | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     _generator: Any = None
+    _order: int = field(default_factory=lambda: next(_ARRIVALS))
 
     @property
     def position(self) -> int:
         """Where the last sampled token goes in the slot."""
         return len(self.ids) + len(self.new_ids) - 1
 
+    def _stop_reason(self, now: float) -> FinishReason | None:
+        if self.cancel is not None and self.cancel.is_set():
+            return FinishReason.CANCELLED
+        if now >= self.deadline:
+            return FinishReason.TIMEOUT
+        return None
+
 
 class DecodeScheduler:
-    """Decodes every generating session together, one row per slot.
-
-    A background thread admits waiting requests in arrival order as slots free up (a
-    request whose deadline passes while it waits finishes with ``timeout``), prefills
-    each newcomer into its slot, then runs one batched step for all rows at a time,
-    sampling per row and finishing rows as they stop.
+    """Continuous batching over the decoder's KV slots (see the module docstring).
 
     Args:
-        decoder: the :class:`StaticDecoder` (warmed up).
+        decoder: the :class:`~convo.fast.decoder.StaticDecoder` (warmed up), or any object
+            with its ``pool``, ``step`` and ``prefill_batch`` (tests use a fake).
+        step_tokens: the token budget of one step (:data:`DEFAULT_STEP_TOKENS`): decode
+            rows first, prefill chunks fill the rest. At least one prefill token runs per
+            step while a turn waits, whatever the rows.
+
+    Raises:
+        ConfigError: ``step_tokens`` < 1.
     """
 
-    def __init__(self, decoder: StaticDecoder) -> None:
+    def __init__(
+        self, decoder: Any, *, step_tokens: int = DEFAULT_STEP_TOKENS, background: bool = True
+    ) -> None:
+        if step_tokens < 1:
+            raise ConfigError("step_tokens must be >= 1")
         self.decoder = decoder
-        self._pending: list[DecodeRequest] = []
-        self._active: list[DecodeRequest] = []
+        self.step_tokens = step_tokens
+        self.background = background
+        self._pending: list[DecodeRequest] = []  # no slot yet
+        self._prefilling: list[DecodeRequest] = []  # a slot, no first token yet
+        self._active: list[DecodeRequest] = []  # decoding
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: Steps run, and rows decoded in them (rows / steps = mean batch).
+        #: Decode steps run, and rows decoded in them (rows / steps = mean batch).
         self.steps = 0
         self.rows = 0
+        #: Prefill forwards run, and prompt tokens they ran.
+        self.prefills = 0
+        self.prefill_tokens = 0
+        #: Most prompt tokens one prefill forward ran between two decode steps.
+        self.max_prefill_tokens = 0
 
     def submit(self, request: DecodeRequest) -> DecodeRequest:
         """Queue ``request``; wait on ``request.done``."""
@@ -84,7 +148,7 @@ class DecodeScheduler:
             if self._closed:
                 raise ConfigError("the decode scheduler is closed")
             self._pending.append(request)
-            if self._thread is None:
+            if self._thread is None and self.background:
                 self._thread = threading.Thread(target=self._loop, name="convo-decode", daemon=True)
                 self._thread.start()
             self._cv.notify()
@@ -98,27 +162,52 @@ class DecodeScheduler:
         return request
 
     def close(self) -> None:
+        """Stop the loop once the work queued so far is done; later submits are refused."""
         with self._cv:
             self._closed = True
             self._cv.notify()
+
+    @property
+    def waiting(self) -> int:
+        """Requests without a first token yet (queued for a slot or prefilling)."""
+        with self._cv:
+            return len(self._pending) + len(self._prefilling)
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._active and not self._closed:
+                while not (self._pending or self._prefilling or self._active or self._closed):
                     self._cv.wait()
-                if self._closed and not self._pending and not self._active:
+                if self._closed and not (self._pending or self._prefilling or self._active):
                     self._thread = None
                     return
-            try:
-                self._admit()
-                if self._active:
-                    self._step()
-            except BaseException as exc:  # a device error ends every row in flight
-                self._fail_active(exc)
+            self.run_step()
 
-    def _finish(self, req: DecodeRequest, reason: str | None, error: BaseException | None = None) -> None:
+    def run_step(self) -> None:
+        """One scheduler step: expire, admit, decode the running rows, prefill with the rest
+        of the budget. The loop thread calls it; with ``background=False`` the caller does."""
+        self._expire()
+        self._admit()
+        if self._active:
+            try:
+                self._step()
+            except BaseException as exc:  # a device error ends every row in flight
+                self._fail(self._active, exc)
+                self._active = []
+        if self._prefilling:
+            budget = max(self.step_tokens - len(self._active), 1)
+            batch = self._plan_prefill(budget)
+            try:
+                self._prefill(batch)
+            except BaseException as exc:
+                failed = [r for r, _ in batch]
+                self._prefilling = [r for r in self._prefilling if r not in failed]
+                self._fail(failed, exc)
+
+    def _finish(
+        self, req: DecodeRequest, reason: FinishReason | None, error: BaseException | None = None
+    ) -> None:
         req.finish, req.error = reason, error
         req.finished_at = time.monotonic()
         if req.slot >= 0:
@@ -126,76 +215,95 @@ class DecodeScheduler:
             self.decoder.pool.release(req.slot, kept)
         req.done.set()
 
-    def _fail_active(self, exc: BaseException) -> None:
+    def _fail(self, reqs: Sequence[DecodeRequest], exc: BaseException) -> None:
         error = _device_error(exc)
-        for req in self._active:
+        for req in reqs:
             req.kv_tokens = 0
             self._finish(req, None, error)
-        self._active = []
         _empty_cuda_cache()
 
+    def _expire(self) -> None:
+        """Finish waiting and prefilling requests that were cancelled or ran out of time."""
+        now = time.monotonic()
+        with self._cv:
+            gone = [(r, why) for r in self._pending if (why := r._stop_reason(now)) is not None]
+            self._pending = [r for r in self._pending if r._stop_reason(now) is None]
+        gone += [(r, why) for r in self._prefilling if (why := r._stop_reason(now)) is not None]
+        self._prefilling = [r for r in self._prefilling if r._stop_reason(now) is None]
+        for req, why in gone:
+            self._finish(req, why)
+
     def _admit(self) -> None:
+        """Give free slots to waiting requests: by priority, then arrival."""
         while True:
             with self._cv:
                 if not self._pending:
                     return
-                req = self._pending[0]
-                now = time.monotonic()
-                stop = "cancelled" if req.cancel is not None and req.cancel.is_set() else None
-                stop = stop or ("timeout" if now >= req.deadline else None)
-                got = None
-                if stop is None:
-                    got = self.decoder.pool.acquire(req.cache_key)
-                    if got is None:
-                        return  # every slot is generating: wait for a row to finish
-                self._pending.pop(0)
-            if stop is not None or got is None:
-                self._finish(req, stop)
-                continue
+                req = min(self._pending, key=lambda r: (r.priority, r._order))
+                got = self.decoder.pool.acquire(req.cache_key)
+                if got is None:
+                    return  # every slot holds a turn: wait for one to finish
+                self._pending.remove(req)
             req.slot, kept = got
-            try:
-                self._prefill(req, kept)
-            except BaseException as exc:
-                req.kv_tokens = 0
-                self._finish(req, None, _device_error(exc))
-                _empty_cuda_cache()
+            limit = min(len(kept), len(req.ids) - 1)
+            common = 0
+            while common < limit and kept[common] == req.ids[common]:
+                common += 1
+            req.cached_tokens = req.kv_tokens = common
+            self._prefilling.append(req)
 
-    def _prefill(self, req: DecodeRequest, kept: list[int]) -> None:
-        limit = min(len(kept), len(req.ids) - 1)
-        common = 0
-        while common < limit and kept[common] == req.ids[common]:
-            common += 1
-        req.cached_tokens = common
-        logits, done = self.decoder.prefill(
-            req.slot, req.ids, common, deadline=req.deadline, cancel=req.cancel
-        )
-        req.kv_tokens = done
-        if logits is None:
-            self._finish(req, "cancelled" if req.cancel is not None and req.cancel.is_set() else "timeout")
+    def _plan_prefill(self, budget: int) -> list[tuple[DecodeRequest, PrefillChunk]]:
+        batch = []
+        for req in sorted(self._prefilling, key=lambda r: (r.priority, r._order)):
+            if budget <= 0:
+                break
+            end = min(len(req.ids), req.kv_tokens + budget)
+            batch.append((req, PrefillChunk(slot=req.slot, ids=req.ids, start=req.kv_tokens, end=end)))
+            budget -= end - req.kv_tokens
+        return batch
+
+    def _prefill(self, batch: list[tuple[DecodeRequest, PrefillChunk]]) -> None:
+        logits = self.decoder.prefill_batch([c for _, c in batch])
+        tokens = sum(c.end - c.start for _, c in batch)
+        self.prefills += 1
+        self.prefill_tokens += tokens
+        self.max_prefill_tokens = max(self.max_prefill_tokens, tokens)
+        ready = []
+        for (req, chunk), out in zip(batch, logits, strict=True):
+            req.kv_tokens = chunk.end
+            if chunk.end == len(req.ids):
+                ready.append((req, out))
+        if not ready:
             return
-        if req.sampling.seed is not None:
-            import torch
+        done = {id(r) for r, _ in ready}
+        self._prefilling = [r for r in self._prefilling if id(r) not in done]
+        reqs = [r for r, _ in ready]
+        for req in reqs:
+            if req.sampling.seed is not None:
+                import torch
 
-            req._generator = torch.Generator(device=logits.device).manual_seed(req.sampling.seed)
-        token = _sample(logits[None], [req])[0]
-        req.first_token_at = time.monotonic()
-        if not self._accept(req, token):
-            self._active.append(req)
+                req._generator = torch.Generator(device=ready[0][1].device).manual_seed(req.sampling.seed)
+        import torch
+
+        first = _sample(torch.stack([out for _, out in ready]), reqs)
+        now = time.monotonic()
+        for req, token in zip(reqs, first, strict=True):
+            req.first_token_at = now
+            if not self._accept(req, token):
+                self._active.append(req)
 
     def _accept(self, req: DecodeRequest, token: int) -> bool:
         """Record ``token`` for ``req``; True when the request finished."""
         req.new_ids.append(token)
         stop_string = req.on_token(token) if req.on_token is not None else False
         if token in req.eos or stop_string:
-            reason: str | None = "stop"
+            reason: FinishReason | None = FinishReason.STOP
         elif len(req.new_ids) >= req.max_new_tokens:
-            reason = "length"
-        elif req.cancel is not None and req.cancel.is_set():
-            reason = "cancelled"
-        elif time.monotonic() >= req.deadline:
-            reason = "timeout"
+            reason = FinishReason.LENGTH
         else:
-            return False
+            reason = req._stop_reason(time.monotonic())
+            if reason is None:
+                return False
         self._finish(req, reason)
         return True
 

@@ -1,0 +1,219 @@
+"""The continuous-batching scheduler over a fake decoder (pure logic, fast, CPU).
+
+The fake decoder's "model" answers token ``t + 1`` after token ``t``, so every reply is
+known in advance; it records every decode step and prefill forward, so the tests can check
+what ran between two decode steps (interleaving), who got slots and budget first
+(priorities), and what a cancelled or expired request leaves behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from convo.fast import KVSlotPool, PrefillChunk  # noqa: E402
+from convo.fast.scheduler import DecodeRequest, DecodeScheduler, FinishReason, Priority  # noqa: E402
+
+VOCAB = 1000
+
+
+class Greedy:
+    temperature = 0.0
+    top_p = 1.0
+    top_k = 0
+    repetition_penalty = 1.0
+    seed = None
+    min_new_tokens = 0
+
+
+def _logits(last: list[int]) -> Any:
+    out = torch.zeros((len(last), VOCAB))
+    out[range(len(last)), [(t + 1) % VOCAB for t in last]] = 1.0
+    return out
+
+
+class FakeDecoder:
+    """The scheduler's view of a decoder: a real slot pool, a fake step and prefill."""
+
+    def __init__(self, slots: int = 2, slot_tokens: int = 512) -> None:
+        self.pool = KVSlotPool(
+            num_layers=1, num_kv_heads=1, head_dim=2, slots=slots, slot_tokens=slot_tokens,
+            dtype=torch.float32, device="cpu",
+        )  # fmt: skip
+        self.events: list[tuple[str, Any]] = []
+        self.fail_prefill = False
+
+    def step(self, tokens: list[int], slots: list[int], positions: list[int]) -> Any:
+        self.events.append(("step", list(zip(slots, positions, strict=True))))
+        return _logits(tokens)
+
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[Any]:
+        if self.fail_prefill:
+            raise RuntimeError("device error")
+        self.events.append(("prefill", [(c.slot, c.start, c.end) for c in chunks]))
+        return list(_logits([c.ids[c.end - 1] for c in chunks]))
+
+
+def request(n: int, *, first: int = 1, max_new: int = 4, **kw: Any) -> DecodeRequest:
+    kw.setdefault("deadline", time.monotonic() + 60)
+    return DecodeRequest(ids=list(range(first, first + n)), max_new_tokens=max_new, sampling=Greedy(), **kw)
+
+
+def drain(sched: DecodeScheduler, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if not (sched._pending or sched._prefilling or sched._active):
+            return
+        sched.run_step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_reply_tokens_follow_the_model_and_slots_are_released() -> None:
+    dec = FakeDecoder()
+    sched = DecodeScheduler(dec, step_tokens=64)  # on its own thread
+    req = sched.submit(request(10, max_new=5))
+    sched.close()  # the loop thread finishes the queued work, then stops
+    assert req.done.wait(10)
+    assert req.new_ids == [11, 12, 13, 14, 15]
+    assert req.finish is FinishReason.LENGTH
+    assert req.kv_tokens == 14  # the prompt and every reply token but the last are in the slot
+    assert dec.pool.acquire(None) is not None and dec.pool.acquire(None) is not None  # both free
+
+
+def test_long_prefill_never_stalls_running_replies_more_than_one_chunk() -> None:
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=16)
+    running = sched.submit(request(5, max_new=30))
+    for _ in range(3):
+        sched.run_step()
+    long = sched.submit(request(100, first=200, max_new=3))
+    drain(sched)
+    assert running.new_ids == list(range(6, 36))
+    assert long.new_ids == [300, 301, 302]
+    # Between two decode steps of the running reply: at most one prefill forward, of at
+    # most the budget left after the decode rows.
+    between = 0
+    steps_with_running = [e for e in dec.events if e[0] == "step" and any(s == running.slot for s, _ in e[1])]
+    assert len(steps_with_running) == 29  # every token after the first, one step each
+    for kind, what in dec.events:
+        if kind == "step":
+            between = 0
+            continue
+        between += 1
+        assert between <= 1
+        assert sum(end - start for _, start, end in what) <= 16
+    long_chunks = [c for kind, what in dec.events if kind == "prefill" for c in what if c[0] == long.slot]
+    assert [c[1] for c in long_chunks] == list(range(0, 100, 15))  # 15 = budget - 1 running row
+    # The running reply's positions advance by one every step: no step skipped it.
+    positions = [p for _, rows in dec.events if _ == "step" for s, p in rows if s == running.slot]
+    assert positions == list(range(5, 34))
+
+
+def test_waiting_prefills_run_together_in_one_forward() -> None:
+    dec = FakeDecoder(slots=3)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    reqs = [sched.submit(request(10, first=100 * i + 1, max_new=2)) for i in range(3)]
+    sched.run_step()
+    assert dec.events[0] == ("prefill", [(r.slot, 0, 10) for r in reqs])
+    drain(sched)
+    assert [r.new_ids for r in reqs] == [[11, 12], [111, 112], [211, 212]]
+
+
+def test_replies_get_slots_and_prefill_budget_before_background_work() -> None:
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    summary = sched.submit(request(8, max_new=2, priority=Priority.BACKGROUND))
+    reply = sched.submit(request(8, first=50, max_new=2))
+    sched.run_step()
+    assert reply.slot == 0 and summary.slot == -1  # the later reply got the only slot
+    drain(sched)
+    assert reply.finished_at is not None and summary.finished_at is not None
+    assert reply.finished_at <= summary.finished_at
+    assert summary.new_ids == [9, 10]
+
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=10)
+    summary = sched.submit(request(30, max_new=1, priority=Priority.BACKGROUND))
+    reply = sched.submit(request(30, first=50, max_new=1))
+    sched.run_step()  # both hold a slot; the budget goes to the reply first
+    assert dec.events[0] == ("prefill", [(reply.slot, 0, 10)])
+
+
+def test_cancel_while_waiting_prefilling_and_decoding() -> None:
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(dec, background=False, step_tokens=8)
+    cancels = [threading.Event() for _ in range(3)]
+    decoding = sched.submit(request(4, max_new=50, cancel=cancels[0], cache_key="a"))
+    waiting = sched.submit(request(4, max_new=5, cancel=cancels[1]))
+    sched.run_step()
+    sched.run_step()
+    cancels[1].set()
+    sched.run_step()
+    assert waiting.finish is FinishReason.CANCELLED and waiting.slot == -1 and waiting.done.is_set()
+    cancels[0].set()
+    sched.run_step()
+    assert decoding.finish is FinishReason.CANCELLED
+    prefilling = sched.submit(request(40, first=300, max_new=5, cancel=cancels[2], cache_key="b"))
+    sched.run_step()  # 8 of 40 tokens
+    sched.run_step()  # 16
+    cancels[2].set()
+    sched.run_step()
+    assert prefilling.finish is FinishReason.CANCELLED and prefilling.new_ids == []
+    # The slot keeps the prefilled part for that session's next turn.
+    _, kept = dec.pool.acquire("b")  # type: ignore[misc]
+    assert kept == list(range(300, 316))
+
+
+def test_deadlines_while_waiting_and_prefilling() -> None:
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(dec, background=False, step_tokens=4)
+    past = sched.submit(request(4, deadline=time.monotonic() - 1))
+    sched.run_step()
+    assert past.finish is FinishReason.TIMEOUT and past.slot == -1
+    slow = sched.submit(request(40, deadline=time.monotonic() + 0.05))
+    sched.run_step()
+    time.sleep(0.06)
+    sched.run_step()
+    assert slow.finish is FinishReason.TIMEOUT and slow.kv_tokens == 4
+
+
+def test_next_turn_prefills_only_what_changed() -> None:
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    first = sched.submit(request(10, max_new=3, cache_key="s"))
+    drain(sched)
+    second = sched.submit(
+        DecodeRequest(
+            ids=first.ids + first.new_ids + [500, 501], max_new_tokens=1, deadline=time.monotonic() + 60,
+            sampling=Greedy(), cache_key="s",
+        )
+    )  # fmt: skip
+    drain(sched)
+    assert second.cached_tokens == 12  # the prompt and the first two reply tokens were in the slot
+    assert dec.events[-1] == ("prefill", [(0, 12, 15)])
+    assert second.new_ids == [502]
+
+
+def test_prefill_error_fails_its_requests_only() -> None:
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    ok = sched.submit(request(4, max_new=10))
+    sched.run_step()
+    dec.fail_prefill = True
+    bad = sched.submit(request(4, first=40, max_new=3))
+    sched.run_step()
+    assert isinstance(bad.error, RuntimeError) and bad.done.is_set()
+    dec.fail_prefill = False
+    drain(sched)
+    assert ok.error is None and ok.new_ids == list(range(5, 15))
+
+
+def test_step_tokens_must_be_positive() -> None:
+    from convo.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        DecodeScheduler(FakeDecoder(), step_tokens=0)

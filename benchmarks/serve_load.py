@@ -17,6 +17,17 @@ Prints one JSON object (hardware, versions, config, results) and writes
 ``serve_load_<engine>.json`` and ``serve_load_<engine>.png`` (latency timeline and
 histogram) under ``--out``.
 
+GPU chat load (issue 11): ``--preset gpu-chat`` with ``--model``, ``--quant``, ``--kv-slots``
+runs the local engine on CUDA: 16 sessions x 8 turns, ~300-token user turns, ``max_tokens``
+32, budget 2,048, every turn streamed through the official ``openai`` client with
+``X-Session-Id``. The JSON then adds ``reply_tokens_per_s``, ``ttft_p50_s`` / ``ttft_p95_s``,
+``turn_latency_p50_s`` / ``turn_latency_p95_s``, the turn latency per turn index, the decode
+step's 16-row tok/s measured in the server process before the load, and (``--baseline-kv-slots-0``)
+the same load with ``--kv-slots 0`` side by side under ``baseline_kv_slots_0``::
+
+    python benchmarks/serve_load.py --preset gpu-chat --model random:llama-2-7b --quant int4 \
+        --kv-slots 16 --baseline-kv-slots-0 --baseline-quant nf4 --out benchmarks/results
+
 Fake engine (seconds):   python benchmarks/serve_load.py --fake --out /tmp/bench
 Real default model, small (CPU, ~1-2 min):
     python benchmarks/serve_load.py --sessions 6 --turns 2 --max-new-tokens 16 \
@@ -47,6 +58,24 @@ WORDS = (
     "new boat and whether the engine would survive another winter on the north coast"
 ).split()
 LENGTHS = {"short": 6, "medium": 80, "long": 400}  # words per user message
+#: Words of a ``--preset gpu-chat`` user turn (~300 tokens with the default tokenizer).
+CHAT_WORDS = 270
+#: The issue-11 GPU chat load.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpu-chat": {
+        "sessions": 16,
+        "turns": 8,
+        "max_new_tokens": 32,
+        "budget": 2048,
+        "stream_fraction": 1.0,
+        "client": "openai",
+        "message_words": CHAT_WORDS,
+        "max_concurrency": 16,
+        "max_queue": 64,
+        "admission_tokens": 65536,
+        "queue_timeout_s": 120.0,
+    }
+}
 
 
 @dataclass
@@ -62,6 +91,8 @@ class Outcome:
     user: str
     reply: str
     error: str = ""
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 # -- the server (child process) ---------------------------------------------------------------
@@ -80,13 +111,25 @@ def child(args: argparse.Namespace) -> None:
     engine: Any
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
+    elif args.model or args.quant or args.kv_slots is not None:
+        from convo.engine import TransformersEngine
+
+        engine = TransformersEngine(
+            args.model, quant=args.quant or "auto", kv_slots=args.kv_slots, slot_tokens=args.budget
+        )
+        name = args.model or "default"
     else:
         from convo.engines.transformers import TransformersEngine
 
         engine, name = TransformersEngine(), "smollm2-135m-instruct"
-    budget = Budget(
-        context_tokens=args.budget, max_new_tokens=args.max_new_tokens, window_turns=4, summary_tokens=0
-    )
+    if args.step_file:
+        Path(args.step_file).write_text(json.dumps(decode_step_rate(engine)))
+    if args.preset:  # a chat server's own budget: summaries on, as `convo serve` runs
+        budget = Budget(context_tokens=args.budget, max_new_tokens=args.max_new_tokens)
+    else:
+        budget = Budget(
+            context_tokens=args.budget, max_new_tokens=args.max_new_tokens, window_turns=4, summary_tokens=0
+        )
     limits = ServerLimits(
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
@@ -95,6 +138,45 @@ def child(args: argparse.Namespace) -> None:
     )
     app = create_app(engine, store=SQLiteStore(args.db), budget=budget, limits=limits, model_name=name)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 64) -> dict[str, Any]:
+    """The decode step's tok/s at ``rows`` rows, through the engine's own scheduler (in the
+    server process, before the load); ``{}`` without static decode."""
+    decoder = getattr(engine, "decoder", None)
+    sched = getattr(engine, "_scheduler", None)
+    if decoder is None or sched is None:
+        return {}
+    import torch
+
+    from convo.engine import GREEDY
+    from convo.fast import DecodeRequest
+
+    rows = min(rows, decoder.pool.slots)
+    vocab = decoder.vocab_size
+
+    def round_(n: int, seed: int) -> tuple[float, int]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(100, vocab - 1, (rows, prompt), generator=g).tolist()
+        reqs = [
+            DecodeRequest(ids=i, max_new_tokens=n, deadline=time.monotonic() + 300, sampling=GREEDY)
+            for i in ids
+        ]
+        for r in reqs:
+            sched.submit(r)
+        for r in reqs:
+            r.done.wait()
+            if r.error is not None:
+                raise r.error
+        start = max(r.first_token_at or 0.0 for r in reqs)
+        end = max(r.finished_at or 0.0 for r in reqs)
+        return end - start, sum(len(r.new_ids) - 1 for r in reqs)
+
+    round_(8, 1)
+    elapsed, tokens = sorted(round_(new, 2 + i) for i in range(3))[1]
+    for key in list(decoder.pool.owners()):
+        decoder.pool.forget(key)
+    return {"rows": rows, "prompt_tokens": prompt, "new_tokens": new, "tok_s": round(tokens / elapsed, 1)}
 
 
 def free_port() -> int:
@@ -156,6 +238,42 @@ async def one_turn(
     return out
 
 
+async def openai_turn(client: Any, sid: str, turn: int, text: str, t0: float, max_tokens: int) -> Outcome:
+    """One streamed turn through the official ``openai`` client, session in ``X-Session-Id``."""
+    import openai
+
+    start = time.monotonic()
+    out = Outcome(sid, turn, "chat", True, 0, start - t0, 0.0, None, text, "")
+    try:
+        stream = await client.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-Id": sid},
+        )
+        out.status = 200
+        parts = []
+        async for chunk in stream:
+            for ch in chunk.choices or []:
+                piece = ch.delta.content if ch.delta else None
+                if piece:
+                    if out.ttft_s is None:
+                        out.ttft_s = time.monotonic() - start
+                    parts.append(piece)
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
+                out.prompt_tokens = chunk.usage.prompt_tokens
+        out.reply = "".join(parts)
+    except openai.APIStatusError as exc:
+        out.status, out.error = exc.status_code, str(exc)[:200]
+    except Exception as exc:  # a transport failure is a result too
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.latency_s = time.monotonic() - start
+    return out
+
+
 async def conversation(
     client: Any, base: str, sid: str, args: argparse.Namespace, rng: random.Random, t0: float, end: float
 ) -> list[Outcome]:
@@ -163,6 +281,11 @@ async def conversation(
     for turn in range(args.turns):
         if time.monotonic() > end:
             break
+        if args.client == "openai":
+            words = " ".join(rng.choice(WORDS) for _ in range(args.message_words))
+            text = f"[{sid} t{turn}] {words}"
+            outcomes.append(await openai_turn(client, sid, turn, text, t0, args.max_new_tokens))
+            continue
         kind = rng.choices(list(LENGTHS), weights=(5, 3, 2))[0]
         stream = rng.random() < args.stream_fraction
         text = message(rng, kind, f"{sid} t{turn}")
@@ -226,8 +349,16 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
         sids = [f"load-{i:03d}-{rng.randrange(1 << 30):x}" for i in range(args.sessions)]
         rngs = [random.Random(rng.random()) for _ in sids]
+        talker: Any = client
+        if args.client == "openai":
+            import openai
+
+            talker = openai.AsyncOpenAI(
+                base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=args.request_timeout_s,
+                http_client=httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits),
+            )  # fmt: skip
         results = await asyncio.gather(
-            *(conversation(client, base, s, args, r, t0, end) for s, r in zip(sids, rngs, strict=True))
+            *(conversation(talker, base, s, args, r, t0, end) for s, r in zip(sids, rngs, strict=True))
         )
         wall = time.monotonic() - t0
         stop.set()
@@ -277,6 +408,20 @@ def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     ttft = [o.ttft_s for o in ok if o.stream and o.ttft_s is not None]
     m = res["metrics"]
     s = res["samples"]
+    reply_tokens = sum(o.completion_tokens or 0 for o in ok)
+    by_turn = {
+        str(t): pct([o.latency_s for o in ok if o.turn == t], 0.5) for t in sorted({o.turn for o in ok})
+    }
+    chat = {
+        "reply_tokens": reply_tokens,
+        "reply_tokens_per_s": round(reply_tokens / res["wall_s"], 1),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p95_s": pct(ttft, 0.95),
+        "turn_latency_p50_s": pct([o.latency_s for o in ok], 0.5),
+        "turn_latency_p95_s": pct([o.latency_s for o in ok], 0.95),
+        "turn_latency_p50_s_by_turn": by_turn,
+        "prompt_tokens_p50": pct([float(o.prompt_tokens) for o in ok if o.prompt_tokens is not None], 0.5),
+    }
     refused_by = {k.split('"')[1]: v for k, v in m.items() if k.startswith("convo_requests_refused_total{")}
     return {
         "requests": len(outs),
@@ -316,6 +461,7 @@ def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
             "peak": s["rss_peak"],
             "growth": s["rss_peak"] - res["rss_idle_bytes"],
         },
+        **chat,
     }
 
 
@@ -390,6 +536,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fake", action="store_true", help="the test engine (no model), with --delay-s per word")
     p.add_argument("--delay-s", type=float, default=0.02, help="fake engine: seconds per word (0.02)")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="a named load (gpu-chat: issue 11)"
+    )
+    p.add_argument(
+        "--model", default=None, help="local engine model (e.g. random:llama-2-7b); default: default"
+    )
+    p.add_argument("--quant", default=None, help="local engine quantization (int4, nf4, bf16, ...)")
+    p.add_argument("--kv-slots", type=int, default=None, help="local engine static KV slots (0 = off)")
+    p.add_argument("--client", choices=("httpx", "openai"), default="httpx", help="client library (httpx)")
+    p.add_argument("--message-words", type=int, default=CHAT_WORDS, help="openai client: words per turn")
+    p.add_argument("--baseline-kv-slots-0", action="store_true", help="also run the load with --kv-slots 0")
+    p.add_argument("--baseline-quant", default=None, help="quant of the --kv-slots 0 run (default: --quant)")
+    p.add_argument("--baseline-duration-s", type=float, default=None, help="--duration-s of the baseline run")
     p.add_argument("--sessions", type=int, default=48, help="concurrent conversations (48)")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation (3)")
     p.add_argument("--stream-fraction", type=float, default=0.5, help="share of streaming requests (0.5)")
@@ -406,6 +565,10 @@ def main() -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--db", default="", help=argparse.SUPPRESS)
+    p.add_argument("--step-file", default="", help=argparse.SUPPRESS)
+    first, _ = p.parse_known_args()
+    if first.preset:  # the preset's values, unless a flag says otherwise
+        p.set_defaults(**PRESETS[first.preset])
     args = p.parse_args()
     if args.child:
         child(args)
@@ -413,46 +576,11 @@ def main() -> int:
     if args.sessions < 1 or args.turns < 1 or args.sessions * args.turns > 5000:
         p.error("--sessions and --turns must be >= 1, at most 5000 requests in all")
 
-    import httpx
-
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="convo-load-")
-    cmd = [sys.executable, __file__, "--child", "--port", str(port), "--db", f"{tmp}/s.db"]
-    for name in (
-        "delay_s",
-        "budget",
-        "max_new_tokens",
-        "max_concurrency",
-        "max_queue",
-        "queue_timeout_s",
-        "admission_tokens",
-    ):
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.fake:
-        cmd.append("--fake")
-    base = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    try:
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - started > 300:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
-        startup_s = time.monotonic() - started
-        res = asyncio.run(run(args, base, proc.pid))
-    finally:
-        proc.terminate()
-        proc.wait(20)
-    results = summarize(args, res)
-    results["server_startup_s"] = round(startup_s, 2)
-    engine = "fake" if args.fake else "smollm2"
-    config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db")}
-    report = {
+    results, res, _ = serve_and_load(args, step=not args.fake)
+    local = bool(args.model or args.quant or args.kv_slots is not None)
+    engine = "fake" if args.fake else (_engine_label(args) if local else "smollm2")
+    config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db", "step_file")}
+    report: dict[str, Any] = {
         "benchmark": "serve_load",
         "engine": engine,
         "hardware": hardware(),
@@ -460,6 +588,24 @@ def main() -> int:
         "config": config,
         "results": results,
     }
+    if args.baseline_kv_slots_0:
+        base_args = argparse.Namespace(**vars(args))
+        base_args.kv_slots = 0
+        base_args.quant = args.baseline_quant or args.quant
+        if args.baseline_duration_s is not None:
+            base_args.duration_s = args.baseline_duration_s
+        base_results, _, base_startup = serve_and_load(base_args, step=False)
+        report["baseline_kv_slots_0"] = {
+            "quant": base_args.quant,
+            "duration_s": base_args.duration_s,
+            "server_startup_s": base_startup,
+            "results": base_results,
+        }
+        keys = ("wall_s", "completed_200", "reply_tokens_per_s", "ttft_p50_s", "ttft_p95_s",
+                "turn_latency_p50_s", "turn_latency_p95_s")  # fmt: skip
+        report["side_by_side"] = {
+            k: {f"kv_slots_{args.kv_slots}": results.get(k), "kv_slots_0": base_results.get(k)} for k in keys
+        }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"serve_load_{engine}.json").write_text(json.dumps(report, indent=2))
@@ -472,6 +618,62 @@ def main() -> int:
     print(json.dumps(report, indent=2))
     ok = results["lost_messages"] == 0 and results["admission_ledger"]["within_budget"]
     return 0 if ok and results["other_errors"] == 0 else 1
+
+
+def _engine_label(args: argparse.Namespace) -> str:
+    model = (args.model or "default").replace("random:", "").replace("/", "_")
+    return f"{model}_{args.quant or 'auto'}_slots{args.kv_slots if args.kv_slots is not None else 'auto'}"
+
+
+def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Start the server process with ``args``, run the load, stop it: (summary, raw, startup s)."""
+    import httpx
+
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="convo-load-")
+    step_file = f"{tmp}/step.json" if step else ""
+    cmd = [sys.executable, __file__, "--child", "--port", str(port), "--db", f"{tmp}/s.db"]
+    for name in (
+        "delay_s",
+        "budget",
+        "max_new_tokens",
+        "max_concurrency",
+        "max_queue",
+        "queue_timeout_s",
+        "admission_tokens",
+    ):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for name in ("model", "quant", "kv_slots", "preset"):
+        if getattr(args, name) is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if step_file:
+        cmd += ["--step-file", step_file]
+    if args.fake:
+        cmd.append("--fake")
+    base = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() - started > 600:
+                raise SystemExit("the server did not start")
+            time.sleep(0.2)
+        startup_s = time.monotonic() - started
+        res = asyncio.run(run(args, base, proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    results = summarize(args, res)
+    results["server_startup_s"] = round(startup_s, 2)
+    if step_file and Path(step_file).is_file():
+        results["decode_step"] = json.loads(Path(step_file).read_text())
+        results["decode_step_16_rows_tok_s"] = results["decode_step"].get("tok_s")
+    return results, res, startup_s
 
 
 if __name__ == "__main__":

@@ -534,10 +534,12 @@ class StaticDecoder:
         raise ConfigError(f"{rows} rows > {self.buckets[-1]}: more rows than slots")
 
     def warmup(self) -> None:
-        """Compile and capture the step for every batch bucket (call before any session
-        uses the pool: warm-up writes position 0 of slot 0)."""
+        """Compile and capture the step for every batch bucket, and run one short prefill
+        (its kernels load before the first request). Call before any session uses the pool:
+        warm-up writes the first positions of slot 0."""
         import torch
 
+        self.prefill_batch([PrefillChunk(slot=0, ids=[0] * 16, start=0, end=16)])
         has_alt = self.layers[0].alt is not None
         if not has_alt or self.int4_kernel == "tinygemm":
             variants = [False]

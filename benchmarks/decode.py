@@ -10,7 +10,7 @@ Paths, side by side in one run, each at every ``--batch`` (concurrent sessions, 
 * ``bf16``: dense weights in the static decoder (fp32 on CPU: ``dense``);
 * ``bf16-stock`` / ``dense-stock``: dense weights through ``generate``.
 
-The static paths run through :class:`convo.decode.DecodeScheduler` (the loop the engine
+The static paths run through :class:`convo.fast.scheduler.DecodeScheduler` (the loop the engine
 uses). Each result is set against the bandwidth bound: measured copy bandwidth over the
 bytes one step reads (every weight once, plus each row's K and V up to its length), times
 the rows. Peak reserved memory per path; predicted vs measured KV pool bytes.

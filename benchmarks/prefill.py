@@ -37,9 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convo.engine import GREEDY
+from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, dequantize_plain_int4
-from convo.memory import Attn, DType, Quant, build_random_model, load_config
+from convo.planner.measure import build_random_model
+from convo.planner.model import Attn, DType, Quant, load_config
 
 #: Share of stock bf16 + SDPA prefill throughput that the int4 and nf4 paths aim for (issue 11).
 TARGET_FRACTION = 0.8

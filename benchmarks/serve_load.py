@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
     elif args.model or args.quant or args.kv_slots is not None:
-        from convo.engine import TransformersEngine
+        from convo.engines.transformers import TransformersEngine
 
         engine = TransformersEngine(
             args.model, quant=args.quant or "auto", kv_slots=args.kv_slots, slot_tokens=args.budget
@@ -149,7 +149,7 @@ def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 
         return {}
     import torch
 
-    from convo.engine import GREEDY
+    from convo.engines.base import GREEDY
     from convo.fast import DecodeRequest
 
     rows = min(rows, decoder.pool.slots)

@@ -103,7 +103,7 @@ _MOVED = {
     **dict.fromkeys(["Passage", "Turn"], "convo.plan"),
     **dict.fromkeys(["SessionState", "Store"], "convo.store"),
     **dict.fromkeys(["ModelSummarizer", "Summarizer"], "convo.summarize"),
-    **dict.fromkeys(["KVSlotPool", "StaticDecoder"], "convo.decode"),
+    **dict.fromkeys(["KVSlotPool", "StaticDecoder"], "convo.fast"),
     "RetryPolicy": "convo.engines.openai",
     "TurnStats": "convo.session",
     "CharCounter": "convo.tokens",

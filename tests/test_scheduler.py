@@ -17,7 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from convo.fast import KVSlotPool, PrefillChunk  # noqa: E402
-from convo.fast.scheduler import DecodeRequest, DecodeScheduler, FinishReason, Priority  # noqa: E402
+from convo.fast.scheduler import (  # noqa: E402
+    DecodeRequest,
+    DecodeScheduler,
+    FinishReason,
+    Priority,
+    decode_priority,
+)
 
 VOCAB = 1000
 
@@ -137,7 +143,9 @@ def test_replies_get_slots_and_prefill_budget_before_background_work() -> None:
 
     dec = FakeDecoder(slots=2)
     sched = DecodeScheduler(dec, background=False, step_tokens=10)
-    summary = sched.submit(request(30, max_new=1, priority=Priority.BACKGROUND))
+    with decode_priority(Priority.BACKGROUND):  # how a summarizer marks its engine calls
+        summary = sched.submit(request(30, max_new=1))
+    assert summary.priority == Priority.BACKGROUND
     reply = sched.submit(request(30, first=50, max_new=1))
     sched.run_step()  # both hold a slot; the budget goes to the reply first
     assert dec.events[0] == ("prefill", [(reply.slot, 0, 10)])

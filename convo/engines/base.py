@@ -41,7 +41,7 @@ class Quant(enum.StrEnum):
     quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
 
     ``INT4`` is the fast 4-bit path: group-wise int4 (group 128) in the tile-packed layout of
-    PyTorch's tinygemm kernels, run by the static decoder (:mod:`convo.decode`), whose
+    PyTorch's tinygemm kernels, run by the static decoder (:mod:`convo.fast`), whose
     compiled, graph-captured step these kernels fit into. The model is loaded dense (bf16
     on CUDA, fp32 on CPU) and quantized at load; it needs ``kv_slots`` > 0 (the default
     for it). On CPU the int4 kernels are slower than fp32: use it there to check quality.
@@ -54,8 +54,6 @@ class Quant(enum.StrEnum):
     FP16 = "fp16"
     FP32 = "fp32"
     INT4 = "int4"
-
-
 
 
 class FinishReason(enum.StrEnum):
@@ -237,7 +235,6 @@ class Engine(Protocol):
     ) -> Generation: ...
 
     def release(self, cache_key: str) -> None: ...
-
 
 
 _END = object()

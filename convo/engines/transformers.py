@@ -44,6 +44,7 @@ from convo.errors import (
     ModelLoadError,
     is_out_of_memory,
 )
+from convo.fast.scheduler import DEFAULT_STEP_TOKENS
 from convo.messages import Message
 from convo.tokens import HFTokenCounter, common_prefix_length
 
@@ -165,10 +166,14 @@ class TransformersEngine:
         timeout_s: default wall-clock limit of one call, prefill included. Default 120 s.
         prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
             clock between chunks (also bounds prefill activation memory). Default 512.
+        step_tokens: static decode: the token budget of one scheduler step (running
+            replies' rows first, then prefill chunks of waiting turns; see
+            :mod:`convo.fast.scheduler`). Default 2,048: a new turn's prefill delays the
+            running replies by at most one such chunk per step.
         max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
             With static decode the slots bound this instead.
         cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
-        kv_slots: static KV slots (:mod:`convo.decode`): the KV memory of ``kv_slots``
+        kv_slots: static KV slots (:mod:`convo.fast`): the KV memory of ``kv_slots``
             sessions of ``slot_tokens`` tokens is taken once at load, every generating
             session holds a slot, and sessions generating at once decode together in one
             graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
@@ -186,7 +191,7 @@ class TransformersEngine:
             default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
             (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
         int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: which int4 kernel
-            the decode step runs (see :class:`~convo.decode.StaticDecoder`). ``auto`` times
+            the decode step runs (see :class:`~convo.fast.decoder.StaticDecoder`). ``auto`` times
             both per batch bucket at load and keeps each bucket's faster one; when buckets
             differ both weight layouts stay (+3.4 GiB for Llama-2-7B): pick one to save it.
         progress: called with a line of text while loading (CLIs show a spinner).
@@ -208,6 +213,7 @@ class TransformersEngine:
         max_input_tokens: int | None = None,
         timeout_s: float = 120.0,
         prefill_chunk_tokens: int = 512,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
         max_cached_sessions: int = 8,
         cache_idle_s: float = 600.0,
         progress: Callable[[str], None] | None = None,
@@ -244,6 +250,9 @@ class TransformersEngine:
             self.quant = Quant.NF4 if self.device.startswith("cuda") else Quant.FP32
         self.timeout_s = timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if step_tokens < 1:
+            raise ConfigError("step_tokens must be >= 1")
+        self.step_tokens = step_tokens
         self.max_cached_sessions = max_cached_sessions
         self.cache_idle_s = cache_idle_s
         self._lock = threading.RLock()
@@ -383,7 +392,7 @@ class TransformersEngine:
         progress: Callable[[str], None] | None,
     ) -> None:
         """Build the static decoder (KV slot pool, captured step) when asked or by default."""
-        from convo.decode import DecodeScheduler, StaticDecoder
+        from convo.fast import DecodeScheduler, StaticDecoder
 
         auto = kv_slots is None
         cuda = self.device.startswith("cuda")
@@ -426,12 +435,13 @@ class TransformersEngine:
         if progress:
             progress("static decode: compiling and capturing the decode step")
         decoder.warmup()
-        self._decoder, self._scheduler = decoder, DecodeScheduler(decoder)
+        self._decoder = decoder
+        self._scheduler = DecodeScheduler(decoder, step_tokens=self.step_tokens)
         self.max_input_tokens = min(self.max_input_tokens, tokens)
 
     @property
     def decoder(self) -> Any:
-        """The :class:`~convo.decode.StaticDecoder` (KV slots), or ``None``."""
+        """The :class:`~convo.fast.decoder.StaticDecoder` (KV slots), or ``None``."""
         return self._decoder
 
     def _model_ids(self, ids: Sequence[int]) -> list[int]:
@@ -708,7 +718,7 @@ class TransformersEngine:
         cancel: threading.Event | None,
     ) -> Generation:
         """Generation through the static decoder: queued for a KV slot, decoded in batch."""
-        from convo.decode import DecodeRequest
+        from convo.fast import DecodeRequest
 
         start = time.monotonic()
         stops = list(stop)
@@ -736,8 +746,8 @@ class TransformersEngine:
             new_ids,
             max_new_tokens,
             stop,
-            cancelled=request.finish == "cancelled",
-            timed_out=request.finish == "timeout",
+            cancelled=request.finish is FinishReason.CANCELLED,
+            timed_out=request.finish is FinishReason.TIMEOUT,
         )
         pool = self._decoder.pool
         per_token = pool.slot_nbytes // pool.slot_tokens

@@ -35,7 +35,13 @@ from convo.fast.decoder import SUPPORTED_MODEL_TYPES, PrefillChunk, StaticDecode
 from convo.fast.int4 import Int4Weight, dequantize_int4, int4_group_size, plain_int4, quantize_int4
 from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
 from convo.fast.kv_pool import KVSlotPool
-from convo.fast.scheduler import DEFAULT_STEP_TOKENS, DecodeRequest, DecodeScheduler, Priority
+from convo.fast.scheduler import (
+    DEFAULT_STEP_TOKENS,
+    DecodeRequest,
+    DecodeScheduler,
+    Priority,
+    decode_priority,
+)
 
 __all__ = [
     "ATTENTION_SPLIT_TOKENS",
@@ -49,6 +55,7 @@ __all__ = [
     "Priority",
     "StaticDecoder",
     "decode_attention",
+    "decode_priority",
     "dequantize_int4",
     "dequantize_plain_int4",
     "int4_group_size",

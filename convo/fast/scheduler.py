@@ -20,21 +20,19 @@ its ``cancel`` event is set, whether it is waiting, prefilling or decoding.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from convo.engines.base import FinishReason
 from convo.errors import ConfigError, DeviceOutOfMemory
 from convo.fast.decoder import PrefillChunk, _empty_cuda_cache
-
-try:  # the layout of issue 13 moves FinishReason to convo.engines.base
-    from convo.engines.base import FinishReason
-except ImportError:  # pragma: no cover - before the move
-    from convo.engine import FinishReason  # type: ignore[no-redef,attr-defined,unused-ignore]
 
 #: Tokens one scheduler step may run by default: the running replies' rows, then prefill
 #: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
@@ -50,6 +48,22 @@ class Priority(enum.IntEnum):
 
 
 _ARRIVALS = itertools.count()
+_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "convo_decode_priority", default=Priority.REPLY
+)
+
+
+@contextlib.contextmanager
+def decode_priority(level: int) -> Iterator[None]:
+    """Requests made inside the block (in this thread or task) get ``level`` as their
+    default :class:`Priority`: wrap background work such as a summary's ``generate`` in
+    ``with decode_priority(Priority.BACKGROUND):`` so replies go first. No engine API
+    changes: the engine builds its :class:`DecodeRequest` in the caller's context."""
+    token = _PRIORITY.set(int(level))
+    try:
+        yield
+    finally:
+        _PRIORITY.reset(token)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -67,6 +81,7 @@ class DecodeRequest:
         on_token: called with each new token id; returning True stops (a stop string).
         cancel: set to stop early (finish ``cancelled``).
         priority: :class:`Priority` (or any int, lower first): replies before summaries.
+            Default: the :func:`decode_priority` in effect (``Priority.REPLY``).
     """
 
     ids: list[int]
@@ -77,7 +92,7 @@ class DecodeRequest:
     cache_key: str | None = None
     on_token: Callable[[int], bool] | None = None
     cancel: threading.Event | None = None
-    priority: int = Priority.REPLY
+    priority: int = field(default_factory=_PRIORITY.get)
     # Filled in by the scheduler.
     new_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0

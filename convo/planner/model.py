@@ -694,6 +694,8 @@ def _weight_bytes_analytic(shape: ModelShape, quant: Quant, dtype: DType, double
         largest_linear_params=max(o * n for o, n in linears) if quant is not Quant.NONE else 0,
         method="analytic",
     )
+
+
 # The CUDA caching allocator: blocks <= 1 MiB come from 2 MiB segments, < 10 MiB from
 # 20 MiB segments, larger ones get their own segment rounded up to 2 MiB. Segments never
 # merge, so a KV tensor that outgrows its segment during decode needs a new one while the
@@ -731,7 +733,6 @@ def kv_generations(bytes_per_token: float, prompt_tokens: int, new_tokens: int) 
             gens += 1
             seg = _segment_bytes(need)
     return gens
-
 
 
 # Prediction
@@ -822,7 +823,7 @@ class MemoryModel:
         return self.shape.kv_bytes_per_token(self.kv_dtype)
 
     def kv_pool_bytes(self, slots: int, slot_tokens: int) -> int:
-        """The static KV slot pool (:class:`convo.decode.KVSlotPool`): ``slots`` caches of
+        """The static KV slot pool (:class:`convo.fast.kv_pool.KVSlotPool`): ``slots`` caches of
         ``slot_tokens`` tokens, taken once at load. Exact: the pool is these bytes (checked
         against ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
         return int(slots * slot_tokens * self.kv_bytes_per_token())
@@ -1061,5 +1062,3 @@ def plan_grid(
         kv_bytes_per_token=mm.kv_bytes_per_token(),
         calibration_source=mm.calibration.source,
     )
-
-

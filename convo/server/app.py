@@ -520,5 +520,3 @@ def create_app(
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app
-
-

@@ -1,0 +1,226 @@
+"""Inter-token latency of running replies while new turns arrive (continuous batching).
+
+``--streams`` replies decode together (300-token prompts, long replies). First alone: the
+steady-state step time (median gap between two tokens of a stream). Then, while they keep
+decoding, a new turn arrives every ``--arrival-ms`` (``--arrival-tokens`` prompt, 32-token
+reply; every fourth one ``--long-tokens`` long), for each ``--step-tokens`` budget. Reports
+the running streams' inter-token gaps during the arrivals (p50, p95, max) against the
+steady step: issue 11 asks p95 <= 3x.
+
+GPU (H200):  python benchmarks/interleave.py --model random:llama-2-7b --out benchmarks/results
+CPU smoke:   python benchmarks/interleave.py --model random:tiny-llama --streams 2 --arrivals 4
+
+Prints one JSON object and writes ``interleave_<device>.json`` and ``.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import itertools
+
+from convo.engines.base import GREEDY
+from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder
+from convo.planner.measure import build_random_model
+from convo.planner.model import Attn, DType, Quant, load_config
+
+#: Issue 11: the running streams' p95 inter-token gap under arrivals, in steady steps.
+TARGET_RATIO = 3.0
+
+
+def log(msg: str) -> None:
+    print(f"[interleave] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))] if values else 0.0
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="random:llama-2-7b on CUDA, random:tiny-llama on CPU")
+    p.add_argument("--weights", default="int4", choices=("int4", "as-loaded"))
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=300)
+    p.add_argument("--arrivals", type=int, default=24)
+    p.add_argument("--arrival-ms", type=float, default=100.0)
+    p.add_argument("--arrival-tokens", type=int, default=300)
+    p.add_argument("--long-tokens", type=int, default=1500)
+    p.add_argument("--step-tokens", default="2048,512", help="budgets to compare (comma list)")
+    p.add_argument("--slot-tokens", type=int, default=2048)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    name = args.model or ("random:llama-2-7b" if gpu else "random:tiny-llama")
+    model = build_random_model(
+        load_config(name),
+        quant=Quant.NONE,
+        dtype=DType.BF16 if gpu else DType.FP32,
+        attn=Attn.SDPA,
+        device=device,
+    )
+    slots = args.streams + 8
+    t = time.perf_counter()
+    dec = StaticDecoder(
+        model, slots=slots, slot_tokens=args.slot_tokens, weights=args.weights, free_dense=True
+    )
+    dec.warmup()
+    log(f"{name} {args.weights}: {slots} slots, warm-up {time.perf_counter() - t:.1f}s")
+    vocab = dec.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+
+    def streams(sched: DecodeScheduler, new: int) -> tuple[list[DecodeRequest], list[list[float]]]:
+        stamps: list[list[float]] = [[] for _ in range(args.streams)]
+        reqs = []
+        for i in range(args.streams):
+            reqs.append(
+                DecodeRequest(
+                    ids=prompt(args.prompt_tokens),
+                    max_new_tokens=new,
+                    deadline=time.monotonic() + 600,
+                    sampling=GREEDY,
+                    on_token=lambda _t, s=stamps[i]: s.append(time.monotonic()) and False,
+                )
+            )
+        for r in reqs:
+            sched.submit(r)
+        return reqs, stamps
+
+    def gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
+        return [b - a for s in stamps for a, b in itertools.pairwise(s) if lo <= a and b <= hi]
+
+    # Steady state: the streams alone (after every one has its first token).
+    sched = DecodeScheduler(dec)
+    reqs, stamps = streams(sched, 128)
+    for r in reqs:
+        r.done.wait()
+    lo = max(s[0] for s in stamps)
+    steady = gaps(stamps, lo, max(s[-1] for s in stamps))
+    steady_ms = 1000 * pct(steady, 0.5)
+    sched.close()
+    log(
+        f"steady step at {args.streams} rows: {steady_ms:.2f} ms "
+        f"({args.streams / steady_ms * 1000:.0f} tok/s)"
+    )
+    runs = []
+    for budget in [int(b) for b in args.step_tokens.split(",")]:
+        sched = DecodeScheduler(dec, step_tokens=budget)
+        reqs, stamps = streams(sched, args.slot_tokens - args.prompt_tokens - 1)
+        while min(len(s) for s in stamps) < 8:
+            time.sleep(0.01)
+        start = time.monotonic()
+        arrivals = []
+        for i in range(args.arrivals):
+            n = args.long_tokens if i % 4 == 3 else args.arrival_tokens
+            arrivals.append(
+                sched.submit(
+                    DecodeRequest(
+                        ids=prompt(n), max_new_tokens=32, deadline=time.monotonic() + 600, sampling=GREEDY
+                    )
+                )
+            )
+            time.sleep(args.arrival_ms / 1000)
+        for a in arrivals:
+            a.done.wait()
+        end = time.monotonic()
+        stop = threading.Event()
+        for r in reqs:
+            r.cancel = stop
+        stop.set()
+        for r in reqs:
+            r.done.wait()
+        sched.close()
+        during = gaps(stamps, start, end)
+        ttft = [a.first_token_at - a.started_at for a in arrivals if a.first_token_at is not None]
+        run = {
+            "step_tokens": budget,
+            "arrivals": len(arrivals),
+            "window_s": round(end - start, 3),
+            "itl_p50_ms": round(1000 * pct(during, 0.5), 3),
+            "itl_p95_ms": round(1000 * pct(during, 0.95), 3),
+            "itl_max_ms": round(1000 * max(during, default=0.0), 3),
+            "itl_p95_vs_steady": round(1000 * pct(during, 0.95) / steady_ms, 2),
+            "arrival_ttft_p50_s": round(pct(ttft, 0.5), 4),
+            "arrival_ttft_p95_s": round(pct(ttft, 0.95), 4),
+            "max_prefill_tokens_between_steps": sched.max_prefill_tokens,
+            "gaps_ms": [round(1000 * x, 3) for x in during[:4000]],
+        }
+        runs.append(run)
+        log(
+            f"budget {budget}: ITL p50 {run['itl_p50_ms']} ms, p95 {run['itl_p95_ms']} ms "
+            f"({run['itl_p95_vs_steady']}x steady), max {run['itl_max_ms']} ms; arrivals' TTFT p50 "
+            f"{run['arrival_ttft_p50_s']} s"
+        )
+    report = {
+        "benchmark": "interleave",
+        "model": name,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "torch": torch.__version__,
+        "weights": args.weights,
+        "streams": args.streams,
+        "prompt_tokens": args.prompt_tokens,
+        "arrival_ms": args.arrival_ms,
+        "arrival_tokens": args.arrival_tokens,
+        "long_tokens": args.long_tokens,
+        "kernel_choice": dict(dec.kernel_choice) or None,
+        "steady_step_ms": round(steady_ms, 3),
+        "steady_tok_s": round(args.streams / steady_ms * 1000, 1),
+        "target_p95_ratio": TARGET_RATIO,
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"interleave_{'h200' if gpu and 'H200' in (report['gpu'] or '') else device}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / f"{stem}.png")
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    print(json.dumps([{k: v for k, v in r.items() if k != "gaps_ms"} for r in runs], indent=2))
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for run in report["runs"]:
+        gaps = sorted(run["gaps_ms"])
+        if gaps:
+            ax.plot(
+                gaps, [i / len(gaps) for i in range(len(gaps))], label=f"step budget {run['step_tokens']}"
+            )
+    ax.axvline(report["steady_step_ms"], color="k", ls=":", label="steady step")
+    ax.axvline(TARGET_RATIO * report["steady_step_ms"], color="tab:red", ls="--", label="3x steady step")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token gap of running replies while turns arrive (ms)")
+    ax.set_ylabel("fraction of gaps")
+    ax.set_title(
+        f"{report['streams']} streams, {report['model']} {report['weights']} on {report['gpu'] or 'cpu'}"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -225,3 +225,12 @@ def test_step_tokens_must_be_positive() -> None:
 
     with pytest.raises(ConfigError):
         DecodeScheduler(FakeDecoder(), step_tokens=0)
+
+
+def test_engine_refuses_a_step_budget_below_one_before_loading() -> None:
+    pytest.importorskip("transformers")
+    from convo.engines.transformers import TransformersEngine
+    from convo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="step_tokens"):
+        TransformersEngine(step_tokens=0)

@@ -56,6 +56,8 @@ class Quant(enum.StrEnum):
     INT4 = "int4"
 
 
+
+
 class FinishReason(enum.StrEnum):
     """Why generation stopped."""
 
@@ -235,6 +237,7 @@ class Engine(Protocol):
     ) -> Generation: ...
 
     def release(self, cache_key: str) -> None: ...
+
 
 
 _END = object()

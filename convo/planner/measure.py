@@ -269,3 +269,5 @@ def _device_info() -> dict[str, Any]:
     except ImportError:
         info["device"] = "cpu"
     return info
+
+

@@ -694,8 +694,6 @@ def _weight_bytes_analytic(shape: ModelShape, quant: Quant, dtype: DType, double
         largest_linear_params=max(o * n for o, n in linears) if quant is not Quant.NONE else 0,
         method="analytic",
     )
-
-
 # The CUDA caching allocator: blocks <= 1 MiB come from 2 MiB segments, < 10 MiB from
 # 20 MiB segments, larger ones get their own segment rounded up to 2 MiB. Segments never
 # merge, so a KV tensor that outgrows its segment during decode needs a new one while the
@@ -733,6 +731,7 @@ def kv_generations(bytes_per_token: float, prompt_tokens: int, new_tokens: int) 
             gens += 1
             seg = _segment_bytes(need)
     return gens
+
 
 
 # Prediction
@@ -1062,3 +1061,5 @@ def plan_grid(
         kv_bytes_per_token=mm.kv_bytes_per_token(),
         calibration_source=mm.calibration.source,
     )
+
+

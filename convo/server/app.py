@@ -520,3 +520,5 @@ def create_app(
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app
+
+

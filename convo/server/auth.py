@@ -10,3 +10,5 @@ def key_owner(api_key: str | None) -> str:
     if not api_key:
         return ""
     return hashlib.sha256(b"convo-owner:" + api_key.encode()).hexdigest()[:32]
+
+

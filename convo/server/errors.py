@@ -72,3 +72,5 @@ def error_status(exc: BaseException) -> ApiError:
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
             return ApiError(status, str(exc), type=type_, code=code, headers=headers)
     return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+

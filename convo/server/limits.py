@@ -57,3 +57,5 @@ class ServerLimits:
                 raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:
             raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
+
+

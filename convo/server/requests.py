@@ -18,6 +18,8 @@ from convo.server.limits import ServerLimits
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """A parsed, validated ``/v1/chat/completions`` body."""
@@ -146,3 +148,5 @@ def parse_chat_request(
         session_id=session_id,
         sampling=sampling,
     )
+
+

@@ -208,11 +208,14 @@ async def one_turn(
             r = await client.post(f"{base}/v1/chat/completions", json=body)
             out.status = r.status_code
             if r.status_code == 200:
-                out.reply = r.json()["choices"][0]["message"]["content"]
+                data = r.json()
+                out.reply = data["choices"][0]["message"]["content"]
+                out.completion_tokens = (data.get("usage") or {}).get("completion_tokens")
             else:
                 out.error = r.text[:200]
         else:
             body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
             async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
                 out.status = r.status_code
                 if r.status_code != 200:
@@ -225,6 +228,8 @@ async def one_turn(
                         event = json.loads(line[6:])
                         if "error" in event:
                             out.error = str(event["error"])[:200]
+                        if event.get("usage"):
+                            out.completion_tokens = event["usage"].get("completion_tokens")
                         for ch in event.get("choices") or []:
                             piece = (ch.get("delta") or {}).get("content")
                             if piece:

@@ -239,3 +239,187 @@ def test_import_convo_memory_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- one Quant enum ------------------------------------------------------------------------------
+
+
+def test_one_quant_enum_with_the_old_spellings() -> None:
+    import convo
+    import convo.planner
+    from convo.engines.base import Quant as EngineQuant
+
+    assert convo.planner.Quant is EngineQuant is Quant is convo.Quant
+    assert Quant.parse(None) is Quant.parse("") is Quant.parse("none") is Quant.NONE
+    assert Quant.parse("bfloat16") is Quant.parse("BF16") is Quant.BF16
+    assert Quant.parse("torch.float32") is Quant.FP32 and Quant.parse("NF4") is Quant.NF4
+    with pytest.raises(ConfigError, match="unknown weight format"):
+        Quant.parse("q5_k")
+    assert [q for q in Quant if q.is_dense] == [Quant.BF16, Quant.FP16, Quant.FP32, Quant.NONE]
+    assert {q for q in Quant if q.is_bitsandbytes} == {Quant.NF4, Quant.FP4, Quant.INT8}
+    assert Quant.INT4.bits_per_weight == 4 and Quant.INT8.bits_per_weight == 8
+    assert Quant.AUTO.bits_per_weight is None and Quant.BF16.dense_dtype == "bf16"
+    assert Quant.AUTO.resolved(cuda=True) is Quant.NF4 and Quant.AUTO.resolved(cuda=False) is Quant.FP32
+
+
+def test_dense_formats_price_as_none_in_their_dtype() -> None:
+    none = MemoryModel.from_model("random:llama-2-7b", quant="none", calibration=None)
+    bf16 = MemoryModel.from_model("random:llama-2-7b", quant="bf16")
+    fp32 = MemoryModel.from_model("random:llama-2-7b", quant="fp32")
+    assert none.quant is bf16.quant is fp32.quant is Quant.NONE
+    assert bf16.weights == none.weights
+    assert fp32.weights.total_bytes == pytest.approx(2 * bf16.weights.total_bytes, rel=1e-4)
+    auto = MemoryModel.from_model("random:llama-2-7b", quant="auto")  # convo serve's choice on CUDA
+    assert auto.quant is Quant.NF4
+
+
+# -- int4, priced against a real quantization -------------------------------------------------------
+
+
+def _decoder_module() -> object:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib
+
+    for name in ("convo.fast", "convo.decode"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise AssertionError("no int4 decoder module")
+
+
+@pytest.mark.parametrize(("model_type", "group_size"), [("llama", 32), ("llama", 128), ("qwen2", 64)])
+def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size: int) -> None:
+    """The static decoder quantizes a random model on CPU (dense copies freed); the planner
+    prices the same bytes: packed int4 + scales/zeros per group + what stays dense."""
+    fast = _decoder_module()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {
+        "model_type": model_type,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": model_type == "llama",
+    }
+    cfg = dict(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32
+    ).eval()
+    decoder = fast.StaticDecoder(  # type: ignore[attr-defined]
+        model, slots=1, slot_tokens=16, weights="int4", group_size=group_size, free_dense=True
+    )
+    assert decoder.quantized
+    int4 = [t for layer in decoder.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    real_int4 = fast.tensor_nbytes(*int4)  # type: ignore[attr-defined]
+    real_total = fast.tensor_nbytes(model, *int4)  # type: ignore[attr-defined]
+    for method in ("meta", "analytic"):
+        report = weight_bytes(config, "int4", "fp32", method=method, group_size=group_size)
+        if method == "analytic" and model_type == "qwen2":
+            continue  # the analytic count knows no biases
+        assert report.quantized_bytes == pytest.approx(real_int4, rel=0.01), method
+        assert report.total_bytes == pytest.approx(real_total, rel=0.01), method
+        dense = weight_bytes(config, "none", "fp32", method=method)
+        assert report.loaded_bytes == dense.total_bytes  # loaded dense, then quantized
+        assert report.load_peak_bytes > report.loaded_bytes
+
+
+def test_int4_needs_a_static_decoder_architecture() -> None:
+    cfg = {**BUILTIN_CONFIGS["default"], "model_type": "gpt2"}
+    with pytest.raises(ConfigError, match="static decoder"):
+        weight_bytes(cfg, "int4", method="analytic")
+
+
+def test_int4_llama2_7b_is_about_a_quarter_of_bf16() -> None:
+    int4 = MemoryModel.from_model("random:llama-2-7b", quant="int4").weights
+    bf16 = MemoryModel.from_model("random:llama-2-7b", quant="bf16").weights
+    # group 32: 4 bits + a bf16 scale and zero per 32 weights = 5 bits per linear weight
+    assert int4.quantized_bytes * 8 / int4.quantized_params == pytest.approx(5.0, rel=0.001)
+    assert int4.loaded_bytes == bf16.total_bytes
+    assert int4.total_bytes < 0.35 * bf16.total_bytes
+
+
+# -- convo plan: a unit for --gpu-memory, the GPU's own memory, headroom, slots ------------------
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
+    assert run_plan_cli(_args(*argv, "--calibration", "none", "--json")) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_gpu_memory_without_a_unit_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_plan_cli(_args("--gpu-memory", "24")) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory" in err and "no unit" in err and "24GiB" in err
+    assert parse_size("512B", unit_required=True) == 512
+    with pytest.raises(ConfigError, match="no unit"):
+        parse_size("80", unit_required=True)
+
+
+def test_gpu_memory_defaults_to_the_gpu_or_says_none_is_visible(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import convo.cli.plan as plan_cli
+
+    monkeypatch.setattr(plan_cli, "cuda_device_memory", lambda: None)
+    out = _plan_json(capsys, "--model", "random:llama-2-7b")
+    assert out["memory_bytes"] == 24 * GiB and "no GPU visible" in out["memory_source"]
+    fake = plan_cli.DeviceMemory(total_bytes=80 * GiB, source="Fake GPU (CUDA device 0)", free_bytes=GiB)
+    monkeypatch.setattr(plan_cli, "cuda_device_memory", lambda: fake)
+    out = _plan_json(capsys, "--model", "random:llama-2-7b")
+    assert out["memory_bytes"] == 80 * GiB and out["memory_free_bytes"] == GiB
+    assert run_plan_cli(_args("--model", "random:llama-2-7b", "--calibration", "none")) == 0
+    assert "memory 80.00 GiB (Fake GPU (CUDA device 0))" in capsys.readouterr().out
+    out = _plan_json(capsys, "--model", "random:llama-2-7b", "--gpu-memory", "40GiB")
+    assert out["memory_bytes"] == 40 * GiB and out["memory_source"] == "--gpu-memory"
+
+
+def test_headroom_is_memory_minus_the_reserved_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _plan_json(capsys, "--model", "random:llama-2-7b", "--quant", "nf4", "--gpu-memory", "24GiB")
+    for cell in out["cells"]:
+        assert cell["headroom_bytes"] == 24 * GiB - cell["peak_reserved_bytes"]
+        assert cell["safe"] == (cell["headroom_bytes"] >= 0)
+    assert any(c["headroom_bytes"] < 0 for c in out["cells"])
+    assert run_plan_cli(_args("--model", "random:llama-2-7b", "--gpu-memory", "24GiB")) == 0
+    assert "headroom" in capsys.readouterr().out
+
+
+def test_kv_slots_price_the_pool_and_queue_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _plan_json(
+        capsys,
+        "--model", "random:llama-2-7b", "--quant", "nf4", "--gpu-memory", "80GB",
+        "--kv-slots", "4", "--context", "1024,4096", "--concurrency", "1,4,16",
+    )  # fmt: skip
+    mm = MemoryModel.from_model("random:llama-2-7b", quant="nf4")
+    assert out["kv_slots"] == 4
+    by_cell = {(c["context"], c["concurrency"]): c for c in out["cells"]}
+    for (ctx, conc), cell in by_cell.items():
+        assert cell["kv_bytes"] == mm.kv_pool_bytes(4, ctx)  # the pool, whatever the concurrency
+        assert cell["kv_slots"] == 4 and cell["phase"] == "slots"
+        assert (cell["running"], cell["queued"]) == (min(conc, 4), max(conc - 4, 0))
+        assert cell["peak_reserved_bytes"] == by_cell[(ctx, 1)]["peak_reserved_bytes"]
+    assert out["max_safe_concurrency"] == {"1024": 4, "4096": 4}  # 16 requests: 4 run, 12 queue
+
+
+def test_plan_int4_uses_the_engines_slots_and_its_load_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    mm = MemoryModel.from_model("random:llama-2-7b", quant="int4")
+    out = _plan_json(capsys, "--model", "random:llama-2-7b", "--quant", "int4", "--gpu-memory", "24GiB")
+    assert out["quant"] == "int4" and out["kv_slots"] == "auto"
+    assert out["weights_bytes"] == mm.weights.total_bytes and out["load_peak_bytes"] > 12 * GiB
+    for cell in out["cells"]:
+        assert cell["kv_slots"] == mm.auto_kv_slots(24 * GiB, cell["context"]) >= 1
+        assert cell["kv_bytes"] == mm.kv_pool_bytes(cell["kv_slots"], cell["context"])
+    assert [c["kv_slots"] for c in out["cells"] if c["concurrency"] == 1] == [8, 2, 1]
+    # 12 GiB hold the int4 weights but not the dense load before quantizing: every cell is NO.
+    out = _plan_json(capsys, "--model", "random:llama-2-7b", "--quant", "int4", "--gpu-memory", "12GiB")
+    assert not any(c["safe"] for c in out["cells"])
+    small = ("--model", "random:llama-2-7b", "--quant", "int4", "--gpu-memory", "12GiB")
+    assert run_plan_cli(_args(*small)) == 0
+    assert "does NOT fit" in capsys.readouterr().out

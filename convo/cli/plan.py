@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
 from convo.errors import ConfigError, require
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
 from convo.planner.measure import (
@@ -23,6 +25,7 @@ from convo.planner.measure import (
 from convo.planner.model import (
     BUILTIN_CONFIGS,
     Attn,
+    CellPrediction,
     GiB,
     MemoryModel,
     Plan,
@@ -33,7 +36,11 @@ from convo.planner.model import (
     load_config,
     parse_size,
     plan_grid,
+    planned_quant,
 )
+
+#: What ``convo plan`` plans against when no ``--gpu-memory`` is given and no GPU is visible.
+DEFAULT_PLAN_MEMORY = "24GiB"
 
 # --------------------------------------------------------------------------------------
 # CLI: convo plan
@@ -55,10 +62,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight (batch rows)"
     )
     parser.add_argument(
-        "--gpu-memory", default="24GiB", help="device memory to plan against: 24GiB, 80GB, 24000MiB"
+        "--gpu-memory",
+        default=None,
+        help="device memory to plan against, with a unit: 24GiB, 80GB, 24000MiB (default: the total "
+        f"memory of CUDA device 0 when one is visible, else {DEFAULT_PLAN_MEMORY})",
     )
     parser.add_argument(
-        "--quant", default="none", choices=[q.value for q in Quant], help="bitsandbytes weight quantization"
+        "--quant",
+        default="none",
+        choices=[q.value for q in Quant],
+        help="weight format: none/bf16/fp16/fp32 (dense), nf4/fp4/int8 (bitsandbytes), int4 (the "
+        "fast path of convo serve --quant int4: group-wise int4, static KV slots), auto (= nf4, "
+        "what convo serve picks on CUDA)",
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=positive_int,
+        default=None,
+        help="plan convo serve's static KV slot pool: N slots of each cell's context tokens, taken "
+        "at load; requests beyond N queue instead of taking memory (default: none, i.e. "
+        "transformers' generate with one growing cache per request; with --quant int4: as the "
+        f"engine takes them, up to {DEFAULT_KV_SLOTS} as the memory allows). convo serve uses slots "
+        "by default on CUDA",
     )
     parser.add_argument(
         "--dtype", default=None, help="dtype of unquantized weights and activations (default: config's)"
@@ -92,8 +117,63 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """The memory ``convo plan`` plans against and where that number comes from."""
+
+    total_bytes: int
+    source: str  # e.g. "--gpu-memory", "NVIDIA H200 (CUDA device 0)", "default: no GPU visible"
+    free_bytes: int | None = None  # free on the device now (CUDA only)
+
+
+def cuda_device_memory() -> DeviceMemory | None:
+    """Total and free memory of CUDA device 0, or ``None`` when no GPU is visible (or
+    torch is not installed). Imports torch only when it is installed."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(0)
+    name = torch.cuda.get_device_name(0)
+    return DeviceMemory(total_bytes=int(total), source=f"{name} (CUDA device 0)", free_bytes=int(free))
+
+
+def plan_memory(flag: str | None) -> DeviceMemory:
+    """``--gpu-memory`` (a unit is required), else the GPU's total memory, else
+    :data:`DEFAULT_PLAN_MEMORY`.
+
+    Raises:
+        ConfigError: a size without a unit or otherwise unparseable.
+    """
+    if flag is not None:
+        try:
+            return DeviceMemory(total_bytes=parse_size(flag, unit_required=True), source="--gpu-memory")
+        except ConfigError as exc:
+            raise ConfigError(f"--gpu-memory: {exc}") from None
+    found = cuda_device_memory()
+    if found is not None:
+        return found
+    return DeviceMemory(
+        total_bytes=parse_size(DEFAULT_PLAN_MEMORY),
+        source=f"default {DEFAULT_PLAN_MEMORY}: no GPU visible, pass --gpu-memory",
+    )
+
+
 def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
-    quant = Quant.parse(args.quant)
+    quant = planned_quant(args.quant, None)[0]
     attn = Attn.parse(args.attn)
     cal: Calibration | None = None
     source = str(getattr(args, "calibration", "auto") or "auto")
@@ -115,10 +195,17 @@ def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
 
 
 def plan_to_json(plan: Plan, mm: MemoryModel, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``--json`` object (field names are a contract)."""
+    """The ``--json`` object (field names are a contract; new ones are only added).
+
+    Each cell carries ``headroom_bytes`` (memory minus the reserved peak; negative: over),
+    ``kv_slots``, ``running`` and ``queued``; the plan ``kv_slots`` and
+    ``load_peak_bytes`` (int4: the dense model before quantizing).
+    """
     return {
         "model": plan.model,
         "memory_bytes": plan.memory_bytes,
+        "kv_slots": plan.kv_slots,
+        "load_peak_bytes": plan.load_peak_bytes,
         "weights_bytes": plan.weights_bytes,
         "weights_method": mm.weights.method,
         "kv_bytes_per_token": plan.kv_bytes_per_token,
@@ -138,25 +225,64 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
-def render_plan_table(plan: Plan, measured: Mapping[tuple[int, int], MeasuredCell] | None = None) -> str:
+def _signed_gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:+.2f}"
+
+
+def _safe_mark(c: CellPrediction) -> str:
+    if not c.safe:
+        return "NO"
+    return f"yes, {c.queued} queue" if c.queued else "yes"
+
+
+def render_plan_table(
+    plan: Plan,
+    measured: Mapping[tuple[int, int], MeasuredCell] | None = None,
+    *,
+    memory_source: str | None = None,
+    quant: str | None = None,
+) -> str:
     """The human table of ``convo plan`` (GiB)."""
-    head = (
-        f"{'context':>8} {'conc':>5} {'weights':>8} {'kv':>8} {'act':>7} {'alloc':>8} {'reserved':>9}  safe"
-    )
+    slots = plan.kv_slots is not None
+    head = f"{'context':>8} {'conc':>5}" + (f" {'slots':>5}" if slots else "")
+    head += f" {'weights':>8} {'kv':>8} {'act':>7} {'alloc':>8} {'reserved':>9}"
+    head += f" {'headroom':>9}  safe"
     if measured:
         head += f" {'m.alloc':>8} {'m.resv':>8} {'err%':>6}"
+    memory = format_size(plan.memory_bytes) + (f" ({memory_source})" if memory_source else "")
     lines = [
-        f"model {plan.model}: weights {format_size(plan.weights_bytes)}, "
-        f"KV {plan.kv_bytes_per_token:,} B/token, memory {format_size(plan.memory_bytes)}, "
+        f"model {plan.model}{f' ({quant})' if quant else ''}: weights {format_size(plan.weights_bytes)}, "
+        f"KV {plan.kv_bytes_per_token:,} B/token, memory {memory}, "
         f"calibration: {plan.calibration_source}",
-        "sizes in GiB; alloc/reserved are predicted peaks including weights",
+    ]
+    if plan.load_peak_bytes > plan.weights_bytes:
+        fits = "fits" if plan.load_peak_bytes <= plan.memory_bytes else "does NOT fit: every cell is NO"
+        lines.append(
+            f"loading takes {format_size(plan.load_peak_bytes)} at its peak (the dense model "
+            f"before it is quantized): {fits}"
+        )
+    if plan.kv_slots == "auto":
+        lines.append(
+            f"static KV slots as convo serve takes them: up to {DEFAULT_KV_SLOTS} slots of <context> "
+            f"tokens, as many as {AUTO_SLOTS_MEMORY_FRACTION:.0%} of the memory left after loading "
+            "holds (column 'slots'); kv = the pool, whatever the concurrency; more requests queue"
+        )
+    elif slots:
+        lines.append(
+            f"static KV slots: {plan.kv_slots} slots of <context> tokens, taken at load (kv = the "
+            f"pool, whatever the concurrency); requests beyond {plan.kv_slots} queue for a slot"
+        )
+    lines += [
+        "sizes in GiB; alloc/reserved are predicted peaks including weights; "
+        "headroom = memory - reserved (negative: over)",
         head,
     ]
     for c in plan.cells:
-        row = (
-            f"{c.context:>8} {c.concurrency:>5} {_gib(c.weights_bytes):>8} {_gib(c.kv_bytes):>8} "
+        row = f"{c.context:>8} {c.concurrency:>5}" + (f" {c.kv_slots:>5}" if slots else "")
+        row += (
+            f" {_gib(c.weights_bytes):>8} {_gib(c.kv_bytes):>8} "
             f"{_gib(c.activation_bytes):>7} {_gib(c.peak_allocated_bytes):>8} "
-            f"{_gib(c.peak_reserved_bytes):>9}  {'yes' if c.safe else 'NO ':<4}"
+            f"{_gib(c.peak_reserved_bytes):>9} {_signed_gib(c.headroom_bytes):>9}  {_safe_mark(c):<4}"
         )
         if measured:
             m = measured.get((c.context, c.concurrency))
@@ -173,7 +299,8 @@ def render_plan_table(plan: Plan, measured: Mapping[tuple[int, int], MeasuredCel
                 row += f" {_gib(m.peak_allocated_bytes):>8} {_gib(m.peak_reserved_bytes):>8} {err:>+6.1f}"
         lines.append(row)
     lines.append(
-        "largest safe concurrency per context: "
+        ("largest safe concurrency per context (running at once; more queue): " if slots else
+         "largest safe concurrency per context: ")
         + ", ".join(f"{k}: {v}" for k, v in plan.max_safe_concurrency().items())
     )
     lines.append(
@@ -192,12 +319,20 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     try:
         contexts = _parse_int_list(str(args.context), "context")
         concs = _parse_int_list(str(args.concurrency), "concurrency")
-        memory = parse_size(args.gpu_memory)
+        device = plan_memory(args.gpu_memory)
+        memory = device.total_bytes
         measure = bool(getattr(args, "measure", False))
         new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (16 if measure else 256)
         if new_tokens < 0:
             raise ConfigError("--max-new-tokens must be >= 0")
         mm, _ = _build_memory_model(args)
+        kv_slots: int | str | None = getattr(args, "kv_slots", None)
+        if kv_slots is None and mm.quant is Quant.INT4:
+            kv_slots = "auto"  # int4 runs only on the static decoder: the engine's default slots
+        if kv_slots is not None and mm.kv_dtype is not mm.compute_dtype:
+            raise ConfigError("--kv-dtype: the KV slot pool is in the model's dtype (--dtype)")
+        if measure and kv_slots is not None:
+            raise ConfigError("--measure runs transformers' generate: not with --kv-slots or --quant int4")
     except ConfigError as exc:
         print(f"convo plan: {exc}", file=sys.stderr)
         return 2
@@ -209,13 +344,26 @@ def run_plan_cli(args: argparse.Namespace) -> int:
             concurrencies=concs,
             memory_bytes=memory,
             new_tokens=new_tokens,
+            kv_slots=kv_slots,
         )
         if args.json:
-            print(json.dumps(plan_to_json(plan, mm), indent=2))
+            print(json.dumps(plan_to_json(plan, mm, _memory_json(device)), indent=2))
         else:
-            print(render_plan_table(plan))
+            print(render_plan_table(plan, memory_source=device.source, quant=_quant_label(mm, args.quant)))
         return 0
-    return _run_measure(args, mm, contexts, concs, memory, new_tokens)
+    return _run_measure(args, mm, contexts, concs, device, new_tokens)
+
+
+def _quant_label(mm: MemoryModel, asked: str) -> str:
+    if mm.quant is Quant.NONE:
+        return f"dense {mm.compute_dtype.value}"
+    group = f", groups of {mm.int4_group_size}" if mm.quant is Quant.INT4 else ""
+    auto = " (auto)" if Quant.parse(asked) is Quant.AUTO else ""
+    return f"{mm.quant.value}{auto}{group}"
+
+
+def _memory_json(device: DeviceMemory) -> dict[str, Any]:
+    return {"memory_source": device.source, "memory_free_bytes": device.free_bytes}
 
 
 def _run_measure(
@@ -223,7 +371,7 @@ def _run_measure(
     mm: MemoryModel,
     contexts: list[int],
     concs: list[int],
-    memory: int,
+    device: DeviceMemory,
     new_tokens: int,
 ) -> int:
     require("torch", "local")
@@ -241,6 +389,7 @@ def _run_measure(
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    memory = device.total_bytes
     device_memory = int(torch.cuda.get_device_properties(0).total_memory)
     t0 = time.perf_counter()
     model = build_random_model(load_config(args.model), quant=mm.quant, dtype=mm.compute_dtype, attn=mm.attn)
@@ -313,11 +462,13 @@ def _run_measure(
             "weights_allocated_bytes": w_alloc,
             "calibration_written": str(path),
             "refit": cal.to_json(),
+            **_memory_json(device),
         },
     )
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(render_plan_table(plan, measured))
+        label = _quant_label(mm, args.quant)
+        print(render_plan_table(plan, measured, memory_source=device.source, quant=label))
         print(f"calibration written to {path}")
     return 0

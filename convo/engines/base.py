@@ -30,21 +30,29 @@ from convo.tokens import TokenCounter
 
 
 class Quant(enum.StrEnum):
-    """Weight format.
+    """Weight format, one enum for the engines and the memory planner.
 
-    ``AUTO`` (the default) is ``NF4`` on CUDA, where weights compete with the KV cache for
-    memory, and ``FP32`` on CPU, where host memory is rarely the limit and both
+    ``AUTO`` (the engine's default) is ``NF4`` on CUDA, where weights compete with the KV
+    cache for memory, and ``FP32`` on CPU, where host memory is rarely the limit and both
     bitsandbytes' 4-bit kernels and bf16 matrix products run several times slower than
     fp32 on CPUs without bf16 matrix units (measured on the CI machine: SmolLM2-135M
     prefill of 1,000 tokens 11.5 s fp32 vs 31.7 s bf16; a decode step 0.27 s vs 1.9 s).
     Ask for ``NF4`` to get 4-bit on CPU. ``NF4`` is bitsandbytes NormalFloat-4 with double
     quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
+    ``FP4`` is bitsandbytes' other 4-bit type (the planner prices it; the engine loads nf4).
 
-    ``INT4`` is the fast 4-bit path: group-wise int4 (group 128) in the tile-packed layout of
-    PyTorch's tinygemm kernels, run by the static decoder (:mod:`convo.fast`), whose
-    compiled, graph-captured step these kernels fit into. The model is loaded dense (bf16
-    on CUDA, fp32 on CPU) and quantized at load; it needs ``kv_slots`` > 0 (the default
-    for it). On CPU the int4 kernels are slower than fp32: use it there to check quality.
+    ``INT4`` is the fast 4-bit path: group-wise int4 (group :data:`INT4_GROUP_SIZE`) in the
+    tile-packed layout of PyTorch's tinygemm kernels, run by the static decoder
+    (:mod:`convo.fast`), whose compiled, graph-captured step these kernels fit into. The
+    model is loaded dense (bf16 on CUDA, fp32 on CPU) and quantized at load; it needs
+    ``kv_slots`` > 0 (the default for it). On CPU the int4 kernels are slower than fp32:
+    use it there to check quality.
+
+    ``NONE`` is no quantization: dense weights in the checkpoint's own dtype on the planner
+    (the ``convo plan`` default), bf16 on CUDA and fp32 on CPU in the engine. ``BF16``,
+    ``FP16`` and ``FP32`` are dense in that dtype.
+
+    :meth:`parse` also takes ``None``, any case and torch spellings (``"bfloat16"``).
     """
 
     AUTO = "auto"
@@ -54,8 +62,79 @@ class Quant(enum.StrEnum):
     FP16 = "fp16"
     FP32 = "fp32"
     INT4 = "int4"
+    NONE = "none"
+    FP4 = "fp4"
+
+    @classmethod
+    def parse(cls, value: str | Quant | None) -> Quant:
+        """``None``/``""`` -> ``NONE``; ``"NF4"``, ``"bfloat16"``, ``"float32"``... accepted.
+
+        Raises:
+            ConfigError: unknown format.
+        """
+        if isinstance(value, Quant):
+            return value
+        key = "" if value is None else str(value).strip().lower().removeprefix("torch.")
+        key = _QUANT_ALIASES.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            raise ConfigError(
+                f"unknown weight format {value!r}; use one of {[q.value for q in cls]}"
+            ) from None
+
+    def resolved(self, *, cuda: bool) -> Quant:
+        """``AUTO`` made concrete for the device (``NF4`` on CUDA, ``FP32`` elsewhere);
+        any other format as it is."""
+        if self is Quant.AUTO:
+            return Quant.NF4 if cuda else Quant.FP32
+        return self
+
+    @property
+    def is_dense(self) -> bool:
+        """No quantization: ``NONE``, ``BF16``, ``FP16``, ``FP32``."""
+        return self in (Quant.NONE, Quant.BF16, Quant.FP16, Quant.FP32)
+
+    @property
+    def is_bitsandbytes(self) -> bool:
+        """Quantized by bitsandbytes at load (``NF4``, ``FP4``, ``INT8``): the engine runs
+        these through transformers' ``generate`` or calls the modules as loaded."""
+        return self in (Quant.NF4, Quant.FP4, Quant.INT8)
+
+    @property
+    def dense_dtype(self) -> str | None:
+        """``"bf16"``/``"fp16"``/``"fp32"`` for those dense formats, else ``None``."""
+        return self.value if self in (Quant.BF16, Quant.FP16, Quant.FP32) else None
+
+    @property
+    def bits_per_weight(self) -> int | None:
+        """Nominal storage bits of a quantized ``nn.Linear`` weight, before per-block
+        scales (4 or 8; 16/32 for dense dtypes), or ``None`` (``AUTO``, ``NONE``: it
+        depends). The exact bytes come from :func:`convo.planner.model.weight_bytes`."""
+        return _QUANT_BITS.get(self)
 
 
+_QUANT_ALIASES = {
+    "": "none",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+}
+_QUANT_BITS = {
+    Quant.NF4: 4,
+    Quant.FP4: 4,
+    Quant.INT4: 4,
+    Quant.INT8: 8,
+    Quant.BF16: 16,
+    Quant.FP16: 16,
+    Quant.FP32: 32,
+}
+
+#: Input features per int4 scale/zero pair that :class:`~convo.engines.transformers.TransformersEngine`
+#: (and so ``convo serve --quant int4``) uses by default; ``convo plan --quant int4`` prices it.
+INT4_GROUP_SIZE = 32
 
 
 class FinishReason(enum.StrEnum):

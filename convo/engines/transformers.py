@@ -34,7 +34,16 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Quant, Sampling, TextStream
+from convo.engines.base import (
+    GREEDY,
+    INT4_GROUP_SIZE,
+    FinishReason,
+    Generation,
+    GenerationStats,
+    Quant,
+    Sampling,
+    TextStream,
+)
 from convo.engines.models import default_model_path, progress_bars, resolve_model
 from convo.errors import (
     BudgetError,
@@ -220,7 +229,7 @@ class TransformersEngine:
         kv_slots: int | None = None,
         slot_tokens: int | None = None,
         compile_decode: bool | None = None,
-        int4_group_size: int = 32,
+        int4_group_size: int = INT4_GROUP_SIZE,
         int4_kernel: str = "auto",
         _model: Any = None,
         _tokenizer: Any = None,
@@ -245,9 +254,9 @@ class TransformersEngine:
                 "torch and transformers are needed; run: pip install 'convo[local]'"
             ) from None
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.quant = Quant(quant)
-        if self.quant is Quant.AUTO:
-            self.quant = Quant.NF4 if self.device.startswith("cuda") else Quant.FP32
+        self.quant = Quant.parse(quant).resolved(cuda=self.device.startswith("cuda"))
+        if self.quant is Quant.FP4:
+            raise ConfigError("fp4 is for convo plan only; the engine loads 4-bit weights as nf4 or int4")
         self.timeout_s = timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         if step_tokens < 1:
@@ -369,10 +378,9 @@ class TransformersEngine:
 
         from convo.planner.measure import build_random_model
         from convo.planner.model import Attn, DType, load_config
-        from convo.planner.model import Quant as PlanQuant
 
         config = load_config(name)
-        quant = {Quant.NF4: PlanQuant.NF4, Quant.INT8: PlanQuant.INT8}.get(self.quant, PlanQuant.NONE)
+        quant = self.quant if self.quant.is_bitsandbytes else Quant.NONE
         dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
         if progress:
             progress(f"building {name} with random weights ({self.quant.value}, {self.device})")

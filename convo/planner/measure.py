@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from convo.errors import ConfigError
 from convo.planner.calibration import Calibration
 from convo.planner.model import Attn, CellPrediction, DType, GiB, MemoryModel, Quant, kv_generations
 
@@ -47,6 +48,8 @@ def build_random_model(
     ``BitsAndBytesConfig`` (nf4 + double quant, bf16 compute), so the weights land in the
     allocator the way a real quantized load does. No download.
     """
+    if quant is Quant.INT4:
+        raise ConfigError("int4 is quantized by the static decoder (TransformersEngine), not at load")
     import tempfile
 
     import torch
@@ -61,7 +64,7 @@ def build_random_model(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype, attn_implementation=attn.value)
     model.eval()
-    if quant is Quant.NONE:
+    if not quant.is_bitsandbytes:
         return model
     from transformers import BitsAndBytesConfig
 

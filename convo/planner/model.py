@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convo.engines.base import INT4_GROUP_SIZE, Quant
 from convo.errors import ConfigError
 from convo.planner.calibration import Calibration
 
@@ -196,29 +197,6 @@ _DTYPE_ALIASES = {
 }
 
 
-class Quant(enum.StrEnum):
-    """Weight quantization of the ``nn.Linear`` layers (bitsandbytes)."""
-
-    NONE = "none"
-    INT8 = "int8"
-    NF4 = "nf4"
-    FP4 = "fp4"
-
-    @classmethod
-    def parse(cls, value: str | Quant | None) -> Quant:
-        """``None``/``"bf16"``/``"none"`` -> ``NONE``; raises ConfigError when unknown."""
-        if isinstance(value, Quant):
-            return value
-        if value is None or str(value).lower() in ("", "none", "bf16", "fp16", "fp32"):
-            return cls.NONE
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ConfigError(
-                f"unknown quantization {value!r}; use one of {[q.value for q in cls]}"
-            ) from None
-
-
 class Attn(enum.StrEnum):
     """Attention implementation; eager materializes the ``tokens²`` score matrix."""
 
@@ -256,20 +234,22 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | int | float, *, unit_required: bool = False) -> int:
     """Parse a memory size into bytes.
 
     ``24GiB`` and ``24G`` are binary (24 * 2**30), ``80GB`` is decimal (80 * 10**9),
-    ``24000MiB``, ``512 MB`` and a bare number of bytes work too.
+    ``24000MiB``, ``512 MB``, ``100B`` and (unless ``unit_required``) a bare number of
+    bytes work too.
 
     Args:
         text: the size, or a number of bytes.
+        unit_required: refuse text without a unit (``"24"``: 24 bytes or 24 GiB?).
 
     Returns:
         The size in bytes.
 
     Raises:
-        ConfigError: unparseable or not positive.
+        ConfigError: unparseable, no unit when one is required, or not positive.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
@@ -278,6 +258,12 @@ def parse_size(text: str | int | float) -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _SIZE_UNITS:
             raise ConfigError(f"cannot parse size {text!r}; write e.g. 24GiB, 80GB, 24000MiB")
+        bare = match.group(1)
+        if unit_required and not unit:
+            raise ConfigError(
+                f"size {text!r} has no unit (it would mean {bare} bytes); "
+                f"write e.g. {bare}GiB, {bare}GB, 24000MiB or 512B"
+            )
         value = float(match.group(1)) * _SIZE_UNITS[unit]
     if not value > 0 or math.isinf(value):
         raise ConfigError(f"size must be positive, got {text!r}")
@@ -524,6 +510,10 @@ class WeightReport:
         largest_linear_params: the biggest quantized ``nn.Linear`` (its dequantized copy
             is a prefill temporary).
         method: ``"meta"`` (measured on the meta device) or ``"analytic"``.
+        loaded_bytes: the weights as loaded, before the static decoder is built
+            (``int4``: the dense model); never below ``total_bytes``.
+        load_peak_bytes: the most the weights take while loading (``int4``: the dense
+            model plus the temporaries of quantizing one linear); never below ``total_bytes``.
     """
 
     total_bytes: int
@@ -533,10 +523,26 @@ class WeightReport:
     unquantized_bytes: int
     largest_linear_params: int
     method: str
+    loaded_bytes: int = 0
+    load_peak_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("loaded_bytes", "load_peak_bytes"):
+            if getattr(self, name) < self.total_bytes:
+                object.__setattr__(self, name, self.total_bytes)
 
 
 def _round_alloc(nbytes: float) -> int:
     return int(math.ceil(nbytes / _ALLOC_ROUND) * _ALLOC_ROUND)
+
+
+#: Tokens the static decoder prefills per chunk (``TransformersEngine(prefill_chunk_tokens=)``).
+STATIC_PREFILL_CHUNK_TOKENS = 512
+#: Model types whose layers ``quant=int4`` can run (the static decoder's; see convo.decode).
+INT4_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+#: Temporaries of quantizing one fused linear to int4, per parameter on top of its dense
+#: copy: a float32 copy, the int32 grid and two float32 intermediates of the rounding.
+INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 16
 
 
 def quantized_linear_bytes(
@@ -559,7 +565,46 @@ def quantized_linear_bytes(
         else:
             state = _round_alloc(4 * blocks)
         return _round_alloc(math.ceil(n / 2)) + state
-    raise ConfigError(f"{quant} is not a quantization")
+    raise ConfigError(f"{quant} is not a bitsandbytes quantization")
+
+
+def int4_group(in_features: int, preferred: int = INT4_GROUP_SIZE) -> int | None:
+    """The group size the int4 path uses for ``in_features`` inputs: the largest of 128, 64,
+    32 that is <= ``preferred`` and divides it (``convo.decode.int4_group_size``), or
+    ``None`` when none does (the weight then stays dense)."""
+    for gs in (128, 64, 32):
+        if gs <= preferred and in_features % gs == 0 and in_features % 32 == 0:
+            return gs
+    return None
+
+
+def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_size: int) -> int | None:
+    """Device bytes of one linear weight in convo's int4 format (``convo.decode.Int4Weight``),
+    no bias: packed int4 (``out * in / 2`` bytes, tinygemm's tile layout on CUDA, ``uint8
+    [out, in/2]`` on CPU) + a scale and a zero per group of ``group_size`` inputs, in the
+    compute ``dtype``. ``None`` when the shape stays dense (no group size fits ``in``, or
+    ``out`` is not a multiple of 8)."""
+    gs = int4_group(in_features, group_size)
+    if gs is None or out_features % 8:
+        return None
+    packed = _round_alloc(out_features * in_features // 2)
+    scales_zeros = _round_alloc(2 * out_features * (in_features // gs) * dtype.nbytes)
+    return packed + scales_zeros
+
+
+def planned_quant(quant: Quant | str | None, dtype: DType | str | None) -> tuple[Quant, DType | None]:
+    """What the memory model prices for a weight format: ``(quant, dtype)``.
+
+    Every dense format becomes ``NONE`` (its dtype, when it names one and ``dtype`` does
+    not, becomes the dtype); ``AUTO`` is what the engine picks on CUDA (``NF4``).
+    """
+    q = Quant.parse(quant).resolved(cuda=True)
+    dt = DType.parse(dtype) if dtype is not None else None
+    if q.is_dense:
+        if dt is None and q.dense_dtype is not None:
+            dt = DType.parse(q.dense_dtype)
+        q = Quant.NONE
+    return q, dt
 
 
 def weight_bytes(
@@ -569,43 +614,79 @@ def weight_bytes(
     *,
     double_quant: bool = True,
     method: str = "auto",
+    group_size: int = INT4_GROUP_SIZE,
 ) -> WeightReport:
     """Bytes of the weights on the GPU, module by module.
 
     Args:
         config: a config dict (see :func:`load_config`).
-        quant: ``none``, ``int8``, ``nf4`` or ``fp4`` (bitsandbytes).
-        dtype: dtype of unquantized weights; default: the config's.
+        quant: a :class:`~convo.engines.base.Quant`: dense (``none``, ``bf16``...),
+            bitsandbytes (``int8``, ``nf4``, ``fp4``) or convo's ``int4`` (the decoder
+            layers' linears, fused q/k/v and gate/up, group-wise; embeddings, norms and
+            ``lm_head`` stay dense; the dense copies are freed after quantizing, so
+            ``load_peak_bytes`` is the dense model plus one linear's temporaries).
+        dtype: dtype of unquantized weights; default: the config's (bf16 for ``int4``,
+            what the engine loads it in on CUDA).
         double_quant: nf4/fp4 with ``bnb_4bit_use_double_quant``.
         method: ``"meta"`` builds the model on the meta device (needs torch and
             transformers); ``"analytic"`` counts a Llama-style layout; ``"auto"`` tries
             meta first.
+        group_size: int4 inputs per scale/zero pair (default :data:`INT4_GROUP_SIZE`,
+            the engine's).
 
     Returns:
         A :class:`WeightReport`.
+
+    Raises:
+        ConfigError: ``int4`` for an architecture the static decoder does not run.
     """
-    q = Quant.parse(quant)
+    q, dt_given = planned_quant(quant, dtype)
     shape = ModelShape.from_config(config)
-    dt = DType.parse(dtype) if dtype is not None else shape.dtype
+    if q is Quant.INT4:
+        if shape.model_type not in INT4_MODEL_TYPES:
+            raise ConfigError(
+                f"int4 runs on the static decoder, which supports {sorted(INT4_MODEL_TYPES)}, "
+                f"not {shape.model_type!r}"
+            )
+        if group_size not in (32, 64, 128):
+            raise ConfigError("int4 group_size must be 32, 64 or 128")
+    dt = dt_given or (DType.BF16 if q is Quant.INT4 else shape.dtype)
     if method in ("auto", "meta"):
         try:
             key = json.dumps(dict(config), sort_keys=True, default=str)
-            return _weight_bytes_meta_cached(key, q, dt, double_quant)
+            return _weight_bytes_meta_cached(key, q, dt, double_quant, group_size)
         except (ImportError, ValueError, KeyError) as exc:
             if method == "meta":
                 raise ConfigError(f"cannot build {config.get('model_type')} on meta: {exc}") from exc
-    return _weight_bytes_analytic(shape, q, dt, double_quant)
+    return _weight_bytes_analytic(shape, q, dt, double_quant, group_size)
 
 
 @functools.lru_cache(maxsize=32)
 def _weight_bytes_meta_cached(
-    config_json: str, quant: Quant, dtype: DType, double_quant: bool
+    config_json: str, quant: Quant, dtype: DType, double_quant: bool, group_size: int
 ) -> WeightReport:
-    return _weight_bytes_meta(json.loads(config_json), quant, dtype, double_quant)
+    return _weight_bytes_meta(json.loads(config_json), quant, dtype, double_quant, group_size)
+
+
+_INT4_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+def _int4_fused_groups(model: Any) -> list[list[tuple[str, Any]]]:
+    """The linears the static decoder fuses and quantizes: per layer q/k/v, o, gate/up, down."""
+    groups: list[list[tuple[str, Any]]] = []
+    for i, layer in enumerate(model.model.layers):
+        for names in _INT4_GROUPS:
+            groups.append([(f"model.layers.{i}.{n}", layer.get_submodule(n)) for n in names])
+    return groups
 
 
 def _weight_bytes_meta(
-    config: Mapping[str, Any], quant: Quant, dtype: DType, double_quant: bool
+    config: Mapping[str, Any], quant: Quant, dtype: DType, double_quant: bool, group_size: int
 ) -> WeightReport:
     import torch
     from torch import nn
@@ -617,19 +698,33 @@ def _weight_bytes_meta(
     cfg = AutoConfig.for_model(model_type, **cfg_dict)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    skip: set[str] = set()
-    if quant is not Quant.NONE:
-        from transformers.quantizers.base import get_keys_to_not_convert
-
-        skip = set(get_keys_to_not_convert(model))
     elem = dtype.nbytes
     qbytes = ubytes = 0
     qparams = uparams = 0
     largest = 0
     seen: set[int] = set()
+    if quant is Quant.INT4:
+        for group in _int4_fused_groups(model):
+            mods = [m for _, m in group]
+            out_f = sum(int(m.out_features) for m in mods)
+            in_f = int(mods[0].in_features)
+            nbytes = int4_linear_bytes(out_f, in_f, dtype, group_size)
+            if nbytes is None:
+                continue  # stays dense: counted with the rest below
+            if any(m.bias is not None for m in mods):
+                nbytes += _round_alloc(out_f * elem)  # the fused bias (the modules keep theirs)
+            qbytes += nbytes
+            qparams += out_f * in_f
+            largest = max(largest, out_f * in_f)
+            seen.update(id(m.weight) for m in mods)  # freed after quantizing
+    skip: set[str] = set()
+    if quant.is_bitsandbytes:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        skip = set(get_keys_to_not_convert(model))
     for name, module in model.named_modules():
         quantize_here = (
-            quant is not Quant.NONE
+            quant.is_bitsandbytes
             and isinstance(module, nn.Linear)
             and not any(name == s or name.endswith("." + s) for s in skip)
         )
@@ -658,42 +753,60 @@ def _weight_bytes_meta(
         unquantized_bytes=ubytes,
         largest_linear_params=largest,
         method="meta",
+        **_int4_load(quant, qparams, ubytes, largest, dtype),
     )
 
 
-def _weight_bytes_analytic(shape: ModelShape, quant: Quant, dtype: DType, double_quant: bool) -> WeightReport:
+def _int4_load(quant: Quant, qparams: int, ubytes: int, largest: int, dtype: DType) -> dict[str, int]:
+    """int4 loads the model dense, then quantizes linear by linear (freeing each dense
+    copy): the peak is the dense model plus the temporaries of the first, largest linear."""
+    if quant is not Quant.INT4:
+        return {}
+    dense = ubytes + _round_alloc(qparams * dtype.nbytes)
+    peak = dense + largest * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
+    return {"loaded_bytes": dense, "load_peak_bytes": int(peak)}
+
+
+def _weight_bytes_analytic(
+    shape: ModelShape, quant: Quant, dtype: DType, double_quant: bool, group_size: int
+) -> WeightReport:
     h, i, hd = shape.hidden_size, shape.intermediate_size, shape.head_dim
-    linears = [
-        (shape.num_heads * hd, h),  # q
-        (shape.num_kv_heads * hd, h),  # k
-        (shape.num_kv_heads * hd, h),  # v
-        (h, shape.num_heads * hd),  # o
-        (i, h),  # gate
-        (i, h),  # up
-        (h, i),  # down
-    ] * shape.num_layers
+    q_out, kv_out = shape.num_heads * hd, shape.num_kv_heads * hd
+    if quant is Quant.INT4:  # the static decoder's fused groups
+        layer = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)]
+    else:
+        layer = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (i, h), (i, h), (h, i)]
+    linears = layer * shape.num_layers
     elem = dtype.nbytes
     norms = (2 * shape.num_layers + 1) * h
     emb = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
-    lin_params = sum(o * n for o, n in linears)
-    if quant is Quant.NONE:
-        qbytes, qparams = 0, 0
-        ubytes = _round_alloc((lin_params + norms + emb) * elem)
-        uparams = lin_params + norms + emb
-    else:
-        qbytes = sum(quantized_linear_bytes(o, n, quant, double_quant=double_quant) for o, n in linears)
-        qparams = lin_params
-        uparams = norms + emb
-        ubytes = _round_alloc(uparams * elem)
+    qbytes = qparams = largest = 0
+    uparams = norms + emb
+    for o, n in linears:
+        nbytes: int | None = None
+        if quant is Quant.INT4:
+            nbytes = int4_linear_bytes(o, n, dtype, group_size)
+        elif quant.is_bitsandbytes:
+            nbytes = quantized_linear_bytes(o, n, quant, double_quant=double_quant)
+        if nbytes is None:
+            uparams += o * n
+        else:
+            qbytes += nbytes
+            qparams += o * n
+            largest = max(largest, o * n)
+    ubytes = _round_alloc(uparams * elem)
     return WeightReport(
         total_bytes=qbytes + ubytes,
         quantized_params=qparams,
         unquantized_params=uparams,
         quantized_bytes=qbytes,
         unquantized_bytes=ubytes,
-        largest_linear_params=max(o * n for o, n in linears) if quant is not Quant.NONE else 0,
+        largest_linear_params=largest,
         method="analytic",
+        **_int4_load(quant, qparams, ubytes, largest, dtype),
     )
+
+
 # The CUDA caching allocator: blocks <= 1 MiB come from 2 MiB segments, < 10 MiB from
 # 20 MiB segments, larger ones get their own segment rounded up to 2 MiB. Segments never
 # merge, so a KV tensor that outgrows its segment during decode needs a new one while the
@@ -740,9 +853,16 @@ def kv_generations(bytes_per_token: float, prompt_tokens: int, new_tokens: int) 
 
 @dataclass(frozen=True, kw_only=True)
 class CellPrediction:
-    """Predicted peak of one ``generate`` call: ``concurrency`` rows of ``context`` tokens.
+    """Predicted peak of ``concurrency`` requests of ``context`` tokens each.
+
+    Without KV slots that is one ``generate`` call of ``concurrency`` rows, each with its own
+    growing KV cache. With ``kv_slots`` (the static decoder of ``convo serve``) the KV memory
+    is the slot pool, taken once whatever the concurrency: ``running`` requests (at most one
+    per slot) decode together and the other ``queued`` ones wait for a slot, so they cost
+    time, not memory.
 
     All byte counts are for the whole batch; ``peak_*`` include the weights.
+    ``headroom_bytes`` is the device memory minus ``peak_reserved_bytes`` (negative: over).
     """
 
     context: int
@@ -754,8 +874,16 @@ class CellPrediction:
     activation_bytes: int
     peak_allocated_bytes: int
     peak_reserved_bytes: int
-    phase: str  # "prefill" or "decode": where the peak is
+    phase: str  # "prefill" or "decode": where the peak is; "slots" with a KV slot pool
     safe: bool | None = None
+    headroom_bytes: int | None = None
+    kv_slots: int | None = None
+    running: int = 0  # requests decoding at once (all of them without slots)
+    queued: int = 0  # requests waiting for a free slot
+
+    def __post_init__(self) -> None:
+        if not self.running:
+            object.__setattr__(self, "running", self.concurrency - self.queued)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -775,7 +903,9 @@ class MemoryModel:
         kv_dtype: KV cache dtype.
         attn: attention implementation.
         calibration: the activation/allocator constants.
-        quant: the weight quantization (decides the dequantization workspace).
+        quant: the weight quantization (decides the dequantization workspace); dense
+            formats are ``NONE`` here (see :func:`planned_quant`).
+        int4_group_size: with ``quant=int4``, the preferred inputs per scale/zero pair.
     """
 
     shape: ModelShape
@@ -785,6 +915,7 @@ class MemoryModel:
     attn: Attn = Attn.SDPA
     calibration: Calibration = field(default_factory=Calibration)
     quant: Quant = Quant.NONE
+    int4_group_size: int = INT4_GROUP_SIZE
 
     @classmethod
     def from_model(
@@ -797,22 +928,29 @@ class MemoryModel:
         attn: Attn | str = Attn.SDPA,
         calibration: Calibration | None = None,
         weights_method: str = "auto",
+        int4_group_size: int = INT4_GROUP_SIZE,
     ) -> MemoryModel:
-        """Build from a model name/folder/config.json (see :func:`load_config`)."""
+        """Build from a model name/folder/config.json (see :func:`load_config`).
+
+        ``quant`` is any :class:`~convo.engines.base.Quant` spelling; dense ones price as
+        ``NONE`` in their dtype (see :func:`planned_quant`), ``int4`` in groups of
+        ``int4_group_size`` inputs (see :func:`weight_bytes`).
+        """
         cfg = load_config(model)
         shape = ModelShape.from_config(cfg)
-        q = Quant.parse(quant)
-        dt = DType.parse(dtype) if dtype is not None else shape.dtype
+        q, dt_given = planned_quant(quant, dtype)
+        dt = dt_given or (DType.BF16 if q is Quant.INT4 else shape.dtype)
         if dt.nbytes < 2:
             raise ConfigError("--dtype is the dtype of unquantized weights: fp32, bf16 or fp16")
         return cls(
             shape=shape,
-            weights=weight_bytes(cfg, q, dt, method=weights_method),
+            weights=weight_bytes(cfg, q, dt, method=weights_method, group_size=int4_group_size),
             compute_dtype=dt,
             kv_dtype=DType.parse(kv_dtype) if kv_dtype is not None else dt,
             attn=Attn.parse(attn),
             calibration=calibration or Calibration(),
             quant=q,
+            int4_group_size=int4_group_size,
         )
 
     # -- parts ------------------------------------------------------------------------
@@ -826,6 +964,17 @@ class MemoryModel:
         ``slot_tokens`` tokens, taken once at load. Exact: the pool is these bytes (checked
         against ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
         return int(slots * slot_tokens * self.kv_bytes_per_token())
+
+    def auto_kv_slots(self, memory_bytes: int, slot_tokens: int) -> int:
+        """The slots ``TransformersEngine(kv_slots=None)`` takes on a CUDA device of
+        ``memory_bytes``: :data:`~convo.engines.transformers.DEFAULT_KV_SLOTS`, or fewer
+        when they do not fit in :data:`~convo.engines.transformers.AUTO_SLOTS_MEMORY_FRACTION`
+        of the memory free after loading (``int4``: the dense model is still there); at least 1."""
+        from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
+
+        free = memory_bytes - self.weights.loaded_bytes * self.calibration.weights_reserved_ratio
+        fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(self.kv_pool_bytes(1, slot_tokens), 1))
+        return max(1, min(DEFAULT_KV_SLOTS, fitting))
 
     def act_bytes_per_token(self) -> float:
         """Prefill activation bytes per prompt token (all rows), SDPA."""
@@ -959,14 +1108,22 @@ class MemoryModel:
         concurrency: int,
         new_tokens: int = 256,
         memory_bytes: int | None = None,
+        kv_slots: int | None = None,
+        prefill_chunk_tokens: int = STATIC_PREFILL_CHUNK_TOKENS,
     ) -> CellPrediction:
-        """Predict the peak of one ``generate`` of ``concurrency`` rows.
+        """Predict the peak of ``concurrency`` requests of ``context`` tokens.
 
         Args:
             context: tokens per row, prompt + new tokens.
-            concurrency: rows in the batch.
+            concurrency: requests in flight (rows of one ``generate`` without slots).
             new_tokens: generated tokens per row (the prompt is ``context - new_tokens``).
-            memory_bytes: the device memory; sets ``safe`` (peak reserved fits).
+            memory_bytes: the device memory; sets ``safe`` (peak reserved fits, and the
+                weights' load peak too) and ``headroom_bytes``.
+            kv_slots: price the static decoder instead (``convo serve`` with KV slots): a
+                pool of ``kv_slots`` slots of ``context`` tokens (:meth:`kv_pool_bytes`),
+                chunked prefill of one request at a time, a captured step per batch bucket.
+            prefill_chunk_tokens: with ``kv_slots``, the prefill chunk (the engine's
+                default, 512).
 
         Returns:
             A :class:`CellPrediction`.
@@ -975,6 +1132,16 @@ class MemoryModel:
             raise ConfigError("context and concurrency must be positive, new_tokens >= 0")
         new = min(new_tokens, context - 1)
         prompt = context - new
+        if kv_slots is not None:
+            return self._predict_slots(
+                context=context,
+                concurrency=concurrency,
+                prompt=prompt,
+                new=new,
+                memory_bytes=memory_bytes,
+                kv_slots=kv_slots,
+                chunk=prefill_chunk_tokens,
+            )
         kv_dt = self.kv_dtype
         kv_prefill = self.shape.kv_bytes(prompt, concurrency, kv_dt, cap_windows=False)
         prefill = kv_prefill + self.prefill_activation_bytes(prompt, concurrency)
@@ -1007,7 +1174,56 @@ class MemoryModel:
             peak_allocated_bytes=weights + above,
             peak_reserved_bytes=reserved,
             phase=phase,
-            safe=None if memory_bytes is None else reserved <= memory_bytes,
+            safe=self._fits(reserved, memory_bytes),
+            headroom_bytes=None if memory_bytes is None else memory_bytes - reserved,
+        )
+
+    def _fits(self, reserved: int, memory_bytes: int | None) -> bool | None:
+        if memory_bytes is None:
+            return None
+        return reserved <= memory_bytes and self.weights.load_peak_bytes <= memory_bytes
+
+    def _predict_slots(
+        self,
+        *,
+        context: int,
+        concurrency: int,
+        prompt: int,
+        new: int,
+        memory_bytes: int | None,
+        kv_slots: int,
+        chunk: int,
+    ) -> CellPrediction:
+        """The static decoder: weights + the slot pool + one prefill chunk's activations
+        + the captured steps' buffers (one per batch bucket 1, 2, 4... >= slots)."""
+        if kv_slots < 1 or chunk < 1:
+            raise ConfigError("kv_slots and prefill_chunk_tokens must be >= 1")
+        s = self.shape
+        pool = self.kv_pool_bytes(kv_slots, context)
+        prefill = int(min(prompt, chunk) * self.act_bytes_per_token()) + self.workspace_bytes()
+        buckets = [1 << i for i in range(max(kv_slots - 1, 0).bit_length() + 1)]
+        per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
+        graphs = int(sum(buckets) * per_row)
+        weights = self.weights.total_bytes
+        reserved_above = pool + graphs + prefill * self.calibration.prefill_reserved_ratio
+        reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
+        running = min(concurrency, kv_slots)
+        return CellPrediction(
+            context=context,
+            concurrency=concurrency,
+            prompt_tokens=prompt,
+            new_tokens=new,
+            weights_bytes=weights,
+            kv_bytes=pool,
+            activation_bytes=prefill + graphs,
+            peak_allocated_bytes=weights + pool + prefill + graphs,
+            peak_reserved_bytes=reserved,
+            phase="slots",
+            safe=self._fits(reserved, memory_bytes),
+            headroom_bytes=None if memory_bytes is None else memory_bytes - reserved,
+            kv_slots=kv_slots,
+            running=running,
+            queued=concurrency - running,
         )
 
 
@@ -1021,10 +1237,13 @@ class Plan:
     weights_bytes: int
     kv_bytes_per_token: int
     calibration_source: str
+    kv_slots: int | str | None = None  # a number, "auto" (the engine's choice per context) or None
+    load_peak_bytes: int = 0
 
     def max_safe_concurrency(self) -> dict[int, int]:
-        """Per context: the largest concurrency of the grid that is safe (0: none)."""
-        return self._largest_safe(by="context", value="concurrency")
+        """Per context: the largest concurrency of the grid that is safe (0: none); with KV
+        slots, the requests that run at once (at most the slots; more queue)."""
+        return self._largest_safe(by="context", value="running")
 
     def max_safe_context(self) -> dict[int, int]:
         """Per concurrency: the largest context of the grid that is safe (0: none)."""
@@ -1046,10 +1265,29 @@ def plan_grid(
     concurrencies: Sequence[int],
     memory_bytes: int,
     new_tokens: int = 256,
+    kv_slots: int | str | None = None,
 ) -> Plan:
-    """Predict every (context, concurrency) cell against ``memory_bytes``."""
+    """Predict every (context, concurrency) cell against ``memory_bytes``.
+
+    ``kv_slots``: a slot pool of that many slots of each cell's context, or ``"auto"``:
+    as many as the engine takes by default (:meth:`MemoryModel.auto_kv_slots`, per context).
+    """
+    if kv_slots is not None and kv_slots != "auto" and not isinstance(kv_slots, int):
+        raise ConfigError(f"kv_slots must be a number of slots or 'auto', not {kv_slots!r}")
+
+    def slots(ctx: int) -> int | None:
+        if kv_slots == "auto":
+            return mm.auto_kv_slots(memory_bytes, ctx)
+        return kv_slots if isinstance(kv_slots, int) else None
+
     cells = tuple(
-        mm.predict(context=ctx, concurrency=conc, new_tokens=new_tokens, memory_bytes=memory_bytes)
+        mm.predict(
+            context=ctx,
+            concurrency=conc,
+            new_tokens=new_tokens,
+            memory_bytes=memory_bytes,
+            kv_slots=slots(ctx),
+        )
         for ctx in contexts
         for conc in concurrencies
     )
@@ -1060,6 +1298,8 @@ def plan_grid(
         weights_bytes=mm.weights.total_bytes,
         kv_bytes_per_token=mm.kv_bytes_per_token(),
         calibration_source=mm.calibration.source,
+        kv_slots=kv_slots,
+        load_peak_bytes=mm.weights.load_peak_bytes,
     )
 
 

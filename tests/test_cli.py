@@ -93,6 +93,23 @@ def test_plan_json_contract() -> None:
     assert small["safe"] and big["kv_bytes"] == 16 * small["kv_bytes"]
 
 
+def test_plan_refuses_memory_without_a_unit_and_plans_int4_slots() -> None:
+    bare = run_cli("plan", "--gpu-memory", "24")
+    assert bare.returncode == 2 and not bare.stdout
+    assert "--gpu-memory" in bare.stderr and "24GiB" in bare.stderr and "Traceback" not in bare.stderr
+    out = run_cli(
+        "plan", "--model", "random:llama-2-7b", "--quant", "int4", "--kv-slots", "4",
+        "--context", "4096", "--concurrency", "1,8", "--gpu-memory", "24GiB", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["quant"] == "int4" and data["kv_slots"] == 4 and data["memory_source"] == "--gpu-memory"
+    one, eight = data["cells"]
+    assert one["kv_bytes"] == eight["kv_bytes"] == 4 * 4096 * 524_288  # the pool
+    assert (eight["running"], eight["queued"]) == (4, 4)
+    assert one["headroom_bytes"] == 24 * 2**30 - one["peak_reserved_bytes"] > 0
+
+
 def test_bad_arguments_fail_cleanly(tmp_path: Path) -> None:
     out = run_cli(
         "chat",

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from convo.cli.common import positive_int
 from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
 from convo.errors import ConfigError, require
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
@@ -115,17 +116,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", default=None, help="with --measure: folder for plan_measure.json and calibration.json"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -262,6 +262,17 @@ def test_one_quant_enum_with_the_old_spellings() -> None:
     assert Quant.AUTO.resolved(cuda=True) is Quant.NF4 and Quant.AUTO.resolved(cuda=False) is Quant.FP32
 
 
+def test_engine_takes_the_same_enum_and_refuses_plan_only_fp4() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from convo.engines.transformers import TransformersEngine
+
+    with pytest.raises(ConfigError, match="fp4"):
+        TransformersEngine("random:tiny-llama", device="cpu", quant="FP4")
+    with pytest.raises(ConfigError, match="unknown weight format"):
+        TransformersEngine("random:tiny-llama", device="cpu", quant="q5")
+
+
 def test_dense_formats_price_as_none_in_their_dtype() -> None:
     none = MemoryModel.from_model("random:llama-2-7b", quant="none", calibration=None)
     bf16 = MemoryModel.from_model("random:llama-2-7b", quant="bf16")

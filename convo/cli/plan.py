@@ -138,7 +138,11 @@ def cuda_device_memory() -> DeviceMemory | None:
         return None
     free, total = torch.cuda.mem_get_info(0)
     name = torch.cuda.get_device_name(0)
-    return DeviceMemory(total_bytes=int(total), source=f"{name} (CUDA device 0)", free_bytes=int(free))
+    return DeviceMemory(
+        total_bytes=int(total),
+        source=f"the total of {name}, CUDA device 0; {format_size(free)} free now",
+        free_bytes=int(free),
+    )
 
 
 def plan_memory(flag: str | None) -> DeviceMemory:

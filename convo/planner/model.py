@@ -989,7 +989,7 @@ class MemoryModel:
     def workspace_bytes(self) -> int:
         """Constant prefill temporaries: cuBLAS workspace + one dequantized weight."""
         deq = 0
-        if self.quant is not Quant.NONE:
+        if not self.quant.is_dense:
             deq = int(self.weights.largest_linear_params * self.compute_dtype.nbytes)
         return self.calibration.workspace_bytes + deq
 

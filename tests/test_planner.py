@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -287,24 +288,44 @@ def test_dense_formats_price_as_none_in_their_dtype() -> None:
 # -- int4, priced against a real quantization -------------------------------------------------------
 
 
-def _decoder_module() -> object:
+def _static_decoder() -> Any:
+    """``StaticDecoder``, wherever the fast path keeps it (``convo.fast`` or ``convo.decode``)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import importlib
 
-    for name in ("convo.fast", "convo.decode"):
+    for name in ("convo.fast", "convo.fast.decoder", "convo.decode"):
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError:
             continue
-    raise AssertionError("no int4 decoder module")
+        if hasattr(module, "StaticDecoder"):
+            return module.StaticDecoder
+    raise AssertionError("no StaticDecoder")
+
+
+def _tensor_bytes(*objs: Any) -> int:
+    """Bytes of the distinct tensors in ``objs`` (tensors, nested tuples, modules)."""
+    seen: dict[int, int] = {}
+
+    def add(obj: Any) -> None:
+        if isinstance(obj, tuple | list):
+            for o in obj:
+                add(o)
+        elif hasattr(obj, "parameters"):
+            add([*obj.parameters(), *obj.buffers()])
+        elif hasattr(obj, "element_size"):
+            seen[id(obj)] = obj.numel() * obj.element_size()
+
+    add(objs)
+    return sum(seen.values())
 
 
 @pytest.mark.parametrize(("model_type", "group_size"), [("llama", 32), ("llama", 128), ("qwen2", 64)])
 def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size: int) -> None:
     """The static decoder quantizes a random model on CPU (dense copies freed); the planner
     prices the same bytes: packed int4 + scales/zeros per group + what stays dense."""
-    fast = _decoder_module()
+    static_decoder = _static_decoder()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -324,13 +345,13 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32
     ).eval()
-    decoder = fast.StaticDecoder(  # type: ignore[attr-defined]
+    decoder = static_decoder(
         model, slots=1, slot_tokens=16, weights="int4", group_size=group_size, free_dense=True
     )
     assert decoder.quantized
     int4 = [t for layer in decoder.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    real_int4 = fast.tensor_nbytes(*int4)  # type: ignore[attr-defined]
-    real_total = fast.tensor_nbytes(model, *int4)  # type: ignore[attr-defined]
+    real_int4 = _tensor_bytes(*int4)
+    real_total = _tensor_bytes(model, *int4)
     for method in ("meta", "analytic"):
         report = weight_bytes(config, "int4", "fp32", method=method, group_size=group_size)
         if method == "analytic" and model_type == "qwen2":
@@ -343,6 +364,19 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
 
 
 def test_int4_needs_a_static_decoder_architecture() -> None:
+    import importlib
+
+    from convo.planner.model import INT4_MODEL_TYPES, int4_group
+
+    decoder_module = importlib.import_module(_static_decoder().__module__)
+    supported = getattr(decoder_module, "SUPPORTED_MODEL_TYPES", INT4_MODEL_TYPES)
+    assert supported == INT4_MODEL_TYPES
+    int4_module = importlib.import_module(decoder_module.__name__.replace("decoder", "int4"))
+    rule = getattr(int4_module, "int4_group_size", getattr(decoder_module, "int4_group_size", None))
+    assert rule is not None
+    for in_features in (32, 64, 96, 128, 192, 256, 4096, 11008, 100):
+        for preferred in (32, 64, 128):
+            assert int4_group(in_features, preferred) == rule(in_features, preferred)
     cfg = {**BUILTIN_CONFIGS["default"], "model_type": "gpt2"}
     with pytest.raises(ConfigError, match="static decoder"):
         weight_bytes(cfg, "int4", method="analytic")

@@ -18,10 +18,12 @@ H200, Llama-2-7B architecture (no download), 4 slots of 4096 tokens, group 32:
 Prints one JSON object (with the device and versions).
 
 Measured on an H200 (torch 2.11, transformers 5.17; Llama-2-7B, 4 slots x 4096, group 32,
-tinygemm, 2026-11-30), measured / predicted: loaded 13.48 / 13.48 GB, load peak 14.70 /
-14.74 GB (+0.2 %), int4 weights 4.62 / 4.57 GB (-1.1 %), pool 8.59 / 8.59 GB (exact),
-captured steps + prefill 0.22 / 0.37 GB (the prediction adds the Triton prefill's
-dequantized weight), peak allocated 13.44 / 13.53 GB (+0.7 %).
+2026-11-30), measured / predicted: loaded 13.48 / 13.48 GB; int4 weights with both layouts
+(tinygemm's and the plain one that prefill dequantizes) 8.68 / 8.62 GB (-0.7 %); pool 8.59 /
+8.59 GB (exact); the construction peak is the weights + pool (17.27 GB), above the
+predicted quantization peak (15.10 GB). With the earlier decoder (tinygemm layout alone):
+weights 4.62 / 4.57 GB, quantization peak 14.70 GB (the dense model + 13.6 B per parameter
+of the largest fused linear).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convo.decode import StaticDecoder
 from convo.engines.base import INT4_GROUP_SIZE
+from convo.fast import StaticDecoder
 from convo.planner.measure import build_random_model
 from convo.planner.model import Attn, DType, MemoryModel, Quant, load_config
 
@@ -81,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         group_size=args.group_size,
         free_dense=True,
         compile=False,  # the weights and the pool do not depend on it; saves minutes
-        int4_kernel="tinygemm",
     )
     load_peak = int(torch.cuda.max_memory_allocated())
     after_build = allocated()

@@ -288,44 +288,19 @@ def test_dense_formats_price_as_none_in_their_dtype() -> None:
 # -- int4, priced against a real quantization -------------------------------------------------------
 
 
-def _static_decoder() -> Any:
-    """``StaticDecoder``, wherever the fast path keeps it (``convo.fast`` or ``convo.decode``)."""
+def _fast() -> Any:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import importlib
+    import convo.fast
 
-    for name in ("convo.fast", "convo.fast.decoder", "convo.decode"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "StaticDecoder"):
-            return module.StaticDecoder
-    raise AssertionError("no StaticDecoder")
-
-
-def _tensor_bytes(*objs: Any) -> int:
-    """Bytes of the distinct tensors in ``objs`` (tensors, nested tuples, modules)."""
-    seen: dict[int, int] = {}
-
-    def add(obj: Any) -> None:
-        if isinstance(obj, tuple | list):
-            for o in obj:
-                add(o)
-        elif hasattr(obj, "parameters"):
-            add([*obj.parameters(), *obj.buffers()])
-        elif hasattr(obj, "element_size"):
-            seen[id(obj)] = obj.numel() * obj.element_size()
-
-    add(objs)
-    return sum(seen.values())
+    return convo.fast
 
 
 @pytest.mark.parametrize(("model_type", "group_size"), [("llama", 32), ("llama", 128), ("qwen2", 64)])
 def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size: int) -> None:
     """The static decoder quantizes a random model on CPU (dense copies freed); the planner
     prices the same bytes: packed int4 + scales/zeros per group + what stays dense."""
-    static_decoder = _static_decoder()
+    fast = _fast()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -345,15 +320,15 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32
     ).eval()
-    decoder = static_decoder(
+    decoder = fast.StaticDecoder(
         model, slots=1, slot_tokens=16, weights="int4", group_size=group_size, free_dense=True
     )
     assert decoder.quantized
     int4 = [t for layer in decoder.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    real_int4 = _tensor_bytes(*int4)
-    real_total = _tensor_bytes(model, *int4)
+    real_int4 = fast.tensor_nbytes(*int4)
+    real_total = fast.tensor_nbytes(model, *int4)
     for method in ("meta", "analytic"):
-        report = weight_bytes(config, "int4", "fp32", method=method, group_size=group_size)
+        report = weight_bytes(config, "int4", "fp32", method=method, group_size=group_size, int4_layouts=1)
         if method == "analytic" and model_type == "qwen2":
             continue  # the analytic count knows no biases
         assert report.quantized_bytes == pytest.approx(real_int4, rel=0.01), method
@@ -364,31 +339,30 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
 
 
 def test_int4_needs_a_static_decoder_architecture() -> None:
-    import importlib
-
+    from convo.fast import SUPPORTED_MODEL_TYPES, int4_group_size
     from convo.planner.model import INT4_MODEL_TYPES, int4_group
 
-    decoder_module = importlib.import_module(_static_decoder().__module__)
-    supported = getattr(decoder_module, "SUPPORTED_MODEL_TYPES", INT4_MODEL_TYPES)
-    assert supported == INT4_MODEL_TYPES
-    int4_module = importlib.import_module(decoder_module.__name__.replace("decoder", "int4"))
-    rule = getattr(int4_module, "int4_group_size", getattr(decoder_module, "int4_group_size", None))
-    assert rule is not None
+    assert SUPPORTED_MODEL_TYPES == INT4_MODEL_TYPES
     for in_features in (32, 64, 96, 128, 192, 256, 4096, 11008, 100):
         for preferred in (32, 64, 128):
-            assert int4_group(in_features, preferred) == rule(in_features, preferred)
+            assert int4_group(in_features, preferred) == int4_group_size(in_features, preferred)
     cfg = {**BUILTIN_CONFIGS["default"], "model_type": "gpt2"}
     with pytest.raises(ConfigError, match="static decoder"):
         weight_bytes(cfg, "int4", method="analytic")
 
 
-def test_int4_llama2_7b_is_about_a_quarter_of_bf16() -> None:
-    int4 = MemoryModel.from_model("random:llama-2-7b", quant="int4").weights
+def test_int4_llama2_7b_on_cuda_keeps_two_layouts() -> None:
+    cuda = MemoryModel.from_model("random:llama-2-7b", quant="int4").weights
+    one = MemoryModel.from_model("random:llama-2-7b", quant="int4", int4_layouts=1).weights
     bf16 = MemoryModel.from_model("random:llama-2-7b", quant="bf16").weights
     # group 32: 4 bits + a bf16 scale and zero per 32 weights = 5 bits per linear weight
-    assert int4.quantized_bytes * 8 / int4.quantized_params == pytest.approx(5.0, rel=0.001)
-    assert int4.loaded_bytes == bf16.total_bytes
-    assert int4.total_bytes < 0.35 * bf16.total_bytes
+    assert one.quantized_bytes * 8 / one.quantized_params == pytest.approx(5.0, rel=0.001)
+    assert cuda.quantized_bytes == 2 * one.quantized_bytes  # tinygemm's layout + the plain one
+    assert cuda.unquantized_bytes == one.unquantized_bytes
+    assert cuda.loaded_bytes == one.loaded_bytes == bf16.total_bytes
+    # H200, 4 slots (every bucket kept tinygemm, prefill keeps the plain layout): 8.68 GB
+    assert cuda.total_bytes == pytest.approx(8_676_976_128, rel=0.01)
+    assert one.total_bytes < 0.35 * bf16.total_bytes
 
 
 # -- convo plan: a unit for --gpu-memory, the GPU's own memory, headroom, slots ------------------
@@ -449,7 +423,9 @@ def test_kv_slots_price_the_pool_and_queue_the_rest(capsys: pytest.CaptureFixtur
         assert cell["kv_bytes"] == mm.kv_pool_bytes(4, ctx)  # the pool, whatever the concurrency
         assert cell["kv_slots"] == 4 and cell["phase"] == "slots"
         assert (cell["running"], cell["queued"]) == (min(conc, 4), max(conc - 4, 0))
-        assert cell["peak_reserved_bytes"] == by_cell[(ctx, 1)]["peak_reserved_bytes"]
+        # queued requests take no memory: 16 in flight cost what 4 (the slots) cost
+        assert cell["peak_reserved_bytes"] == by_cell[(ctx, min(conc, 4))]["peak_reserved_bytes"]
+        assert cell["peak_reserved_bytes"] >= by_cell[(ctx, 1)]["peak_reserved_bytes"]
     assert out["max_safe_concurrency"] == {"1024": 4, "4096": 4}  # 16 requests: 4 run, 12 queue
 
 

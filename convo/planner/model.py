@@ -536,15 +536,19 @@ def _round_alloc(nbytes: float) -> int:
     return int(math.ceil(nbytes / _ALLOC_ROUND) * _ALLOC_ROUND)
 
 
-#: Tokens the static decoder prefills per chunk (``TransformersEngine(prefill_chunk_tokens=)``).
-STATIC_PREFILL_CHUNK_TOKENS = 512
-#: Model types whose layers ``quant=int4`` can run (the static decoder's; see convo.decode).
+#: Model types whose layers ``quant=int4`` can run (the static decoder's, convo.fast).
 INT4_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 #: Temporaries of quantizing one fused linear to int4, per parameter on top of its dense
-#: copy (a float32 copy, the int32 grid, rounding intermediates). Measured on an H200
-#: (Llama-2-7B, group 32): the load peak is the dense model + 13.6 bytes per parameter of
-#: the largest fused linear, of which 2 are its bf16 copy.
-INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 12
+#: copy (a float32 copy, the int32 grid, rounding intermediates; the plain layout's shifted
+#: int32 halves). Measured on an H200 (Llama-2-7B, group 32, tinygemm layout only): the
+#: load peak was the dense model + 13.6 bytes per parameter of the largest fused linear, of
+#: which 2 are its bf16 copy; the plain layout adds ~4.5 (counted, not measured).
+INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 16
+#: Copies of the int4 weights the static decoder keeps on CUDA: the plain layout (prefill
+#: dequantizes it, the Triton decode kernel reads it) and tinygemm's tile layout, dropped
+#: only when every batch bucket picks the Triton kernel at warm-up (on the H200 with 4
+#: slots every bucket picked tinygemm; with 16, the 16-row bucket picked Triton). On CPU: 1.
+INT4_CUDA_LAYOUTS = 2
 
 
 def quantized_linear_bytes(
@@ -572,7 +576,7 @@ def quantized_linear_bytes(
 
 def int4_group(in_features: int, preferred: int = INT4_GROUP_SIZE) -> int | None:
     """The group size the int4 path uses for ``in_features`` inputs: the largest of 128, 64,
-    32 that is <= ``preferred`` and divides it (``convo.decode.int4_group_size``), or
+    32 that is <= ``preferred`` and divides it (``convo.fast.int4.int4_group_size``), or
     ``None`` when none does (the weight then stays dense)."""
     for gs in (128, 64, 32):
         if gs <= preferred and in_features % gs == 0 and in_features % 32 == 0:
@@ -581,7 +585,7 @@ def int4_group(in_features: int, preferred: int = INT4_GROUP_SIZE) -> int | None
 
 
 def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_size: int) -> int | None:
-    """Device bytes of one linear weight in convo's int4 format (``convo.decode.Int4Weight``),
+    """Device bytes of one linear weight in convo's int4 format (``convo.fast.int4.Int4Weight``),
     no bias: packed int4 (``out * in / 2`` bytes, tinygemm's tile layout on CUDA, ``uint8
     [out, in/2]`` on CPU) + a scale and a zero per group of ``group_size`` inputs, in the
     compute ``dtype``. ``None`` when the shape stays dense (no group size fits ``in``, or
@@ -617,6 +621,7 @@ def weight_bytes(
     double_quant: bool = True,
     method: str = "auto",
     group_size: int = INT4_GROUP_SIZE,
+    int4_layouts: int = INT4_CUDA_LAYOUTS,
 ) -> WeightReport:
     """Bytes of the weights on the GPU, module by module.
 
@@ -635,6 +640,8 @@ def weight_bytes(
             meta first.
         group_size: int4 inputs per scale/zero pair (default :data:`INT4_GROUP_SIZE`,
             the engine's).
+        int4_layouts: copies of the int4 weights kept (default :data:`INT4_CUDA_LAYOUTS`,
+            2 as on CUDA; 1 on CPU or when every batch bucket runs the Triton kernel).
 
     Returns:
         A :class:`WeightReport`.
@@ -652,22 +659,24 @@ def weight_bytes(
             )
         if group_size not in (32, 64, 128):
             raise ConfigError("int4 group_size must be 32, 64 or 128")
+        if int4_layouts not in (1, 2):
+            raise ConfigError("int4_layouts must be 1 or 2")
     dt = dt_given or (DType.BF16 if q is Quant.INT4 else shape.dtype)
     if method in ("auto", "meta"):
         try:
             key = json.dumps(dict(config), sort_keys=True, default=str)
-            return _weight_bytes_meta_cached(key, q, dt, double_quant, group_size)
+            return _weight_bytes_meta_cached(key, q, dt, double_quant, group_size, int4_layouts)
         except (ImportError, ValueError, KeyError) as exc:
             if method == "meta":
                 raise ConfigError(f"cannot build {config.get('model_type')} on meta: {exc}") from exc
-    return _weight_bytes_analytic(shape, q, dt, double_quant, group_size)
+    return _weight_bytes_analytic(shape, q, dt, double_quant, group_size, int4_layouts)
 
 
 @functools.lru_cache(maxsize=32)
 def _weight_bytes_meta_cached(
-    config_json: str, quant: Quant, dtype: DType, double_quant: bool, group_size: int
+    config_json: str, quant: Quant, dtype: DType, double_quant: bool, group_size: int, layouts: int
 ) -> WeightReport:
-    return _weight_bytes_meta(json.loads(config_json), quant, dtype, double_quant, group_size)
+    return _weight_bytes_meta(json.loads(config_json), quant, dtype, double_quant, group_size, layouts)
 
 
 _INT4_GROUPS = (
@@ -688,7 +697,12 @@ def _int4_fused_groups(model: Any) -> list[list[tuple[str, Any]]]:
 
 
 def _weight_bytes_meta(
-    config: Mapping[str, Any], quant: Quant, dtype: DType, double_quant: bool, group_size: int
+    config: Mapping[str, Any],
+    quant: Quant,
+    dtype: DType,
+    double_quant: bool,
+    group_size: int,
+    layouts: int,
 ) -> WeightReport:
     import torch
     from torch import nn
@@ -713,6 +727,7 @@ def _weight_bytes_meta(
             nbytes = int4_linear_bytes(out_f, in_f, dtype, group_size)
             if nbytes is None:
                 continue  # stays dense: counted with the rest below
+            nbytes *= layouts
             if any(m.bias is not None for m in mods):
                 nbytes += _round_alloc(out_f * elem)  # the fused bias (the modules keep theirs)
             qbytes += nbytes
@@ -770,7 +785,7 @@ def _int4_load(quant: Quant, qparams: int, ubytes: int, largest: int, dtype: DTy
 
 
 def _weight_bytes_analytic(
-    shape: ModelShape, quant: Quant, dtype: DType, double_quant: bool, group_size: int
+    shape: ModelShape, quant: Quant, dtype: DType, double_quant: bool, group_size: int, layouts: int
 ) -> WeightReport:
     h, i, hd = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q_out, kv_out = shape.num_heads * hd, shape.num_kv_heads * hd
@@ -787,7 +802,8 @@ def _weight_bytes_analytic(
     for o, n in linears:
         nbytes: int | None = None
         if quant is Quant.INT4:
-            nbytes = int4_linear_bytes(o, n, dtype, group_size)
+            one = int4_linear_bytes(o, n, dtype, group_size)
+            nbytes = None if one is None else one * layouts
         elif quant.is_bitsandbytes:
             nbytes = quantized_linear_bytes(o, n, quant, double_quant=double_quant)
         if nbytes is None:
@@ -931,12 +947,13 @@ class MemoryModel:
         calibration: Calibration | None = None,
         weights_method: str = "auto",
         int4_group_size: int = INT4_GROUP_SIZE,
+        int4_layouts: int = INT4_CUDA_LAYOUTS,
     ) -> MemoryModel:
         """Build from a model name/folder/config.json (see :func:`load_config`).
 
         ``quant`` is any :class:`~convo.engines.base.Quant` spelling; dense ones price as
         ``NONE`` in their dtype (see :func:`planned_quant`), ``int4`` in groups of
-        ``int4_group_size`` inputs (see :func:`weight_bytes`).
+        ``int4_group_size`` inputs, ``int4_layouts`` copies (see :func:`weight_bytes`).
         """
         cfg = load_config(model)
         shape = ModelShape.from_config(cfg)
@@ -946,7 +963,9 @@ class MemoryModel:
             raise ConfigError("--dtype is the dtype of unquantized weights: fp32, bf16 or fp16")
         return cls(
             shape=shape,
-            weights=weight_bytes(cfg, q, dt, method=weights_method, group_size=int4_group_size),
+            weights=weight_bytes(
+                cfg, q, dt, method=weights_method, group_size=int4_group_size, int4_layouts=int4_layouts
+            ),
             compute_dtype=dt,
             kv_dtype=DType.parse(kv_dtype) if kv_dtype is not None else dt,
             attn=Attn.parse(attn),
@@ -1111,7 +1130,7 @@ class MemoryModel:
         new_tokens: int = 256,
         memory_bytes: int | None = None,
         kv_slots: int | None = None,
-        prefill_chunk_tokens: int = STATIC_PREFILL_CHUNK_TOKENS,
+        step_tokens: int | None = None,
     ) -> CellPrediction:
         """Predict the peak of ``concurrency`` requests of ``context`` tokens.
 
@@ -1123,9 +1142,10 @@ class MemoryModel:
                 weights' load peak too) and ``headroom_bytes``.
             kv_slots: price the static decoder instead (``convo serve`` with KV slots): a
                 pool of ``kv_slots`` slots of ``context`` tokens (:meth:`kv_pool_bytes`),
-                chunked prefill of one request at a time, a captured step per batch bucket.
-            prefill_chunk_tokens: with ``kv_slots``, the prefill chunk (the engine's
-                default, 512).
+                prefill of the waiting turns in one forward of up to ``step_tokens`` tokens,
+                a captured step per batch bucket.
+            step_tokens: with ``kv_slots``, the scheduler's token budget per step
+                (default :data:`convo.fast.scheduler.DEFAULT_STEP_TOKENS`, the engine's).
 
         Returns:
             A :class:`CellPrediction`.
@@ -1142,7 +1162,7 @@ class MemoryModel:
                 new=new,
                 memory_bytes=memory_bytes,
                 kv_slots=kv_slots,
-                chunk=prefill_chunk_tokens,
+                step_tokens=step_tokens,
             )
         kv_dt = self.kv_dtype
         kv_prefill = self.shape.kv_bytes(prompt, concurrency, kv_dt, cap_windows=False)
@@ -1194,29 +1214,35 @@ class MemoryModel:
         new: int,
         memory_bytes: int | None,
         kv_slots: int,
-        chunk: int,
+        step_tokens: int | None,
     ) -> CellPrediction:
-        """The static decoder: weights + the slot pool + one prefill chunk's activations
-        + the captured steps' buffers (per batch bucket 1, 2, 4... >= slots: a cuBLAS
-        workspace for its capture stream and the step's rows).
+        """The static decoder: weights + the slot pool + one step's prefill activations
+        (the running turns' prompts, up to ``step_tokens`` tokens in one forward, with one
+        dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
+        >= slots: a cuBLAS workspace for its capture stream and the step's rows).
 
-        Measured on an H200 (Llama-2-7B int4 group 32, 4 slots of 4096 tokens, tinygemm):
-        weights 4.62 GB (predicted -1.1 %), pool exact, captured steps 135 MB, a 3,840-token
-        prefill 88 MB above them; the prediction adds the dequantized weight that the Triton
-        kernel's prefill needs (+180 MB), so it is conservative by ~1 % of the peak.
+        Measured on an H200 (Llama-2-7B int4 group 32, 4 slots of 4096 tokens): pool exact;
+        weights 8.68 GB with both int4 layouts (predicted -0.7 %), 4.62 GB with tinygemm's
+        alone (-1.1 %); captured steps 135 MB and a 3,840-token prefill of the earlier
+        one-turn, 512-token-chunk decoder 88 MB above them (predicted together 0.37 GB).
         """
-        if kv_slots < 1 or chunk < 1:
-            raise ConfigError("kv_slots and prefill_chunk_tokens must be >= 1")
+        if step_tokens is None:
+            from convo.fast.scheduler import DEFAULT_STEP_TOKENS
+
+            step_tokens = DEFAULT_STEP_TOKENS
+        if kv_slots < 1 or step_tokens < 1:
+            raise ConfigError("kv_slots and step_tokens must be >= 1")
         s = self.shape
         pool = self.kv_pool_bytes(kv_slots, context)
-        prefill = int(min(prompt, chunk) * self.act_bytes_per_token()) + self.workspace_bytes()
+        running = min(concurrency, kv_slots)
+        tokens = min(step_tokens, running * prompt)
+        prefill = int(tokens * self.act_bytes_per_token()) + self.workspace_bytes()
         buckets = [1 << i for i in range(max(kv_slots - 1, 0).bit_length() + 1)]
         per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
         graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
         weights = self.weights.total_bytes
         reserved_above = pool + graphs + prefill * self.calibration.prefill_reserved_ratio
         reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
-        running = min(concurrency, kv_slots)
         return CellPrediction(
             context=context,
             concurrency=concurrency,

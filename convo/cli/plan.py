@@ -351,7 +351,10 @@ def run_plan_cli(args: argparse.Namespace) -> int:
 def _quant_label(mm: MemoryModel, asked: str) -> str:
     if mm.quant is Quant.NONE:
         return f"dense {mm.compute_dtype.value}"
-    group = f", groups of {mm.int4_group_size}" if mm.quant is Quant.INT4 else ""
+    group = ""
+    if mm.quant is Quant.INT4:
+        layouts = "tinygemm + plain layouts" if mm.int4_layouts == 2 else "one layout"
+        group = f", groups of {mm.int4_group_size}, {layouts}"
     auto = " (auto)" if Quant.parse(asked) is Quant.AUTO else ""
     return f"{mm.quant.value}{auto}{group}"
 

@@ -924,6 +924,7 @@ class MemoryModel:
         quant: the weight quantization (decides the dequantization workspace); dense
             formats are ``NONE`` here (see :func:`planned_quant`).
         int4_group_size: with ``quant=int4``, the preferred inputs per scale/zero pair.
+        int4_layouts: with ``quant=int4``, copies of the int4 weights (:data:`INT4_CUDA_LAYOUTS`).
     """
 
     shape: ModelShape
@@ -934,6 +935,7 @@ class MemoryModel:
     calibration: Calibration = field(default_factory=Calibration)
     quant: Quant = Quant.NONE
     int4_group_size: int = INT4_GROUP_SIZE
+    int4_layouts: int = INT4_CUDA_LAYOUTS
 
     @classmethod
     def from_model(
@@ -972,6 +974,7 @@ class MemoryModel:
             calibration=calibration or Calibration(),
             quant=q,
             int4_group_size=int4_group_size,
+            int4_layouts=int4_layouts,
         )
 
     # -- parts ------------------------------------------------------------------------

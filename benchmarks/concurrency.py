@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": convo_s,
         "tokens_per_s": sum(done) / convo_s,
         "kv_budget_bytes": kv_budget,
-        "ledger_peak_bytes": ctl.ledger.peak_bytes,
+        "ledger_peak_bytes": ctl.ledger.peak,
         "peak_running": ctl.peak_running,
         "batch_sizes": runner.batches,
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()) if gpu else None,

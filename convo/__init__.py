@@ -95,7 +95,7 @@ _MOVED = {
         ],
         "convo.errors",
     ),
-    **dict.fromkeys(["AdmissionLimits", "Batcher", "MemoryLedger", "Request"], "convo.admission"),
+    **dict.fromkeys(["AdmissionLimits", "Batcher", "Ledger", "MemoryLedger", "Request"], "convo.admission"),
     **dict.fromkeys(
         ["BM25Index", "Chunk", "RetrievalConfig", "VectorIndex", "chunk_text"], "convo.retrieval"
     ),

@@ -1,6 +1,6 @@
 """Admission control: many sessions, one memory budget.
 
-Accounting answers, policy decides. :class:`MemoryLedger` only answers "is there room
+Accounting answers, policy decides. :class:`Ledger` only answers "is there room
 for N bytes" and keeps the books; :class:`AdmissionController` decides to admit, queue or
 refuse; :class:`Batcher` groups admitted requests into one ``generate``::
 
@@ -45,62 +45,73 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 
 
-class MemoryLedger:
-    """Bytes charged against a budget. Thread-safe. Never raises for lack of room.
+class Ledger:
+    """Units (bytes of device memory, or tokens) charged against a budget. Thread-safe.
+    Never raises for lack of room: running out of room is a ``False``, not an exception.
 
     Args:
-        budget_bytes: the most bytes that may be charged at once.
+        budget: the most that may be charged at once, in ``unit``.
+        unit: ``"bytes"`` (a memory model prices requests) or ``"tokens"`` (prompt +
+            reply cap). Default ``"bytes"``.
 
     Example::
 
-        ledger = MemoryLedger(budget_bytes=1 << 30)
+        ledger = Ledger(1 << 30)
         ledger.try_charge(300 << 20)   # True
         ledger.room_for(900 << 20)     # False
         ledger.credit(300 << 20)
     """
 
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes <= 0:
-            raise ConfigError(f"budget_bytes must be positive, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
+    def __init__(self, budget: int, unit: str = "bytes") -> None:
+        if unit not in ("bytes", "tokens"):
+            raise ConfigError(f"unit must be 'bytes' or 'tokens', got {unit!r}")
+        if budget <= 0:
+            raise ConfigError(f"the ledger's budget must be positive, got {budget} {unit}")
+        self.budget = int(budget)
+        self.unit = unit
         self._in_use = 0
         self._peak = 0
         self._lock = threading.Lock()
 
     @property
-    def in_use_bytes(self) -> int:
+    def in_use(self) -> int:
+        """Charged now, in :attr:`unit`."""
         return self._in_use
 
     @property
-    def peak_bytes(self) -> int:
+    def peak(self) -> int:
         """The most ever charged at once (a test asserts it never passed the budget)."""
         return self._peak
 
     @property
-    def free_bytes(self) -> int:
-        return self.budget_bytes - self._in_use
+    def free(self) -> int:
+        return self.budget - self._in_use
 
-    def room_for(self, nbytes: int) -> bool:
-        """Would ``nbytes`` fit now?"""
-        return self._in_use + nbytes <= self.budget_bytes
+    def room_for(self, amount: int) -> bool:
+        """Would ``amount`` fit now?"""
+        return self._in_use + amount <= self.budget
 
-    def try_charge(self, nbytes: int) -> bool:
-        """Charge ``nbytes`` if they fit; ``False`` (nothing charged) if not."""
-        if nbytes < 0:
-            raise ConfigError("cannot charge negative bytes")
+    def try_charge(self, amount: int) -> bool:
+        """Charge ``amount`` if it fits; ``False`` (nothing charged) if not."""
+        if amount < 0:
+            raise ConfigError(f"cannot charge negative {self.unit}")
         with self._lock:
-            if self._in_use + nbytes > self.budget_bytes:
+            if self._in_use + amount > self.budget:
                 return False
-            self._in_use += nbytes
+            self._in_use += amount
             self._peak = max(self._peak, self._in_use)
             return True
 
-    def credit(self, nbytes: int) -> None:
-        """Give back bytes charged earlier."""
+    def credit(self, amount: int) -> None:
+        """Give back what was charged earlier."""
         with self._lock:
-            if nbytes > self._in_use:
-                raise AssertionError(f"credit of {nbytes} B exceeds {self._in_use} B in use")
-            self._in_use -= nbytes
+            if amount > self._in_use:
+                raise AssertionError(f"credit of {amount} exceeds {self._in_use} {self.unit} in use")
+            self._in_use -= amount
+
+
+#: The old name of :class:`Ledger` (a byte ledger), kept for one release.
+MemoryLedger = Ledger
 
 
 # --------------------------------------------------------------------------------------
@@ -115,7 +126,10 @@ class AdmissionLimits:
     Args:
         kv_budget_bytes: bytes of KV cache + activations all admitted requests may hold
             together (e.g. from ``convo plan``: device memory minus reserved weights,
-            divided by the allocator ratio). Required.
+            divided by the allocator ratio); requests are charged by a bytes ``cost_fn``.
+        kv_budget_tokens: instead of bytes, tokens (prompt + reply cap) all admitted
+            requests may hold together; requests are charged their tokens. Exactly one of
+            the two budgets is required.
         max_concurrency: requests admitted at once. Default 16.
         max_queue_short: short requests waiting at most; more are refused with
             :class:`~convo.errors.QueueFullError`. Default 256.
@@ -129,7 +143,8 @@ class AdmissionLimits:
         long_max_wait_s: a long head that has waited this long goes next too. Default 5.
     """
 
-    kv_budget_bytes: int
+    kv_budget_bytes: int | None = None
+    kv_budget_tokens: int | None = None
     max_concurrency: int = 16
     max_queue_short: int = 256
     max_queue_long: int = 64
@@ -139,8 +154,10 @@ class AdmissionLimits:
     long_max_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.kv_budget_bytes <= 0:
-            raise ConfigError(f"kv_budget_bytes must be positive, got {self.kv_budget_bytes}")
+        if (self.kv_budget_bytes is None) == (self.kv_budget_tokens is None):
+            raise ConfigError("give exactly one of kv_budget_bytes and kv_budget_tokens")
+        if self.budget <= 0:
+            raise ConfigError(f"kv_budget_{self.unit} must be positive, got {self.budget}")
         if self.max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_queue_short < 0 or self.max_queue_long < 0:
@@ -153,6 +170,19 @@ class AdmissionLimits:
             raise ConfigError("long_every must be >= 1")
         if self.long_max_wait_s < 0:
             raise ConfigError("long_max_wait_s must be >= 0")
+
+
+    @property
+    def unit(self) -> str:
+        """What the ledger charges: ``"bytes"`` or ``"tokens"``."""
+        return "bytes" if self.kv_budget_bytes is not None else "tokens"
+
+    @property
+    def budget(self) -> int:
+        """The budget in :attr:`unit`."""
+        value = self.kv_budget_bytes if self.kv_budget_bytes is not None else self.kv_budget_tokens
+        assert value is not None
+        return value
 
 
 _ids = itertools.count(1)
@@ -255,14 +285,19 @@ class Ticket:
 # --------------------------------------------------------------------------------------
 
 
+def _token_cost(prompt_tokens: int, max_new_tokens: int) -> int:
+    return prompt_tokens + max_new_tokens
+
+
 class AdmissionController:
     """Admits requests while they fit the memory budget and the concurrency cap.
 
     Args:
         limits: the :class:`AdmissionLimits`.
         cost_fn: ``(prompt_tokens, max_new_tokens) -> bytes`` for requests without a
-            ``cost_bytes`` (e.g. ``MemoryModel.request_bytes``).
-        ledger: the accountant; a new :class:`MemoryLedger` over ``kv_budget_bytes``
+            ``cost_bytes`` (e.g. ``MemoryModel.request_bytes``). With ``kv_budget_tokens``
+            the default charges ``prompt_tokens + max_new_tokens``.
+        ledger: the accountant; a new :class:`Ledger` over the limits' budget
             by default.
         metrics: optional :class:`~convo.metrics.ServingMetrics` to update.
         clock: monotonic clock in seconds (tests inject a fake one).
@@ -280,12 +315,14 @@ class AdmissionController:
         limits: AdmissionLimits,
         *,
         cost_fn: Callable[[int, int], int] | None = None,
-        ledger: MemoryLedger | None = None,
+        ledger: Ledger | None = None,
         metrics: ServingMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
-        self.ledger = ledger or MemoryLedger(limits.kv_budget_bytes)
+        self.ledger = ledger or Ledger(limits.budget, limits.unit)
+        if cost_fn is None and limits.unit == "tokens":
+            cost_fn = _token_cost
         self._cost_fn = cost_fn
         self.metrics = metrics
         self._clock = clock
@@ -297,7 +334,7 @@ class AdmissionController:
         self._mean_hold_s = 1.0  # EMA of how long requests hold their slot (retry hint)
         self.peak_running = 0
         if metrics is not None:
-            metrics.kv_budget.set(self.ledger.budget_bytes)
+            metrics.kv_budget.set(self.ledger.budget)
 
     # -- public --------------------------------------------------------------------------
 
@@ -375,12 +412,12 @@ class AdmissionController:
         if request.prompt_tokens < 0 or request.max_new_tokens < 0:
             raise ConfigError("prompt_tokens and max_new_tokens must be >= 0")
         cost = self._cost(request)
-        if cost > self.ledger.budget_bytes:
+        if cost > self.ledger.budget:
             self._refuse("too_large")
             raise AdmissionError(
-                f"request {request.id} needs {cost:,} B but the whole budget is "
-                f"{self.ledger.budget_bytes:,} B: shorten the prompt or max_new_tokens, or "
-                f"raise kv_budget_bytes"
+                f"request {request.id} needs {cost:,} {self.limits.unit} but the whole budget is "
+                f"{self.ledger.budget:,}: shorten the prompt or max_new_tokens, or "
+                f"raise kv_budget_{self.limits.unit}"
             )
         long = request.total_tokens > self.limits.long_request_tokens
         waiter = _Waiter(request, long)
@@ -504,7 +541,7 @@ class AdmissionController:
         if m is not None:
             m.running.set(self._running)
             m.waiting.set(len(self._short) + len(self._long))
-            m.kv_in_use.set(self.ledger.in_use_bytes)
+            m.kv_in_use.set(self.ledger.in_use)
 
 
 # --------------------------------------------------------------------------------------

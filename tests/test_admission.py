@@ -14,7 +14,7 @@ from convo.admission import (
     AdmissionController,
     AdmissionLimits,
     Batcher,
-    MemoryLedger,
+    Ledger,
     Request,
     split_for_padding,
 )
@@ -37,11 +37,11 @@ def controller(**kw: object) -> AdmissionController:
 
 
 def test_ledger_answers_without_raising() -> None:
-    led = MemoryLedger(100)
+    led = Ledger(100)
     assert led.try_charge(60) and not led.try_charge(41) and led.try_charge(40)
-    assert led.in_use_bytes == 100 and not led.room_for(1)
+    assert led.in_use == 100 and not led.room_for(1)
     led.credit(100)
-    assert led.peak_bytes == 100 and led.free_bytes == 100
+    assert led.peak == 100 and led.free == 100
 
 
 @pytest.mark.parametrize(
@@ -67,14 +67,14 @@ def test_admits_exactly_to_the_budget_then_queues() -> None:
     ctl = controller()
     a = ctl.acquire(Request(prompt_tokens=40, max_new_tokens=10))  # 50 KiB
     b = ctl.acquire(Request(prompt_tokens=40, max_new_tokens=10))  # 100 KiB: exactly full
-    assert ctl.ledger.in_use_bytes == 100 * KB
+    assert ctl.ledger.in_use == 100 * KB
     with pytest.raises(QueueTimeoutError):
         ctl.acquire(Request(prompt_tokens=0, max_new_tokens=1), timeout_s=0.05)
     a.release()
     with ctl.acquire(Request(prompt_tokens=49, max_new_tokens=1)):
-        assert ctl.ledger.in_use_bytes == 100 * KB
+        assert ctl.ledger.in_use == 100 * KB
     b.release()
-    assert ctl.ledger.in_use_bytes == 0 and ctl.running == 0 and ctl.waiting == 0
+    assert ctl.ledger.in_use == 0 and ctl.running == 0 and ctl.waiting == 0
 
 
 def test_concurrency_cap() -> None:
@@ -111,7 +111,7 @@ def test_queue_full_carries_retry_after() -> None:
     assert snap["convo_requests_refused_total"][(("reason", "queue_full"),)] == 1
 
 
-class LoggingLedger(MemoryLedger):
+class LoggingLedger(Ledger):
     """Records every charge, in admission order (under the controller's lock)."""
 
     def __init__(self, budget_bytes: int) -> None:
@@ -215,10 +215,10 @@ class FakeRunner:
         self.lock = threading.Lock()
 
     def __call__(self, reqs: list[Request]) -> list[str]:
-        in_use = self.ctl.ledger.in_use_bytes
+        in_use = self.ctl.ledger.in_use
         with self.lock:
             self.max_seen = max(self.max_seen, in_use)
-        assert in_use <= self.ctl.ledger.budget_bytes
+        assert in_use <= self.ctl.ledger.budget
         assert self.ctl.running <= self.ctl.limits.max_concurrency
         time.sleep(0.001 * max(r.max_new_tokens for r in reqs) / 16)
         return [f"reply-{r.id}" for r in reqs]
@@ -234,9 +234,9 @@ def _check(ctl: AdmissionController, out: Outcome, n: int, runner: FakeRunner) -
     assert out.untyped == 0
     assert out.ok + out.refused + out.timed_out == n  # no request lost
     assert out.ok > n // 2
-    assert ctl.ledger.peak_bytes <= ctl.ledger.budget_bytes  # never admitted past budget
-    assert runner.max_seen <= ctl.ledger.budget_bytes
-    assert ctl.ledger.in_use_bytes == 0 and ctl.running == 0 and ctl.waiting == 0  # drained
+    assert ctl.ledger.peak <= ctl.ledger.budget  # never admitted past budget
+    assert runner.max_seen <= ctl.ledger.budget
+    assert ctl.ledger.in_use == 0 and ctl.running == 0 and ctl.waiting == 0  # drained
     snap = ctl.metrics.snapshot()  # type: ignore[union-attr]
     assert snap["convo_requests_completed_total"] == out.ok
     refused = snap["convo_requests_refused_total"]
@@ -374,8 +374,8 @@ def test_stress_tight_queue_refuses_typed() -> None:
         t.join()
     assert out.refused > 0
     assert out.untyped == 0 and out.ok + out.refused + out.timed_out == len(reqs)
-    assert ctl.ledger.peak_bytes <= ctl.ledger.budget_bytes
-    assert ctl.ledger.in_use_bytes == 0 and ctl.waiting == 0
+    assert ctl.ledger.peak <= ctl.ledger.budget
+    assert ctl.ledger.in_use == 0 and ctl.waiting == 0
 
 
 # -- a real tiny model -----------------------------------------------------------------------
@@ -409,7 +409,7 @@ def test_stress_real_tiny_model() -> None:
         def client(req: Request) -> None:
             try:
                 with ctl.acquire(req):
-                    assert ctl.ledger.in_use_bytes <= budget
+                    assert ctl.ledger.in_use <= budget
                     results[req.id] = len(batcher.run(req))
             except BaseException as exc:
                 errors.append(exc)
@@ -422,5 +422,20 @@ def test_stress_real_tiny_model() -> None:
     assert not errors
     assert len(results) == len(reqs)
     assert all(results[r.id] == r.max_new_tokens for r in reqs)
-    assert ctl.ledger.peak_bytes <= budget and ctl.ledger.in_use_bytes == 0
+    assert ctl.ledger.peak <= budget and ctl.ledger.in_use == 0
     assert max(batcher.batch_sizes) > 1
+
+
+def test_a_token_budget_is_named_and_charged_in_tokens() -> None:
+    limits = AdmissionLimits(kv_budget_tokens=1000)
+    assert (limits.unit, limits.budget) == ("tokens", 1000)
+    ctl = AdmissionController(limits)
+    assert ctl.ledger.unit == "tokens"
+    with ctl.acquire(Request(prompt_tokens=600, max_new_tokens=100)):
+        assert ctl.ledger.in_use == 700
+    with pytest.raises(AdmissionError, match="1,001 tokens"):
+        with ctl.acquire(Request(prompt_tokens=901, max_new_tokens=100)):
+            pass
+    for bad in ({}, {"kv_budget_bytes": 1, "kv_budget_tokens": 1}):
+        with pytest.raises(ConfigError, match="exactly one"):
+            AdmissionLimits(**bad)  # type: ignore[arg-type]

@@ -261,7 +261,7 @@ def create_app(
     if any(not k for k in keys):
         raise ConfigError("an API key must not be empty")
     # The default controller charges tokens (prompt + reply cap): its ledger gauges say so.
-    metrics = metrics or ServingMetrics(ledger_unit="tokens" if admission is None else "bytes")
+    metrics = metrics or ServingMetrics(ledger_unit=admission.limits.unit if admission else "tokens")
     scrape = metrics_registry(metrics)
     if admission is None:
         # With static KV slots the pool is the capacity: every admitted turn holds a slot
@@ -270,14 +270,13 @@ def create_app(
         slots = decoder.pool.slots if decoder is not None else limits.max_concurrency
         admission = AdmissionController(
             AdmissionLimits(
-                kv_budget_bytes=limits.admission_tokens,
+                kv_budget_tokens=limits.admission_tokens,
                 max_concurrency=slots,
                 max_queue_short=limits.max_queue,
                 max_queue_long=limits.max_queue,
                 queue_timeout_s=limits.queue_timeout_s,
                 long_request_tokens=budget.context_tokens,
             ),
-            cost_fn=lambda prompt, new: prompt + new,  # a token ledger
             metrics=metrics,
         )
     controller = admission

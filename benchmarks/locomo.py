@@ -208,6 +208,8 @@ def cut(conv: Conversation, max_lines: int | None, max_questions: int | None) ->
 def replay(conv: Conversation, session: Any) -> None:
     for line in conv.lines:
         session.add(line.message, date=line.date)
+    if hasattr(session, "wait_summary"):  # summaries run in the background: let them finish
+        session.wait_summary()
 
 
 # ---------------------------------------------------------------------------------------

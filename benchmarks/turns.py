@@ -83,6 +83,8 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
         if time.monotonic() > deadline:
             print(f"[turns] convo stopped at turn {turn} (--max-seconds)", file=sys.stderr)
             break
+        if turn > 1 and args.think_s:
+            time.sleep(args.think_s)  # the user reads and types; background summaries run
         reply = session.send(user_turn(turn, args.user_words, rng))
         g = reply.stats.generation
         row = {
@@ -104,6 +106,13 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
             "evicted_turns": reply.stats.evicted_turns,
             "summary_tokens": reply.stats.summary_tokens,
         }
+        summary = getattr(reply.stats, "summary", None)  # (absent before summaries went off the reply path)
+        if summary is not None:
+            row.update(
+                summary_status=summary.status.value,
+                summarized_turns=summary.summarized_turns,
+                hidden_turns=reply.stats.hidden_turns,
+            )
         if args.ttft_compare and g.cached_tokens > 0:
             # The same prompt without reuse: a fresh prefill and one token.
             fresh = engine.generate(reply.plan.messages, max_new_tokens=1)
@@ -114,6 +123,8 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
             f"lat={row['latency_s']:.2f}s peak={row['peak_allocated_bytes'] / 2**30:.2f}GiB",
             file=sys.stderr,
         )
+    if hasattr(session, "wait_summary"):
+        session.wait_summary()  # no background work left to disturb what runs next
     session.close()
     return rows
 
@@ -301,6 +312,9 @@ def main() -> int:
         "--ttft-compare", action="store_true", help="also time a fresh prefill of each reused prompt"
     )
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--think-s", type=float, default=0.0, help="pause between turns (a user reading and typing)"
+    )
     p.add_argument(
         "--kv-slots",
         type=int,

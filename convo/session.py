@@ -3,9 +3,20 @@
 A :class:`Session` owns the history of one conversation. Each turn it plans the prompt
 (:func:`convo.plan.plan_prompt`: pinned system part, rolling summary, retrieved passages,
 recent turns, reply reserve), checks the plan against an exact count of the rendered
-prompt, calls the engine with a capped ``generate``, stores the reply, and then folds the
-turns that left the window into the summary (in batches) and hands them to the
-retriever.
+prompt, calls the engine with a capped ``generate``, stores the reply, and returns. The
+turns that left the window are folded into the summary (in batches) in the background,
+by a :class:`~convo.summarize.SummaryWorker`, at lower priority than replies::
+
+    turn n:   plan ── generate ── store reply, slide window ── return ─┐
+                                                                       └─ summary job (background)
+    turn n+1: [wait for the job only if the turns it folds do not fit beside the window,
+               at most summary_wait_s] ── plan ── generate ── ...
+
+While a summary is late, the prompt shows the previous summary and the turns it does not
+cover yet when they all fit (the prompt then extends the previous one); otherwise the turn
+waits for the summary, at most ``summary_wait_s``, and past that sends the previous summary
+and the window. The budget invariant holds in every case, and nothing stored is lost.
+
 
 Nothing stored is ever lost: the full history stays in the store even when the prompt only
 shows the window and the summary; the user message is stored before generation starts, so
@@ -40,10 +51,37 @@ from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageErr
 from convo.messages import Message, MessageLike, Role
 from convo.plan import Passage, PromptPlan, Turn, plan_checked
 from convo.store import MemoryStore, SessionState, Store
-from convo.summarize import ModelSummarizer, Summarizer
+from convo.summarize import (
+    JobStatus,
+    ModelSummarizer,
+    Summarizer,
+    SummaryJob,
+    SummaryState,
+    SummaryStatus,
+    SummaryWorker,
+)
 from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
+
+#: Default of ``Session(summary_wait_s=...)``: seconds a turn waits for its session's
+#: background summary when the turns it folds do not fit beside the window. A summary takes
+#: about a second on a GPU and 5-60 s with the default model on a small shared CPU, where
+#: the engine runs one call at a time, so a reply could not start before it ends anyway.
+DEFAULT_SUMMARY_WAIT_S = 30.0
+
+@dataclass(frozen=True)
+class _Planned:
+    """The summary a turn's prompt was planned with."""
+
+    summary: str
+    summarized_turns: int
+    summarizing: bool  # False: turns that leave the window are meant to go (no summary)
+    start: int  # the first turn the planner could show
+
+    def hidden_turns(self, plan: PromptPlan) -> int:
+        """Turns neither in that summary nor in the prompt."""
+        return max(plan.first_shown_turn - self.summarized_turns, 0) if self.summarizing else 0
 
 #: How often an async turn checks whether a thread's turn on the same session has ended.
 TURN_LOCK_POLL_S = 0.005
@@ -70,12 +108,20 @@ class TurnStats:
         parts: tokens per prompt part (see :class:`~convo.plan.PromptPlan`).
         prompt_tokens: the exact token count of the rendered prompt.
         context_tokens / max_new_tokens: the budget.
-        summary_tokens: tokens of the rolling summary after this turn.
+        summary_tokens: tokens of the rolling summary this turn's prompt was planned with.
         evicted_turns: turns that have left the window so far (total).
-        summarized_turns: turns folded into the summary so far (total).
+        summarized_turns: turns folded into the stored summary when the reply returned
+            (the summary of the turns that left the window on this turn is written after it).
+        hidden_turns: turns that were neither in the summary nor in this prompt: the summary
+            had not caught up with them (it was still running past ``summary_wait_s``, or
+            the budget cut them on this turn). They stay stored and are folded in later.
         passages_used / passages_dropped: retrieval outcome.
         truncated_messages: messages the TRUNCATE policy shortened in this prompt.
-        plan_s / generate_s / summarize_s / latency_s: seconds.
+        plan_s / generate_s / latency_s: seconds.
+        summarize_s: seconds this turn waited for a background summary (the summary itself
+            runs after the reply; 0 when the turn did not wait).
+        summary: the session's summary state when the reply returned (see
+            :class:`~convo.summarize.SummaryState`).
         oom_retries: 1 when the turn ran out of device memory and was re-run smaller.
         recovery: what the OOM retry changed (empty when none).
         generation: the engine's report (tokens, KV bytes, memory, timings).
@@ -99,6 +145,8 @@ class TurnStats:
     oom_retries: int = 0
     recovery: str = ""
     generation: GenerationStats | None = None
+    hidden_turns: int = 0
+    summary: SummaryState | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +209,16 @@ class Session:
         summarizer: folds evicted turns into the summary; default: the engine itself
             through :class:`~convo.summarize.ModelSummarizer` (none without an engine or
             with ``budget.summary_tokens == 0``).
+        summaries: the background worker that runs the summarizer (default: the
+            process-wide :meth:`SummaryWorker.shared`).
+        summary_wait_s: how long a turn waits for this session's summary while it is
+            still running. A turn waits only when the turns the summary does not cover yet
+            cannot all be shown beside the window (while they can, the prompt shows them
+            and extends the previous one). Default :data:`DEFAULT_SUMMARY_WAIT_S`; 0 never
+            waits; ``None`` waits as long as it takes. Past the bound the turn is planned
+            as if the summary were there: the previous summary and the window. The turns
+            between are left out of that prompt (``TurnStats.hidden_turns``), stay stored,
+            and are folded in when the job ends; the budget holds either way.
         retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
         sampling: decoding settings (default greedy).
@@ -188,9 +246,16 @@ class Session:
         sampling: Sampling = GREEDY,
         timeout_s: float | None = None,
         owner: str = "",
+        summaries: SummaryWorker | None = None,
+        summary_wait_s: float | None = DEFAULT_SUMMARY_WAIT_S,
     ) -> None:
         if engine is None and counter is None:
             raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
+        if summary_wait_s is not None and not summary_wait_s >= 0:
+            raise ConfigError(f"summary_wait_s must be >= 0 or None, got {summary_wait_s!r}")
+        self.summary_wait_s = summary_wait_s
+        self.summaries = summaries or SummaryWorker.shared()
+        self.summarizer: Summarizer | None = None  # set below, once the budget is known
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
         self.store: Store = store if store is not None else MemoryStore()
@@ -216,7 +281,7 @@ class Session:
                 self._index(m)
             if budget is not None and stored != budget.to_dict():
                 self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
-                self.store.save_state(self._state)
+                self._write()
         else:
             self.budget = budget or Budget()
             self._state = SessionState(
@@ -232,8 +297,67 @@ class Session:
     # -- state -------------------------------------------------------------------------------
     @property
     def summary(self) -> str:
-        """The rolling summary of turns that left the window."""
+        """The rolling summary of turns that left the window (as far as it is written)."""
+        self._sync_summary()
         return self._state.summary
+
+    @property
+    def summary_state(self) -> SummaryState:
+        """Where the rolling summary stands: done, pending, running or failed, and which
+        turns it covers (see :class:`~convo.summarize.SummaryState`)."""
+        self._sync_summary()
+        state = self._state
+        job = self.summaries.job(self.store, self.id)
+        if job is not None and job.end <= state.summarized_turns:
+            job = None  # an older job that this session already picked up
+        if state.evicted_turns <= state.summarized_turns or not self._summarizing:
+            status = SummaryStatus.DONE
+        elif job is None or job.status in (JobStatus.CANCELLED, JobStatus.DONE):
+            status = SummaryStatus.PENDING
+        elif job.status is JobStatus.FAILED:
+            status = SummaryStatus.FAILED
+        elif job.status is JobStatus.RUNNING:
+            status = SummaryStatus.RUNNING
+        else:
+            status = SummaryStatus.PENDING
+        failed = job is not None and job.status is JobStatus.FAILED
+        return SummaryState(
+            status=status,
+            summarized_turns=state.summarized_turns,
+            evicted_turns=state.evicted_turns,
+            job_turns=(job.start, job.end) if job is not None else None,
+            failures=(job.failures + int(failed)) if job is not None else 0,
+            error=job.error if failed and job is not None else "",
+        )
+
+    def wait_summary(self, timeout_s: float | None = None) -> SummaryState:
+        """Bring the summary up to date and return its state: start jobs for the turns it
+        owes (also after a failure, once per call) and wait for them, up to ``timeout_s``
+        in all (``None``: without limit). Turns never call this (they wait only as
+        ``summary_wait_s`` says); it is for callers that want the summary now (tests,
+        exports, shutdown)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            submitted: set[int] = set()
+            while True:
+                self._sync_summary()
+                if not self._owes_summary():
+                    break
+                job = self._live_job()
+                if job is None:
+                    last = self.summaries.job(self.store, self.id)
+                    if last is not None and id(last) in submitted and last.status is not JobStatus.DONE:
+                        break  # a job of this call failed or was cancelled: report it
+                    job = self._submit_summary()
+                    if job is None:
+                        break
+                    submitted.add(id(job))
+                self.summaries.promote(job)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if not job.wait(left):
+                    break
+        return self.summary_state
+
 
     @property
     def evicted_turns(self) -> int:
@@ -242,7 +366,8 @@ class Session:
 
     @property
     def summarized_turns(self) -> int:
-        """How many turns are folded into the summary."""
+        """How many turns are folded into the summary (as far as it is written)."""
+        self._sync_summary()
         return self._state.summarized_turns
 
     @property
@@ -322,9 +447,19 @@ class Session:
                 pending.discard(m.tool_call_id or "")
             elif not m.pinned:
                 pending = set()
-        self.store.append(self.id, messages, state=self._state)
+        self._write(messages)
         for m in messages:
             self._index(m)
+
+    def _write(self, messages: Sequence[Message] = ()) -> None:
+        """Store the state (and append ``messages``) after picking up a background summary
+        that finished, so a state write never rolls a newer summary back."""
+        with self.summaries.key_lock(self.store, self.id):
+            self._sync_summary(locked=True)
+            if messages:
+                self.store.append(self.id, messages, state=self._state)
+            else:
+                self.store.save_state(self._state)
 
     def add(self, message: MessageLike, *, date: str | None = None) -> None:
         """Append a message without generating (tool results, imported history...).
@@ -466,7 +601,18 @@ class Session:
         on_text: Any,
         cancel: threading.Event | None,
     ) -> Reply:
-        flow = self._reply_flow(started)
+        waits = self._summary_waits()
+        waited = 0.0
+        try:
+            job, left = next(waits)
+            while True:
+                t0 = time.monotonic()
+                finished = job.wait(left)
+                waited += time.monotonic() - t0
+                job, left = waits.send(finished)
+        except StopIteration:
+            pass
+        flow = self._reply_flow(started, waited)
         try:
             plan = next(flow)
             while True:
@@ -488,7 +634,18 @@ class Session:
         cancel: threading.Event | None,
     ) -> Reply:
         """:meth:`_reply`, awaiting each generation (the same flow)."""
-        flow = self._reply_flow(started)
+        waits = self._summary_waits()
+        waited = 0.0
+        try:
+            job, left = next(waits)
+            while True:
+                t0 = time.monotonic()
+                finished = await asyncio.to_thread(job.wait, left)
+                waited += time.monotonic() - t0
+                job, left = waits.send(finished)
+        except StopIteration:
+            pass
+        flow = self._reply_flow(started, waited)
         try:
             plan = next(flow)
             while True:
@@ -501,15 +658,49 @@ class Session:
         except StopIteration as done:
             return cast(Reply, done.value)
 
-    def _reply_flow(self, started: float) -> Generator[PromptPlan, Generation, Reply]:
+    def _summary_waits(self) -> Generator[tuple[SummaryJob, float | None], bool, None]:
+        """The background summary a turn waits for, before it plans: it yields each job to
+        wait for, with the seconds left (``None``: no limit), and is sent whether the job
+        ended. :meth:`_reply` waits blocking, :meth:`_areply` in a worker thread.
+
+        A finished summary is picked up; turns the summary owes get a job (after a crash, a
+        failure or a cancel: the stored turns are the source of truth). While the turns the
+        summary misses cannot all be shown beside the window, the turn waits for the job
+        (and the next one), at most ``summary_wait_s`` in all.
+        """
+        t0 = time.monotonic()
+        deadline = None if self.summary_wait_s is None else t0 + self.summary_wait_s
+        while True:
+            self._sync_summary()
+            job = self._live_job() or self._submit_summary()
+            _, start = self._plan_now()
+            # The prompt is the window, and the summary misses turns before it: wait for it.
+            hides = start == self.evicted_turns and self._owes_summary()
+            left = None if deadline is None else deadline - time.monotonic()
+            if not hides or job is None or not job.live or (left is not None and left <= 0):
+                return
+            self.summaries.promote(job)
+            finished = yield job, left
+            if not finished or job.status is not JobStatus.DONE:
+                logger.info(
+                    "session %s: summary of turns %d-%d not in after %.1f s (%s); planning without it",
+                    self.id, job.start, job.end, time.monotonic() - t0, job.status.value,
+                )  # fmt: skip
+                return
+
+    def _reply_flow(self, started: float, waited: float = 0.0) -> Generator[PromptPlan, Generation, Reply]:
         """One turn, without I/O of the model: it yields each prompt to generate and is sent
         the :class:`Generation` (or thrown the engine's error). :meth:`_reply` drives it
-        with blocking calls, :meth:`_areply` with awaited ones."""
+        with blocking calls, :meth:`_areply` with awaited ones; ``waited`` is the seconds
+        they waited for the summary (:meth:`_summary_waits`) first."""
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
         self._remember_completed_turns()
-        plan = self.plan()
-        plan_s = time.monotonic() - started
+        self._sync_summary()
+        plan, start = self._plan_now()
+        planned = self._planned(start)
+        summarize_s = waited
+        plan_s = time.monotonic() - started - waited
         oom_retries, recovery = 0, ""
         t_gen = time.monotonic()
         try:
@@ -517,7 +708,7 @@ class Session:
                 gen = yield plan
             except BudgetError:
                 # The template cost more than the counter's sum: re-plan on exact counts.
-                plan = self.plan(exact=True)
+                plan = self._plan(None, None, True, start=planned.start)
                 gen = yield plan
         except DeviceOutOfMemory:
             # Half the turns that were shown, half the passages, no window slack.
@@ -549,19 +740,20 @@ class Session:
         # Slide the window for the next turn now, so that the summary changes on the same
         # turn as the window: one re-prefill per batch instead of two.
         self._advance_window(lookahead=1)
-        if budget_cut or self._next_turn_overflows(plan):
+        # A plan that still shows unsummarized turns is larger than the window's: it must
+        # not push turns out early (the window moves when the summary is in).
+        late = planned.start < evicted_before
+        if budget_cut or (not late and self._next_turn_overflows(plan)):
             self._make_room_for_batch()
-        t_sum = time.monotonic()
+        self._write()  # the turn is stored before its summary starts
         self._maybe_summarize(window_moved=self.evicted_turns != evicted_before)
-        summarize_s = time.monotonic() - t_sum
-        self.store.save_state(self._state)
         stats = TurnStats(
             turn=self.turn_count,
             parts=dict(plan.parts),
             prompt_tokens=plan.prompt_tokens,
             context_tokens=self.budget.context_tokens,
             max_new_tokens=self.budget.max_new_tokens,
-            summary_tokens=self.counter.count_text(self.summary) if self.summary else 0,
+            summary_tokens=self.counter.count_text(planned.summary) if planned.summary else 0,
             evicted_turns=self.evicted_turns,
             summarized_turns=self.summarized_turns,
             passages_used=len(plan.passages_used),
@@ -574,6 +766,8 @@ class Session:
             oom_retries=oom_retries,
             recovery=recovery,
             generation=gen.stats,
+            hidden_turns=planned.hidden_turns(plan),
+            summary=self.summary_state,
         )
         return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
 
@@ -588,16 +782,17 @@ class Session:
         agenerate = getattr(self.engine, "agenerate", None)
         if agenerate is None:  # a synchronous engine: its own call, in a worker thread
             return await asyncio.to_thread(self._generate, plan, sampling, timeout_s, on_text, cancel)
-        result = await agenerate(
-            plan.messages,
-            max_new_tokens=self.budget.max_new_tokens,
-            timeout_s=timeout_s or self.timeout_s,
-            sampling=sampling or self.sampling,
-            cache_key=self.id,
-            on_text=on_text,
-            cancel=cancel,
-            max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
-        )
+        with self.summaries.replying():  # background summaries defer to replies
+            result = await agenerate(
+                plan.messages,
+                max_new_tokens=self.budget.max_new_tokens,
+                timeout_s=timeout_s or self.timeout_s,
+                sampling=sampling or self.sampling,
+                cache_key=self.id,
+                on_text=on_text,
+                cancel=cancel,
+                max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+            )
         return cast(Generation, result)
 
     def _generate(
@@ -609,17 +804,18 @@ class Session:
         cancel: threading.Event | None,
     ) -> Generation:
         assert self.engine is not None
-        return self.engine.generate(
-            plan.messages,
-            max_new_tokens=self.budget.max_new_tokens,
-            timeout_s=timeout_s or self.timeout_s,
-            sampling=sampling or self.sampling,
-            cache_key=self.id,
-            on_text=on_text,
-            cancel=cancel,
-            # The engine checks the real token ids against the budget before the model runs.
-            max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
-        )
+        with self.summaries.replying():  # background summaries defer to replies
+            return self.engine.generate(
+                plan.messages,
+                max_new_tokens=self.budget.max_new_tokens,
+                timeout_s=timeout_s or self.timeout_s,
+                sampling=sampling or self.sampling,
+                cache_key=self.id,
+                on_text=on_text,
+                cancel=cancel,
+                # The engine checks the real token ids against the budget before the model runs.
+                max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+            )
 
     # -- planning ------------------------------------------------------------------------------
     def plan(
@@ -637,15 +833,38 @@ class Session:
         template costs more than the per-message counts add up to, it is re-planned with
         that difference held back, so ``prompt_tokens + max_new_tokens <= context_tokens``
         always holds.
+
+        While the summary is behind, the prompt keeps the turns it does not cover yet when
+        they all fit, and is the window with the previous summary otherwise (what a turn
+        sends when it does not wait for the summary).
         """
+        if budget is not None:
+            return self._plan(query, budget, exact, start=self.evicted_turns)
+        plan, _ = self._plan_now(query, exact)
+        return plan
+
+    def _plan_now(self, query: str | None = None, exact: bool = False) -> tuple[PromptPlan, int]:
+        """The plan from the first turn the summary does not cover, if that hides no
+        turn, else from the window's first turn; and that start."""
+        start = self._first_candidate_turn()
+        if start < self.evicted_turns:
+            plan = self._plan(query, None, exact, start=start)
+            if plan.first_shown_turn <= start:
+                return plan, start
+        return self._plan(query, None, exact, start=self.evicted_turns), self.evicted_turns
+
+    def _plan(self, query: str | None, budget: Budget | None, exact: bool, *, start: int) -> PromptPlan:
         budget = budget or self.budget
         if budget.summarize_batch_turns > 1:
             # Show every turn still inside the window (see _advance_window).
             budget = replace(budget, window_turns=budget.window_turns + budget.summarize_batch_turns - 1)
-        turns = self.turns(self.evicted_turns)
+        turns = self.turns(start)
         if query is not None:
             probe = Message(role=Role.USER, content=query)
             turns.append(Turn(index=self.turn_count, messages=(probe,)))
+        if start < self.evicted_turns and budget.window_turns < len(turns):
+            # The summary is late: the turns it does not cover yet stay candidates.
+            budget = replace(budget, window_turns=len(turns))
         last_user = next((m.content for t in reversed(turns) for m in t.messages if m.role is Role.USER), "")
         passages: list[Passage] = []
         min_score = float("-inf")
@@ -662,7 +881,7 @@ class Session:
             counter=self.counter,
             turns=turns,
             pinned=self._pinned,
-            summary=self.summary,
+            summary=self._state.summary,
             passages=passages,
             min_score=min_score,
             exact=exact,
@@ -695,7 +914,7 @@ class Session:
                 turns - self.budget.window_turns - 1,
             )
             self._state = replace(self._state, evicted_turns=turns - self.budget.window_turns)
-            self.store.save_state(self._state)
+            self._write()
 
     def _next_turn_overflows(self, plan: PromptPlan) -> bool:
         """Whether the next turn, at the recent turns' average size, would not fit.
@@ -749,28 +968,73 @@ class Session:
         )
         self._indexed_turns = done
 
+    @property
+    def _summarizing(self) -> bool:
+        return self.summarizer is not None and self.budget.summary_tokens > 0
+
+    def _first_candidate_turn(self) -> int:
+        """The oldest turn the planner may show: the window's first, or the first turn the
+        summary does not cover yet when the summary is behind (a turn is never dropped
+        from both)."""
+        if self._summarizing:
+            return min(self.evicted_turns, self._state.summarized_turns)
+        return self.evicted_turns
+
+    def _owes_summary(self) -> bool:
+        return self._summarizing and self.evicted_turns > self._state.summarized_turns
+
+    def _sync_summary(self, *, locked: bool = False) -> None:
+        """Pick up a background summary that finished (the worker has already stored it)."""
+        job = self.summaries.job(self.store, self.id)
+        if job is None or job.status is not JobStatus.DONE or job.start != self._state.summarized_turns:
+            return
+        if not locked:
+            with self.summaries.key_lock(self.store, self.id):
+                self._sync_summary(locked=True)
+            return
+        if job.end > self._state.summarized_turns:
+            self._state = replace(self._state, summary=job.result, summarized_turns=job.end)
+
+    def _live_job(self) -> SummaryJob | None:
+        job = self.summaries.job(self.store, self.id)
+        return job if job is not None and job.live else None
+
+    def _submit_summary(self) -> SummaryJob | None:
+        """Queue a background job for every turn that left the window and is not summarized
+        (or return the live one: the next job folds into its result)."""
+        if not self._owes_summary():
+            return None
+        assert self.summarizer is not None
+        start, end = self._state.summarized_turns, self.evicted_turns
+        return self.summaries.submit(
+            store=self.store,
+            session_id=self.id,
+            summarizer=self.summarizer,
+            previous=self._state.summary,
+            messages=[m for t in self.turns(start)[: end - start] for m in t.messages],
+            start=start,
+            end=end,
+            max_tokens=self.budget.summary_tokens,
+        )
+
     def _maybe_summarize(self, *, window_moved: bool = False) -> None:
         """Fold evicted turns into the summary once a batch is waiting, or whenever the
         window has just moved (the prompt's start changes anyway, so changing the summary
-        on the same turn costs no extra re-prefill)."""
-        pending = self.evicted_turns - self.summarized_turns
-        if self.summarizer is None or self.budget.summary_tokens == 0 or pending <= 0:
+        on the same turn costs no extra re-prefill). The summary runs in the background."""
+        pending = self.evicted_turns - self._state.summarized_turns
+        if not self._summarizing or pending <= 0:
             return
         if pending < self.budget.summarize_batch_turns and not window_moved:
             return
-        messages = [m for t in self.turns(self.summarized_turns)[:pending] for m in t.messages]
-        summary = self.summarizer.summarize(
-            previous=self.summary, messages=messages, max_tokens=self.budget.summary_tokens
+        self._submit_summary()
+
+    def _planned(self, start: int) -> _Planned:
+        return _Planned(
+            summary=self._state.summary,
+            summarized_turns=self._state.summarized_turns,
+            summarizing=self._summarizing,
+            start=start,
         )
-        logger.info(
-            "session %s: folded turns %d-%d into the summary (%d tokens)",
-            self.id,
-            self.summarized_turns,
-            self.evicted_turns - 1,
-            self.counter.count_text(summary),
-        )
-        self._state = replace(self._state, summary=summary, summarized_turns=self.evicted_turns)
-        self.store.save_state(self._state)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
@@ -778,9 +1042,13 @@ class Session:
         return self.store.export_session(self.id)
 
     def close(self) -> None:
-        """Release the engine's KV cache for this session (the history stays stored)."""
+        """Release the engine's KV cache for this session and cancel its queued or running
+        summary (the history stays stored; a later session with this id re-runs the summary)."""
+        self.summaries.forget(self.store, self.id)
         if self.engine is not None:
             self.engine.release(self.id)
+
+
 
     def __enter__(self) -> Session:
         return self

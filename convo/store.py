@@ -78,6 +78,26 @@ class Store(abc.ABC):
     def save_state(self, state: SessionState) -> None:
         """Replace the state (summary, counters, settings) of an existing session."""
 
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        """Store a summary that folds turns ``[covered_from, summarized_turns)`` into the one
+        that covered ``[0, covered_from)``, only if the stored state still says
+        ``summarized_turns == covered_from`` (a compare-and-set: a late or repeated background
+        job never overwrites a newer summary). Returns whether it was stored.
+
+        The stores here do it atomically; this default (for other stores) reads and writes
+        the state without a transaction.
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        state, _ = self.load(session_id)
+        if state.summarized_turns != covered_from:
+            return False
+        self.save_state(replace(state, summary=summary, summarized_turns=summarized_turns))
+        return True
+
     @abc.abstractmethod
     def delete(self, session_id: str) -> None:
         """Delete a session and its history. Raises SessionNotFound."""
@@ -199,6 +219,21 @@ class MemoryStore(Store):
             if state.session_id not in self._data:
                 raise SessionNotFound(f"no session {state.session_id!r}")
             self._data[state.session_id] = (state, self._data[state.session_id][1])
+
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            state, msgs = self._data[session_id]
+            if state.summarized_turns != covered_from:
+                return False
+            self._data[session_id] = (
+                replace(state, summary=summary, summarized_turns=summarized_turns),
+                msgs,
+            )
+            return True
 
     def delete(self, session_id: str) -> None:
         with self._lock:
@@ -375,6 +410,19 @@ class SQLiteStore(Store):
         with self._tx() as db:
             self._update_state(db, state)
 
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE sessions SET summary = ?, summarized_turns = ?, updated_at = ?"
+                " WHERE id = ? AND summarized_turns = ?",
+                (summary, summarized_turns, time.time(), session_id, covered_from),
+            )
+            if cur.rowcount == 0 and not self._exists_in(db, session_id):
+                raise SessionNotFound(f"no session {session_id!r} in {self.path}")
+            return cur.rowcount > 0
+
     def delete(self, session_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
@@ -442,6 +490,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
+_R_SUMMARY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'summarized_turns') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'summary', ARGV[2], 'summarized_turns', ARGV[3], 'updated_at', ARGV[4])
+return 1
+"""
 _R_DELETE = """
 local n = redis.call('DEL', KEYS[1])
 redis.call('DEL', KEYS[2])
@@ -496,6 +550,7 @@ class RedisStore(Store):
         self._append = self._r.register_script(_R_APPEND)
         self._save = self._r.register_script(_R_SAVE)
         self._delete = self._r.register_script(_R_DELETE)
+        self._summary = self._r.register_script(_R_SUMMARY)
         self._release = self._r.register_script(_R_RELEASE)
         self._renew = self._r.register_script(_R_RENEW)
 
@@ -564,6 +619,15 @@ class RedisStore(Store):
         fields = self._fields(replace(state, updated_at=time.time()), created=False)
         if not self._save(keys=[self._keys(state.session_id)[0]], args=fields):
             raise SessionNotFound(f"no session {state.session_id!r} in {self.url}")
+
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        args: list[str | int] = [str(covered_from), summary, summarized_turns, repr(time.time())]
+        done = int(self._summary(keys=[self._keys(session_id)[0]], args=args))
+        if done < 0:
+            raise SessionNotFound(f"no session {session_id!r} in {self.url}")
+        return done == 1
 
     def delete(self, session_id: str) -> None:
         skey, mkey = self._keys(session_id)

@@ -348,6 +348,8 @@ def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> No
         assert reply.stats.prompt_tokens == g.prompt_tokens
         assert g.prompt_tokens + budget.max_new_tokens <= LLAMA_CTX, (i, g.prompt_tokens)
         assert 0 < g.new_tokens <= budget.max_new_tokens and reply.text.strip()
+    # Summaries run in the background after each reply: bring the last one in first.
+    assert session.wait_summary(timeout_s=240).status == "done"
     assert session.summarized_turns >= 2 and session.summary.strip()  # summaries ran remotely
     assert 1.0 <= engine.observed_token_ratio < 1 + 0.25 + 32 / 100  # within the margin
 

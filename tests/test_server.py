@@ -557,3 +557,55 @@ def test_real_model_over_http(real_engine: Any, tmp_path: Path) -> None:
         assert text.strip()
         msgs = httpx.get(f"{base}/v1/sessions/real").json()["messages"]
         assert [m["content"] for m in msgs][2:] == ["What is my name?", text]
+
+
+def test_the_stream_ends_before_the_summary_and_stats_report_it(store: Store) -> None:
+    from convo.fast.scheduler import DecodeRequest, Priority
+    from convo.summarize import SummaryWorker
+
+    gate, started = threading.Event(), threading.Event()
+
+    class SlowSummaries(EchoEngine):
+        def generate(self, messages: Any, **kw: Any) -> Any:
+            request = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+            if request.priority == Priority.BACKGROUND:  # the summarizer's call
+                started.set()
+                assert gate.wait(10)
+            return super().generate(messages, **kw)
+
+    budget = Budget(
+        context_tokens=4000, max_new_tokens=50, window_turns=1, summarize_batch_turns=1, summary_tokens=40
+    )
+    worker = SummaryWorker(max_defer_s=0.0)
+    app = create_app(SlowSummaries(), store=store, budget=budget, model_name="echo", summaries=worker)
+    try:
+        with serve(app) as base, client(base) as c:
+            head = {"X-Session-Id": "sum"}
+            chunks = c.chat.completions.create(
+                model="echo",
+                messages=[{"role": "user", "content": "my boat is Nautilus"}],
+                stream=True,
+                extra_headers=head,
+            )
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert text == "heard 1: my boat is Nautilus"  # the whole stream, [DONE] included
+            assert started.wait(10) and not gate.is_set()  # ...while its summary still runs
+            state = store.load("sum")[0]
+            assert (state.evicted_turns, state.summarized_turns) == (1, 0)
+            r = httpx.post(
+                f"{base}/v1/chat/completions",
+                json={"model": "echo", "messages": [{"role": "user", "content": "and?"}]},
+                headers=head,
+            )
+            stats = r.json()["convo"]
+            assert stats["summary"]["status"] == "running" and stats["summary"]["pending_turns"] >= 1
+            assert stats["hidden_turns"] == 0 and stats["summary_wait_s"] == 0.0  # it fit: no wait
+            gate.set()
+            job = worker.job(store, "sum")
+            assert job is not None and job.wait(10)
+            deadline = time.monotonic() + 10
+            while store.load("sum")[0].summarized_turns < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert store.load("sum")[0].summary.startswith("heard")  # written by the worker
+    finally:
+        worker.close(wait=False)

@@ -17,7 +17,7 @@ import pytest
 
 from convo import MemoryStore, SQLiteStore
 from convo.errors import SessionBusy, SessionNotFound, StoreError
-from convo.messages import ToolCall, assistant, tool, user
+from convo.messages import Message, Role, ToolCall, assistant, tool, user
 from convo.store import SessionState, Store
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -216,3 +216,17 @@ print(s.turn_count)
     assert len(msgs) == 12
     assert state.settings["budget"]["context_tokens"] == 300
     assert state.evicted_turns == 4
+
+
+def test_save_summary_is_a_compare_and_set_on_the_covered_turns(store: Store) -> None:
+    store.create(SessionState(session_id="a", evicted_turns=4, settings={"k": 1}))
+    store.append("a", [Message(role=Role.USER, content="hi")])
+    assert store.save_summary("a", summary="S1", covered_from=0, summarized_turns=2)
+    # A late or repeated job that started from the old summary is refused.
+    assert not store.save_summary("a", summary="stale", covered_from=0, summarized_turns=3)
+    assert store.save_summary("a", summary="S2", covered_from=2, summarized_turns=4)
+    state, messages = store.load("a")
+    assert (state.summary, state.summarized_turns, state.evicted_turns) == ("S2", 4, 4)
+    assert state.settings == {"k": 1} and len(messages) == 1  # nothing else touched
+    with pytest.raises(SessionNotFound):
+        store.save_summary("nope", summary="x", covered_from=0, summarized_turns=1)

@@ -31,6 +31,8 @@ def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
         "passages_used": s.passages_used,
         "oom_retries": s.oom_retries,
         "summarize_s": round(s.summarize_s, 4),
+        "hidden_turns": s.hidden_turns,
+        "summary": s.summary.to_dict() if s.summary is not None else None,
     }
     if g is not None:
         out.update(

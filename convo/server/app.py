@@ -56,6 +56,7 @@ from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest, parse_chat_request
 from convo.session import Reply, Session
 from convo.store import MemoryStore, Store
+from convo.summarize import SummaryWorker
 
 try:
     import anyio
@@ -87,6 +88,7 @@ class _Turn:
     store: Store
     engine: Engine
     limits: ServerLimits
+    summaries: SummaryWorker
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: Set when the client's history diverged: the id holding the replaced tail.
     forked: str | None = None
@@ -124,6 +126,8 @@ class _Turn:
                 code="invalid_messages",
             )
         if plan.fork_at is not None:
+            # A summary still running folds turns the fork may drop: it must not land.
+            self.summaries.forget(self.store, sid)
             self.forked = _fork(self.store, sid, plan.fork_at)
         system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM)
         session = Session(
@@ -134,7 +138,10 @@ class _Turn:
             owner=self.owner,
             system_prompt=system if not exists else None,
             timeout_s=self.limits.generation_timeout_s,
+            summaries=self.summaries,
+            summary_wait_s=self.limits.summary_wait_s,
         )
+        # (The session is not closed: its summary runs on after the reply, outside the lock.)
         if not plan.new:
             return session.reply(**kwargs)
         *earlier, final = plan.new
@@ -149,7 +156,9 @@ class _Turn:
             store=MemoryStore(),
             session_id=self.session_id,
             timeout_s=self.limits.generation_timeout_s,
-        ) as session:  # (closing releases the engine's KV cache of the id)
+            summaries=self.summaries,
+            summary_wait_s=self.limits.summary_wait_s,
+        ) as session:  # (closing releases the engine's KV cache and cancels its summary)
             for m in self.request.messages:
                 session.add(m)
             return session.reply(**kwargs)
@@ -215,6 +224,9 @@ def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None
         "parts": dict(s.parts),
         "evicted_turns": s.evicted_turns,
         "summarized_turns": s.summarized_turns,
+        "hidden_turns": s.hidden_turns,
+        "summary_wait_s": round(s.summarize_s, 4),
+        "summary": s.summary.to_dict() if s.summary is not None else None,
     }
 
 
@@ -229,6 +241,7 @@ def create_app(
     metrics: ServingMetrics | None = None,
     admission: AdmissionController | None = None,
     session_from_user: bool = False,
+    summaries: SummaryWorker | None = None,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -246,6 +259,8 @@ def create_app(
         session_from_user: also take the request's ``user`` field as the session id (after
             ``X-Session-Id`` and ``metadata.session_id``). Off by default: OpenAI's ``user``
             names an end user, and one user's separate chats must not merge.
+        summaries: runs the sessions' rolling summaries in the background, after their
+            replies (default: the process-wide :meth:`SummaryWorker.shared`).
 
     Example::
 
@@ -257,6 +272,7 @@ def create_app(
 
     limits = limits or ServerLimits()
     budget = budget or Budget()
+    summaries = summaries or SummaryWorker.shared()
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
         raise ConfigError("an API key must not be empty")
@@ -401,6 +417,7 @@ def create_app(
         def work() -> None:
             with store.lock(session_id, limits.session_lock_timeout_s):
                 owned(session_id, owner)
+                summaries.forget(store, session_id)  # its summary must not land in a new one
                 store.delete(session_id)
 
         await in_thread(work)
@@ -421,7 +438,13 @@ def create_app(
         if parsed.max_tokens is not None and parsed.max_tokens != budget.max_new_tokens:
             turn_budget = replace(budget, max_new_tokens=parsed.max_tokens)
         turn = _Turn(
-            request=parsed, owner=owner, budget=turn_budget, store=store, engine=engine, limits=limits
+            request=parsed,
+            owner=owner,
+            budget=turn_budget,
+            store=store,
+            engine=engine,
+            limits=limits,
+            summaries=summaries,
         )
         if parsed.session_id is None:
             prompt_est = await anyio.to_thread.run_sync(_prompt_estimate, turn, limiter=counting)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from convo.errors import (
     ConfigError,
 )
+from convo.session import DEFAULT_SUMMARY_WAIT_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,13 @@ class ServerLimits:
             (in this process or another replica) before 409. Default 60.
         generation_timeout_s: wall-clock cap of one generation, seconds (the reply is cut
             and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
+        summary_wait_s: seconds a turn waits for its session's background summary, only
+            when the turns it folds do not fit beside the window (see
+            ``Session(summary_wait_s=...)``); past it the turn goes on with the previous
+            summary. ``None``: no limit. Default
+            :data:`convo.session.DEFAULT_SUMMARY_WAIT_S` (30 s). The summary never delays
+            the reply that caused it: a stream ends, and the turn is stored, before the
+            summary starts.
     """
 
     max_body_bytes: int = 1 << 20
@@ -43,6 +51,7 @@ class ServerLimits:
     queue_timeout_s: float = 30.0
     session_lock_timeout_s: float = 60.0
     generation_timeout_s: float | None = None
+    summary_wait_s: float | None = DEFAULT_SUMMARY_WAIT_S
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency"):
@@ -57,5 +66,7 @@ class ServerLimits:
                 raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:
             raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
+        if self.summary_wait_s is not None and not self.summary_wait_s >= 0:
+            raise ConfigError("ServerLimits.summary_wait_s must be >= 0 or None")
 
 

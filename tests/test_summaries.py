@@ -1,0 +1,461 @@
+"""Summaries off the reply path: the reply returns and is stored before its summary runs;
+the next turn waits for the summary only when its prompt needs it, within
+``summary_wait_s``; failures are reported and retried; a crash or a cancel loses nothing.
+
+Fast tests use fake engines and summarizers gated by events (no sleeps decide an outcome,
+only bounds); one slow test runs the default model on CPU."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import FakeEngine
+
+from convo import Budget, Session
+from convo.messages import Message, Role
+from convo.store import MemoryStore, SessionState, SQLiteStore
+from convo.summarize import JobStatus, SummaryStatus, SummaryWorker
+
+WAIT = 10.0  # seconds a test waits for something that happens at once; a hang fails, not blocks
+
+
+class GatedSummarizer:
+    """Writes ``S[start..]`` summaries, but only once ``gate`` is set; can fail on demand."""
+
+    def __init__(self, *, open_gate: bool = False, fail_times: int = 0) -> None:
+        self.gate = threading.Event()
+        if open_gate:
+            self.gate.set()
+        self.started = threading.Event()
+        self.calls: list[int] = []
+        self.fail_times = fail_times
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        self.started.set()
+        assert self.gate.wait(WAIT), "test gate never opened"
+        self.calls.append(len(messages))
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            raise RuntimeError("summarizer down")
+        return (previous + " | " + ";".join(m.content[:6] for m in messages)).strip(" |")
+
+
+@pytest.fixture
+def worker() -> Iterator[SummaryWorker]:
+    w = SummaryWorker(threads=2, max_defer_s=0.0)
+    yield w
+    w.close(wait=False)
+
+
+# ~210 tokens a turn under CharCounter: 3 turns fit in the 650 prompt tokens, 4 do not.
+BIG = "w" * 800
+TIGHT = Budget(
+    context_tokens=700, max_new_tokens=50, window_turns=2, summarize_batch_turns=1, summary_tokens=40
+)
+ROOMY = Budget(
+    context_tokens=8000, max_new_tokens=50, window_turns=2, summarize_batch_turns=1, summary_tokens=40
+)
+
+
+def job_of(session: Session, worker: SummaryWorker):  # type: ignore[no-untyped-def]
+    job = worker.job(session.store, session.id)
+    assert job is not None
+    return job
+
+
+def test_reply_returns_and_is_stored_before_the_summary_runs(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    store = MemoryStore()
+    session = Session(fake_engine, budget=ROOMY, store=store, summarizer=summ, summaries=worker)
+    for i in range(2):
+        reply = session.send(f"turn {i}")
+    # After turn 2 the window slides (one turn ahead, for turn 3): turn 0 leaves. Its summary
+    # is queued or running (blocked), and the reply is back.
+    assert reply.stats.summary is not None
+    assert reply.stats.summary.status in (SummaryStatus.PENDING, SummaryStatus.RUNNING)
+    assert reply.stats.summarize_s == 0.0
+    assert summ.started.wait(WAIT)
+    state, messages = store.load(session.id)
+    assert len(messages) == 4 and messages[-1].role is Role.ASSISTANT  # the turn is stored
+    assert (state.evicted_turns, state.summarized_turns) == (1, 0)  # the window position too
+    st = session.summary_state
+    assert st.status is SummaryStatus.RUNNING and st.pending_turns == 1 and st.job_turns == (0, 1)
+    summ.gate.set()
+    assert job_of(session, worker).wait(WAIT)
+    # The worker stored the summary itself, without another call on the session.
+    state, _ = store.load(session.id)
+    assert (state.summarized_turns, state.summary) == (1, "turn 0;reply")
+    assert session.summary_state.status is SummaryStatus.DONE and session.summarized_turns == 1
+
+
+def test_next_turn_does_not_wait_when_the_unsummarized_turns_fit(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=ROOMY, summarizer=summ, summaries=worker, summary_wait_s=None)
+    for i in range(2):
+        session.send(f"turn {i}")
+    reply = session.send("turn 2")  # the summary is still blocked: nothing to wait for
+    assert reply.stats.summarize_s == 0.0 and reply.stats.hidden_turns == 0
+    # The prompt shows the turns the summary does not cover yet: no turn is dropped.
+    shown = [m.content for m in fake_engine.prompts[-1]]
+    assert shown[:2] == ["turn 0", "reply 1"] and reply.plan.parts["summary"] == 0
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+
+
+def test_next_turn_waits_for_a_needed_summary_and_uses_it(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=WAIT)
+    for i in range(3):
+        session.send(f"turn {i} {BIG}")
+    assert summ.started.wait(WAIT)
+    job = job_of(session, worker)
+
+    def open_once_waited_for() -> None:  # the turn promotes the job when it starts to wait
+        deadline = time.monotonic() + WAIT
+        while not job.urgent and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        summ.gate.set()
+
+    opener = threading.Thread(target=open_once_waited_for)
+    opener.start()
+    reply = session.send(f"turn 3 {BIG}")
+    opener.join()
+    assert 0.05 <= reply.stats.summarize_s < WAIT
+    assert reply.stats.hidden_turns == 0 and reply.plan.parts["summary"] > 0
+    assert reply.plan.first_shown_turn == 1 and reply.stats.prompt_tokens + 50 <= 700
+    assert reply.stats.latency_s >= reply.stats.summarize_s
+    assert "turn 0;" in fake_engine.prompts[-1][0].content  # the summary message
+
+
+def test_past_the_bound_the_turn_goes_on_within_the_budget(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=0.2)
+    for i in range(3):
+        session.send(f"turn {i} {BIG}")
+    assert summ.started.wait(WAIT)
+    t0 = time.monotonic()
+    reply = session.send(f"turn 3 {BIG}")
+    assert 0.2 <= reply.stats.summarize_s < 5.0 and time.monotonic() - t0 < 5.0
+    # Turns 0-1 do not all fit beside the window: the window and the previous (empty)
+    # summary, as if the summary were there; turns 0-1 are left out of this prompt, not lost.
+    assert reply.stats.hidden_turns == 2 and reply.plan.first_shown_turn == 2
+    assert reply.stats.prompt_tokens + 50 <= 700
+    assert reply.stats.summary is not None and reply.stats.summary.status is SummaryStatus.RUNNING
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    nxt = session.send("turn 4")
+    assert nxt.stats.hidden_turns == 0 and nxt.plan.parts["summary"] > 0
+    assert len(session.messages) == 10  # every message stored
+
+
+def test_zero_wait_never_waits(fake_engine: FakeEngine, worker: SummaryWorker) -> None:
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=0)
+    for i in range(4):
+        reply = session.send(f"turn {i} {BIG}")
+    assert reply.stats.summarize_s == 0.0 and reply.stats.hidden_turns == 2
+    summ.gate.set()
+
+
+def test_failures_are_reported_and_retried(fake_engine: FakeEngine, worker: SummaryWorker) -> None:
+    summ = GatedSummarizer(open_gate=True, fail_times=1)
+    session = Session(fake_engine, budget=ROOMY, summarizer=summ, summaries=worker)
+    for i in range(2):
+        session.send(f"turn {i}")
+    assert job_of(session, worker).wait(WAIT)
+    st = session.summary_state
+    assert st.status is SummaryStatus.FAILED and st.failures == 1 and "summarizer down" in st.error
+    assert st.to_dict()["status"] == "failed"
+    session.send("turn 2")  # the next turn retries
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    assert summ.calls == [2, 2, 2] and session.summarized_turns == 2
+
+
+def test_a_failing_summarizer_never_blocks_turns(fake_engine: FakeEngine, worker: SummaryWorker) -> None:
+    summ = GatedSummarizer(open_gate=True, fail_times=10**6)
+    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=1.0)
+    for i in range(8):
+        reply = session.send(f"turn {i} {BIG}")
+        assert reply.stats.prompt_tokens + 50 <= 700
+    state = session.wait_summary(WAIT)
+    assert state.status is SummaryStatus.FAILED and state.failures >= 2
+    assert len(session.messages) == 16 and session.summarized_turns == 0
+
+
+def test_close_cancels_a_queued_summary_and_a_new_session_redoes_it(fake_engine: FakeEngine) -> None:
+    worker = SummaryWorker(threads=1, max_defer_s=0.0)
+    store = MemoryStore()
+    try:
+        blocker = GatedSummarizer()
+        other = Session(fake_engine, budget=ROOMY, store=store, summarizer=blocker, summaries=worker)
+        for i in range(2):
+            other.send(f"other {i}")
+        assert blocker.started.wait(WAIT)  # the only worker thread is busy
+        summ = GatedSummarizer(open_gate=True)
+        session = Session(fake_engine, budget=ROOMY, store=store, summarizer=summ, summaries=worker)
+        for i in range(2):
+            session.send(f"turn {i}")
+        job = job_of(session, worker)
+        assert job.status is JobStatus.QUEUED
+        session.close()
+        blocker.gate.set()
+        assert job.wait(WAIT) and job.status is JobStatus.CANCELLED and summ.calls == []
+        assert worker.job(store, session.id) is None  # a closed session leaves nothing behind
+        assert session.summary_state.status is SummaryStatus.PENDING
+        again = Session(fake_engine, store=store, session_id=session.id, summarizer=summ, summaries=worker)
+        assert again.summary_state.pending_turns == 1
+        assert again.wait_summary(WAIT).status is SummaryStatus.DONE and summ.calls == [2]
+    finally:
+        worker.close(wait=False)
+
+
+def test_a_crash_between_reply_and_summary_loses_nothing(fake_engine: FakeEngine, tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    old_worker, new_worker = SummaryWorker(max_defer_s=0.0), SummaryWorker(max_defer_s=0.0)
+    try:
+        lost = GatedSummarizer()
+        session = Session(
+            fake_engine, budget=ROOMY, store=SQLiteStore(path), summarizer=lost, summaries=old_worker
+        )
+        for i in range(2):
+            session.send(f"turn {i}")
+        assert lost.started.wait(WAIT)
+        # "Crash": the process is gone before the summary was written. A new process resumes.
+        summ = GatedSummarizer(open_gate=True)
+        resumed = Session(
+            fake_engine, store=SQLiteStore(path), session_id=session.id, summarizer=summ, summaries=new_worker
+        )
+        assert len(resumed.messages) == 4
+        st = resumed.summary_state
+        assert st.status is SummaryStatus.PENDING and (st.summarized_turns, st.evicted_turns) == (0, 1)
+        resumed.send("turn 2")  # re-derives the summary from the stored turns
+        assert resumed.wait_summary(WAIT).status is SummaryStatus.DONE
+        expected = resumed.summary
+        assert expected.startswith("turn 0;")
+        # The old job ends late: its compare-and-set sees a newer summary and drops itself.
+        lost.gate.set()
+        old = old_worker.job(session.store, session.id)
+        assert old is not None and old.wait(WAIT) and old.status is JobStatus.CANCELLED
+        state, messages = SQLiteStore(path).load(session.id)
+        assert state.summary == expected and len(messages) == 6
+    finally:
+        old_worker.close(wait=False)
+        new_worker.close(wait=False)
+
+
+def test_summaries_defer_to_replies_in_flight_but_never_starve() -> None:
+    store = MemoryStore()
+    store.create(SessionState(session_id="s", evicted_turns=1))
+    worker = SummaryWorker(threads=1, max_defer_s=60.0)
+    summ = GatedSummarizer(open_gate=True)
+    msgs = [Message(role=Role.USER, content="hello")]
+    try:
+        with worker.replying():
+            job = worker.submit(
+                store=store,
+                session_id="s",
+                summarizer=summ,
+                previous="",
+                messages=msgs,
+                start=0,
+                end=1,
+                max_tokens=9,
+            )
+            assert not job.wait(0.3) and job.status is JobStatus.QUEUED  # a reply is generating
+        assert job.wait(WAIT) and job.status is JobStatus.DONE  # the reply ended: it runs
+        store.create(SessionState(session_id="t", evicted_turns=1))
+        with worker.replying():
+            job = worker.submit(
+                store=store,
+                session_id="t",
+                summarizer=summ,
+                previous="",
+                messages=msgs,
+                start=0,
+                end=1,
+                max_tokens=9,
+            )
+            assert not job.wait(0.2)
+            worker.promote(job)  # a turn waits for it: it goes now
+            assert job.wait(WAIT) and job.status is JobStatus.DONE
+    finally:
+        worker.close(wait=False)
+    short = SummaryWorker(threads=1, max_defer_s=0.1)
+    try:
+        store.create(SessionState(session_id="u", evicted_turns=1))
+        with short.replying():  # replies never end: the summary starts after max_defer_s
+            job = short.submit(
+                store=store,
+                session_id="u",
+                summarizer=summ,
+                previous="",
+                messages=msgs,
+                start=0,
+                end=1,
+                max_tokens=9,
+            )
+            assert job.wait(WAIT) and job.status is JobStatus.DONE
+    finally:
+        short.close(wait=False)
+
+
+def test_the_stream_ends_before_the_summary(fake_engine: FakeEngine, worker: SummaryWorker) -> None:
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=ROOMY, summarizer=summ, summaries=worker)
+    session.send("turn 0")
+    stream = session.stream("turn 1")
+    text = "".join(stream)
+    assert text.strip() == "reply 2" and stream.result is not None
+    assert summ.started.wait(WAIT) and not summ.calls  # still running after the stream ended
+    assert session.summary_state.status is SummaryStatus.RUNNING
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+
+
+def test_budget_holds_and_nothing_is_lost_while_summaries_lag(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    budget = Budget(
+        context_tokens=600, max_new_tokens=40, window_turns=3, summarize_batch_turns=2, summary_tokens=60
+    )
+    session = Session(fake_engine, budget=budget, summarizer=summ, summaries=worker, summary_wait_s=0)
+    for i in range(30):
+        reply = session.send(f"turn {i} " + "v" * (37 * (i % 7)))
+        assert reply.stats.prompt_tokens + 40 <= 600
+        # Every turn is in the (stale) summary, shown, or counted as hidden.
+        assert reply.plan.first_shown_turn == session.summarized_turns + reply.stats.hidden_turns
+    summ.gate.set()
+    state = session.wait_summary(WAIT)
+    assert state.status is SummaryStatus.DONE and state.summarized_turns == session.evicted_turns > 20
+    assert len(session.messages) == 60
+
+
+def test_summary_wait_is_validated(fake_engine: FakeEngine) -> None:
+    from convo.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        Session(fake_engine, summary_wait_s=-1)
+    with pytest.raises(ConfigError):
+        SummaryWorker(threads=0)
+
+
+def test_remote_engine_summaries_run_after_the_reply(worker: SummaryWorker) -> None:
+    from convo.engines.openai import OpenAIEngine
+
+    gate = threading.Event()
+    summary_requests: list[dict[str, object]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.read())
+        text = "the reply"
+        if "Summarize the earlier summary" in body["messages"][-1]["content"]:
+            summary_requests.append(body)
+            assert gate.wait(WAIT)
+            text = "remote summary"
+        usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+        if body["stream"]:  # the summarizer streams, so that a cancel can close it
+            events = [
+                {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                {"choices": [], "usage": usage},
+            ]
+            raw = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            return httpx.Response(200, content=raw.encode(), headers={"content-type": "text/event-stream"})
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        return httpx.Response(
+            200, json={"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
+        )
+
+    engine = OpenAIEngine(
+        "http://engine.test/v1", "m", context_window=4096, transport=httpx.MockTransport(handler)
+    )
+    budget = engine.budget(max_new_tokens=32, window_turns=1, summarize_batch_turns=1, summary_tokens=40)
+    session = Session(engine, budget=budget, summaries=worker)
+    reply = session.send("My boat is called Nautilus.")
+    assert reply.text == "the reply"
+    deadline = time.monotonic() + WAIT
+    while not summary_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert summary_requests and session.summary_state.status is SummaryStatus.RUNNING
+    gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    assert session.summary == "remote summary"
+
+
+@pytest.mark.slow
+def test_real_model_reply_returns_before_its_summary_and_the_next_turn_uses_it(real_engine: object) -> None:
+    """The default model on CPU: the turn on which the window slides returns with its
+    summary still to write; the next turn, whose prompt needs it, waits and shows it."""
+    worker = SummaryWorker(max_defer_s=0.0)
+    filler = "We talked about the garden, the shed, the long fence and the neighbours again. " * 16
+    budget = Budget(
+        context_tokens=512, max_new_tokens=16, window_turns=1, summarize_batch_turns=1, summary_tokens=32
+    )
+    try:
+        session = Session(real_engine, budget=budget, summaries=worker, summary_wait_s=None)  # type: ignore[arg-type]
+        first = session.send("My boat is called Nautilus. " + filler)
+        assert first.stats.summary is not None
+        assert first.stats.summary.status in (SummaryStatus.PENDING, SummaryStatus.RUNNING)
+        assert (
+            first.stats.summary.pending_turns == 1 and session.store.load(session.id)[0].summarized_turns == 0
+        )
+        second = session.send("I also keep bees. " + filler)
+        # Both turns do not fit: the turn waited for the summary of turn 0 and used it.
+        assert second.stats.summarize_s > 0 and second.stats.hidden_turns == 0
+        assert second.plan.parts["summary"] > 0 and second.plan.first_shown_turn == 1
+        assert second.stats.prompt_tokens + 16 <= 512
+        assert session.summarized_turns >= 1 and session.summary.strip()
+    finally:
+        worker.close()
+
+
+def test_jobs_that_fall_behind_take_whole_batches_together(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    summ = GatedSummarizer()
+    budget = Budget(window_turns=2, summary_tokens=30, summarize_batch_turns=3)
+    session = Session(fake_engine, budget=budget, summarizer=summ, summaries=worker, summary_wait_s=0)
+    for i in range(11):
+        session.send(f"fact number {i}")
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    # Never one turn at a time: each call folds whole batches of 3 turns (6 messages).
+    assert session.summarized_turns == 9 and sum(summ.calls) == 18
+    assert all(n % 6 == 0 for n in summ.calls) and len(summ.calls) < 3
+
+
+def test_summary_calls_are_background_priority_for_the_scheduler(worker: SummaryWorker) -> None:
+    from convo.engines.base import Generation
+    from convo.fast.scheduler import DecodeRequest, Priority
+
+    seen: list[tuple[int, bool]] = []
+
+    class Recording(FakeEngine):
+        def generate(self, messages: Sequence[Message], **kw: object) -> Generation:  # type: ignore[override]
+            # What the local engine's scheduler would give a request made here.
+            request = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+            seen.append((request.priority, kw.get("cancel") is not None))
+            return super().generate(messages, **kw)  # type: ignore[arg-type]
+
+    session = Session(Recording(), budget=ROOMY, summaries=worker)  # the default ModelSummarizer
+    for i in range(2):
+        session.send(f"turn {i}")
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    # Replies are served first; the summary call is background work that can be cancelled.
+    assert seen[0] == (Priority.REPLY, False) and (Priority.BACKGROUND, True) in seen

@@ -135,7 +135,8 @@ def test_next_turn_waits_for_a_needed_summary_and_uses_it(
     opener.join()
     assert 0.05 <= reply.stats.summarize_s < WAIT
     assert reply.stats.hidden_turns == 0 and reply.plan.parts["summary"] > 0
-    assert reply.plan.first_shown_turn == 1 and reply.stats.prompt_tokens + 50 <= 700
+    # (After turn 0's summary, the turn may also wait for the follow-up job of turn 1.)
+    assert reply.plan.first_shown_turn in (1, 2) and reply.stats.prompt_tokens + 50 <= 700
     assert reply.stats.latency_s >= reply.stats.summarize_s
     assert "turn 0;" in fake_engine.prompts[-1][0].content  # the summary message
 
@@ -150,7 +151,7 @@ def test_past_the_bound_the_turn_goes_on_within_the_budget(
     assert summ.started.wait(WAIT)
     t0 = time.monotonic()
     reply = session.send(f"turn 3 {BIG}")
-    assert 0.2 <= reply.stats.summarize_s < 5.0 and time.monotonic() - t0 < 5.0
+    assert 0.15 <= reply.stats.summarize_s < 5.0 and time.monotonic() - t0 < 5.0
     # Turns 0-1 do not all fit beside the window: the window and the previous (empty)
     # summary, as if the summary were there; turns 0-1 are left out of this prompt, not lost.
     assert reply.stats.hidden_turns == 2 and reply.plan.first_shown_turn == 2
@@ -459,3 +460,35 @@ def test_summary_calls_are_background_priority_for_the_scheduler(worker: Summary
     assert session.wait_summary(WAIT).status is SummaryStatus.DONE
     # Replies are served first; the summary call is background work that can be cancelled.
     assert seen[0] == (Priority.REPLY, False) and (Priority.BACKGROUND, True) in seen
+
+
+def test_asend_waits_for_the_summary_without_blocking_the_event_loop(
+    fake_engine: FakeEngine, worker: SummaryWorker
+) -> None:
+    import asyncio
+
+    summ = GatedSummarizer()
+    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=WAIT)
+    for i in range(3):
+        session.send(f"turn {i} {BIG}")
+    assert summ.started.wait(WAIT)
+    job = job_of(session, worker)
+
+    async def main() -> tuple[float, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+                if job.urgent and ticks > 20:  # the turn waits, and the loop kept running
+                    summ.gate.set()
+
+        tick = asyncio.create_task(ticker())
+        reply = await session.asend(f"turn 3 {BIG}")
+        tick.cancel()
+        return reply.stats.summarize_s, reply.plan.parts["summary"]
+
+    waited, summary_tokens = asyncio.run(main())
+    assert waited > 0 and summary_tokens > 0

@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 #: the engine runs one call at a time, so a reply could not start before it ends anyway.
 DEFAULT_SUMMARY_WAIT_S = 30.0
 
+
 @dataclass(frozen=True)
 class _Planned:
     """The summary a turn's prompt was planned with."""
@@ -82,6 +83,7 @@ class _Planned:
     def hidden_turns(self, plan: PromptPlan) -> int:
         """Turns neither in that summary nor in the prompt."""
         return max(plan.first_shown_turn - self.summarized_turns, 0) if self.summarizing else 0
+
 
 #: How often an async turn checks whether a thread's turn on the same session has ended.
 TURN_LOCK_POLL_S = 0.005
@@ -357,7 +359,6 @@ class Session:
                 if not job.wait(left):
                     break
         return self.summary_state
-
 
     @property
     def evicted_turns(self) -> int:
@@ -1047,8 +1048,6 @@ class Session:
         self.summaries.forget(self.store, self.id)
         if self.engine is not None:
             self.engine.release(self.id)
-
-
 
     def __enter__(self) -> Session:
         return self

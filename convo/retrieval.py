@@ -368,7 +368,11 @@ class BM25Index:
         self.b = b
         self._postings: dict[str, dict[int, int]] = {}
         self._lengths: dict[int, int] = {}
+        self._doc_terms: dict[int, list[str]] = {}
         self._total = 0
+        # Per-term arrays (ids, term frequencies, document lengths) for vectorized
+        # scoring, built on first use and dropped when the term's postings change.
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -379,8 +383,10 @@ class BM25Index:
         tf = Counter(terms(text))
         for term, n in tf.items():
             self._postings.setdefault(term, {})[doc_id] = n
+            self._arrays.pop(term, None)
         length = sum(tf.values())
         self._lengths[doc_id] = length
+        self._doc_terms[doc_id] = list(tf)
         self._total += length
 
     def remove(self, doc_id: int) -> bool:
@@ -389,11 +395,52 @@ class BM25Index:
         if length is None:
             return False
         self._total -= length
-        for term in [t for t, p in self._postings.items() if doc_id in p]:
-            del self._postings[term][doc_id]
-            if not self._postings[term]:
+        for term in self._doc_terms.pop(doc_id, []):
+            self._arrays.pop(term, None)
+            postings = self._postings.get(term)
+            if postings is None:
+                continue
+            postings.pop(doc_id, None)
+            if not postings:
                 del self._postings[term]
         return True
+
+    def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        postings = self._postings.get(term)
+        if not postings:
+            return None
+        cached = self._arrays.get(term)
+        if cached is None:
+            ids = np.fromiter(postings.keys(), dtype=np.int64, count=len(postings))
+            tfs = np.fromiter(postings.values(), dtype=np.float64, count=len(postings))
+            lens = np.fromiter((self._lengths[i] for i in postings), dtype=np.float64, count=len(postings))
+            cached = self._arrays[term] = (ids, tfs, lens)
+        return cached
+
+    def _score_arrays(self, query: str, extra_terms: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, scores)`` of every document sharing a term with the query."""
+        n = len(self._lengths)
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.float64))
+        if not n:
+            return empty
+        avg = self._total / n or 1.0
+        all_ids, all_scores = [], []
+        for term in sorted(set(terms(query)) | set(extra_terms)):
+            arrays = self._term_arrays(term)
+            if arrays is None:
+                continue
+            ids, tfs, lens = arrays
+            df = len(ids)
+            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+            norm = self.k1 * (1.0 - self.b + self.b * lens / avg)
+            all_ids.append(ids)
+            all_scores.append(idf * tfs * (self.k1 + 1.0) / (tfs + norm))
+        if not all_ids:
+            return empty
+        if len(all_ids) == 1:
+            return all_ids[0], all_scores[0]
+        uniq, inverse = np.unique(np.concatenate(all_ids), return_inverse=True)
+        return uniq, np.bincount(inverse, weights=np.concatenate(all_scores), minlength=len(uniq))
 
     def scores(self, query: str, extra_terms: Sequence[str] = ()) -> dict[int, float]:
         """BM25 score of every document sharing a term with ``query`` (others score 0).
@@ -402,26 +449,18 @@ class BM25Index:
             query: the text; its :func:`terms` are searched.
             extra_terms: terms (already in :func:`terms` form) searched as well.
         """
-        n = len(self._lengths)
-        if not n:
-            return {}
-        avg = self._total / n or 1.0
-        out: dict[int, float] = {}
-        for term in set(terms(query)) | set(extra_terms):
-            postings = self._postings.get(term)
-            if not postings:
-                continue
-            df = len(postings)
-            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-            for doc_id, tf in postings.items():
-                norm = self.k1 * (1.0 - self.b + self.b * self._lengths[doc_id] / avg)
-                out[doc_id] = out.get(doc_id, 0.0) + idf * tf * (self.k1 + 1.0) / (tf + norm)
-        return out
+        ids, scores = self._score_arrays(query, extra_terms)
+        return dict(zip(ids.tolist(), scores.tolist(), strict=True))
 
     def search(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> list[tuple[int, float]]:
         """The ``k`` best ``(id, score)`` pairs, best first (see :meth:`scores`)."""
-        scored = self.scores(query, extra_terms)
-        return sorted(scored.items(), key=lambda x: (-x[1], x[0]))[: max(k, 0)]
+        ids, scores = self._score_arrays(query, extra_terms)
+        k = max(int(k), 0)
+        if k < len(ids):
+            top = np.argpartition(-scores, k - 1)[:k] if k else np.zeros(0, np.int64)
+            ids, scores = ids[top], scores[top]
+        order = np.lexsort((ids, -scores))
+        return list(zip(ids[order].tolist(), scores[order].tolist(), strict=True))
 
     def rare_terms(self, texts: Iterable[str], n: int, *, exclude: Iterable[str] = ()) -> list[str]:
         """The ``n`` terms of ``texts`` that are rarest in the index (highest IDF), best first.
@@ -493,6 +532,10 @@ class RetrievalConfig:
             mean vector added to the query's, and their rarest words added to its terms
             (names, places, things the question did not say). Default 0.0; 0 skips
             it.
+        strip_names: search the turns with the names of the speakers the query names
+            taken out of it (the speaker boost already favours their messages, and a
+            name alone matches every greeting that addresses that person). Default
+            False.
         hop_seeds: first hits the second query is built from. Default 3.
         hop_terms: words taken from the first hits into the second query. Default 8.
         episode_weight: weight of the score of the message's whole episode (the turns
@@ -529,6 +572,7 @@ class RetrievalConfig:
     hop_terms: int = 8
     episode_weight: float = 0.0
     episode_turns: int = 16
+    strip_names: bool = False
     mmr_lambda: float = 0.0
     expand_lines: int = 0
 
@@ -1045,24 +1089,43 @@ def _passage(rec: _Record, hit: _Hit, text: str | None = None) -> Passage:
 # ---------------------------------------------------------------------------------------
 
 
-def _mmr(ranked: Sequence[int], score: Mapping[int, float], vecs: np.ndarray, lam: float) -> list[int]:
-    """Greedy maximal-marginal-relevance order of ``ranked`` (best first).
+def _mmr(
+    ranked: Sequence[int], score: Mapping[int, float], vecs: np.ndarray, lam: float
+) -> tuple[list[int], dict[int, float]]:
+    """Greedy maximal-marginal-relevance order of ``ranked`` (best first), and new scores.
 
     Each step takes the candidate with the highest ``score - lam * max cosine`` to those
-    already taken.
+    already taken; its new score is that value, capped by the previous one so the scores
+    stay in the new order (callers sort by score).
     """
     left = list(range(len(ranked)))
     base = np.asarray([score[u] for u in ranked], dtype=np.float64)
     sims = vecs @ vecs.T
     worst = np.full(len(ranked), -np.inf)
     out: list[int] = []
+    new: dict[int, float] = {}
+    last = np.inf
     while left:
         cur = base[left] - lam * np.maximum(worst[left], 0.0)
-        j = left[int(np.argmax(cur))]
+        pick = int(np.argmax(cur))
+        j = left[pick]
+        last = min(last, float(cur[pick]))
         out.append(ranked[j])
+        new[ranked[j]] = last
         left.remove(j)
         worst = np.maximum(worst, sims[j])
-    return out
+    return out, new
+
+
+def _strip_names(query: str, names: Iterable[str]) -> str:
+    """``query`` without the words of ``names`` (and a possessive ``'s`` after them)."""
+    words = {w for name in names for w in _WORD.findall(name.lower())}
+    if not words:
+        return query
+    pattern = r"\b(?:" + "|".join(re.escape(w) for w in sorted(words)) + r")(?:'s|’s)?\b"
+    stripped = re.sub(pattern, "", query, flags=re.IGNORECASE)
+    stripped = re.sub(r"\s+", " ", stripped).strip()
+    return stripped if terms(stripped) else query
 
 
 def _speaker_line(message: Message) -> str:
@@ -1112,6 +1175,7 @@ class RetrievalMemory:
         self._attached: dict[str, list[DocumentCollection]] = {}
         self._sessions: dict[str, _Store] = {}
         self._episode_cache: dict[int, tuple[int, tuple[list[str], np.ndarray, dict[int, str]]]] = {}
+        self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1178,16 +1242,24 @@ class RetrievalMemory:
         colls = [*self._shared, *self._attached.get(session_id, [])]
         if not sources and not any(len(c) for c in colls):
             return []
-        qvec = self.embedder.encode([query])[0]
+        vectors: dict[str, np.ndarray] = {}
+
+        def vector(text: str) -> np.ndarray:
+            if text not in vectors:
+                vectors[text] = self.embedder.encode([text])[0]
+            return vectors[text]
+
         found: list[Passage] = []
         for store in sources:
-            found.extend(self._search_turns(store, qvec, query, n))
+            named = self._named_speakers(store, query) if self.config.speaker_boost > 0 else set()
+            text = _strip_names(query, named) if self.config.strip_names else query
+            found.extend(self._search_turns(store, vector(text), text, n, named))
         seen_colls: set[int] = set()
         for coll in colls:
             if id(coll) in seen_colls:
                 continue
             seen_colls.add(id(coll))
-            found.extend(coll.search(query, n, query_vector=qvec))
+            found.extend(coll.search(query, n, query_vector=vector(query)))
         found.sort(key=lambda p: -p.score)
         return found[:n]
 
@@ -1233,7 +1305,9 @@ class RetrievalMemory:
             self._sessions[session_id] = store
         return store
 
-    def _search_turns(self, store: _Store, qvec: np.ndarray, query: str, n: int) -> list[Passage]:
+    def _search_turns(
+        self, store: _Store, qvec: np.ndarray, query: str, n: int, named: set[str]
+    ) -> list[Passage]:
         """The best ``n`` passages of one session's turns (see :class:`RetrievalConfig`).
 
         Every message is scored (dense + BM25), then: raised when its speaker is named in
@@ -1246,7 +1320,6 @@ class RetrievalMemory:
         fused, dense, lexical = store.unit_scores(qvec, query, k, cfg)
         if not fused:
             return []
-        named = self._named_speakers(store, query) if cfg.speaker_boost > 0 else set()
         if cfg.second_hop > 0 and store.vectors is not None:
             ranking = self._boosted_ranking(store, fused, named)
             # Seeds: the best hits, not the also-rans (half the best score at least).
@@ -1268,15 +1341,16 @@ class RetrievalMemory:
             ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
             for u in fused:
                 fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
-        fused = {
-            u: sc + (cfg.speaker_boost if self._speaker(store, u) in named else 0.0)
-            for u, sc in fused.items()
-        }
+        if named:
+            speaker = self._speakers(store)
+            fused = {
+                u: sc + (cfg.speaker_boost if speaker.get(u) in named else 0.0) for u, sc in fused.items()
+            }
         if cfg.turn_lines != "each":
             return [self._turn_passage(store.records[h.pid], h) for h in store.hits(fused, dense, lexical, n)]
         ranked = sorted(fused, key=lambda u: (-fused[u], u))[: max(n, 1) * 2]
         if cfg.mmr_lambda > 0 and store.vectors is not None:
-            ranked = _mmr(ranked, fused, store.vectors.vectors(ranked), cfg.mmr_lambda)
+            ranked, fused = _mmr(ranked, fused, store.vectors.vectors(ranked), cfg.mmr_lambda)
         out: list[Passage] = []
         seen: set[int] = set()
         for u in ranked:
@@ -1313,25 +1387,28 @@ class RetrievalMemory:
             text=text, score=float(score), source=f"turn {turn}", key=turn_key(turn, pos), meta=meta
         )
 
-    @staticmethod
-    def _speaker(store: _Store, uid: int) -> str:
-        rec = store.records[store.unit_owner[uid]]
-        speakers: list[str] = rec.meta.get("_speakers") or []
-        pos = rec.units.index(uid)
-        return speakers[pos] if pos < len(speakers) else ""
+    def _speakers(self, store: _Store) -> dict[int, str]:
+        """Each unit's speaker (cached until the store changes)."""
+        cached = self._speaker_cache.get(id(store))
+        if cached is not None and cached[0] == store.version:
+            return cached[1]
+        of_unit: dict[int, str] = {}
+        for rec in store.records.values():
+            speakers: list[str] = rec.meta.get("_speakers") or []
+            of_unit.update(zip(rec.units, speakers, strict=False))
+        self._speaker_cache[id(store)] = (store.version, of_unit)
+        return of_unit
 
-    @staticmethod
-    def _named_speakers(store: _Store, query: str) -> set[str]:
+    def _named_speakers(self, store: _Store, query: str) -> set[str]:
         """Speakers of ``store`` whose name (any word of it) appears in ``query``."""
         words = set(_WORD.findall(query.lower()))
-        names = {sp for r in store.records.values() for sp in (r.meta.get("_speakers") or [])}
+        names = set(self._speakers(store).values())
         return {sp for sp in names if set(_WORD.findall(sp.lower())) & words}
 
     def _boosted_ranking(self, store: _Store, fused: Mapping[int, float], named: set[str]) -> list[int]:
         boost = self.config.speaker_boost
-        score = {
-            u: sc + (boost if named and self._speaker(store, u) in named else 0.0) for u, sc in fused.items()
-        }
+        speaker = self._speakers(store)
+        score = {u: sc + (boost if named and speaker.get(u) in named else 0.0) for u, sc in fused.items()}
         return sorted(score, key=lambda u: (-score[u], u))
 
     def _episodes(self, store: _Store) -> tuple[list[str], np.ndarray, dict[int, str]]:

@@ -26,8 +26,8 @@ from convo.retrieval import (
     BM25Index,
     DocumentCollection,
     Fusion,
-    Memory,
     RetrievalConfig,
+    RetrievalMemory,
     VectorIndex,
     chunk_text,
     terms,
@@ -253,12 +253,12 @@ def test_document_collection_add_file_search_and_replace(tmp_path: Path, cl100k:
 
 
 # ---------------------------------------------------------------------------------------
-# Memory
+# RetrievalMemory
 # ---------------------------------------------------------------------------------------
 
 
 def test_memory_recalls_planted_fact_and_keeps_sessions_apart() -> None:
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     planted = turns_of([("My locker combination is 4512, remember it.", "Noted.")])[0]
     memory.remember_turns("alice", [planted], dates={0: "3 May 2023"})
     memory.remember_turns("alice", turns_of(FILLER, start=1))
@@ -278,7 +278,7 @@ def test_memory_recalls_planted_fact_and_keeps_sessions_apart() -> None:
 
 
 def test_memory_forget_really_forgets() -> None:
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of([("The vault code is 9911.", "OK."), *FILLER]))
     assert memory.forget_turns("s", [0]) == 1
     assert all("9911" not in p.text for p in memory.retrieve("vault code", session_id="s", top_k=10))
@@ -288,7 +288,7 @@ def test_memory_forget_really_forgets() -> None:
 
 
 def test_memory_turn_indexed_again_is_replaced() -> None:
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of([("I like tea.", "Nice.")]))
     memory.remember_turns("s", turns_of([("I like coffee.", "Nice.")]))
     assert memory.turn_count("s") == 1
@@ -301,7 +301,7 @@ def test_documents_are_shared_between_sessions(cl100k: TiktokenCounter) -> None:
     enc = HashEncoder()
     docs = DocumentCollection("manual", embedder=enc, counter=cl100k, chunk_tokens=30, overlap_tokens=5)
     docs.add_text("The reset button is behind the left hinge. " + "Filler text here. " * 20, source="m.txt")
-    memory = Memory(enc, collections=[docs], config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(enc, collections=[docs], config=RetrievalConfig(min_score=0.0))
     private = DocumentCollection("private", embedder=enc, counter=cl100k)
     private.add_text("The secret reset phrase is zebra.", source="p.txt")
     memory.attach(private, session_id="a")
@@ -316,12 +316,12 @@ def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) ->
     enc = HashEncoder()
     docs = DocumentCollection("kb", embedder=enc, counter=cl100k, chunk_tokens=20, overlap_tokens=4)
     docs.add_text("Invoices are paid within 30 days. " * 6, source="kb.md")
-    memory = Memory(enc, collections=[docs], config=RetrievalConfig(fusion="rrf", min_score=0.1))
+    memory = RetrievalMemory(enc, collections=[docs], config=RetrievalConfig(fusion="rrf", min_score=0.1))
     memory.remember_turns("s1", turns_of([("My cat is called Miso.", "Cute."), *FILLER]), dates={0: "1 Jan"})
     memory.remember_turns("s/2", turns_of(FILLER))
     before = {sid: memory.retrieve("cat name invoices", session_id=sid, top_k=4) for sid in ("s1", "s/2")}
     memory.save(tmp_path / "mem")
-    loaded = Memory.load(tmp_path / "mem", embedder=enc, counter=cl100k)
+    loaded = RetrievalMemory.load(tmp_path / "mem", embedder=enc, counter=cl100k)
     assert loaded.min_score == 0.1 and loaded.config.fusion is Fusion.RRF
     for sid, hits in before.items():
         again = loaded.retrieve("cat name invoices", session_id=sid, top_k=4)
@@ -335,7 +335,7 @@ def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) ->
 
 def test_passages_feed_the_planner_inside_the_budget() -> None:
     counter = TiktokenCounter("cl100k_base")
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.05))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.05))
     notes = [(f"Note {i}: the weather report number {i}.", "OK.") for i in range(20)]
     history = turns_of(
         [("My passport number is X123.", "Saved."), *notes, ("I renewed my passport photo.", "Nice.")]
@@ -371,12 +371,12 @@ def test_retrieval_config_rejects_nonsense() -> None:
     with pytest.raises(ConfigError):
         RetrievalConfig(candidates_factor=0)
     with pytest.raises(ConfigError):
-        Memory(HashEncoder()).remember_turns("", [])
+        RetrievalMemory(HashEncoder()).remember_turns("", [])
 
 
 def test_lexical_only_and_dense_only_modes() -> None:
     for fusion in ("lexical", "dense", "mix", "rrf"):
-        memory = Memory(HashEncoder(), config=RetrievalConfig(fusion=fusion, min_score=0.0))
+        memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(fusion=fusion, min_score=0.0))
         memory.remember_turns("s", turns_of([("I bought a kayak.", "Fun!"), *FILLER]))
         assert memory.retrieve("kayak bought", session_id="s", top_k=1)[0].key == turn_key(0, 0), fusion
 
@@ -418,7 +418,7 @@ def test_minilm_embeds_offline_normalized(minilm) -> None:  # type: ignore[no-un
 
 
 def test_minilm_memory_finds_paraphrase(minilm) -> None:  # type: ignore[no-untyped-def]
-    memory = Memory(minilm, config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(minilm, config=RetrievalConfig(min_score=0.0))
     memory.remember_turns(
         "s", turns_of([("I adopted a golden retriever puppy last week.", "Congrats!"), *FILLER])
     )
@@ -457,9 +457,11 @@ def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> Non
     )
     question = "Who did I meet on the sailing trip, and what does that person do?"
     second = turn_key(len(FILLER) + 1, 0)
-    plain = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False))
+    plain = RetrievalMemory(
+        HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False)
+    )
     plain.remember_turns("s", history)
-    hop = Memory(
+    hop = RetrievalMemory(
         HashEncoder(),
         config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.5),
     )
@@ -484,7 +486,7 @@ def test_speaker_named_in_the_question_is_boosted() -> None:
     ]
     scores = {}
     for boost in (0.0, 0.25):
-        memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=boost))
+        memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=boost))
         memory.remember_turns("s", turns)
         for q in ("What did John paint?", "What was painted?"):
             scores[boost, q] = {p.key: p.score for p in memory.retrieve(q, session_id="s", top_k=4)}
@@ -506,7 +508,7 @@ def test_episode_score_lifts_the_lines_of_a_matching_day() -> None:
     question = "Which sandwiches on the mountain trail?"
     ranks = {}
     for weight in (0.0, 1.0):
-        memory = Memory(
+        memory = RetrievalMemory(
             HashEncoder(),
             config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, episode_weight=weight),
         )
@@ -528,7 +530,7 @@ def test_mmr_demotes_a_near_repeat() -> None:
     question = "What does my cat Miso like?"
     keys = {}
     for lam in (0.0, 0.8):
-        memory = Memory(
+        memory = RetrievalMemory(
             HashEncoder(),
             config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, mmr_lambda=lam),
         )
@@ -541,7 +543,7 @@ def test_mmr_demotes_a_near_repeat() -> None:
 def test_expand_lines_offers_the_neighbours_right_after_the_hit() -> None:
     history = turns_of([*FILLER, ("Guess what I adopted yesterday?", "A kitten?"), *FILLER])
     i = len(FILLER)
-    memory = Memory(
+    memory = RetrievalMemory(
         HashEncoder(),
         config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, expand_lines=1),
     )
@@ -552,7 +554,7 @@ def test_expand_lines_offers_the_neighbours_right_after_the_hit() -> None:
 
 
 def test_planner_packs_lines_of_one_date_under_one_header(cl100k: TiktokenCounter) -> None:
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     history = turns_of([("I bought a red kayak.", "Fun!"), ("The kayak is red and light.", "Nice."), *FILLER])
     memory.remember_turns("s", history, dates={0: "2 May 2023", 1: "2 May 2023"})
     question = Turn(index=len(history), messages=(Message(role=Role.USER, content="Which kayak did I buy?"),))
@@ -572,7 +574,7 @@ def test_planner_packs_lines_of_one_date_under_one_header(cl100k: TiktokenCounte
 
 def test_line_passage_of_a_turn_in_the_window_is_dropped() -> None:
     counter = TiktokenCounter("cl100k_base")
-    memory = Memory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     history = turns_of([*FILLER, ("My passport number is X123.", "Saved.")])
     memory.remember_turns("s", history)
     question = Turn(index=len(history), messages=(Message(role=Role.USER, content="passport number?"),))

@@ -342,13 +342,23 @@ class Tally:
 #: Query-time variants of ``window+retrieval``: strategy ``window+retrieval:NAME`` uses
 #: ``RetrievalConfig(**overrides)`` on top of ``--fusion``.
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
-    "turns": {"turn_lines": "all", "group_passages": False, "speaker_boost": 0.0},
-    "lines": {"group_passages": False, "speaker_boost": 0.0},
-    "grouped": {"speaker_boost": 0.0},
-    "hop": {"second_hop": 0.3},
-    "episode": {"episode_weight": 0.1},
+    # The earlier default: whole turns, one passage each.
+    "turns": {
+        "turn_lines": "all",
+        "group_passages": False,
+        "speaker_boost": 0.0,
+        "strip_names": False,
+        "second_hop": 0.0,
+        "episode_weight": 0.0,
+    },
+    # Messages as passages, packed under one date header per day.
+    "grouped": {"speaker_boost": 0.0, "strip_names": False, "second_hop": 0.0, "episode_weight": 0.0},
+    # ... plus the speaker named in the question.
+    "speaker": {"second_hop": 0.0, "episode_weight": 0.0},
+    # The default without one of its parts, or with one more.
+    "no-hop": {"second_hop": 0.0},
+    "no-episode": {"episode_weight": 0.0},
     "mmr": {"mmr_lambda": 0.1},
-    "expand": {"expand_lines": 1},
 }
 
 #: ``window`` alone: a window_turns so big that the token budget limits the window.

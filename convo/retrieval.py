@@ -526,22 +526,22 @@ class RetrievalConfig:
             planner packs the lines of one date under one header instead of repeating it
             per line. Default True.
         speaker_boost: added to the score of a message whose speaker is named in the
-            query ("What did Maria ..." favours Maria's own messages). Default 0.1; 0
+            query ("What did Maria ..." favours Maria's own messages). Default 0.25; 0
             turns it off.
         second_hop: weight, in [0, 1], of a second query built from the first hits: their
             mean vector added to the query's, and their rarest words added to its terms
-            (names, places, things the question did not say). Default 0.0; 0 skips
+            (names, places, things the question did not say). Default 0.3; 0 skips
             it.
         strip_names: search the turns with the names of the speakers the query names
             taken out of it (the speaker boost already favours their messages, and a
             name alone matches every greeting that addresses that person). Default
-            False.
+            True.
         hop_seeds: first hits the second query is built from. Default 3.
         hop_terms: words taken from the first hits into the second query. Default 8.
         episode_weight: weight of the score of the message's whole episode (the turns
             of one date; blocks of ``episode_turns`` turns without dates): its mean
             vector against the query, added to each message's score, so an episode about
-            the topic lifts its messages. Default 0.0; 0 turns it off.
+            the topic lifts its messages. Default 0.1; 0 turns it off.
         episode_turns: turns per episode when turns carry no date. Default 16.
         mmr_lambda: diversity (maximal marginal relevance): a candidate's score is
             lowered by ``mmr_lambda`` times its highest cosine to a better candidate
@@ -566,13 +566,13 @@ class RetrievalConfig:
     turn_lines: str = "each"
     context_lines: int = 0
     group_passages: bool = True
-    speaker_boost: float = 0.1
-    second_hop: float = 0.0
+    speaker_boost: float = 0.25
+    second_hop: float = 0.3
     hop_seeds: int = 3
     hop_terms: int = 8
-    episode_weight: float = 0.0
+    episode_weight: float = 0.1
     episode_turns: int = 16
-    strip_names: bool = False
+    strip_names: bool = True
     mmr_lambda: float = 0.0
     expand_lines: int = 0
 

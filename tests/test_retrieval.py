@@ -458,7 +458,8 @@ def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> Non
     question = "Who did I meet on the sailing trip, and what does that person do?"
     second = turn_key(len(FILLER) + 1, 0)
     plain = RetrievalMemory(
-        HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False)
+        HashEncoder(),
+        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.0),
     )
     plain.remember_turns("s", history)
     hop = RetrievalMemory(
@@ -486,7 +487,10 @@ def test_speaker_named_in_the_question_is_boosted() -> None:
     ]
     scores = {}
     for boost in (0.0, 0.25):
-        memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, speaker_boost=boost))
+        config = RetrievalConfig(
+            min_score=0.0, speaker_boost=boost, strip_names=False, second_hop=0.0, episode_weight=0.0
+        )
+        memory = RetrievalMemory(HashEncoder(), config=config)
         memory.remember_turns("s", turns)
         for q in ("What did John paint?", "What was painted?"):
             scores[boost, q] = {p.key: p.score for p in memory.retrieve(q, session_id="s", top_k=4)}
@@ -494,6 +498,31 @@ def test_speaker_named_in_the_question_is_boosted() -> None:
         lift = 0.25 if key.endswith(":1") else 0.0  # John speaks second in every turn
         assert scores[0.25, "What did John paint?"][key] == pytest.approx(score + lift)
     assert scores[0.25, "What was painted?"] == pytest.approx(scores[0.0, "What was painted?"])
+
+
+def test_strip_names_stops_greetings_matching_the_name() -> None:
+    turns = [
+        Turn(
+            index=i,
+            messages=(
+                Message(role=Role.USER, content=f"Maria: {a}", name="Maria"),
+                Message(role=Role.ASSISTANT, content=f"John: {b}", name="John"),
+            ),
+        )
+        for i, (a, b) in enumerate([("Thanks John, bye John!", "I painted a red barn."), *FILLER])
+    ]
+    first, greeting = {}, {}
+    for strip in (False, True):
+        config = RetrievalConfig(
+            min_score=0.0, speaker_boost=0.01, strip_names=strip, second_hop=0.0, neighbours=False
+        )
+        memory = RetrievalMemory(HashEncoder(), config=config)
+        memory.remember_turns("s", turns)
+        hits = memory.retrieve("What did John paint?", session_id="s", top_k=5)
+        first[strip] = hits[0].key
+        greeting[strip] = next(p.score for p in hits if p.key == turn_key(0, 0))
+    assert first[True] == turn_key(0, 1)
+    assert greeting[True] < greeting[False] / 2  # "John" alone no longer matches it
 
 
 def test_episode_score_lifts_the_lines_of_a_matching_day() -> None:

@@ -14,11 +14,23 @@ document):
         Passage(text, score, source, key=turn_key(i) | "doc:...")  best first, ~3 x top_k
 
 Fusion is a score mix by default: ``dense_weight * cosine + (1 - dense_weight) * bm25 /
-(bm25 + bm25_half)``; reciprocal-rank fusion is available. A passage scores as its best
-unit, so a turn is found by its one relevant message. Retrieval returns more candidates
-than ``top_k``: the planner (:func:`convo.plan.plan_prompt`) drops those already in the
-window, duplicates and low scores, then caps by ``retrieval_top_k`` and
+(bm25 + bm25_half)``; reciprocal-rank fusion is available. Retrieval returns more
+candidates than ``top_k``: the planner (:func:`convo.plan.plan_prompt`) drops those
+already in the window, duplicates and low scores, then caps by ``retrieval_top_k`` and
 ``retrieval_tokens``.
+
+A session's turns are searched message by message, for questions whose answer is spread
+over several turns (all :class:`RetrievalConfig` options, measured on LoCoMo by
+``benchmarks/locomo.py``)::
+
+    fused message scores
+      + second hop: the first hits' rarest words (names, places) and mean vector
+      + episode: the query against the mean vector of the message's day
+      + speaker: the query names who said it (the name itself is taken out of the query)
+      -> best messages, each a passage keyed turn_key(turn, line), tagged with its date
+
+The planner packs the messages of one date under one header, so a passage costs about
+its own line instead of a whole turn with its date.
 
 Isolation: a session only ever searches its own turns plus the collections attached to
 all sessions or to it. Persistence uses FAISS's own file format and JSON, each file
@@ -529,8 +541,9 @@ class RetrievalConfig:
             query ("What did Maria ..." favours Maria's own messages). Default 0.25; 0
             turns it off.
         second_hop: weight, in [0, 1], of a second query built from the first hits: their
-            mean vector added to the query's, and their rarest words added to its terms
-            (names, places, things the question did not say). Default 0.3; 0 skips
+            rarest words added to the query's terms (names, places, things the question
+            did not say), which may find new messages, and their mean vector added to the
+            query's, which re-scores the messages found. Default 0.3; 0 skips
             it.
         strip_names: search the turns with the names of the speakers the query names
             taken out of it (the speaker boost already favours their messages, and a
@@ -612,6 +625,26 @@ class RetrievalConfig:
 # ---------------------------------------------------------------------------------------
 # A store: passages, their units, and both indexes
 # ---------------------------------------------------------------------------------------
+
+
+def _fuse(
+    dense: Mapping[int, float], lexical: Mapping[int, float], config: RetrievalConfig
+) -> dict[int, float]:
+    """One score per unit from its cosine and its BM25 score (see :class:`Fusion`)."""
+    fused: dict[int, float] = {}
+    if config.fusion is Fusion.RRF:
+        scale = (config.rrf_k + 1) / 2
+        for ranking in (dense, lexical):
+            ordered = sorted(ranking, key=lambda u, r=ranking: -r[u])  # type: ignore[misc]
+            for rank, uid in enumerate(ordered):
+                fused[uid] = fused.get(uid, 0.0) + scale / (config.rrf_k + rank + 1)
+    else:
+        w = {Fusion.DENSE: 1.0, Fusion.LEXICAL: 0.0}.get(config.fusion, config.dense_weight)
+        floor = min(dense.values()) if dense else 0.0
+        for uid in dense.keys() | lexical.keys():
+            lex = lexical.get(uid, 0.0)
+            fused[uid] = w * dense.get(uid, floor) + (1.0 - w) * lex / (lex + config.bm25_half)
+    return fused
 
 
 @dataclass(kw_only=True)
@@ -713,20 +746,7 @@ class _Store:
         lexical: dict[int, float] = {}
         if config.fusion is not Fusion.DENSE:
             lexical = dict(self.lexical.search(query, k, extra_terms))
-        fused: dict[int, float] = {}
-        if config.fusion is Fusion.RRF:
-            scale = (config.rrf_k + 1) / 2
-            for ranking in (dense, lexical):
-                ordered = sorted(ranking, key=lambda u, r=ranking: -r[u])  # type: ignore[misc]
-                for rank, uid in enumerate(ordered):
-                    fused[uid] = fused.get(uid, 0.0) + scale / (config.rrf_k + rank + 1)
-        else:
-            w = {Fusion.DENSE: 1.0, Fusion.LEXICAL: 0.0}.get(config.fusion, config.dense_weight)
-            floor = min(dense.values()) if dense else 0.0
-            for uid in dense.keys() | lexical.keys():
-                lex = lexical.get(uid, 0.0)
-                fused[uid] = w * dense.get(uid, floor) + (1.0 - w) * lex / (lex + config.bm25_half)
-        return fused, dense, lexical
+        return _fuse(dense, lexical, config), dense, lexical
 
     def hits(
         self, fused: Mapping[int, float], dense: Mapping[int, float], lexical: Mapping[int, float], n: int
@@ -1329,7 +1349,14 @@ class RetrievalMemory:
             extra = store.lexical.rare_terms(
                 (store.unit_lex[u] for u in seeds), cfg.hop_terms, exclude=terms(query)
             )
-            fused2 = store.unit_scores(q2, query, k, cfg, extra)[0]
+            # The new words may find new units; the new vector only re-scores the units
+            # found so far (a second full vector search would double the search time).
+            lexical2 = dict(store.lexical.search(query, k, extra)) if cfg.fusion is not Fusion.DENSE else {}
+            dense2: dict[int, float] = {}
+            if cfg.fusion is not Fusion.LEXICAL:
+                cand = list(fused.keys() | lexical2.keys())
+                dense2 = dict(zip(cand, (store.vectors.vectors(cand) @ q2).tolist(), strict=True))
+            fused2 = _fuse(dense2, lexical2, cfg)
             floor1, floor2 = min(fused.values()), min(fused2.values(), default=0.0)
             h = cfg.second_hop
             fused = {

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.budget import Budget
 from convo.embeddings import Embedder
-from convo.retrieval import DocumentCollection, Memory
+from convo.retrieval import DocumentCollection, RetrievalMemory
 from convo.tokens import TiktokenCounter, TokenCounter
 
 SYLLABLES = ["ar", "bel", "cor", "dun", "el", "fen", "gar", "hol", "ist", "jor", "kel", "lun", "mar"]
@@ -86,7 +86,7 @@ def main() -> int:
     )
     docs.add_text(document, source="gazetteer.md")
     print(f"indexed {len(docs)} chunks")
-    memory = Memory(embedder, collections=[docs])
+    memory = RetrievalMemory(embedder, collections=[docs])
 
     from convo.session import Session
 

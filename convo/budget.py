@@ -105,7 +105,11 @@ class Budget:
             raise ConfigError("Budget.window_turns must be >= 1")
         if self.summarize_batch_turns < 1:
             raise ConfigError("Budget.summarize_batch_turns must be >= 1")
-        object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
+        try:
+            object.__setattr__(self, "oversize", OversizePolicy(self.oversize))
+        except ValueError:
+            valid = ", ".join(p.value for p in OversizePolicy)
+            raise ConfigError(f"Budget.oversize must be one of: {valid}; got {self.oversize!r}") from None
         room = self.context_tokens - self.max_new_tokens - self.margin_tokens
         if room <= 0:
             raise ConfigError("Budget.margin_tokens leaves no room for the prompt")

@@ -16,6 +16,7 @@ one type. Subclasses also derive from the builtin that fits (``ValueError``,
     ├── DeviceOutOfMemory    (MemoryError)   the device ran out of memory (cache already freed)
     ├── StoreError                           the session store failed or the session is unknown
     │   ├── SessionBusy                      another turn holds the session's lock (HTTP 409)
+    │   │   └── SessionLockLost              the turn's lock expired; its writes were refused
     │   └── SessionNotFound  (KeyError)
     ├── ModelLoadError                       a model or tokenizer could not be loaded
     └── MissingDependency    (ImportError)   an optional extra is not installed
@@ -103,6 +104,12 @@ class StoreError(ConvoError):
 
 class SessionBusy(StoreError):
     """Another turn of the session held its lock longer than the wait allowed (HTTP 409)."""
+
+
+class SessionLockLost(SessionBusy):
+    """A turn's lock on its session expired while it ran (the store was unreachable for
+    longer than the lease), and another holder may have taken it. The store refused the
+    turn's writes, so nothing it meant to commit was stored; run the turn again."""
 
 
 class SessionNotFound(StoreError, KeyError):

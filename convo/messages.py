@@ -5,6 +5,12 @@ block is never split, so an assistant message that calls tools always leaves (or
 together with every tool result answering it. *Turns* group blocks: a turn starts at a
 user message and runs until the next one, so "the recent N turns" means the last N user
 messages and everything that answered them.
+
+Text policy: every string a message carries (content, name, tool ids and arguments) must
+be encodable as UTF-8. Text that is not (a lone surrogate such as ``"\\ud800"``, which
+a JSON body can carry as an escape) is refused with :class:`~convo.errors.MessageError`
+when the :class:`Message` is built, so it never reaches a store, a tokenizer or a model.
+Nothing is replaced silently.
 """
 
 from __future__ import annotations
@@ -17,6 +23,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import MessageError
+
+
+def check_text(value: object, what: str) -> str:
+    """Return ``value`` if it is a string that can be encoded as UTF-8.
+
+    Raises:
+        MessageError: not a string, or it holds a lone surrogate (see the text policy above).
+    """
+    if not isinstance(value, str):
+        raise MessageError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MessageError(
+            f"{what} is not valid Unicode text: {exc.reason} U+{ord(value[exc.start]):04X} at "
+            f"index {exc.start}; send UTF-8 text (lone surrogates are refused)"
+        ) from None
+    return value
 
 
 class Role(enum.StrEnum):
@@ -44,8 +68,7 @@ class ToolCall:
 
     def __post_init__(self) -> None:
         for attr in ("id", "name", "arguments"):
-            if not isinstance(getattr(self, attr), str):
-                raise MessageError(f"ToolCall.{attr} must be a string")
+            check_text(getattr(self, attr), f"ToolCall.{attr}")
         if not self.id:
             raise MessageError("ToolCall.id must not be empty")
 
@@ -91,8 +114,10 @@ class Message:
             valid = ", ".join(r.value for r in Role)
             raise MessageError(f"invalid role {self.role!r}; expected one of: {valid}") from None
         object.__setattr__(self, "role", role)
-        if not isinstance(self.content, str):
-            raise MessageError(f"message content must be a string, got {type(self.content).__name__}")
+        check_text(self.content, "message content")
+        for attr in ("tool_call_id", "name"):
+            if getattr(self, attr) is not None:
+                check_text(getattr(self, attr), f"message {attr}")
         calls = tuple(self.tool_calls)
         for call in calls:
             if not isinstance(call, ToolCall):
@@ -189,7 +214,10 @@ class Message:
             calls.append(ToolCall(id=raw.get("id") or "", name=fn.get("name", ""), arguments=args))
         kwargs: dict[str, Any] = {}
         if "created_at" in message:
-            kwargs["created_at"] = float(message["created_at"])
+            try:
+                kwargs["created_at"] = float(message["created_at"])
+            except (TypeError, ValueError):
+                raise MessageError(f"created_at must be a number, got {message['created_at']!r}") from None
         return cls(
             role=role,
             content=content_text(message.get("content")),

@@ -22,6 +22,14 @@ Nothing stored is ever lost: the full history stays in the store even when the p
 shows the window and the summary; the user message is stored before generation starts, so
 a crash or timeout mid-turn keeps it; a turn that fails can be re-run with
 :meth:`Session.reply`.
+
+Nothing is stored for a refused request: text, ids, the budget (against the engine's
+context window) and the system prompt are checked before a new session is created, and a
+message is checked before it is appended. Each turn holds the store's lock on the session
+(:meth:`convo.store.Store.lock`: a file lock for SQLite, a lease for Redis), so two
+processes driving one session (two ``convo chat --session X``) take turns instead of
+interleaving them; a session that finds the lock free catches up with what the other
+stored before it adds anything.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -47,8 +55,8 @@ from convo.engines.base import (
     Sampling,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
-from convo.messages import Message, MessageLike, Role
+from convo.errors import BudgetError, ConfigError, ConvoError, DeviceOutOfMemory, MessageError
+from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Turn, plan_checked
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import (
@@ -87,6 +95,9 @@ class _Planned:
 
 #: How often an async turn checks whether a thread's turn on the same session has ended.
 TURN_LOCK_POLL_S = 0.005
+
+#: Longest session id a :class:`Session` accepts, in characters.
+MAX_SESSION_ID_CHARS = 256
 
 
 class Retriever(Protocol):
@@ -226,6 +237,14 @@ class Session:
         sampling: decoding settings (default greedy).
         timeout_s: wall-clock limit of one generate call (default: the engine's).
         owner: recorded with a new session (the server stores the API key's hash).
+        lock_timeout_s: seconds a turn waits for another holder of the session's store
+            lock (another thread or process) before :class:`~convo.errors.SessionBusy`.
+            Default 60.
+
+    Raises:
+        ConfigError: a bad ``session_id``, or a budget the engine's context window cannot
+            hold. MessageError / BudgetError: a bad or too long ``system_prompt``. In every
+            case nothing is stored.
 
     Example:
         >>> session = Session(engine, budget=Budget(context_tokens=2048))  # doctest: +SKIP
@@ -250,6 +269,7 @@ class Session:
         owner: str = "",
         summaries: SummaryWorker | None = None,
         summary_wait_s: float | None = DEFAULT_SUMMARY_WAIT_S,
+        lock_timeout_s: float = 60.0,
     ) -> None:
         if engine is None and counter is None:
             raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
@@ -258,6 +278,23 @@ class Session:
         self.summary_wait_s = summary_wait_s
         self.summaries = summaries or SummaryWorker.shared()
         self.summarizer: Summarizer | None = None  # set below, once the budget is known
+        if session_id is not None:
+            if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+                raise ConfigError(
+                    f"session_id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} "
+                    f"characters, got {session_id!r:.60}"
+                )
+            try:
+                check_text(session_id, "session_id")
+            except MessageError as exc:
+                raise ConfigError(str(exc)) from None
+        if budget is not None and not isinstance(budget, Budget):
+            raise ConfigError(f"budget must be a Budget, got {type(budget).__name__}")
+        if system_prompt is not None:
+            check_text(system_prompt, "system_prompt")
+        if not lock_timeout_s > 0:
+            raise ConfigError(f"lock_timeout_s must be > 0, got {lock_timeout_s!r}")
+        self.lock_timeout_s = lock_timeout_s
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
         self.store: Store = store if store is not None else MemoryStore()
@@ -274,27 +311,77 @@ class Session:
         self._dates: dict[int, str] = {}
 
         self.id = session_id or uuid.uuid4().hex
-        if self.store.exists(self.id):
-            state, messages = self.store.load(self.id)
-            stored = state.settings.get("budget")
-            self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
-            self._state = state
-            for m in messages:
-                self._index(m)
-            if budget is not None and stored != budget.to_dict():
-                self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
-                self._write()
-        else:
-            self.budget = budget or Budget()
-            self._state = SessionState(
-                session_id=self.id, settings={"budget": self.budget.to_dict()}, owner=owner
-            )
-            self.store.create(self._state)
-            if system_prompt:
-                self.pin(system_prompt, role=Role.SYSTEM)
+        with self.store.lock(self.id, self.lock_timeout_s):  # two creators: one creates, one resumes
+            if self.store.exists(self.id):
+                state, messages = self.store.load(self.id)
+                stored = state.settings.get("budget")
+                self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
+                self._check_budget()
+                self._state = state
+                for m in messages:
+                    self._index(m)
+                if budget is not None and stored != budget.to_dict():
+                    self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
+                    self._write()
+            else:
+                self.budget = budget or Budget()
+                self._check_budget()
+                self._state = SessionState(
+                    session_id=self.id, settings={"budget": self.budget.to_dict()}, owner=owner
+                )
+                first: list[Message] = []
+                if system_prompt:
+                    first.append(Message(role=Role.SYSTEM, content=system_prompt))
+                    self._check(first[0])
+                self.store.create(self._state, first)  # the session and its system prompt at once
+                for m in first:
+                    self._index(m)
         if summarizer is None and engine is not None and self.budget.summary_tokens > 0:
             summarizer = ModelSummarizer(engine=engine)
         self.summarizer = summarizer
+
+    def _check_budget(self) -> None:
+        """Refuse a budget the engine's context window cannot hold (before anything is stored)."""
+        if self.engine is None:
+            return
+        try:
+            window = int(self.engine.context_window)
+        except ConvoError:  # e.g. a remote engine that cannot be asked now: it checks each call
+            return
+        # A remote engine's window is the server's less the margin it holds back for an
+        # inexact counter; a budget may span the server's whole window (it holds its own margin).
+        window += int(getattr(self.engine, "margin_tokens", 0) or 0)
+        if self.budget.context_tokens > window:
+            raise ConfigError(
+                f"Budget.context_tokens={self.budget.context_tokens} is larger than the model's "
+                f"context window ({window} tokens); use context_tokens <= {window}"
+            )
+
+    @contextlib.contextmanager
+    def _held_turn(self) -> Iterator[None]:
+        """Hold the session's store lock; on a fresh hold, catch up with the store."""
+        with self._lock:
+            fresh = not self.store.holds_lock(self.id)
+            with self.store.lock(self.id, self.lock_timeout_s):
+                if fresh:
+                    self._sync()
+                yield
+
+    def _sync(self) -> None:
+        """Reload history and state if another process wrote to the session since (a
+        cheap :meth:`~convo.store.Store.peek` first: no messages are read when nothing changed)."""
+        state, count = self.store.peek(self.id)
+        if count == len(self._pinned) + len(self._log) and replace(
+            state, created_at=0.0, updated_at=0.0
+        ) == replace(self._state, created_at=0.0, updated_at=0.0):
+            return
+        state, messages = self.store.load(self.id)
+        self._state = state
+        self._pinned, self._log, self._turn_starts = [], [], []
+        self._pending_tool_ids = set()
+        for m in messages:
+            self._index(m)
+        self._indexed_turns = min(self._indexed_turns, max(0, self.turn_count - 1))
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -476,7 +563,7 @@ class Session:
             MessageError / BudgetError: invalid message; nothing is stored.
         """
         message = Message.from_openai(message)
-        with self._lock:
+        with self._held_turn():
             self._commit([message])
             if date is not None and self._turn_starts:
                 self._dates.setdefault(len(self._turn_starts) - 1, date)
@@ -484,6 +571,23 @@ class Session:
                 self._advance_window()
                 self._remember_completed_turns()
                 self._maybe_summarize()
+
+    def extend(self, messages: Sequence[MessageLike]) -> None:
+        """Append several messages at once (imported history, a client's earlier turns):
+        one store write, and no summary until the next reply, which folds whatever left
+        the window in one pass. Pin system prompts with :meth:`pin`.
+
+        Raises:
+            MessageError / BudgetError: an invalid message; nothing is stored.
+        """
+        msgs = [Message.from_openai(m) for m in messages]
+        if any(m.pinned for m in msgs):
+            raise MessageError("extend() takes conversation messages; pin() system prompts")
+        if not msgs:
+            return
+        with self._held_turn():
+            self._commit(msgs)  # each checked against the history as it will stand before it
+            self._advance_window()
 
     def pin(self, text: str, *, role: Role = Role.SYSTEM) -> None:
         """Pin a fact or instruction: it is shown in every prompt and never evicted.
@@ -502,6 +606,7 @@ class Session:
         timeout_s: float | None = None,
         on_text: Any = None,
         cancel: threading.Event | None = None,
+        stop: Sequence[str] = (),
     ) -> Reply:
         """Send a user message (or tool results) and return the reply.
 
@@ -510,7 +615,8 @@ class Session:
                 an OpenAI dict); or a list of them, e.g. the results of every tool an
                 assistant message called. The last one must be a user or tool message.
 
-        The messages are stored (all or none) before generation starts.
+        The messages are stored (all or none) before generation starts. ``stop``: strings
+        that end the reply where they first appear (they are not part of it).
 
         Raises:
             MessageError: a malformed message, a tool result answering no pending call,
@@ -520,11 +626,11 @@ class Session:
             DeviceOutOfMemory: out of memory even after one retry with a smaller plan
                 (the message stays stored; call :meth:`reply` to try again).
         """
-        with self._lock:
+        with self._held_turn():
             started = time.monotonic()
             self._commit(incoming_messages(content))
             self._advance_window()
-            return self._reply(started, sampling, timeout_s, on_text, cancel)
+            return self._reply(started, sampling, timeout_s, on_text, cancel, stop)
 
     def stream(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> TextStream[Reply]:
         """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
@@ -586,13 +692,14 @@ class Session:
         timeout_s: float | None = None,
         on_text: Any = None,
         cancel: threading.Event | None = None,
+        stop: Sequence[str] = (),
     ) -> Reply:
         """Generate the assistant's next message for the history as it stands.
 
         Use it after :meth:`add` (e.g. tool results) or to re-run a failed turn.
         """
-        with self._lock:
-            return self._reply(time.monotonic(), sampling, timeout_s, on_text, cancel)
+        with self._held_turn():
+            return self._reply(time.monotonic(), sampling, timeout_s, on_text, cancel, stop)
 
     def _reply(
         self,
@@ -601,6 +708,7 @@ class Session:
         timeout_s: float | None,
         on_text: Any,
         cancel: threading.Event | None,
+        stop: Sequence[str] = (),
     ) -> Reply:
         waits = self._summary_waits()
         waited = 0.0
@@ -618,7 +726,7 @@ class Session:
             plan = next(flow)
             while True:
                 try:
-                    gen = self._generate(plan, sampling, timeout_s, on_text, cancel)
+                    gen = self._generate(plan, sampling, timeout_s, on_text, cancel, stop)
                 except Exception as exc:
                     plan = flow.throw(exc)
                 else:
@@ -803,6 +911,7 @@ class Session:
         timeout_s: float | None,
         on_text: Any,
         cancel: threading.Event | None,
+        stop: Sequence[str] = (),
     ) -> Generation:
         assert self.engine is not None
         with self.summaries.replying():  # background summaries defer to replies
@@ -814,6 +923,7 @@ class Session:
                 cache_key=self.id,
                 on_text=on_text,
                 cancel=cancel,
+                stop=tuple(stop),
                 # The engine checks the real token ids against the budget before the model runs.
                 max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
             )

@@ -36,7 +36,8 @@ class EchoEngine:
 
     It answers ``"heard N: <last user message>"`` (N = messages in its prompt) followed
     by ``pad_words`` words, one ``on_text`` chunk per word, sleeping ``delay_s`` between
-    words and stopping when ``cancel`` is set; ``max_new_tokens`` caps the words.
+    words and stopping when ``cancel`` is set; ``max_new_tokens`` caps the words. A
+    ``stop`` string ends the reply where it first appears. ``calls`` counts generate calls.
     """
 
     def __init__(self, *, delay_s: float = 0.0, pad_words: int = 0, context_window: int = 100_000) -> None:
@@ -45,6 +46,7 @@ class EchoEngine:
         self.pad_words = pad_words
         self.context_window = context_window
         self.prompts: list[tuple[Message, ...]] = []
+        self.calls = 0
 
     @property
     def counter(self) -> Any:
@@ -57,21 +59,32 @@ class EchoEngine:
         max_new_tokens: int,
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
+        stop: Sequence[str] = (),
         **_: Any,
     ) -> Any:
+        self.calls += 1
         self.prompts.append(tuple(messages))
         last = next((m.content for m in reversed(messages) if m.role is Role.USER), "")
         words = [*f"heard {len(messages)}: {last}".split(" "), *(f"w{i}" for i in range(self.pad_words))]
         words = words[:max_new_tokens]
-        out, reason = [], FinishReason.STOP
+        out: list[str] = []
+        reason = FinishReason.STOP
         for i, word in enumerate(words):
             if cancel is not None and cancel.is_set():
                 reason = FinishReason.CANCELLED
                 break
             piece = word if i == 0 else " " + word
-            out.append(piece)
-            if on_text is not None:
+            done = "".join(out)
+            cut = min((j for j in ((done + piece).find(x) for x in stop) if j >= 0), default=-1)
+            if cut >= 0:
+                out = [(done + piece)[:cut]]
+                piece = out[0][len(done) :]
+            else:
+                out.append(piece)
+            if on_text is not None and piece:
                 on_text(piece)
+            if cut >= 0:
+                break
             if self.delay_s:
                 time.sleep(self.delay_s)
         text = "".join(out)

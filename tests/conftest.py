@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,3 +53,49 @@ def smol_counter() -> TokenCounter:
     from convo.tokens import HFTokenCounter
 
     return HFTokenCounter(AutoTokenizer.from_pretrained(str(default_model_path()), local_files_only=True))
+
+
+def start_redis(folder: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """A redis-server of the test's own on a free loopback port (so it can be SIGSTOPped
+    or killed); returns its URL (without a password) and the process. Skips without
+    redis-server, except with CONVO_REQUIRE_REDIS=1 (CI)."""
+    pytest.importorskip("redis")
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CONVO_REQUIRE_REDIS") == "1":
+            pytest.fail("CONVO_REQUIRE_REDIS=1 but redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [*cmd, "--dir", str(folder), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    password = extra[extra.index("--requirepass") + 1] if "--requirepass" in extra else None
+    for _ in range(200):
+        try:
+            redis.Redis.from_url(url, password=password).ping()
+            break
+        except redis.RedisError:
+            time.sleep(0.05)
+    return url, proc
+
+
+def stop_redis(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A redis-server of the test's own (see :func:`start_redis`)."""
+    url, proc = start_redis(tmp_path)
+    try:
+        yield url, proc
+    finally:
+        stop_redis(proc)

@@ -88,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="also read a request's 'user' field as its session id (OpenAI's 'user' names an end "
         "user, who may have many chats: use only when each user has one conversation)",
     )
+    serve.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the server (repeatable; '*' for any); others get 403",
+    )
+    serve.add_argument(
+        "--lock-lease-s",
+        type=float,
+        default=30.0,
+        help="Redis: how long a dead replica's session lock lasts (default 30 s)",
+    )
     add_local_engine_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)

@@ -194,6 +194,9 @@ def _chat(args: argparse.Namespace) -> int:
         return _script(session, args) if args.script else _interactive(session, args)
     finally:
         session.close()
+        close = getattr(session.engine, "close", None)
+        if close is not None:  # join the engine's threads before the interpreter exits
+            close()
 
 
 def _script(session: Any, args: argparse.Namespace) -> int:

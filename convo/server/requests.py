@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -11,11 +12,35 @@ from convo.errors import (
     ConfigError,
     MessageError,
 )
-from convo.messages import Message
+from convo.messages import Message, check_text
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+#: Most stop sequences a request may give (OpenAI's limit).
+MAX_STOP_SEQUENCES = 4
+#: Largest ``seed`` accepted (torch seeds are 64-bit); larger gets 400.
+MAX_SEED = 2**63 - 1
+#: Largest ``temperature`` accepted (OpenAI's range is 0..2).
+MAX_TEMPERATURE = 2.0
+#: A positive ``temperature`` below this decodes greedily (dividing logits by ~0 overflows).
+MIN_SAMPLING_TEMPERATURE = 1e-3
+
+# OpenAI parameters this server does not implement: refused with 400 instead of being
+# silently ignored, as strict servers do. (name, is it harmless at this value?)
+_UNSUPPORTED = {
+    "n": lambda v: v in (None, 1),
+    "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v in (None, 0),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+}
 
 
 
@@ -30,6 +55,7 @@ class ChatRequest:
     include_usage: bool = False
     session_id: str | None = None
     sampling: Sampling = GREEDY
+    stop: tuple[str, ...] = ()
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -63,7 +89,40 @@ def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
         raise ApiError(
             400, f"{name} must be a{'n integer' if kind is int else ' number'}", code="invalid_value"
         )
+    if kind is float and not math.isfinite(value):
+        raise ApiError(400, f"{name} must be a finite number", code="invalid_value")
     return kind(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field: JSON ``true``/``false`` (or absent/null); ``"false"`` is refused."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean (true or false)", code="invalid_value")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_SEQUENCES
+        or not all(isinstance(x, str) and x for x in stops)
+    ):
+        raise ApiError(
+            400,
+            f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
+            code="invalid_value",
+        )
+    try:
+        return tuple(check_text(x, "stop") for x in stops)
+    except MessageError as exc:
+        raise ApiError(400, str(exc), code="invalid_value") from None
 
 
 def parse_chat_request(
@@ -87,6 +146,9 @@ def parse_chat_request(
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for name, harmless in _UNSUPPORTED.items():
+        if not harmless(body.get(name)):
+            raise ApiError(400, f"{name} is not supported by this server", code="unsupported_parameter")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "messages must be a non-empty list", code="invalid_messages")
@@ -132,21 +194,26 @@ def parse_chat_request(
         raise ApiError(
             400, "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -", code="invalid_session_id"
         )
+    temperature = _number(body, "temperature", float, 0.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ApiError(400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}", code="invalid_value")
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        temperature = 0.0  # greedy: what a temperature this close to 0 means
+    seed = _number(body, "seed", int, None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_value")
     try:
-        sampling = Sampling(
-            temperature=_number(body, "temperature", float, 0.0),
-            top_p=_number(body, "top_p", float, 1.0),
-            seed=_number(body, "seed", int, None),
-        )
+        sampling = Sampling(temperature=temperature, top_p=_number(body, "top_p", float, 1.0), seed=seed)
     except ConfigError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None
     return ChatRequest(
         messages=tuple(messages),
         max_tokens=max_tokens,
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(options.get("include_usage", False)),
+        stream=_flag(body, "stream"),
+        include_usage=_flag(options, "include_usage"),
         session_id=session_id,
         sampling=sampling,
+        stop=_stop(body),
     )
 
 

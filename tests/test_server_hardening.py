@@ -1,0 +1,292 @@
+"""Issue 14 (hardening), server side: secrets in errors, cost amplification, poison input,
+cross-site requests, one client starving others, refused requests leaving state, loose edges.
+A real uvicorn on loopback, the echo engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import start_redis, stop_redis
+from test_server import serve
+
+from convo import Budget, MemoryStore, SQLiteStore
+from convo.messages import Message
+from convo.server.app import create_app
+from convo.server.limits import ServerLimits
+from convo.store import Store
+from convo.testing import EchoEngine
+
+BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4)  # summaries on
+
+
+def chat(http: httpx.Client, content: Any, *, session: str | None = None, **extra: Any) -> httpx.Response:
+    body: dict[str, Any] = {"model": "echo", "messages": [{"role": "user", "content": content}], **extra}
+    headers = {"X-Session-Id": session} if session else {}
+    return raw(http, json.dumps(body), **headers)  # ASCII escapes: a lone surrogate travels as JSON does
+
+
+def raw(http: httpx.Client, text: str, **headers: str) -> httpx.Response:
+    return http.post(
+        "/v1/chat/completions", content=text.encode(), headers={"Content-Type": "application/json", **headers}
+    )
+
+
+def openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    return err
+
+
+# -- item 1: no store URL, path, key or stack trace in an error body ---------------------------
+
+
+def test_error_bodies_name_no_sqlite_path(tmp_path: Path) -> None:
+    secret_dir = tmp_path / "very-secret-folder"
+    app = create_app(EchoEngine(), store=SQLiteStore(secret_dir / "s.db"), budget=BUDGET)
+    with serve(app) as base, httpx.Client(base_url=base) as http:
+        r = http.get("/v1/sessions/nope")
+        openai_error(r, 404)
+        assert "very-secret-folder" not in r.text and ".db" not in r.text
+
+
+def test_error_bodies_name_no_redis_url_or_password(tmp_path: Path) -> None:
+    from convo.store import RedisStore
+
+    url, proc = start_redis(tmp_path, "--requirepass", "s3cr3t-pw")
+    try:
+        secret_url = url.replace("redis://", "redis://:s3cr3t-pw@")
+        store = RedisStore(secret_url, socket_timeout_s=1)
+        with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+            with httpx.Client(base_url=base, timeout=10) as http:
+                assert http.get("/health").json()["status"] == "ok"
+                r = http.get("/v1/sessions/nope")
+                openai_error(r, 404)
+                assert "s3cr3t" not in r.text and "redis://" not in r.text
+                proc.kill()  # the store goes away: JSON errors, still no URL
+                proc.wait()
+                for r in (http.get("/v1/sessions/nope"), chat(http, "hi", session="s1")):
+                    err = openai_error(r, 500)
+                    assert err["code"] == "store_error"
+                    assert "s3cr3t" not in r.text and "redis://" not in r.text and "Traceback" not in r.text
+                health = http.get("/health")  # item 8: /health says the store is down
+                assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    finally:
+        stop_redis(proc)
+
+
+# -- item 2: a stateless request costs one generation ------------------------------------------
+
+
+def test_stateless_request_generates_once_whatever_its_length() -> None:
+    engine = EchoEngine()
+    msgs = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 5} for i in range(255)
+    ]
+    budget = Budget(context_tokens=2000, max_new_tokens=50, window_turns=4, summary_tokens=200)
+    with serve(create_app(engine, store=MemoryStore(), budget=budget)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            r = http.post("/v1/chat/completions", json={"model": "echo", "messages": msgs})
+    assert r.status_code == 200, r.text
+    assert engine.calls == 1  # on main: 32 (earlier messages replayed through the summarizer)
+    shown = engine.prompts[0]
+    assert shown[-1].content == msgs[-1]["content"]  # the newest message is in the prompt
+    assert 4 < len(shown) < 255  # as many recent turns as fit, not the window or everything
+    assert engine.counter.count_prompt(list(shown)) + budget.max_new_tokens <= budget.context_tokens
+
+
+def test_a_new_session_with_long_history_costs_one_generation_and_one_summary_pass() -> None:
+    engine = EchoEngine()
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " * 5} for i in range(255)]
+    budget = Budget(context_tokens=2000, max_new_tokens=50, window_turns=4, summary_tokens=200)
+    with serve(create_app(engine, store=MemoryStore(), budget=budget)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            r = http.post(
+                "/v1/chat/completions", json={"messages": msgs, "metadata": {"session_id": "imported"}}
+            )
+            assert r.status_code == 200, r.text
+            stored = http.get("/v1/sessions/imported").json()
+    assert engine.calls == 2  # the reply, then one fold of every turn that left the window
+    assert len(stored["messages"]) == 256 and stored["summarized_turns"] == stored["evicted_turns"] > 100
+
+
+# -- item 3: poison input gets 400 and the session stays usable; every error is JSON ----------
+
+
+def test_lone_surrogate_gets_400_and_the_session_stays_usable() -> None:
+    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            assert chat(http, "hello", session="p").status_code == 200
+            for content in ("hi \ud800", [{"type": "text", "text": "\udfff"}]):
+                err = openai_error(chat(http, content, session="p"), 400)
+                assert "surrogate" in err["message"]
+            assert http.get("/v1/sessions/p").status_code == 200
+            assert chat(http, "still fine", session="p").status_code == 200
+            history = http.get("/v1/sessions/p").json()["messages"]
+    assert [m["content"] for m in history if m["role"] == "user"] == ["hello", "still fine"]
+
+
+def test_bad_inputs_get_openai_style_json_errors() -> None:
+    engine = EchoEngine()
+    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            openai_error(raw(http, "[" * 100_000 + "]" * 100_000), 400)  # RecursionError on main
+            openai_error(
+                raw(http, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}'), 400
+            )
+            openai_error(
+                raw(http, '{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}'), 400
+            )
+            openai_error(chat(http, "x", seed=2**80), 400)
+            openai_error(chat(http, "x", temperature=5), 400)
+            assert chat(http, "x", temperature=1e-300).status_code == 200  # greedy
+            assert chat(http, "x", temperature=0.7, seed=2**40).status_code == 200
+
+
+class _Breaks(EchoEngine):
+    """Says one word, then fails with an error convo does not know."""
+
+    def generate(
+        self, messages: Sequence[Message], *, on_text: Callable[[str], None] | None = None, **kw: Any
+    ) -> Any:
+        if on_text is not None:
+            on_text("partial")
+        raise RuntimeError("device exploded at /secret/path")
+
+
+def test_a_stream_that_fails_ends_with_an_error_event() -> None:
+    with serve(create_app(_Breaks(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            body = {"model": "echo", "messages": [{"role": "user", "content": "x"}], "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            plain = chat(http, "x")
+    assert lines[-1] == "[DONE]"
+    err = json.loads(lines[-2])["error"]
+    assert err["code"] == "internal_error" and "/secret/path" not in err["message"]
+    assert openai_error(plain, 500)["code"] == "internal_error" and "/secret/path" not in plain.text
+
+
+# -- item 5: cross-site requests -----------------------------------------------------------------
+
+
+def test_keyless_server_refuses_foreign_host_origin_and_non_json() -> None:
+    app = create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"])
+    with serve(app) as base:
+        port = base.rsplit(":", 1)[1]
+        with httpx.Client(base_url=base) as http:
+            assert chat(http, "mine", session="victim").status_code == 200
+            # DNS rebinding: the victim's history under a foreign Host name
+            r = http.get("/v1/sessions/victim", headers={"Host": f"evil.example:{port}"})
+            assert openai_error(r, 403)["code"] == "forbidden_host"
+            assert http.get("/v1/sessions/victim", headers={"Host": f"localhost:{port}"}).status_code == 200
+            # CSRF: a cross-site form or fetch
+            body = json.dumps(
+                {"messages": [{"role": "user", "content": "injected"}], "metadata": {"session_id": "victim"}}
+            )
+            r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "text/plain"})
+            assert openai_error(r, 415)["code"] == "invalid_content_type"
+            r = raw(http, body, Origin="https://evil.example")
+            assert openai_error(r, 403)["code"] == "forbidden_origin"
+            assert raw(http, body, Origin="https://ok.example").status_code == 200  # allowed by flag
+            assert raw(http, body, Origin=f"http://127.0.0.1:{port}").status_code == 200  # same origin
+    with serve(create_app(EchoEngine(), store=MemoryStore(), api_key="k")) as base:  # a key: any Host
+        port = base.rsplit(":", 1)[1]
+        r = httpx.get(
+            f"{base}/v1/models", headers={"Host": f"api.example:{port}", "Authorization": "Bearer k"}
+        )
+        assert r.status_code == 200
+
+
+# -- item 6: one session's burst does not take every generation slot ---------------------------
+
+
+def test_a_burst_on_one_session_does_not_starve_another() -> None:
+    engine = EchoEngine(delay_s=0.04, pad_words=10)  # ~0.5 s per turn
+    limits = ServerLimits(max_concurrency=2)
+    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET, limits=limits)) as base:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            burst = [
+                threading.Thread(target=chat, args=(http, f"b{i}"), kwargs={"session": "hog"})
+                for i in range(12)
+            ]
+            for t in burst:
+                t.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert chat(http, "me", session="other").status_code == 200
+            other_s = time.monotonic() - t0
+            for t in burst:
+                t.join()
+            assert len(http.get("/v1/sessions/hog").json()["messages"]) == 24
+    assert other_s < 2.0, other_s  # on main ~5 s: queued behind the burst's slots
+
+
+# -- item 7: a refused request stores nothing --------------------------------------------------
+
+
+def test_too_long_system_prompt_gets_400_and_creates_no_session() -> None:
+    budget = Budget(context_tokens=1000, max_new_tokens=100, summary_tokens=0)
+    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=budget)) as base:
+        with httpx.Client(base_url=base) as http:
+
+            def turn(system: str) -> httpx.Response:
+                msgs = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+                return http.post(
+                    "/v1/chat/completions", json={"messages": msgs, "metadata": {"session_id": "fresh"}}
+                )
+
+            openai_error(turn("x" * 20_000), 400)
+            assert http.get("/v1/sessions/fresh").status_code == 404
+            assert turn("Be brief.").status_code == 200
+            history = http.get("/v1/sessions/fresh").json()["messages"]
+    assert history[0] == {"role": "system", "content": "Be brief."}
+
+
+# -- item 8: strict booleans, unsupported parameters refused, stop honoured ---------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stream": "false"},
+        {"stream": 0},
+        {"stream_options": {"include_usage": "false"}},
+        {"n": 2},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"logprobs": True},
+        {"response_format": {"type": "json_object"}},
+        {"stop": ["a", "b", "c", "d", "e"]},
+        {"stop": 7},
+    ],
+)
+def test_loose_parameters_are_refused(extra: dict[str, Any]) -> None:
+    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            openai_error(chat(http, "x", **extra), 400)
+
+
+def test_stop_is_honoured() -> None:
+    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            plain = chat(http, "hello brave world", stop="world", n=1, logprobs=False)
+            one = chat(http, "hello brave world", stop=["brave", "zzz"], stream=False)
+    assert plain.json()["choices"][0]["message"]["content"] == "heard 1: hello brave "
+    assert one.json()["choices"][0]["message"]["content"] == "heard 1: hello "
+
+
+def test_sqlite_lock_files_do_not_pile_up_from_deletes(tmp_path: Path) -> None:
+    store: Store = SQLiteStore(tmp_path / "s.db")
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            for i in range(200):
+                assert http.delete(f"/v1/sessions/unknown-{i}").status_code == 404
+    assert list((tmp_path / "s.db.locks").iterdir()) == []

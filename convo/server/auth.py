@@ -10,5 +10,3 @@ def key_owner(api_key: str | None) -> str:
     if not api_key:
         return ""
     return hashlib.sha256(b"convo-owner:" + api_key.encode()).hexdigest()[:32]
-
-

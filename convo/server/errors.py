@@ -96,3 +96,37 @@ def error_status(exc: BaseException) -> ApiError:
     return ApiError(500, _HIDDEN["internal_error"], type="server_error", code="internal_error")
 
 
+def error_response(err: ApiError) -> Any:
+    """The ``JSONResponse`` of an :class:`ApiError`."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def install_error_handlers(app: Any) -> None:
+    """Answer every error, expected or not, with an OpenAI-style JSON body: ApiError as it is,
+    ConvoError through :func:`error_status`, framework errors as 4xx, anything else as a 500
+    with a fixed message (the details go to the log, never to the client)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Any:
+        return error_response(exc)
+
+    @app.exception_handler(ConvoError)
+    async def _convo_error(request: Request, exc: ConvoError) -> Any:
+        return error_response(error_status(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Any:
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Any:
+        return error_response(ApiError(400, "the request is malformed", code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Any:
+        return error_response(error_status(exc))

@@ -68,5 +68,3 @@ class ServerLimits:
             raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
         if self.summary_wait_s is not None and not self.summary_wait_s >= 0:
             raise ConfigError("ServerLimits.summary_wait_s must be >= 0 or None")
-
-

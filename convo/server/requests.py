@@ -43,8 +43,6 @@ _UNSUPPORTED = {
 }
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """A parsed, validated ``/v1/chat/completions`` body."""
@@ -215,5 +213,3 @@ def parse_chat_request(
         sampling=sampling,
         stop=_stop(body),
     )
-
-

@@ -1,0 +1,78 @@
+"""Who may call: the API key as a route dependency, and the cross-site rules (``Host`` and
+``Origin``) as a middleware that runs before any route.
+
+Without an API key the server serves only requests whose ``Host`` names the address it is
+bound to (loopback), so DNS rebinding cannot reach it, and it refuses any request with a
+foreign ``Origin`` unless ``allowed_origins`` lists it; POST bodies must be
+``application/json`` (a plain HTML form cannot send that cross-site).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from convo.server.errors import ApiError, error_response
+from convo.server.state import ServerState
+
+#: Host names a keyless server answers to besides the address it is bound to.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def state_of(request: Request) -> ServerState:
+    """The app's :class:`ServerState` (a route dependency)."""
+    state: ServerState = request.app.state.convo
+    return state
+
+
+def caller(request: Request) -> str:
+    """The caller's owner hash (a route dependency); 401 unless the key is one of ours."""
+    return state_of(request).owner_of(request)
+
+
+def host_name(value: str) -> str:
+    """The host part of a ``Host`` header, lower-cased (``[::1]:8000`` -> ``::1``)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def origin_allowed(state: ServerState, origin: str) -> bool:
+    """Whether a browser ``Origin`` may call: listed, ``*``, or (keyless) the server's own."""
+    if "*" in state.origins or origin.rstrip("/").lower() in state.origins:
+        return True
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    # Same origin as the server itself: a page it served (it serves none) or a tool.
+    return parts.scheme in ("http", "https") and (parts.hostname or "") in state.hosts and not state.keys
+
+
+def install_cross_site_checks(app: FastAPI, state: ServerState) -> None:
+    """Refuse cross-site requests (foreign ``Host`` without a key, foreign ``Origin``) with
+    403 before any route runs."""
+
+    @app.middleware("http")
+    async def _cross_site(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        if not state.keys and host_name(request.headers.get("host", "")) not in state.hosts:
+            return error_response(
+                ApiError(403, "this Host is not served here", type="permission_error", code="forbidden_host")
+            )
+        origin = request.headers.get("origin")
+        if origin is not None and not origin_allowed(state, origin):
+            return error_response(
+                ApiError(
+                    403,
+                    "cross-origin requests are refused (convo serve --allow-origin ORIGIN)",
+                    type="permission_error",
+                    code="forbidden_origin",
+                )
+            )
+        response: Response = await call_next(request)
+        return response

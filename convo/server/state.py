@@ -1,0 +1,157 @@
+"""What every route of one app shares: its collaborators, limits and per-process queues."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from convo.budget import Budget
+from convo.errors import SessionBusy, SessionNotFound
+from convo.metrics import ServingMetrics
+from convo.server.auth import key_owner
+from convo.server.errors import ApiError
+from convo.server.limits import ServerLimits
+from convo.store import Store
+from convo.summarize import SummaryWorker
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from convo.admission import AdmissionController
+    from convo.engines.base import Engine
+
+
+@dataclass(kw_only=True)
+class ServerState:
+    """One app's collaborators (see :func:`convo.server.app.create_app` for each argument)
+    and its per-process state: worker-thread limiters and the per-session turn queues."""
+
+    engine: Engine
+    store: Store
+    budget: Budget
+    limits: ServerLimits
+    model_name: str
+    metrics: ServingMetrics
+    admission: AdmissionController
+    summaries: SummaryWorker
+    keys: Sequence[str]
+    hosts: frozenset[str]
+    origins: frozenset[str]
+    session_from_user: bool
+    scrape: Any
+    #: Admitted turns and streams hold worker threads; sized from the controller in use (not
+    #: ``limits``, which a custom controller overrides), so admitted turns never run out.
+    threads: anyio.CapacityLimiter = field(init=False)
+    #: Admission must not wait for those threads: a request to refuse gets its 429 in
+    #: milliseconds however busy generation is. Counting a stateless prompt's tokens, the
+    #: only work before the decision, and health checks have threads of their own.
+    counting: anyio.CapacityLimiter = field(init=False)
+    #: One turn per session at a time in this process, queued before admission, so waiting
+    #: turns of a busy session hold no generation slot and no worker thread.
+    gates: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.threads = anyio.CapacityLimiter(2 * self.admission.limits.max_concurrency + 8)
+        self.counting = anyio.CapacityLimiter(2)
+
+    @property
+    def max_tokens_cap(self) -> int:
+        """The largest ``max_tokens`` a request may ask for."""
+        return min(self.limits.max_tokens or self.budget.max_new_tokens, self.budget.context_tokens - 1)
+
+    def owner_of(self, request: Request) -> str:
+        """The caller's owner hash; 401 unless the bearer key is one of ours."""
+        if not self.keys:
+            return ""
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        for k in self.keys:
+            if given and hmac.compare_digest(given.encode(), k.encode()):
+                return key_owner(k)
+        raise ApiError(
+            401,
+            "invalid or missing API key (Authorization: Bearer ...)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+
+    async def read_body(self, request: Request) -> Any:
+        """The JSON body: 415 unless ``application/json``, 413 past ``max_body_bytes``, 400
+        for bad or too deeply nested JSON."""
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(
+                415, "the body must be sent as Content-Type: application/json", code="invalid_content_type"
+            )
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking work (a turn, a store call) in a worker thread."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.threads)
+
+    def owned(self, session_id: str, owner: str) -> Any:
+        """The session's export, or SessionNotFound when it is not the caller's."""
+        data = self.store.export_session(session_id)
+        if data["owner"] != owner:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return data
+
+    async def enter_session(self, sid: str, timeout_s: float) -> Callable[[], None]:
+        """Queue for ``sid``'s turn in this process; returns the release function.
+
+        ``timeout_s == 0`` fails at once when the session is busy. Raises SessionBusy (409).
+        """
+        lock, users = self.gates.setdefault(sid, (asyncio.Lock(), [0]))
+        users[0] += 1
+
+        def leave() -> None:
+            users[0] -= 1
+            if users[0] == 0:
+                self.gates.pop(sid, None)
+
+        try:
+            if timeout_s == 0:
+                if lock.locked():
+                    raise SessionBusy(f"session {sid!r} is busy with another turn")
+                await lock.acquire()
+            else:
+                await asyncio.wait_for(lock.acquire(), timeout_s)
+        except TimeoutError:
+            leave()
+            raise SessionBusy(
+                f"session {sid!r} is busy with another turn (waited {timeout_s:.0f} s)"
+            ) from None
+        except BaseException:
+            leave()
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                lock.release()
+                leave()
+
+        return release

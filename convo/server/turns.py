@@ -1,0 +1,216 @@
+"""One request's turn, run in a worker thread (the engine is synchronous): store only what
+the session lacks, generate, and shape the reply into OpenAI's JSON."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from convo.budget import Budget
+from convo.engines.base import FinishReason
+from convo.errors import (
+    BudgetError,
+    ConfigError,
+    MessageError,
+    SessionNotFound,
+)
+from convo.messages import Message, Role, validate_sequence
+from convo.server.errors import ApiError
+from convo.server.limits import ServerLimits
+from convo.server.reconcile import fork_id, reconcile
+from convo.server.requests import ChatRequest
+from convo.session import Reply, Session
+from convo.store import MemoryStore, SessionState, Store
+from convo.summarize import SummaryWorker
+
+if TYPE_CHECKING:
+    from convo.engines.base import Engine
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------
+# Turns (run in worker threads; the engine is synchronous)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class _Turn:
+    """Everything a worker needs to run one request."""
+
+    request: ChatRequest
+    owner: str
+    budget: Budget
+    store: Store
+    engine: Engine
+    limits: ServerLimits
+    summaries: SummaryWorker
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: Set when the client's history diverged: the id holding the replaced tail.
+    forked: str | None = None
+
+    def run(
+        self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
+    ) -> Reply:
+        kwargs: dict[str, Any] = {
+            "sampling": self.request.sampling,
+            "on_text": on_text,
+            "cancel": cancel,
+            "stop": self.request.stop,
+        }
+        if self.request.session_id is None:
+            return self._stateless(kwargs)
+        with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
+            return self._stateful(self.request.session_id, kwargs)
+
+    def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
+        msgs = list(self.request.messages)
+        exists = self.store.exists(sid)
+        stored: list[Message] = []
+        if exists:
+            state, history = self.store.load(sid)
+            if state.owner != self.owner:
+                raise SessionNotFound(f"no session {sid!r}")  # another key's: do not reveal it exists
+            stored = [m for m in history if not m.pinned]
+        # Store only what the session does not hold yet (see convo.server.reconcile); an
+        # existing session keeps the system part it was created with.
+        plan = reconcile(stored, [m for m in msgs if m.role is not Role.SYSTEM])
+        # The message to answer: the last new one; else the last one kept (a regenerated
+        # answer after a fork, or a retry of a turn whose user message is already stored).
+        kept = stored if plan.fork_at is None else stored[: plan.fork_at]
+        last = plan.new[-1] if plan.new else (kept[-1] if kept else None)
+        if last is None or last.role not in (Role.USER, Role.TOOL):
+            raise ApiError(
+                400,
+                "with a session id, the messages must end with a new user message or tool results "
+                "(or resend the history up to the message to answer again)",
+                code="invalid_messages",
+            )
+        if plan.fork_at is not None:
+            # A summary still running folds turns the fork may drop: it must not land.
+            self.summaries.forget(self.store, sid)
+            self.forked = _fork(self.store, sid, plan.fork_at)
+        system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM)
+        session = Session(
+            self.engine,
+            budget=self.budget,
+            store=self.store,
+            session_id=sid,
+            owner=self.owner,
+            system_prompt=system if not exists else None,
+            timeout_s=self.limits.generation_timeout_s,
+            summaries=self.summaries,
+            summary_wait_s=self.limits.summary_wait_s,
+        )
+        # (The session is not closed: its summary runs on after the reply, outside the lock.)
+        try:
+            if not plan.new:
+                return session.reply(**kwargs)
+            *earlier, final = plan.new
+            # Earlier new messages are stored at once: the reply's one summary pass folds
+            # what left the window (not one summary per message).
+            session.extend(earlier)
+            return session.send(final, **kwargs)
+        except (ApiError, MessageError, BudgetError, ConfigError):
+            if not exists:  # a refused request leaves nothing behind (we still hold the lock)
+                self.store.delete(sid)
+            raise
+
+    def _stateless(self, kwargs: dict[str, Any]) -> Reply:
+        """Fit the given messages (recent turns that fit + truncation) and generate once.
+
+        The messages are not replayed through the summarizer: the throw-away session
+        shows as many recent turns as the budget holds and summarizes nothing, so a
+        request costs exactly one generation whatever its length.
+        """
+        msgs = list(self.request.messages)
+        turns = sum(1 for m in msgs if m.role is Role.USER) + 1
+        budget = replace(
+            self.budget,
+            window_turns=max(1, turns),
+            summarize_batch_turns=1,
+            summary_tokens=0,
+            retrieval_tokens=0,
+        )
+        validate_sequence(msgs)  # tool results answer the calls before them (MessageError: 400)
+        store = MemoryStore()
+        store.create(SessionState(session_id=self.session_id, settings={"budget": budget.to_dict()}), msgs)
+        with Session(
+            self.engine,
+            budget=budget,
+            store=store,
+            session_id=self.session_id,
+            timeout_s=self.limits.generation_timeout_s,
+            summaries=self.summaries,
+            summary_wait_s=self.limits.summary_wait_s,
+        ) as session:  # (closing releases the engine's KV cache and cancels its summary)
+            return session.reply(**kwargs)
+
+
+def _fork(store: Store, sid: str, at: int) -> str:
+    """Apply the divergence rule: the whole session as it was moves, readable, to the
+    next free ``<sid>~<n>``; ``sid`` keeps its first ``at`` conversation messages (and its
+    pinned part). Its summary and window survive when every summarized turn lies before
+    ``at``; otherwise they start again. Returns the fork's id."""
+    data = store.export_session(sid)
+    n = 1
+    while store.exists(fork_id(sid, n)):
+        n += 1
+    archive = store.import_session(data, session_id=fork_id(sid, n))
+    state, history = store.load(sid)
+    pinned = [m for m in history if m.pinned]
+    convo = [m for m in history if not m.pinned][:at]
+    # Turns wholly before the fork point (the last kept turn may be cut).
+    starts = sum(1 for i, m in enumerate(convo) if m.role is Role.USER or i == 0)
+    if state.evicted_turns > max(starts - 1, 0):
+        state = replace(state, summary="", summarized_turns=0, evicted_turns=0)
+    store.delete(sid)
+    store.create(state)
+    store.append(sid, [*pinned, *convo])
+    logger.info("session %s: history diverged at message %d; the replaced tail is in %s", sid, at, archive)
+    return archive
+
+
+def _prompt_estimate(turn: _Turn) -> int:
+    """Prompt tokens to charge at admission: a stateless prompt's own size, a session's
+    upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``). Only the
+    stateless case counts tokens; a session's costs nothing to compute."""
+    bound = turn.budget.context_tokens - turn.budget.max_new_tokens
+    if turn.request.session_id is not None:
+        return bound
+    return min(bound, turn.engine.counter.count_prompt(list(turn.request.messages)))
+
+
+# --------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------
+
+
+def _finish(reason: FinishReason) -> str:
+    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    g = reply.stats.generation
+    completion = g.new_tokens if g is not None else 0
+    prompt = reply.stats.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:
+    s = reply.stats
+    return {
+        "session_id": session_id,
+        "forked": forked,  # where the replaced tail went, when the client's history diverged
+        "turn": s.turn,
+        "context_tokens": s.context_tokens,
+        "parts": dict(s.parts),
+        "evicted_turns": s.evicted_turns,
+        "summarized_turns": s.summarized_turns,
+        "hidden_turns": s.hidden_turns,
+        "summary_wait_s": round(s.summarize_s, 4),
+        "summary": s.summary.to_dict() if s.summary is not None else None,
+    }

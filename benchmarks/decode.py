@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import decode_round, env_info, pyplot, sync, to_nf4
 
 from convo.engines.base import GREEDY
 from convo.engines.transformers import TransformersEngine
@@ -67,12 +68,6 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * reps / (time.perf_counter() - t)
 
 
-def sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
 
 def reset_peak(device: str) -> None:
     import torch
@@ -104,15 +99,7 @@ def run_static(dec: StaticDecoder, batch: int, args: argparse.Namespace, vocab: 
             DecodeRequest(ids=p, max_new_tokens=new_tokens, deadline=time.monotonic() + 600, sampling=GREEDY)
             for p in prompts(batch, args.prompt_tokens, vocab, seed)
         ]
-        for r in reqs:
-            sched.submit(r)
-        for r in reqs:
-            r.done.wait()
-            if r.error is not None:
-                raise r.error
-        start = max(r.first_token_at or 0.0 for r in reqs)
-        end = max(r.finished_at or 0.0 for r in reqs)
-        return end - start, sum(len(r.new_ids) - 1 for r in reqs)
+        return decode_round(sched, reqs)
 
     round_(min(16, args.new_tokens), seed=1)  # warm-up: first replays, allocator, clocks
     times = [round_(args.new_tokens, seed=2 + i) for i in range(args.repeats)]
@@ -156,34 +143,6 @@ def run_stock(model: Any, batch: int, args: argparse.Namespace, vocab: int, devi
         "step_ms": 1000 * elapsed / (args.new_tokens - 1),
     }
 
-
-def to_nf4(model: Any, dtype: Any) -> None:
-    """Replace every decoder linear with bitsandbytes nf4 + double quant, in place."""
-    import bitsandbytes as bnb
-    import torch
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, mod in list(parent.named_children()):
-                if type(mod) is not torch.nn.Linear:
-                    continue
-                new = bnb.nn.Linear4bit(
-                    mod.in_features,
-                    mod.out_features,
-                    bias=mod.bias is not None,
-                    compute_dtype=dtype,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                    device="meta",
-                )
-                new.weight = bnb.nn.Params4bit(
-                    mod.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-                ).to(mod.weight.device)
-                if mod.bias is not None:
-                    new.bias = torch.nn.Parameter(mod.bias.data, requires_grad=False)
-                setattr(parent, name, new)
-                del mod
-    gc.collect()
 
 
 def main() -> None:
@@ -244,7 +203,7 @@ def main() -> None:
             "partial": partial,
             "model": name,
             "device": device,
-            "env": _env(device),
+            "env": env_info(device),
             "dtype": str(dtype),
             "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens,
@@ -385,40 +344,10 @@ def _summary(results: list[dict[str, Any]], dense: str) -> dict[str, Any]:
     return out
 
 
-def _env(device: str) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    env: dict[str, Any] = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
-    }
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["gpu_memory_GiB"] = torch.cuda.get_device_properties(0).total_memory / GiB
-    else:
-        import os
-
-        env["cpus"] = os.cpu_count()
-    try:
-        import bitsandbytes
-
-        env["bitsandbytes"] = bitsandbytes.__version__
-    except ImportError:
-        pass
-    return env
-
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no plot")
+    plt = pyplot(log)
+    if plt is None:
         return
     rows = [r for r in report["results"] if "tok_s" in r]
     paths = list(dict.fromkeys(r["path"] for r in rows))

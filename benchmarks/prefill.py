@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import env_info, pyplot, sync, to_nf4
 
 from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, dequantize_plain_int4
@@ -49,12 +50,6 @@ TARGET_FRACTION = 0.8
 def log(msg: str) -> None:
     print(f"[prefill] {msg}", file=sys.stderr, flush=True)
 
-
-def sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn: Any, device: str, warmup: int, repeats: int) -> float:
@@ -70,32 +65,6 @@ def timed(fn: Any, device: str, warmup: int, repeats: int) -> float:
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
-
-def to_nf4(model: Any, dtype: Any) -> None:
-    """Replace every decoder linear with bitsandbytes nf4 + double quant, in place."""
-    import bitsandbytes as bnb
-    import torch
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, mod in list(parent.named_children()):
-                if type(mod) is not torch.nn.Linear:
-                    continue
-                new = bnb.nn.Linear4bit(
-                    mod.in_features, mod.out_features, bias=mod.bias is not None, compute_dtype=dtype,
-                    compress_statistics=True, quant_type="nf4", device="meta",
-                )  # fmt: skip
-                new.weight = bnb.nn.Params4bit(
-                    mod.weight.data.contiguous(),
-                    requires_grad=False,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                ).to(mod.weight.device)
-                if mod.bias is not None:
-                    new.bias = torch.nn.Parameter(mod.bias.data, requires_grad=False)
-                setattr(parent, name, new)
-                del mod
-    gc.collect()
 
 
 def main() -> None:
@@ -213,7 +182,7 @@ def main() -> None:
         "benchmark": "prefill",
         "model": name,
         "device": device,
-        "env": _env(device),
+        "env": env_info(device),
         "tokens": n,
         "warmup": args.warmup,
         "repeats": args.repeats,
@@ -231,34 +200,10 @@ def main() -> None:
     print(json.dumps(report, indent=2))
 
 
-def _env(device: str) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    env: dict[str, Any] = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-    try:
-        import bitsandbytes
-
-        env["bitsandbytes"] = bitsandbytes.__version__
-    except ImportError:
-        pass
-    return env
-
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no plot")
+    plt = pyplot(log)
+    if plt is None:
         return
     rows = report["results"]
     fig, ax = plt.subplots(figsize=(10, 4.5))

@@ -148,6 +148,7 @@ def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 
     if decoder is None or sched is None:
         return {}
     import torch
+    from _common import decode_round  # benchmarks/
 
     from convo.engines.base import GREEDY
     from convo.fast import DecodeRequest
@@ -162,15 +163,7 @@ def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 
             DecodeRequest(ids=i, max_new_tokens=n, deadline=time.monotonic() + 300, sampling=GREEDY)
             for i in ids
         ]
-        for r in reqs:
-            sched.submit(r)
-        for r in reqs:
-            r.done.wait()
-            if r.error is not None:
-                raise r.error
-        start = max(r.first_token_at or 0.0 for r in reqs)
-        end = max(r.finished_at or 0.0 for r in reqs)
-        return end - start, sum(len(r.new_ids) - 1 for r in reqs)
+        return decode_round(sched, reqs)
 
     round_(8, 1)
     elapsed, tokens = sorted(round_(new, 2 + i) for i in range(3))[1]

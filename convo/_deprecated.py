@@ -1,4 +1,5 @@
-"""Old module names kept for one release: each warns once on import and forwards names."""
+"""Lazy and moved names: a package serves heavy names on first use, and old module names
+are kept for one release (they warn once on import and forward names)."""
 
 from __future__ import annotations
 
@@ -19,5 +20,18 @@ def moved(old: str, new: str, modules: Sequence[str]) -> Callable[[str], Any]:
             if hasattr(mod, name):
                 return getattr(mod, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def lazy(package: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """A package ``__getattr__`` that imports ``names[name]`` (a module) on first use, so the
+    package itself stays light (no torch, httpx or FastAPI until a name needs them)."""
+
+    def __getattr__(name: str) -> Any:
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
 
     return __getattr__

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from convo._deprecated import lazy
 from convo.engines.base import Engine, FinishReason, Generation, GenerationStats, Quant, Sampling
 
 if TYPE_CHECKING:
@@ -31,9 +31,4 @@ __all__ = [
 
 _LAZY = {"TransformersEngine": "convo.engines.transformers", "OpenAIEngine": "convo.engines.openai"}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'convo.engines' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy("convo.engines", _LAZY)

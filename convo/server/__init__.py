@@ -10,8 +10,9 @@ your own). FastAPI and uvicorn are imported on first use: ``pip install 'convo[s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from convo._deprecated import lazy
 
 if TYPE_CHECKING:
     from convo.server.app import create_app
@@ -21,9 +22,4 @@ __all__ = ["ServerLimits", "create_app"]
 
 _LAZY = {"create_app": "convo.server.app", "ServerLimits": "convo.server.limits"}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'convo.server' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy("convo.server", _LAZY)

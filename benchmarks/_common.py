@@ -1,0 +1,105 @@
+"""What the GPU benchmarks share: environment info for the JSON, device sync, a bitsandbytes
+nf4 stock model, one timed round through the decode scheduler, and matplotlib (or None)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+GiB = 1024**3
+
+
+def env_info(device: str) -> dict[str, Any]:
+    """Versions and hardware, for every benchmark's JSON."""
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_memory_GiB"] = torch.cuda.get_device_properties(0).total_memory / GiB
+    else:
+        env["cpus"] = os.cpu_count()
+    try:
+        import bitsandbytes
+
+        env["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (timings end here)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pyplot(log: Callable[[str], None]) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (logged) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def to_nf4(model: Any, dtype: Any) -> None:
+    """Replace every decoder linear with bitsandbytes nf4 + double quant, in place (the
+    stock 4-bit baseline)."""
+    import bitsandbytes as bnb
+    import torch
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.named_children()):
+                if type(mod) is not torch.nn.Linear:
+                    continue
+                new = bnb.nn.Linear4bit(
+                    mod.in_features,
+                    mod.out_features,
+                    bias=mod.bias is not None,
+                    compute_dtype=dtype,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                new.weight = bnb.nn.Params4bit(
+                    mod.weight.data.contiguous(),
+                    requires_grad=False,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                ).to(mod.weight.device)
+                if mod.bias is not None:
+                    new.bias = torch.nn.Parameter(mod.bias.data, requires_grad=False)
+                setattr(parent, name, new)
+                del mod
+    gc.collect()
+
+
+def decode_round(sched: Any, reqs: Sequence[Any]) -> tuple[float, int]:
+    """Submit ``reqs`` to a decode scheduler together and wait for all: the seconds from the
+    last first token to the last finish, and the tokens decoded in that time."""
+    for r in reqs:
+        sched.submit(r)
+    for r in reqs:
+        r.done.wait()
+        if r.error is not None:
+            raise r.error
+    start = max(r.first_token_at or 0.0 for r in reqs)
+    end = max(r.finished_at or 0.0 for r in reqs)
+    return end - start, sum(len(r.new_ids) - 1 for r in reqs)

@@ -31,7 +31,25 @@ from convo.tokens import CharCounter, TokenCounter
 __all__ = ["CharCounter", "EchoEngine", "ScriptedEngine"]
 
 
-class EchoEngine:
+class _ModelFree:
+    """What both engines share: a counter, a context window and a record of prompts and
+    released cache keys."""
+
+    def __init__(self, counter: TokenCounter | None, context_window: int) -> None:
+        self._counter = counter or CharCounter()
+        self.context_window = context_window
+        self.prompts: list[tuple[Message, ...]] = []
+        self.released: list[str] = []
+
+    @property
+    def counter(self) -> TokenCounter:
+        return self._counter
+
+    def release(self, cache_key: str) -> None:
+        self.released.append(cache_key)
+
+
+class EchoEngine(_ModelFree):
     """A tiny deterministic engine with no model (tests, demos, ``CONVO_FAKE_ENGINE=1``).
 
     It answers ``"heard N: <last user message>"`` (N = messages in its prompt) followed
@@ -41,16 +59,10 @@ class EchoEngine:
     """
 
     def __init__(self, *, delay_s: float = 0.0, pad_words: int = 0, context_window: int = 100_000) -> None:
-        self._counter = CharCounter()
+        super().__init__(None, context_window)
         self.delay_s = delay_s
         self.pad_words = pad_words
-        self.context_window = context_window
-        self.prompts: list[tuple[Message, ...]] = []
         self.calls = 0
-
-    @property
-    def counter(self) -> Any:
-        return self._counter
 
     def generate(
         self,
@@ -92,11 +104,7 @@ class EchoEngine:
         stats = GenerationStats.untimed(prompt_tokens=prompt, new_tokens=len(out))
         return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
 
-    def release(self, cache_key: str) -> None:
-        pass
-
-
-class ScriptedEngine:
+class ScriptedEngine(_ModelFree):
     """A deterministic engine for unit tests of session logic (no model).
 
     It answers ``reply {n}`` (or what ``replies`` yields), records every prompt, and can be
@@ -104,17 +112,10 @@ class ScriptedEngine:
     """
 
     def __init__(self, counter: TokenCounter | None = None, *, context_window: int = 100_000) -> None:
-        self._counter = counter or CharCounter()
-        self.context_window = context_window
-        self.prompts: list[tuple[Message, ...]] = []
-        self.released: list[str] = []
+        super().__init__(counter, context_window)
         self.fail_with: BaseException | None = None
         self.fail_times = 0
         self.reply_fn: Callable[[Sequence[Message]], str] | None = None
-
-    @property
-    def counter(self) -> TokenCounter:
-        return self._counter
 
     def generate(
         self,
@@ -142,6 +143,3 @@ class ScriptedEngine:
             token_ids=(),
             stats=GenerationStats.untimed(prompt_tokens=prompt, new_tokens=self._counter.count_text(text)),
         )
-
-    def release(self, cache_key: str) -> None:
-        self.released.append(cache_key)

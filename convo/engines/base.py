@@ -318,6 +318,92 @@ class Engine(Protocol):
     def release(self, cache_key: str) -> None: ...
 
 
+# -- the KV cache of a local engine ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVRun:
+    """What a :class:`KVBackend` reports about one call: the reply's token ids and what the
+    KV cache held. The engine turns it into a :class:`Generation` (text, finish reason,
+    :class:`GenerationStats`)."""
+
+    #: Token ids of the reply (model vocabulary).
+    new_ids: list[int]
+    #: Prompt tokens whose KV was reused from the session's previous turn.
+    cached_tokens: int
+    #: Tokens whose K/V the cache held at the end of the call.
+    kv_tokens: int
+    #: Bytes of those K/V tensors.
+    kv_bytes: int
+    #: Bytes of one preallocated slot (0 for a growing cache).
+    kv_slot_bytes: int = 0
+    #: ``time.monotonic()`` when the call started (its deadline counts from here), when
+    #: the first reply token came (``None``: none came) and when it ended.
+    start: float
+    first_token_at: float | None
+    end: float
+    cancelled: bool
+    timed_out: bool
+    #: The ``torch.device`` the cache lives on (for the memory report).
+    device: Any
+
+
+class KVBackend(Protocol):
+    """Where a local engine keeps the KV cache of its sessions, and how it decodes on it.
+
+    Two backends implement it (:mod:`convo.engines.kv`): ``DynamicKV``, a growing
+    transformers cache per session run through ``model.generate`` one call at a time, and
+    ``SlotKV``, the static slots of :mod:`convo.fast` decoded together by a scheduler. The
+    engine picks one at load; validation, text and statistics stay in the engine.
+    """
+
+    def generate(
+        self,
+        ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        timeout_s: float,
+        sampling: Sampling,
+        stop: Sequence[str],
+        cache_key: str | None,
+        on_text: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> KVRun:
+        """Prefill ``ids`` (reusing the session's kept prefix) and decode the reply.
+
+        Raises:
+            DeviceOutOfMemory: the device ran out of memory (the session's cache is freed).
+        """
+        ...
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        """Keys of the sessions whose KV cache is kept."""
+        ...
+
+    def release(self, cache_key: str) -> None:
+        """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
+        ...
+
+    def release_all(self) -> None:
+        """Drop every kept KV cache and return cached blocks to the device."""
+        ...
+
+    def close(self) -> None:
+        """Stop and join the backend's threads and drop its caches. Idempotent."""
+        ...
+
+
+def empty_device_cache() -> None:
+    """Return the CUDA allocator's cached, unused blocks to the device (no-op without CUDA
+    or torch). The one place convo empties the cache: after an OOM and on release."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
 
 _END = object()
 T = TypeVar("T")

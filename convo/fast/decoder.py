@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from convo.engines.base import empty_device_cache
 from convo.errors import ConfigError
 from convo.fast.int4 import (
     Linear,
@@ -589,7 +590,7 @@ class StaticDecoder:
         if used == {"triton"}:
             self.layers = [dc.replace(layer.alt, alt=None) for layer in self.layers if layer.alt is not None]
             self._graphs = {b: (g, i, o, False) for b, (g, i, o, _) in self._graphs.items()}
-        _empty_cuda_cache()
+        empty_device_cache()
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> Any:
         """Decode one token for each row: feed ``tokens[r]`` at ``positions[r]`` of slot
@@ -633,10 +634,3 @@ def _replay_ms(graph: Any, reps: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-def _empty_cuda_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

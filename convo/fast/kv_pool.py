@@ -66,10 +66,12 @@ class KVSlotPool:
 
     @staticmethod
     def predicted_nbytes(
-        *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: int
+        *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: float
     ) -> int:
-        """``2 x layers x slots x kv_heads x slot_tokens x head_dim x dtype bytes``."""
-        return 2 * num_layers * slots * num_kv_heads * slot_tokens * head_dim * dtype_bytes
+        """``2 x layers x slots x kv_heads x slot_tokens x head_dim x dtype bytes``: the one
+        pool-size formula (the planner's :meth:`~convo.planner.model.MemoryModel.kv_pool_bytes`
+        prices a pool with it too)."""
+        return int(2 * num_layers * slots * num_kv_heads * slot_tokens * head_dim * dtype_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convo.engines.base import FinishReason
-from convo.errors import ConfigError, DeviceOutOfMemory
-from convo.fast.decoder import PrefillChunk, _empty_cuda_cache
+from convo.engines.base import FinishReason, empty_device_cache
+from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
+from convo.fast.decoder import PrefillChunk
 
 #: Tokens one scheduler step may run by default: the running replies' rows, then prefill
 #: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
@@ -239,7 +239,7 @@ class DecodeScheduler:
         for req in reqs:
             req.kv_tokens = 0
             self._finish(req, None, error)
-        _empty_cuda_cache()
+        empty_device_cache()
 
     def _expire(self) -> None:
         """Finish waiting and prefilling requests that were cancelled or ran out of time."""
@@ -383,6 +383,6 @@ def _sample(logits: Any, rows: Sequence[DecodeRequest]) -> list[int]:
 
 
 def _device_error(exc: BaseException) -> BaseException:
-    if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
+    if is_out_of_memory(exc):
         return DeviceOutOfMemory(f"out of memory in the decode loop: {exc}")
     return exc

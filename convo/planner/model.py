@@ -987,7 +987,17 @@ class MemoryModel:
         """The static KV slot pool (:class:`convo.fast.kv_pool.KVSlotPool`): ``slots`` caches of
         ``slot_tokens`` tokens, taken once at load. Exact: the pool is these bytes (checked
         against ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
-        return int(slots * slot_tokens * self.kv_bytes_per_token())
+        from convo.fast.kv_pool import KVSlotPool
+
+        s = self.shape
+        return KVSlotPool.predicted_nbytes(
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            slots=slots,
+            slot_tokens=slot_tokens,
+            dtype_bytes=self.kv_dtype.nbytes,
+        )
 
     def auto_kv_slots(self, memory_bytes: int, slot_tokens: int) -> int:
         """The slots ``TransformersEngine(kv_slots=None)`` takes on a CUDA device of

@@ -322,6 +322,23 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
+class KVCall:
+    """One call to a :class:`KVBackend`: a checked prompt and how to decode its reply (the
+    arguments of :meth:`Engine.generate`, after the engine rendered and capped the prompt)."""
+
+    #: The rendered prompt's token ids (tokenizer vocabulary).
+    ids: list[int]
+    max_new_tokens: int
+    #: Wall-clock cap, prefill (and, with slots, the wait for one) included.
+    timeout_s: float
+    sampling: Sampling = GREEDY
+    stop: Sequence[str] = ()
+    cache_key: str | None = None
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class KVRun:
     """What a :class:`KVBackend` reports about one call: the reply's token ids and what the
     KV cache held. The engine turns it into a :class:`Generation` (text, finish reason,
@@ -357,19 +374,8 @@ class KVBackend(Protocol):
     engine picks one at load; validation, text and statistics stay in the engine.
     """
 
-    def generate(
-        self,
-        ids: Sequence[int],
-        *,
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> KVRun:
-        """Prefill ``ids`` (reusing the session's kept prefix) and decode the reply.
+    def generate(self, call: KVCall) -> KVRun:
+        """Prefill ``call.ids`` (reusing the session's kept prefix) and decode the reply.
 
         Raises:
             DeviceOutOfMemory: the device ran out of memory (the session's cache is freed).

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convo.engines.base import FinishReason, KVRun, Sampling, empty_device_cache
+from convo.engines.base import FinishReason, KVCall, KVRun, empty_device_cache
 from convo.errors import DeviceOutOfMemory, is_out_of_memory
 from convo.tokens import common_prefix_length
 
@@ -212,53 +212,30 @@ class DynamicKV:
             key, _ = self._caches.popitem(last=False)
             logger.info("evicted the KV cache of session %r (over %d cached)", key, self.max_cached_sessions)
 
-    def generate(
-        self,
-        ids: Sequence[int],
-        *,
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> KVRun:
-        ids = list(ids)
+    def generate(self, call: KVCall) -> KVRun:
         with self._lock:
             try:
-                return self._generate(
-                    ids, max_new_tokens, timeout_s, sampling, stop, cache_key, on_text, cancel
-                )
+                return self._generate(call)
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
-                message = f"out of memory during generate ({len(ids)} prompt tokens): {exc}"
+                message = f"out of memory during generate ({len(call.ids)} prompt tokens): {exc}"
             # Outside the except block the traceback, whose frames still hold the partly
             # filled KV cache, is gone: now the memory can really be given back.
-            if cache_key is not None:
-                self._caches.pop(cache_key, None)
+            if call.cache_key is not None:
+                self._caches.pop(call.cache_key, None)
             gc.collect()
             empty_device_cache()
         logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
         raise DeviceOutOfMemory(message)
 
-    def _generate(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> KVRun:
+    def _generate(self, call: KVCall) -> KVRun:
         import torch
         from transformers import DynamicCache, StoppingCriteriaList
 
+        ids, cache_key, cancel = list(call.ids), call.cache_key, call.cancel
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = start + call.timeout_s
         device = self.model.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -296,31 +273,31 @@ class DynamicKV:
                     timed_out = time.monotonic() >= deadline
                     break
 
-            streamer = _Streamer(self.tokenizer, on_text)
+            streamer = _Streamer(self.tokenizer, call.on_text)
             criterion = _Deadline(deadline, cancel)
             new_ids: list[int] = []
             if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
                 # A seed is this request's own: the global generator is put back afterwards,
                 # so one client's seed never changes another's samples (calls hold _lock).
-                seeded = sampling.seed is not None and sampling.temperature > 0
+                seeded = call.sampling.seed is not None and call.sampling.temperature > 0
                 cuda = [device] if device.type == "cuda" else []
                 with torch.random.fork_rng(devices=cuda, enabled=seeded):
                     if seeded:
-                        torch.manual_seed(sampling.seed)
+                        torch.manual_seed(call.sampling.seed)
                     input_ids = torch.tensor([self.model_ids(ids)], device=device)
                     out = self.model.generate(
                         input_ids=input_ids,
                         attention_mask=torch.ones_like(input_ids),
                         **{self.cache_kw: cache},
-                        max_new_tokens=max_new_tokens,
+                        max_new_tokens=call.max_new_tokens,
                         max_time=max(deadline - time.monotonic(), 0.001),
                         stopping_criteria=StoppingCriteriaList([criterion]),
-                        stop_strings=list(stop) or None,
-                        tokenizer=self.tokenizer if stop else None,
+                        stop_strings=list(call.stop) or None,
+                        tokenizer=self.tokenizer if call.stop else None,
                         eos_token_id=self.eos,
                         pad_token_id=self.tokenizer.pad_token_id or self.eos[0],
                         streamer=streamer,
-                        **sampling.generate_kwargs(),
+                        **call.sampling.generate_kwargs(),
                     )
                 new_ids = out[0, len(ids) :].tolist()
             timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
@@ -394,37 +371,26 @@ class SlotKV:
     def close(self) -> None:
         self.scheduler.close()
 
-    def generate(
-        self,
-        ids: Sequence[int],
-        *,
-        max_new_tokens: int,
-        timeout_s: float,
-        sampling: Sampling,
-        stop: Sequence[str],
-        cache_key: str | None,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> KVRun:
+    def generate(self, call: KVCall) -> KVRun:
         from convo.fast import DecodeRequest
 
         start = time.monotonic()
-        stops = list(stop)
-        streamer = _Streamer(self.tokenizer, on_text, keep_text=bool(stops))
+        stops = list(call.stop)
+        streamer = _Streamer(self.tokenizer, call.on_text, keep_text=bool(stops))
 
         def on_token(token: int) -> bool:  # True: a stop string appeared
             streamer.add([token])
             return any(s in streamer.text for s in stops)
 
         request = DecodeRequest(
-            ids=self.model_ids(ids),
-            max_new_tokens=max_new_tokens,
-            deadline=start + timeout_s,
-            sampling=sampling,
+            ids=self.model_ids(call.ids),
+            max_new_tokens=call.max_new_tokens,
+            deadline=start + call.timeout_s,
+            sampling=call.sampling,
             eos=self.eos,
-            cache_key=cache_key,
+            cache_key=call.cache_key,
             on_token=on_token,
-            cancel=cancel,
+            cancel=call.cancel,
         )
         self.scheduler.run(request)  # DeviceOutOfMemory propagates
         streamer.end()

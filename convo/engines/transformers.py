@@ -39,6 +39,7 @@ from convo.engines.base import (
     Generation,
     GenerationStats,
     KVBackend,
+    KVCall,
     Quant,
     Sampling,
     TextStream,
@@ -507,8 +508,8 @@ class TransformersEngine:
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"input cap max_input_tokens={self.max_input_tokens}"
             )
-        run = self._kv.generate(
-            ids,
+        call = KVCall(
+            ids=ids,
             max_new_tokens=max_new_tokens,
             timeout_s=timeout_s or self.timeout_s,
             sampling=sampling,
@@ -517,6 +518,7 @@ class TransformersEngine:
             on_text=on_text,
             cancel=cancel,
         )
+        run = self._kv.generate(call)
         text, reason = self._reply(
             run.new_ids, max_new_tokens, stop, cancelled=run.cancelled, timed_out=run.timed_out
         )

@@ -17,6 +17,7 @@ Nothing here imports torch at import time.
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import threading
 import time
@@ -134,8 +135,6 @@ class DynamicKV:
 
     Args:
         model, tokenizer: the loaded model and its tokenizer.
-        cache_kw: the name ``model.forward`` takes the cache by (``past_key_values`` or
-            ``cache``, by transformers version).
         model_ids: maps tokenizer ids to model ids.
         eos: end-of-turn token ids.
         prefill_chunk_tokens: tokens per prefill chunk.
@@ -148,7 +147,6 @@ class DynamicKV:
         model: Any,
         tokenizer: Any,
         *,
-        cache_kw: str,
         model_ids: ModelIds,
         eos: Sequence[int],
         prefill_chunk_tokens: int,
@@ -157,7 +155,9 @@ class DynamicKV:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.cache_kw = cache_kw
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.model_ids = model_ids
         self.eos = list(eos)
         self.prefill_chunk_tokens = prefill_chunk_tokens

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
-import inspect
 import logging
 import os
 import threading
@@ -206,9 +205,6 @@ class TransformersEngine:
         #: x head_dim x dtype bytes; checked against the cache tensors in every report.
         self.kv_bytes_per_token = ModelShape.from_config(self.model.config).kv_bytes_per_token(kv_dtype)
         self._eos = self._eos_ids()
-        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.int4_group_size = int4_group_size
         self.int4_kernel = int4_kernel
         decoder = self._static_decoder(
@@ -230,7 +226,6 @@ class TransformersEngine:
             self._kv = DynamicKV(
                 self.model,
                 self.tokenizer,
-                cache_kw=self._cache_kw,
                 model_ids=self._model_ids,
                 eos=self._eos,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,

@@ -52,13 +52,16 @@ class FakeDecoder:
             dtype=torch.float32, device="cpu",
         )  # fmt: skip
         self.events: list[tuple[str, Any]] = []
-        self.fail_prefill = False
+        self.fail_prefill: bool | BaseException = False
+        self.device = torch.device("cpu")
 
     def step(self, tokens: list[int], slots: list[int], positions: list[int]) -> Any:
         self.events.append(("step", list(zip(slots, positions, strict=True))))
         return _logits(tokens)
 
     def prefill_batch(self, chunks: list[PrefillChunk]) -> list[Any]:
+        if isinstance(self.fail_prefill, BaseException):
+            raise self.fail_prefill
         if self.fail_prefill:
             raise RuntimeError("device error")
         self.events.append(("prefill", [(c.slot, c.start, c.end) for c in chunks]))
@@ -234,3 +237,55 @@ def test_engine_refuses_a_step_budget_below_one_before_loading() -> None:
 
     with pytest.raises(ConfigError, match="step_tokens"):
         TransformersEngine(step_tokens=0)
+
+
+def test_out_of_memory_is_recognized_by_convo_errors_and_mapped_to_device_out_of_memory() -> None:
+    from convo.errors import DeviceOutOfMemory
+
+    class OutOfMemoryError(Exception):  # a look-alike outside torch is not a device OOM
+        pass
+
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    dec.fail_prefill = torch.OutOfMemoryError("CUDA out of memory (injected)")
+    oom = sched.submit(request(4))
+    sched.run_step()
+    assert isinstance(oom.error, DeviceOutOfMemory) and "out of memory" in str(oom.error)
+    dec.fail_prefill = OutOfMemoryError("not torch")
+    other = sched.submit(request(4, first=40))
+    sched.run_step()
+    assert type(other.error) is OutOfMemoryError
+
+
+def test_slot_backend_implements_the_kv_interface() -> None:
+    from convo.engines.base import KVBackend, KVCall
+    from convo.engines.kv import SlotKV
+
+    def call(ids: list[int], max_new: int) -> KVCall:
+        return KVCall(ids=ids, max_new_tokens=max_new, timeout_s=30, sampling=Greedy(), cache_key="a")
+
+    dec = FakeDecoder(slots=2, slot_tokens=64)
+    per_token = dec.pool.slot_nbytes // 64
+    kv: KVBackend = SlotKV(dec, None, model_ids=list, eos=[], step_tokens=64)
+    try:
+        first = kv.generate(call([1, 2, 3, 4], 3))
+        assert (first.new_ids, first.cached_tokens, first.kv_tokens) == ([5, 6, 7], 0, 6)
+        assert (first.kv_slot_bytes, first.kv_bytes) == (dec.pool.slot_nbytes, 6 * per_token)
+        assert not (first.cancelled or first.timed_out) and first.start <= first.end
+        assert kv.cached_sessions == ["a"]
+        # The next turn extends the kept tokens: only what changed is prefilled.
+        again = kv.generate(call([1, 2, 3, 4, 5, 6, 7, 9], 2))
+        assert again.cached_tokens == 6 and again.new_ids == [10, 11]
+        kv.release("a")
+        assert kv.cached_sessions == []
+    finally:
+        kv.close()
+
+
+def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
+    from convo.engines.transformers import DEFAULT_KV_SLOTS, auto_kv_slots
+
+    slot = 1 << 20
+    assert auto_kv_slots(10 * slot, slot) == 5  # half of the free memory
+    assert auto_kv_slots(1000 * slot, slot) == DEFAULT_KV_SLOTS
+    assert auto_kv_slots(1.5 * slot, slot) == 0  # not one fits: plain generate

@@ -66,6 +66,14 @@ AUTO_SLOTS_MEMORY_FRACTION = 0.5
 DEFAULT_SLOT_TOKENS = 4096
 
 
+def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
+    """The KV slots ``kv_slots=None`` takes on CUDA: :data:`DEFAULT_KV_SLOTS`, or as many
+    slots of ``slot_bytes`` as fit in :data:`AUTO_SLOTS_MEMORY_FRACTION` of ``free_bytes``
+    (the device memory free after loading); 0 when not one fits. The planner's
+    :meth:`~convo.planner.model.MemoryModel.auto_kv_slots` prices the same count."""
+    return max(0, min(DEFAULT_KV_SLOTS, int(AUTO_SLOTS_MEMORY_FRACTION * free_bytes // max(slot_bytes, 1))))
+
+
 def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
     engine = ref()
     if engine is not None:
@@ -353,8 +361,7 @@ class TransformersEngine:
             import torch
 
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
-            fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(tokens * self.kv_bytes_per_token, 1))
-            kv_slots = min(kv_slots, fitting)
+            kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
             if kv_slots < 1 and self.quant is not Quant.INT4:
                 return None  # not even one slot fits: plain generate, whose cache grows as needed
             kv_slots = max(kv_slots, 1)

@@ -1004,11 +1004,10 @@ class MemoryModel:
         ``memory_bytes``: :data:`~convo.engines.transformers.DEFAULT_KV_SLOTS`, or fewer
         when they do not fit in :data:`~convo.engines.transformers.AUTO_SLOTS_MEMORY_FRACTION`
         of the memory free after loading (``int4``: the dense model is still there); at least 1."""
-        from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
+        from convo.engines.transformers import auto_kv_slots
 
         free = memory_bytes - self.weights.loaded_bytes * self.calibration.weights_reserved_ratio
-        fitting = int(AUTO_SLOTS_MEMORY_FRACTION * free // max(self.kv_pool_bytes(1, slot_tokens), 1))
-        return max(1, min(DEFAULT_KV_SLOTS, fitting))
+        return max(1, auto_kv_slots(free, self.kv_pool_bytes(1, slot_tokens)))
 
     def act_bytes_per_token(self) -> float:
         """Prefill activation bytes per prompt token (all rows), SDPA."""

@@ -144,7 +144,7 @@ def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 
     """The decode step's tok/s at ``rows`` rows, through the engine's own scheduler (in the
     server process, before the load); ``{}`` without static decode."""
     decoder = getattr(engine, "decoder", None)
-    sched = getattr(engine, "_scheduler", None)
+    sched = getattr(getattr(engine, "kv_backend", None), "scheduler", None)  # SlotKV's
     if decoder is None or sched is None:
         return {}
     import torch

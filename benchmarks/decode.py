@@ -68,7 +68,6 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * reps / (time.perf_counter() - t)
 
 
-
 def reset_peak(device: str) -> None:
     import torch
 
@@ -142,7 +141,6 @@ def run_stock(model: Any, batch: int, args: argparse.Namespace, vocab: int, devi
         "tok_s": batch * (args.new_tokens - 1) / elapsed,
         "step_ms": 1000 * elapsed / (args.new_tokens - 1),
     }
-
 
 
 def main() -> None:
@@ -342,7 +340,6 @@ def _summary(results: list[dict[str, Any]], dense: str) -> dict[str, Any]:
     if stock and fast:
         out["int4_vs_nf4_stock_b1"] = round(fast["tok_s"] / stock["tok_s"], 2)
     return out
-
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -51,7 +51,6 @@ def log(msg: str) -> None:
     print(f"[prefill] {msg}", file=sys.stderr, flush=True)
 
 
-
 def timed(fn: Any, device: str, warmup: int, repeats: int) -> float:
     """Median seconds of ``fn()`` after ``warmup`` untimed calls."""
     for _ in range(warmup):
@@ -64,7 +63,6 @@ def timed(fn: Any, device: str, warmup: int, repeats: int) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
-
 
 
 def main() -> None:
@@ -198,7 +196,6 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / f"{stem}.png")
     print(json.dumps(report, indent=2))
-
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

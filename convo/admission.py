@@ -171,7 +171,6 @@ class AdmissionLimits:
         if self.long_max_wait_s < 0:
             raise ConfigError("long_max_wait_s must be >= 0")
 
-
     @property
     def unit(self) -> str:
         """What the ledger charges: ``"bytes"`` or ``"tokens"``."""

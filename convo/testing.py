@@ -104,6 +104,7 @@ class EchoEngine(_ModelFree):
         stats = GenerationStats.untimed(prompt_tokens=prompt, new_tokens=len(out))
         return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
 
+
 class ScriptedEngine(_ModelFree):
     """A deterministic engine for unit tests of session logic (no model).
 

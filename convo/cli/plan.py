@@ -293,8 +293,11 @@ def render_plan_table(
                 row += f" {_gib(m.peak_allocated_bytes):>8} {_gib(m.peak_reserved_bytes):>8} {err:>+6.1f}"
         lines.append(row)
     lines.append(
-        ("largest safe concurrency per context (running at once; more queue): " if slots else
-         "largest safe concurrency per context: ")
+        (
+            "largest safe concurrency per context (running at once; more queue): "
+            if slots
+            else "largest safe concurrency per context: "
+        )
         + ", ".join(f"{k}: {v}" for k, v in plan.max_safe_concurrency().items())
     )
     lines.append(

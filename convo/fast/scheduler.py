@@ -33,6 +33,7 @@ from typing import Any
 from convo.engines.base import FinishReason, empty_device_cache
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.decoder import PrefillChunk
+from convo.tokens import common_prefix_length
 
 #: Tokens one scheduler step may run by default: the running replies' rows, then prefill
 #: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
@@ -264,10 +265,7 @@ class DecodeScheduler:
                     return  # every slot holds a turn: wait for one to finish
                 self._pending.remove(req)
             req.slot, kept = got
-            limit = min(len(kept), len(req.ids) - 1)
-            common = 0
-            while common < limit and kept[common] == req.ids[common]:
-                common += 1
+            common = common_prefix_length(kept, req.ids, len(req.ids) - 1)
             req.cached_tokens = req.kv_tokens = common
             self._prefilling.append(req)
 

@@ -87,7 +87,6 @@ class Calibration:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-
 def calibration_dir() -> Path:
     """``<cache>/calibration`` (not created); the cache folder is :func:`convo.paths.cache_dir`."""
     return cache_dir() / "calibration"

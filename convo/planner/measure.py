@@ -272,5 +272,3 @@ def _device_info() -> dict[str, Any]:
     except ImportError:
         info["device"] = "cpu"
     return info
-
-

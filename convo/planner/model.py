@@ -864,7 +864,6 @@ def kv_generations(bytes_per_token: float, prompt_tokens: int, new_tokens: int) 
     return gens
 
 
-
 # Prediction
 # --------------------------------------------------------------------------------------
 
@@ -1348,5 +1347,3 @@ def plan_grid(
         kv_slots=kv_slots,
         load_peak_bytes=mm.weights.load_peak_bytes,
     )
-
-

@@ -471,8 +471,8 @@ def plan_checked(
     When the counter is not additive (or ``exact`` is set), the planned messages are
     rendered through the counter's chat template and counted; if the template costs more
     than the per-message sum, the difference is held back and the prompt re-planned, so
-    ``plan.prompt_tokens + budget.max_new_tokens <= budget.context_tokens`` always holds
-    for the returned plan, and ``prompt_tokens`` is the exact count. Pure: no I/O.
+    ``plan.prompt_tokens <= budget.available_prompt_tokens`` (context minus the reply reserve
+    and ``margin_tokens``) always holds for the returned plan, and ``prompt_tokens`` is the exact count. Pure: no I/O.
 
     Args:
         exact: re-count the rendered prompt even when the counter is additive.
@@ -499,13 +499,13 @@ def plan_checked(
         )
         # An additive counter's sum is exact (the engine re-checks the real length).
         count = plan.prompt_tokens if counter.additive and not exact else counter.count_prompt(plan.messages)
-        if count + budget.max_new_tokens <= budget.context_tokens:
+        if count <= budget.available_prompt_tokens:  # the margin stays free too
             if count != plan.prompt_tokens:
                 parts = dict(plan.parts)
                 parts["template"] += count - plan.prompt_tokens
                 plan = replace(plan, prompt_tokens=count, parts=parts)
             return replace(plan, context_tokens=budget.context_tokens)
-        held_back += count + budget.max_new_tokens - budget.context_tokens
+        held_back += count - budget.available_prompt_tokens
     raise BudgetError(f"could not fit the prompt in the budget after {EXACT_REPLAN_ATTEMPTS} attempts")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -245,3 +247,21 @@ def test_property_budget_invariant_real_tokenizer(
     """Exact counts through SmolLM2's own tokenizer and chat template."""
     session = build_session(smol_counter, budget, history, summary)
     check_plan_invariants(session, smol_counter)
+
+
+def test_the_exact_check_keeps_the_margin_free() -> None:
+    """A counter whose template costs more than its per-message sum, with a margin (as an
+    OpenAIEngine budget has): the checked prompt stays within context - reply - margin."""
+    from convo.plan import plan_checked
+
+    class TemplateCounter(CharCounter):
+        additive = False
+
+        def count_prompt(self, messages: Sequence[Message]) -> int:
+            return super().count_prompt(messages) + 7  # a template cost the sum does not see
+
+    budget = Budget(context_tokens=600, max_new_tokens=32, margin_tokens=160, window_turns=100)
+    for size in range(1, 40):  # some sizes fill the room to within the template's 7 tokens
+        plan = plan_checked(budget=budget, counter=TemplateCounter(), turns=make_turns(30, size=size))
+        assert plan.prompt_tokens <= budget.available_prompt_tokens == 408, size
+        assert plan.prompt_tokens == TemplateCounter().count_prompt(plan.messages)

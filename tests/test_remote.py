@@ -181,7 +181,12 @@ def test_budget_is_checked_before_the_request_and_margin_is_documented() -> None
     assert engine.margin_tokens == engine.recommended_margin_tokens(4096) > 0
     assert engine.context_window == 4096 - engine.margin_tokens
     budget = engine.budget(context_tokens=1024, max_new_tokens=128)
-    assert budget.margin_tokens == engine.recommended_margin_tokens(1024, 128) == 224 + 32
+    assert budget.margin_tokens == engine.recommended_margin_tokens(1024) == 256 + 32
+    # A budget over the server's whole window gives prompts that generate() accepts, however
+    # full (the margin of both is the window's).
+    for max_new in (16, 128, 512):
+        full = engine.budget(max_new_tokens=max_new)
+        assert full.available_prompt_tokens + max_new <= engine.context_window
     big = [Message(role=Role.USER, content="word " * 5000)]
     with pytest.raises(BudgetError):
         engine.generate(big, max_new_tokens=16)

@@ -379,13 +379,14 @@ class OpenAIEngine:
 
         Example:
             >>> engine.budget(context_tokens=2048, max_new_tokens=128).margin_tokens  # doctest: +SKIP
-            512
+            544
         """
         context = int(kwargs.pop("context_tokens", None) or self.server_context_window)
-        max_new = int(kwargs.get("max_new_tokens", Budget.max_new_tokens))
         if "margin_tokens" not in kwargs:
+            # The margin of the whole window, as the engine holds back in context_window, so
+            # the budget's prompt room never exceeds what generate() accepts.
             kwargs["margin_tokens"] = (
-                self._margin if self._margin is not None else self.recommended_margin_tokens(context, max_new)
+                self._margin if self._margin is not None else self.recommended_margin_tokens(context)
             )
         return Budget(context_tokens=context, **kwargs)
 

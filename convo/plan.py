@@ -472,7 +472,8 @@ def plan_checked(
     rendered through the counter's chat template and counted; if the template costs more
     than the per-message sum, the difference is held back and the prompt re-planned, so
     ``plan.prompt_tokens <= budget.available_prompt_tokens`` (context minus the reply reserve
-    and ``margin_tokens``) always holds for the returned plan, and ``prompt_tokens`` is the exact count. Pure: no I/O.
+    and ``margin_tokens``) always holds for the returned plan, and ``prompt_tokens`` is the
+    exact count. Pure: no I/O.
 
     Args:
         exact: re-count the rendered prompt even when the counter is additive.

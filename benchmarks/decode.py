@@ -223,7 +223,8 @@ def main() -> None:
     # Mean tokens attention reads per row over the timed steps.
     mean_len = args.prompt_tokens + args.new_tokens / 2
     results: list[dict[str, Any]] = []
-    order = [x for x in (dense, f"{dense}-stock", "int4", "nf4-static", "nf4-stock") if x in paths]
+    known = (dense, f"{dense}-stock", "int4", "int4-triton", "int4-tinygemm", "nf4-static", "nf4-stock")
+    order = [x for x in known if x in paths]
     nf4_done = False
     for path in order:
         if path.startswith("nf4") and not nf4_done:
@@ -245,15 +246,18 @@ def main() -> None:
                 model,
                 slots=max(batches),
                 slot_tokens=args.slot_tokens,
-                weights="int4" if path == "int4" else "as-loaded",
+                weights="int4" if path.startswith("int4") else "as-loaded",
                 group_size=args.group_size,
                 buckets=batches,
+                int4_kernel=path.partition("-")[2] or "auto" if path.startswith("int4") else "auto",
             )
             dec.warmup()
             info.update(
                 warmup_s=round(time.perf_counter() - t, 1),
                 compiled=dec.compiled,
                 cuda_graphs=dec.cuda_graphs,
+                int4_layout=dec.int4_layout,
+                weights_kept_bytes=dec.weight_nbytes(),
                 pool_predicted_bytes=dec.pool_predicted_bytes,
                 planner_pool_bytes=planner.kv_pool_bytes(max(batches), args.slot_tokens),
                 pool_measured_bytes=dec.pool_measured_bytes,
@@ -266,7 +270,7 @@ def main() -> None:
             info["kernel_choice"] = dict(dec.kernel_choice) or None
             for b in batches:
                 log(f"{path} batch {b} ({dec.kernel_choice.get(b, 'dense')})")
-                weights = dec.weight_nbytes(alt=dec.kernel_choice.get(b) == "triton")
+                weights = dec.weight_nbytes()
                 r = run_static(dec, b, args, vocab)
                 r["kernel"] = dec.kernel_choice.get(b)
                 results.append(_result(info, b, r, weights, kv_per_token, mean_len, bandwidth, device))

@@ -57,7 +57,10 @@ def main() -> None:
     p.add_argument("--arrival-ms", type=float, default=100.0)
     p.add_argument("--arrival-tokens", type=int, default=300)
     p.add_argument("--long-tokens", type=int, default=1500)
-    p.add_argument("--step-tokens", default="2048,512", help="budgets to compare (comma list)")
+    p.add_argument("--step-tokens", default="2048", help="step budgets to compare (comma list)")
+    p.add_argument(
+        "--interleave-tokens", default="256,512", help="prefill chunk while replies stream (comma list)"
+    )
     p.add_argument("--slot-tokens", type=int, default=2048)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
@@ -119,8 +122,11 @@ def main() -> None:
         f"({args.streams / steady_ms * 1000:.0f} tok/s)"
     )
     runs = []
-    for budget in [int(b) for b in args.step_tokens.split(",")]:
-        sched = DecodeScheduler(dec, step_tokens=budget)
+    combos = [
+        (int(b), int(i)) for b in args.step_tokens.split(",") for i in args.interleave_tokens.split(",")
+    ]
+    for budget, interleave in combos:
+        sched = DecodeScheduler(dec, step_tokens=budget, interleave_tokens=interleave)
         reqs, stamps = streams(sched, args.slot_tokens - args.prompt_tokens - 1)
         while min(len(s) for s in stamps) < 8:
             time.sleep(0.01)
@@ -150,6 +156,7 @@ def main() -> None:
         ttft = [a.first_token_at - a.started_at for a in arrivals if a.first_token_at is not None]
         run = {
             "step_tokens": budget,
+            "interleave_tokens": interleave,
             "arrivals": len(arrivals),
             "window_s": round(end - start, 3),
             "itl_p50_ms": round(1000 * pct(during, 0.5), 3),
@@ -163,7 +170,8 @@ def main() -> None:
         }
         runs.append(run)
         log(
-            f"budget {budget}: ITL p50 {run['itl_p50_ms']} ms, p95 {run['itl_p95_ms']} ms "
+            f"budget {budget}, interleave {interleave}: ITL p50 {run['itl_p50_ms']} ms, "
+            f"p95 {run['itl_p95_ms']} ms "
             f"({run['itl_p95_vs_steady']}x steady), max {run['itl_max_ms']} ms; arrivals' TTFT p50 "
             f"{run['arrival_ttft_p50_s']} s"
         )
@@ -207,7 +215,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         gaps = sorted(run["gaps_ms"])
         if gaps:
             ax.plot(
-                gaps, [i / len(gaps) for i in range(len(gaps))], label=f"step budget {run['step_tokens']}"
+                gaps,
+                [i / len(gaps) for i in range(len(gaps))],
+                label=f"step {run['step_tokens']}, chunk {run['interleave_tokens']}",
             )
     ax.axvline(report["steady_step_ms"], color="k", ls=":", label="steady step")
     ax.axvline(TARGET_RATIO * report["steady_step_ms"], color="tab:red", ls="--", label="3x steady step")

@@ -12,6 +12,10 @@ One ``--tokens`` prompt (2,048 by default), medians of ``--repeats`` timed runs 
   scheduler step of 512 tokens runs);
 * ``convo-int4-scheduler``: submit to the continuous-batching scheduler, time to the first
   token (step budget ``--tokens``);
+* ``convo-int4-graphs`` (CUDA): the prompt in ``--chunk``-token chunks, each a replay of
+  the prefill captured for that length (what a step runs while replies stream); also
+  times one chunk of 16, 256 and ``--chunk`` tokens captured and eager (the fixed cost of
+  a forward: ``chunk_ms``);
 * ``stock-nf4-sdpa`` / ``convo-nf4``: with bitsandbytes nf4 (double quant) linears, when
   bitsandbytes is installed.
 
@@ -39,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import env_info, pyplot, sync, to_nf4
 
 from convo.engines.base import GREEDY
-from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, dequantize_plain_int4
+from convo.fast import DecodeRequest, DecodeScheduler, PrefillChunk, StaticDecoder
+from convo.fast.int4 import Int4Linear
 from convo.planner.measure import build_random_model
 from convo.planner.model import Attn, DType, Quant, load_config
 
@@ -90,7 +95,7 @@ def main() -> None:
         has_bnb = False
     all_paths = [
         "stock-bf16-sdpa", "convo-bf16", "convo-bf16-chunk512", "convo-int4", "convo-int4-chunk512",
-        "convo-int4-scheduler", "stock-nf4-sdpa", "convo-nf4",
+        "convo-int4-scheduler", "convo-int4-graphs", "stock-nf4-sdpa", "convo-nf4",
     ]  # fmt: skip
     paths = args.paths.split(",") if args.paths else all_paths
     if not has_bnb:
@@ -143,13 +148,29 @@ def main() -> None:
                     chunk=args.chunk)  # fmt: skip
                 dec.prefill_chunk_tokens = n
             if weights == "int4":
-                plain = [w for layer in dec._layer_set(alt=True)
-                         for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
-                         if isinstance(w, tuple) and isinstance(w[0], str)]  # fmt: skip
+                plain = [w for layer in dec.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+                         if isinstance(w, Int4Linear) and w.layout == "plain"]  # fmt: skip
                 if plain:
-                    dq = timed(lambda ws=plain: [dequantize_plain_int4(w[1], w[2]) for w in ws], device, **kw)
+                    dq = timed(lambda ws=plain: [w.dequantize() for w in ws], device, **kw)
                     info["int4_dequantize_all_layers_ms"] = round(dq * 1000, 3)
                     log(f"dequantize every int4 layer weight once: {dq * 1000:.2f} ms")
+            if f"convo-{weights}-graphs" in wanted and gpu:
+                graphs = StaticDecoder(
+                    model, slots=1, slot_tokens=n, weights="int4" if weights == "int4" else "as-loaded",
+                    group_size=args.group_size, compile=False, prefill_chunk_tokens=args.chunk,
+                )  # fmt: skip
+                graphs.warmup()
+                add(f"convo-{weights}-graphs", timed(lambda d=graphs: d.prefill(0, ids, 0), device, **kw),
+                    chunk=args.chunk)  # fmt: skip
+                chunk_ms: dict[str, float] = {}
+                for size in (16, 256, args.chunk):
+                    one = [PrefillChunk(slot=0, ids=ids, start=0, end=size)]
+                    for label, d in (("graph", graphs), ("eager", dec)):
+                        sec = timed(lambda d=d, one=one: d.prefill_batch(one), device, **kw)
+                        chunk_ms[f"{label}_{size}"] = round(sec * 1000, 3)
+                info[f"{weights}_chunk_ms"] = chunk_ms
+                log(f"one chunk, captured vs eager (ms): {chunk_ms}")
+                del graphs
             if f"convo-{weights}-scheduler" in wanted:
                 sched = DecodeScheduler(dec, step_tokens=n)
 

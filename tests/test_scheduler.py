@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from convo.errors import ConfigError  # noqa: E402
 from convo.fast import KVSlotPool, PrefillChunk  # noqa: E402
 from convo.fast.scheduler import (  # noqa: E402
     DecodeRequest,
@@ -120,6 +121,31 @@ def test_long_prefill_never_stalls_running_replies_more_than_one_chunk() -> None
     # The running reply's positions advance by one every step: no step skipped it.
     positions = [p for _, rows in dec.events if _ == "step" for s, p in rows if s == running.slot]
     assert positions == list(range(5, 34))
+
+
+def test_while_replies_stream_a_step_prefills_one_short_chunk() -> None:
+    """With a reply streaming, each step prefills one chunk of at most interleave_tokens
+    (one turn's); once nothing streams, the waiting turns' chunks share the whole budget."""
+    dec = FakeDecoder(slots=3)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, interleave_tokens=8)
+    running = sched.submit(request(5, max_new=6))
+    sched.run_step()  # its prefill: nothing streams yet
+    a, b = sched.submit(request(40, first=100, max_new=2)), sched.submit(request(40, first=300, max_new=2))
+    prefills = []
+    while True:
+        seen = len(dec.events)
+        sched.run_step()
+        if running.finished_at is not None:  # its last step: nothing streams after it
+            break
+        prefills += [what for kind, what in dec.events[seen:] if kind == "prefill"]
+    assert prefills and all(len(what) == 1 and what[0][2] - what[0][1] <= 8 for what in prefills)
+    assert {what[0][0] for what in prefills} == {a.slot}  # in arrival order: a first
+    after = next(what for kind, what in dec.events[seen:] if kind == "prefill")
+    assert len(after) == 2 and sum(end - start for _, start, end in after) <= 64  # both turns
+    drain(sched)
+    assert a.new_ids == [140, 141] and b.new_ids == [340, 341]
+    with pytest.raises(ConfigError):
+        DecodeScheduler(dec, interleave_tokens=0)
 
 
 def test_waiting_prefills_run_together_in_one_forward() -> None:
@@ -266,7 +292,7 @@ def test_slot_backend_implements_the_kv_interface() -> None:
 
     dec = FakeDecoder(slots=2, slot_tokens=64)
     per_token = dec.pool.slot_nbytes // 64
-    kv: KVBackend = SlotKV(dec, None, model_ids=list, eos=[], step_tokens=64)
+    kv: KVBackend = SlotKV(dec, None, model_ids=list, eos=[], step_tokens=64, interleave_tokens=16)
     try:
         first = kv.generate(call([1, 2, 3, 4], 3))
         assert (first.new_ids, first.cached_tokens, first.kv_tokens) == ([5, 6, 7], 0, 6)

@@ -342,10 +342,18 @@ class SlotKV:
         model_ids: maps tokenizer ids to model ids.
         eos: end-of-turn token ids.
         step_tokens: the token budget of one scheduler step.
+        interleave_tokens: the prefill chunk of a step while replies stream.
     """
 
     def __init__(
-        self, decoder: Any, tokenizer: Any, *, model_ids: ModelIds, eos: Sequence[int], step_tokens: int
+        self,
+        decoder: Any,
+        tokenizer: Any,
+        *,
+        model_ids: ModelIds,
+        eos: Sequence[int],
+        step_tokens: int,
+        interleave_tokens: int,
     ) -> None:
         from convo.fast import DecodeScheduler
 
@@ -353,7 +361,9 @@ class SlotKV:
         self.tokenizer = tokenizer
         self.model_ids = model_ids
         self.eos = frozenset(eos)
-        self.scheduler = DecodeScheduler(decoder, step_tokens=step_tokens)
+        self.scheduler = DecodeScheduler(
+            decoder, step_tokens=step_tokens, interleave_tokens=interleave_tokens
+        )
 
     @property
     def cached_sessions(self) -> list[str]:

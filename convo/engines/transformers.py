@@ -51,7 +51,7 @@ from convo.errors import (
     MissingDependency,
     ModelLoadError,
 )
-from convo.fast.scheduler import DEFAULT_STEP_TOKENS
+from convo.fast.scheduler import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.messages import Message
 from convo.tokens import HFTokenCounter
 
@@ -102,8 +102,10 @@ class TransformersEngine:
             clock between chunks (also bounds prefill activation memory). Default 512.
         step_tokens: static decode: the token budget of one scheduler step (running
             replies' rows first, then prefill chunks of waiting turns; see
-            :mod:`convo.fast.scheduler`). Default 2,048: a new turn's prefill delays the
-            running replies by at most one such chunk per step.
+            :mod:`convo.fast.scheduler`). Default 2,048.
+        interleave_tokens: static decode: while replies stream, a step prefills one chunk
+            of at most this many tokens, so a new turn delays each running reply's next
+            token by one short chunk. Default 256.
         max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
             With static decode the slots bound this instead.
         cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
@@ -124,10 +126,10 @@ class TransformersEngine:
             32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
             default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
             (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
-        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: which int4 kernel
-            the decode step runs (see :class:`~convo.fast.decoder.StaticDecoder`). ``auto`` times
-            both per batch bucket at load and keeps each bucket's faster one; when buckets
-            differ both weight layouts stay (+3.4 GiB for Llama-2-7B): pick one to save it.
+        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: the int4 layout
+            and so the kernel the decode step runs (see
+            :class:`~convo.fast.decoder.StaticDecoder`); ``auto`` is Triton's on CUDA.
+            One layout is kept.
         progress: called with a line of text while loading (CLIs show a spinner).
 
     Example:
@@ -148,6 +150,7 @@ class TransformersEngine:
         timeout_s: float = 120.0,
         prefill_chunk_tokens: int = 512,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS,
         max_cached_sessions: int = 8,
         cache_idle_s: float = 600.0,
         progress: Callable[[str], None] | None = None,
@@ -184,9 +187,10 @@ class TransformersEngine:
             raise ConfigError("fp4 is for convo plan only; the engine loads 4-bit weights as nf4 or int4")
         self.timeout_s = timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        if step_tokens < 1:
-            raise ConfigError("step_tokens must be >= 1")
+        if step_tokens < 1 or interleave_tokens < 1:
+            raise ConfigError("step_tokens and interleave_tokens must be >= 1")
         self.step_tokens = step_tokens
+        self.interleave_tokens = interleave_tokens
         self.max_cached_sessions = max_cached_sessions
         self.cache_idle_s = cache_idle_s
         self._vocab_limit: int | None = None
@@ -228,6 +232,7 @@ class TransformersEngine:
                 model_ids=self._model_ids,
                 eos=self._eos,
                 step_tokens=self.step_tokens,
+                interleave_tokens=self.interleave_tokens,
             )
             self.max_input_tokens = min(self.max_input_tokens, decoder.pool.slot_tokens)
         else:

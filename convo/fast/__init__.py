@@ -20,19 +20,20 @@ before it starts. This package turns that into exact memory and speed:
   bucket of 1, 2, 4, ... rows over fixed-size slots; per-row positions are data, not
   shapes), each layer's pointwise work is fused by ``torch.compile`` on CUDA, and the whole
   step is captured once per bucket as a CUDA graph, so a token costs one graph replay.
-* :mod:`convo.fast.int4` holds the 4-bit weight formats, :mod:`convo.fast.kernels` the
-  Triton kernels (W4A16 matmul, int4 dequantization, split decode attention).
+* :mod:`convo.fast.int4` holds :class:`~convo.fast.int4.Int4Linear`, the int4 weight-only
+  linear module, :mod:`convo.fast.kernels` the Triton kernels (W4A16 matmul, int4
+  dequantization, split decode attention).
 * :class:`~convo.fast.scheduler.DecodeScheduler` is the continuous-batching loop: each step
   decodes every running reply, then fills the rest of a token budget with prefill chunks
   of waiting turns (replies before background work such as summaries).
 
-Nothing here imports torch at import time.
+Nothing here imports torch at import time but :mod:`convo.fast.int4` (its names load on
+first use).
 """
 
 from __future__ import annotations
 
 from convo.fast.decoder import SUPPORTED_MODEL_TYPES, PrefillChunk, StaticDecoder, tensor_nbytes
-from convo.fast.int4 import Int4Weight, dequantize_int4, int4_group_size, plain_int4, quantize_int4
 from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
 from convo.fast.kv_pool import KVSlotPool
 from convo.fast.scheduler import (
@@ -49,7 +50,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "DecodeRequest",
     "DecodeScheduler",
-    "Int4Weight",
+    "Int4Linear",
     "KVSlotPool",
     "PrefillChunk",
     "Priority",
@@ -59,7 +60,16 @@ __all__ = [
     "dequantize_int4",
     "dequantize_plain_int4",
     "int4_group_size",
-    "plain_int4",
     "quantize_int4",
     "tensor_nbytes",
 ]
+
+_INT4_NAMES = frozenset({"Int4Linear", "dequantize_int4", "int4_group_size", "quantize_int4"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _INT4_NAMES:  # convo.fast.int4 imports torch: load it on first use
+        from convo.fast import int4
+
+        return getattr(int4, name)
+    raise AttributeError(f"module 'convo.fast' has no attribute {name!r}")

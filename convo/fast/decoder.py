@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -10,20 +11,26 @@ from typing import Any
 
 from convo.engines.base import empty_device_cache
 from convo.errors import ConfigError
-from convo.fast.int4 import (
-    Linear,
-    _dense_linear,
-    _dense_linears,
-    _linear,
-    _linears,
-    int4_group_size,
-    quantize_int4,
-)
 from convo.fast.kernels import _interpreting, _w4_op, decode_attention
 from convo.fast.kv_pool import KVSlotPool
 
 #: Model types whose decoder layers :class:`StaticDecoder` knows how to run.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+#: A linear layer as the decoder holds it: ``torch.nn.Linear`` (dense, q/k/v and gate/up
+#: fused), :class:`~convo.fast.int4.Int4Linear`, or a quantized module such as
+#: bitsandbytes' ``Linear4bit``, each called as ``linear(x)``.
+Linear = Any
+
+
+def _linears(x: Any, linears: tuple[Linear, ...]) -> Any:
+    """``x`` through each of ``linears`` (unfused modules of one group), concatenated."""
+    import torch
+
+    if len(linears) == 1:
+        return linears[0](x)
+    return torch.cat([m(x) for m in linears], dim=-1)
 
 
 def tensor_nbytes(*objs: Any) -> int:
@@ -92,37 +99,10 @@ def _post_attention(
     """Output projection, residual, norm, SwiGLU MLP, residual."""
     import torch.nn.functional as F
 
-    x = x + _linear(attn, o)
+    x = x + o(attn)
     h = _rms_norm(x, ln, eps_pico * 1e-12)
-    gu = _linears(h, gate_up)
-    gate, up = gu.chunk(2, dim=-1)
-    return x + _linear(F.silu(gate) * up, down)
-
-
-def _pre_attention_dense(
-    x: Any, ln: Any, qkv: tuple[Linear, ...], cos: Any, sin: Any, shape: tuple[int, ...]
-) -> Any:
-    """:func:`_pre_attention` for many rows (prefill): plain int4 dequantized, then cuBLAS."""
-    heads, kv_heads, dim, eps_pico = shape
-    h = _rms_norm(x, ln, eps_pico * 1e-12)
-    out = _dense_linears(h, qkv)
-    n = x.shape[0]
-    q = out[:, : heads * dim].view(n, heads, dim)
-    k = out[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
-    v = out[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-
-def _post_attention_dense(
-    x: Any, attn: Any, o: Linear, ln: Any, gate_up: tuple[Linear, ...], down: Linear, eps_pico: int
-) -> Any:
-    """:func:`_post_attention` for many rows (prefill)."""
-    import torch.nn.functional as F
-
-    x = x + _dense_linear(attn, o)
-    h = _rms_norm(x, ln, eps_pico * 1e-12)
-    gate, up = _dense_linears(h, gate_up).chunk(2, dim=-1)
-    return x + _dense_linear(F.silu(gate) * up, down)
+    gate, up = _linears(h, gate_up).chunk(2, dim=-1)
+    return x + down(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -158,7 +138,6 @@ class _Layer:
     gate_up: tuple[Linear, ...]
     down: Linear
     scale: float
-    alt: _Layer | None = None  # the same layer with plain int4 weights (the Triton kernel)
 
 
 def _is_plain_linear(module: Any) -> bool:
@@ -173,6 +152,12 @@ def _is_plain_linear(module: Any) -> bool:
     )
 
 
+#: Most chunks one prefill step runs as captured graphs, one replay each; more chunks run
+#: together in one eager forward (one weight read for all of them, at a fixed cost of
+#: Python launching every kernel: ~30 ms for a 32-layer model on the H200).
+PREFILL_GRAPH_MAX_CHUNKS = 4
+
+
 class StaticDecoder:
     """A Llama-family model decoding over a :class:`KVSlotPool` with static shapes.
 
@@ -182,23 +167,29 @@ class StaticDecoder:
         slot_tokens: tokens per slot: prompt + reply of one session (its budget).
         weights: ``"as-loaded"`` (default: the model's own weights; plain linears are
             fused q/k/v and gate/up, quantized modules such as bitsandbytes' are called as
-            they are) or ``"int4"`` (quantize plain linears to :class:`Int4Weight`).
+            they are) or ``"int4"`` (quantize plain linears to
+            :class:`~convo.fast.int4.Int4Linear`).
         group_size: int4 group size (128 by default; smaller where a shape needs it).
         compile: fuse each layer's pointwise work with ``torch.compile``. Default: on CUDA
             with plain or int4 weights.
-        cuda_graphs: capture the decode step per batch bucket. Default: on CUDA.
-        prefill_chunk_tokens: prefill runs in chunks of this many tokens. Default 512.
+        cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size
+            bucket (:attr:`prefill_buckets`). Default: on CUDA.
+        prefill_chunk_tokens: :meth:`prefill` runs in chunks of this many tokens, and the
+            largest captured prefill is this long. Default 512.
         free_dense: after quantizing to int4, drop the model's dense linear weights (the
             model can then only run through this decoder). Default False.
         buckets: batch sizes to build the step for (default: powers of two up to the
             next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
             the largest bucket are refused.
-        int4_kernel: the int4 decode kernel: ``"tinygemm"`` (PyTorch's), ``"triton"``
-            (convo's W4A16 kernel over a plain layout), or ``"auto"`` (default): on CUDA
-            with Triton both are captured at warm-up and each batch bucket keeps the
-            faster (tinygemm's layout is dropped when no bucket uses it); elsewhere
-            tinygemm. On CUDA with Triton the plain layout is always kept: prefill
-            dequantizes it, one layer weight at a time, for cuBLAS.
+        int4_kernel: the int4 layout, which decides the decode kernel: ``"triton"`` (the
+            plain layout: convo's W4A16 Triton kernel up to
+            :data:`~convo.fast.int4.W4_KERNEL_MAX_ROWS` rows, dequantized once for cuBLAS
+            above), ``"tinygemm"`` (PyTorch's tile-packed kernel at every row count), or
+            ``"auto"`` (default): ``"triton"`` on CUDA with Triton, else ``"tinygemm"``.
+            One layout is kept.
+        static_prefill: run prefill through the static-shape forward that the graphs
+            capture (chunks padded to a bucket, attention over the whole slot under a
+            mask). Default: with ``cuda_graphs``; tests set it on CPU to check that forward.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -219,6 +210,7 @@ class StaticDecoder:
         free_dense: bool = False,
         buckets: Sequence[int] | None = None,
         int4_kernel: str = "auto",
+        static_prefill: bool | None = None,
     ) -> None:
         import torch
 
@@ -237,18 +229,6 @@ class StaticDecoder:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
         if int4_kernel not in ("auto", "tinygemm", "triton"):
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
-        # (Triton's interpreter runs the kernel on CPU: tests use it with int4_kernel="triton".)
-        on_cuda = next(model.parameters()).device.type == "cuda" or (
-            _interpreting() and int4_kernel == "triton"
-        )
-        # On CUDA int4 weights also keep the plain layout: prefill dequantizes it for cuBLAS
-        # (tinygemm is slow on hundreds of rows), and the Triton decode kernel reads it.
-        self._plain_candidate = weights == "int4" and on_cuda and _w4_op() is not None
-        if int4_kernel == "triton" and not self._plain_candidate:
-            raise ConfigError("int4_kernel='triton' needs CUDA, Triton and weights='int4'")
-        self.int4_kernel = int4_kernel
-        #: The int4 kernel each batch bucket runs ("tinygemm" / "triton"), chosen at warm-up.
-        self.kernel_choice: dict[int, str] = {}
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:
             raise ConfigError(
@@ -259,6 +239,14 @@ class StaticDecoder:
         self.device = base.embed_tokens.weight.device
         self.dtype = base.embed_tokens.weight.dtype
         cuda = self.device.type == "cuda"
+        # (Triton's interpreter runs the kernels on CPU: tests use it with int4_kernel="triton".)
+        triton_ok = (cuda or _interpreting()) and _w4_op() is not None
+        if int4_kernel == "triton" and not (triton_ok and weights == "int4"):
+            raise ConfigError("int4_kernel='triton' needs CUDA, Triton and weights='int4'")
+        #: The int4 layout of the linears (``"plain"`` / ``"tinygemm"``), or None (no int4).
+        self.int4_layout: str | None = None
+        if weights == "int4":
+            self.int4_layout = "tinygemm" if int4_kernel == "tinygemm" or not triton_ok else "plain"
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
@@ -272,15 +260,17 @@ class StaticDecoder:
             self.embed = base.embed_tokens.weight
             self.norm = base.norm.weight
             self.norm_eps = round(float(base.norm.variance_epsilon) * 1e12)
-            self.lm_head = self._linear_group([model.lm_head], "as-loaded", group_size, False)[0][0]
+            self.lm_head = self._linear_group([model.lm_head], "as-loaded", group_size, False)[0]
             positions = torch.arange(slot_tokens, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = base.rotary_emb(probe, positions)
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
-        self.quantized = any(
-            isinstance(w, tuple) and not w[0].dtype.is_floating_point for w in self.layers[0].qkv
-        )
-        self.modules = any(not isinstance(w, tuple) for w in self.layers[0].qkv)
+            self._positions = positions[0]
+        from convo.fast.int4 import Int4Linear
+
+        self.quantized = any(isinstance(m, Int4Linear) for m in self.layers[0].qkv)
+        #: Linears that are neither dense nor convo's int4 (bitsandbytes): not compiled.
+        self.modules = any(type(m) not in (torch.nn.Linear, Int4Linear) for m in self.layers[0].qkv)
         if cuda:
             torch.cuda.synchronize(self.device)
         allocated_before = torch.cuda.memory_allocated(self.device) if cuda else 0
@@ -308,6 +298,7 @@ class StaticDecoder:
         )
         self.compiled = (cuda and not self.modules) if compile is None else compile
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
+        self.static_prefill = self.cuda_graphs if static_prefill is None else static_prefill
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
         #: Batch sizes the decode step is built for; a step of n rows runs in the smallest
@@ -315,6 +306,11 @@ class StaticDecoder:
         self.buckets = sorted(set(buckets or [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]))
         if self.buckets[0] < 1:
             raise ConfigError("batch buckets must be >= 1")
+        #: Chunk lengths prefill is captured for (powers of two from 16 up to
+        #: ``prefill_chunk_tokens``, within a slot); a chunk runs padded to the smallest
+        #: bucket that holds it.
+        top = min(prefill_chunk_tokens, slot_tokens)
+        self.prefill_buckets = [b for b in (16 << i for i in range(16)) if b < top] + [top]
         if self.compiled:
             # Each decoder compiles its own copies: dynamo keys its cache (and its limit of
             # recompiles) on the code object, which every decoder in a process would share.
@@ -323,37 +319,43 @@ class StaticDecoder:
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             if limit is not None and limit < 2 * len(self.buckets):
                 torch._dynamo.config.recompile_limit = 2 * len(self.buckets)
-        self._graphs: dict[int, tuple[Any, Any, Any, bool]] = {}
+        self._graphs: dict[int, tuple[Any, Any, Any]] = {}
+        self._prefill_graphs: dict[int, tuple[Any, Any, Any]] = {}
+        #: The int4 kernel each decode bucket runs ("triton", "cublas" or "tinygemm").
+        self.kernel_choice: dict[int, str] = {}
+        if self.int4_layout is not None:
+            from convo.fast.int4 import W4_KERNEL_MAX_ROWS
+
+            for b in self.buckets:
+                plain = "triton" if b <= W4_KERNEL_MAX_ROWS else "cublas"
+                self.kernel_choice[b] = plain if self.int4_layout == "plain" else "tinygemm"
         #: CUDA graph captures so far (the warm-up captures one per bucket).
         self.captures = 0
 
     # -- weights -------------------------------------------------------------------------------
     def _layer(self, layer: Any, weights: str, group_size: int, free: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj]]
-        groups.append([mlp.down_proj])
-        built = [self._linear_group(g, weights, group_size, free) for g in groups]
-        main, plain = [b[0] for b in built], [b[1] for b in built]
-        common: dict[str, Any] = {
-            "ln1": layer.input_layernorm.weight,
-            "ln2": layer.post_attention_layernorm.weight,
-            "scale": float(getattr(attn, "scaling", self.head_dim**-0.5)),
-        }
-        alt = None
-        qkv, o, gate_up, down = plain
-        if qkv is not None and o is not None and gate_up is not None and down is not None:
-            alt = _Layer(qkv=qkv, o=o[0], gate_up=gate_up, down=down[0], **common)
-        return _Layer(qkv=main[0], o=main[1][0], gate_up=main[2], down=main[3][0], alt=alt, **common)
+        qkv = self._linear_group([attn.q_proj, attn.k_proj, attn.v_proj], weights, group_size, free)
+        gate_up = self._linear_group([mlp.gate_proj, mlp.up_proj], weights, group_size, free)
+        return _Layer(
+            ln1=layer.input_layernorm.weight,
+            ln2=layer.post_attention_layernorm.weight,
+            qkv=qkv,
+            o=self._linear_group([attn.o_proj], weights, group_size, free)[0],
+            gate_up=gate_up,
+            down=self._linear_group([mlp.down_proj], weights, group_size, free)[0],
+            scale=float(getattr(attn, "scaling", self.head_dim**-0.5)),
+        )
 
-    def _linear_group(
-        self, mods: list[Any], weights: str, group_size: int, free: bool
-    ) -> tuple[tuple[Linear, ...], tuple[Linear, ...] | None]:
+    def _linear_group(self, mods: list[Any], weights: str, group_size: int, free: bool) -> tuple[Linear, ...]:
         """One fused linear for plain modules (int4 where asked and possible), else the
-        modules; and the plain-int4 alternative when the Triton kernel is a candidate."""
+        modules as they are."""
         import torch
 
+        from convo.fast.int4 import Int4Linear, int4_group_size
+
         if not all(_is_plain_linear(m) for m in mods):
-            return tuple(mods), None
+            return tuple(mods)
         weight = torch.cat([m.weight for m in mods], dim=0) if len(mods) > 1 else mods[0].weight
         biases = [m.bias for m in mods]
         bias = None
@@ -366,33 +368,30 @@ class StaticDecoder:
             )
         gs = int4_group_size(weight.shape[1], group_size) if weights == "int4" else None
         if gs is None or weight.shape[0] % 8:
-            if len(mods) > 1:  # the modules now view the fused weight: no second copy
-                row = 0
-                for m in mods:
-                    m.weight = torch.nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
-                    row += m.out_features
-            return ((weight,) if bias is None else (weight, bias),), None
-        candidate = self._plain_candidate
-        q = quantize_int4(weight, group_size=gs, bias=bias, dtype=self.dtype, plain=candidate)
+            if len(mods) == 1:
+                return (mods[0],)
+            row = 0
+            for m in mods:  # the modules now view the fused weight: no second copy
+                m.weight = torch.nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
+                row += m.out_features
+            fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+            return (fused,)
+        layout = self.int4_layout
+        q = Int4Linear.quantize(weight, group_size=gs, bias=bias, dtype=self.dtype, layout=layout)  # type: ignore[arg-type]
         if free:
             for m in mods:
                 m.weight = torch.nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-        extra = () if q.bias is None else (q.bias,)
-        plain = None if q.plain is None else (("w4", *q.plain, *extra),)
-        return ((q.packed, q.scales_zeros, *extra),), plain
+        return (q,)
 
-    def weight_nbytes(self, *, alt: bool = False) -> int:
-        """Bytes of the weights one decode step reads (all layers, final norm, lm_head);
-        ``alt``: with the plain int4 layout (the Triton kernel) where the layers have it."""
+    def weight_nbytes(self) -> int:
+        """Bytes of the weights one decode step reads (all layers, final norm, lm_head)."""
         parts: list[Any] = [self.norm, self.lm_head]
-        for layer in self._layer_set(alt):
+        for layer in self.layers:
             parts += [layer.ln1, layer.ln2, layer.qkv, layer.o, layer.gate_up, layer.down]
         return tensor_nbytes(*parts)
-
-    def _layer_set(self, alt: bool) -> list[_Layer]:
-        if alt and self.layers[0].alt is not None:
-            return [layer.alt for layer in self.layers if layer.alt is not None]
-        return self.layers
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(
@@ -443,26 +442,102 @@ class StaticDecoder:
         return last, pos
 
     def prefill_batch(self, chunks: Sequence[PrefillChunk], *, all_logits: bool = False) -> list[Any]:
-        """One forward over the chunks of several turns together (each into its own slot).
+        """Run the chunks of several turns (each into its own slot).
 
-        The matrix products run once over all the chunks' tokens: dense weights through
-        cuBLAS, plain int4 dequantized once per layer (one kernel) and then cuBLAS, modules
-        (bitsandbytes) called once per layer. Attention runs per chunk over its slot with
-        SDPA (causal from the chunk's start: flash or memory-efficient kernels).
+        Up to :data:`PREFILL_GRAPH_MAX_CHUNKS` chunks run one by one through the static
+        prefill (with ``cuda_graphs``: a replay of the graph captured for the chunk's
+        length bucket, so no per-kernel launch cost). More chunks, or ``all_logits``, run
+        together in one eager forward: the matrix products once over all the chunks'
+        tokens, attention per chunk over its slot with SDPA (causal from the chunk's start).
+        Either way dense weights multiply through cuBLAS, plain int4 through the Triton
+        kernel for a few rows and dequantized once per forward (one kernel) for more.
 
         Returns:
             per chunk, float32 logits ``[vocab]`` after its last token (``[n, vocab]`` after
             every token with ``all_logits``).
         """
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
+                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
+        if not chunks:
+            return []
+        if self.static_prefill and not all_logits and len(chunks) <= PREFILL_GRAPH_MAX_CHUNKS:
+            plans = [self._static_pieces(c) for c in chunks]
+            if all(p is not None for p in plans):
+                return [self._prefill_static_chunk(c, p) for c, p in zip(chunks, plans, strict=True)]  # type: ignore[arg-type]
+        return self._prefill_eager(chunks, all_logits)
+
+    def _static_pieces(self, chunk: PrefillChunk) -> list[tuple[int, int, int]] | None:
+        """``(start, end, bucket)`` pieces that cover the chunk, each run padded to a bucket.
+        A piece that would pass the slot's end starts earlier instead, running again some
+        tokens the slot already holds (the same K/V); ``None`` when no bucket fits the slot."""
+        pieces = []
+        pos = chunk.start
+        while pos < chunk.end:
+            need = chunk.end - pos
+            bucket = min((b for b in self.prefill_buckets if b >= need), default=self.prefill_buckets[-1])
+            end = min(chunk.end, pos + bucket)
+            start = min(pos, self.pool.slot_tokens - bucket)
+            if start < 0:
+                return None
+            pieces.append((start, end, bucket))
+            pos = end
+        return pieces
+
+    def _prefill_static_chunk(self, chunk: PrefillChunk, pieces: list[tuple[int, int, int]]) -> Any:
+        import torch
+
+        out = None
+        with torch.inference_mode():
+            for start, end, bucket in pieces:
+                # Padding rows write K/V past ``end`` (inside the slot: never read before a
+                # later token overwrites it) and their outputs are dropped.
+                pad = [0] * (bucket - (end - start))
+                host = torch.tensor([*chunk.ids[start:end], *pad, chunk.slot, start, end - start - 1])
+                if bucket in self._prefill_graphs:
+                    graph, inputs, result = self._prefill_graphs[bucket]
+                    inputs.copy_(host, non_blocking=False)
+                    graph.replay()
+                    out = result.clone()
+                else:
+                    out = self._prefill_static(host.to(self.device), bucket)
+        return out
+
+    def _prefill_static(self, inputs: Any, tokens: int) -> Any:
+        """The static-shape prefill of one chunk: ``inputs`` is ``[tokens + 3]``, the chunk's
+        token ids padded to ``tokens``, then its slot, start position and last real row.
+        Attention runs over the whole slot under a causal mask, so every shape depends on
+        ``tokens`` alone and the forward can be captured as a CUDA graph."""
+        import torch.nn.functional as F
+
+        ids, slot, start, last = inputs[:tokens], inputs[tokens : tokens + 1], inputs[tokens + 1], inputs[-1:]
+        positions = start + self._positions[:tokens]
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        slots = slot.expand(tokens)
+        mask = (self._positions[None, :] <= positions[:, None])[None, None]
+        shape = (self.heads, self.kv_heads, self.head_dim)
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
+            k_cache, v_cache = self.pool.k[i], self.pool.v[i]
+            k_cache[slots, :, positions] = k
+            v_cache[slots, :, positions] = v
+            kc, vc = k_cache.index_select(0, slot), v_cache.index_select(0, slot)
+            if group > 1:
+                kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
+            qt = q.transpose(0, 1)[None]
+            a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, scale=layer.scale)
+            a = a[0].transpose(0, 1).reshape(tokens, self.heads * self.head_dim)
+            x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
+        h = _rms_norm(x.index_select(0, last), self.norm, self.norm_eps * 1e-12)
+        return self.lm_head(h).float()[0]
+
+    def _prefill_eager(self, chunks: Sequence[PrefillChunk], all_logits: bool) -> list[Any]:
         import torch
         import torch.nn.functional as F
         from torch.nn.attention.bias import causal_lower_right
 
-        if not chunks:
-            return []
-        for c in chunks:
-            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
-                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
         sizes = [c.end - c.start for c in chunks]
         shape = (self.heads, self.kv_heads, self.head_dim)
         gqa = self.kv_heads != self.heads
@@ -474,8 +549,8 @@ class StaticDecoder:
             x = F.embedding(dev[0], self.embed)
             cos, sin = self.cos[dev[1]][:, None, :], self.sin[dev[1]][:, None, :]
             masks = [None if c.start == 0 else causal_lower_right(c.end - c.start, c.end) for c in chunks]
-            for i, layer in enumerate(self._layer_set(alt=True)):
-                q, k, v = _pre_attention_dense(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
+            for i, layer in enumerate(self.layers):
+                q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
                 k_cache, v_cache = self.pool.k[i], self.pool.v[i]
                 outs = []
                 off = 0
@@ -495,19 +570,17 @@ class StaticDecoder:
                     outs.append(a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
                     off += n
                 a = outs[0] if len(outs) == 1 else torch.cat(outs)
-                x = _post_attention_dense(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
+                x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
             if all_logits:
-                logits = _dense_linear(_rms_norm(x, self.norm, self.norm_eps * 1e-12), self.lm_head).float()
+                logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps * 1e-12)).float()
                 return list(torch.split(logits, sizes))
             last = torch.tensor([sum(sizes[: j + 1]) - 1 for j in range(len(sizes))], device=self.device)
             h = _rms_norm(x.index_select(0, last), self.norm, self.norm_eps * 1e-12)
-            logits = _dense_linear(h, self.lm_head).float()
-            return list(logits.unbind(0))
+            return list(self.lm_head(h).float().unbind(0))
 
     # -- decode --------------------------------------------------------------------------------
-    def _step(self, inputs: Any, alt: bool = False) -> Any:
-        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions);
-        ``alt``: with the plain int4 layers (the Triton kernel)."""
+    def _step(self, inputs: Any) -> Any:
+        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions)."""
         import torch
         import torch.nn.functional as F
 
@@ -517,7 +590,7 @@ class StaticDecoder:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         lengths = (positions + 1).to(torch.int32)
         shape = (self.heads, self.kv_heads, self.head_dim)
-        for i, layer in enumerate(self._layer_set(alt)):
+        for i, layer in enumerate(self.layers):
             q, k, v = self._pre(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
             k_cache, v_cache = self.pool.k[i], self.pool.v[i]
             k_cache[slots, :, positions] = k
@@ -525,7 +598,7 @@ class StaticDecoder:
             a = decode_attention(q, k_cache, v_cache, slots, lengths, scale=layer.scale)
             x = self._post(x, a.reshape(n, -1), layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
         h = _rms_norm(x, self.norm, self.norm_eps * 1e-12)
-        return _linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def bucket(self, rows: int) -> int:
         """The batch size a step of ``rows`` rows runs at."""
@@ -535,62 +608,46 @@ class StaticDecoder:
         raise ConfigError(f"{rows} rows > {self.buckets[-1]}: more rows than slots")
 
     def warmup(self) -> None:
-        """Compile and capture the step for every batch bucket, and run one short prefill
-        (its kernels load before the first request). Call before any session uses the pool:
-        warm-up writes the first positions of slot 0."""
+        """Compile and capture the decode step for every batch bucket and the prefill for
+        every chunk bucket (CUDA), or run one short prefill and step (their kernels load
+        before the first request). Call before any session uses the pool: warm-up writes
+        the first positions of slot 0."""
         import torch
 
-        self.prefill_batch([PrefillChunk(slot=0, ids=[0] * 16, start=0, end=16)])
-        has_alt = self.layers[0].alt is not None
-        if not has_alt or self.int4_kernel == "tinygemm":
-            variants = [False]
-        else:
-            variants = [False, True] if self.int4_kernel == "auto" else [True]
+        self._prefill_eager([PrefillChunk(slot=0, ids=[0] * 16, start=0, end=16)], False)
         with torch.inference_mode():
             for b in self.buckets:
                 inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
-                if not self.cuda_graphs:
-                    self._step(inputs, alt=variants[0])
-                    if has_alt:
-                        self.kernel_choice[b] = "triton" if variants[0] else "tinygemm"
-                    continue
-                captured = [(self._capture(inputs, alt), alt) for alt in variants]
-                if len(captured) > 1:  # keep the faster kernel for this bucket
-                    captured.sort(key=lambda c: _replay_ms(c[0][0]))
-                (graph, out), alt = captured[0]
-                self._graphs[b] = (graph, inputs, out, alt)
-                if has_alt:
-                    self.kernel_choice[b] = "triton" if alt else "tinygemm"
-            if has_alt and self.cuda_graphs:
-                self._drop_unused_layout()
+                if self.cuda_graphs:
+                    self._graphs[b] = (*self._capture(functools.partial(self._step, inputs)), inputs)
+                else:
+                    self._step(inputs)
+            if self.cuda_graphs:
+                pool = torch.cuda.graph_pool_handle()
+                for t in self.prefill_buckets:
+                    inputs = torch.zeros(t + 3, dtype=torch.long, device=self.device)
+                    inputs[-1] = t - 1
+                    graph, out = self._capture(functools.partial(self._prefill_static, inputs, t), pool)
+                    self._prefill_graphs[t] = (graph, inputs, out)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        empty_device_cache()
 
-    def _capture(self, inputs: Any, alt: bool) -> tuple[Any, Any]:
+    def _capture(self, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
+        """Run ``fn`` twice on a side stream (compiles, tunes kernels), then capture it."""
         import torch
 
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(inputs, alt)
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(inputs, alt)
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
         self.captures += 1
         return graph, out
-
-    def _drop_unused_layout(self) -> None:
-        """Free tinygemm's layout when no bucket chose it (the plain layout stays: prefill
-        dequantizes it)."""
-        import dataclasses as dc
-
-        used = set(self.kernel_choice.values())
-        if used == {"triton"}:
-            self.layers = [dc.replace(layer.alt, alt=None) for layer in self.layers if layer.alt is not None]
-            self._graphs = {b: (g, i, o, False) for b, (g, i, o, _) in self._graphs.items()}
-        empty_device_cache()
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> Any:
         """Decode one token for each row: feed ``tokens[r]`` at ``positions[r]`` of slot
@@ -605,16 +662,13 @@ class StaticDecoder:
         host = torch.tensor([list(tokens), list(slots), list(positions)], dtype=torch.long)
         with torch.inference_mode():
             b = self.bucket(rows)
-            if not self.cuda_graphs:  # eager; padded to the bucket when compiled (no new shapes)
-                if self.compiled and rows < b:
-                    host = torch.cat([host, host[:, :1].expand(3, b - rows)], dim=1)
-                alt = self.kernel_choice.get(b) == "triton"
-                return self._step(host.to(self.device), alt)[:rows]
+            if rows < b and (self.compiled or self.cuda_graphs):  # pad with copies of row 0:
+                host = torch.cat([host, host[:, :1].expand(3, b - rows)], dim=1)  # same values
+            if not self.cuda_graphs:
+                return self._step(host.to(self.device))[:rows]
             if b not in self._graphs:
                 raise ConfigError("warmup() first: the decode step is captured at start")
-            graph, inputs, out, _ = self._graphs[b]
-            if rows < b:  # pad with copies of row 0: same slot, position and value
-                host = torch.cat([host, host[:, :1].expand(3, b - rows)], dim=1)
+            graph, out, inputs = self._graphs[b]
             inputs.copy_(host, non_blocking=False)
             graph.replay()
             return out[:rows]

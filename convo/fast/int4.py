@@ -1,224 +1,206 @@
-"""4-bit weights: group-wise int4 in two layouts (tinygemm tile-packed, plain for Triton),
-and the linear helpers the decoder's layer functions call."""
+"""4-bit weights: group-wise asymmetric int4 and :class:`Int4Linear`, the module that runs them.
+
+``w ~= (q - 8) * scale + zero`` per group of ``group_size`` input features, with ``q`` in
+0..15 (gpt-fast's and torchao's int4 weight-only grid). One :class:`Int4Linear` holds the
+grid in one layout, chosen for the device:
+
+* ``"plain"`` (CUDA with Triton, the default there): ``uint8 [out, in / 2]`` (low nibble =
+  even input) and ``[out, in / group, 2]`` scale/zero pairs. Up to
+  :data:`W4_KERNEL_MAX_ROWS` rows (decode steps, short chunks) run through convo's Triton
+  W4A16 kernel, whose cost barely depends on the rows; more rows (prefill) dequantize the
+  weight once, in one kernel, and multiply with cuBLAS, which beats any int4 kernel there.
+* ``"tinygemm"`` (CPU, or CUDA without Triton): PyTorch's tile-packed int4 and
+  ``[in / group, out, 2]`` scale/zero pairs, through ``aten._weight_int4pack_mm`` (fast for
+  one row, 2.3x slower at 16 on the H200) or its CPU twin.
+
+Both take ``in * out / 2`` bytes plus the scales, so the planner counts one layout.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
 
 from convo.errors import ConfigError
-from convo.fast.kernels import _w4_op, dequantize_plain_int4
+from convo.fast.kernels import _interpreting, _w4_op, dequantize_plain_int4
 
+#: The int4 layouts (see the module docstring).
+Int4Layout = Literal["plain", "tinygemm"]
 
-@dataclass(frozen=True)
-class Int4Weight:
-    """A linear weight in group-wise asymmetric int4, tile-packed for tinygemm kernels.
+#: Rows up to which a plain int4 weight multiplies through the Triton kernel; more rows are
+#: dequantized once and multiplied by cuBLAS.
+W4_KERNEL_MAX_ROWS = 64
 
-    ``w ~= (q - 8) * scale + zero`` per group of ``group_size`` input features, with
-    ``q`` in 0..15; ``scales_zeros`` is ``[in / group_size, out, 2]`` in the compute dtype.
-    On CUDA the product runs through ``aten._weight_int4pack_mm`` (bf16 activations), on
-    CPU through ``aten._weight_int4pack_mm_for_cpu``.
-    """
+_INTERPRETING = _interpreting()  # Triton's interpreter runs the kernels on CPU (tests)
 
-    packed: Any
-    scales_zeros: Any
-    group_size: int
-    in_features: int
-    out_features: int
-    bias: Any = None
-    plain: tuple[Any, Any] | None = None  # (qweight, scales_zeros) of plain_int4, when asked
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the weight occupies (packed ints + scales and zeros + bias)."""
-        total = self.packed.numel() * self.packed.element_size()
-        total += self.scales_zeros.numel() * self.scales_zeros.element_size()
-        if self.bias is not None:
-            total += self.bias.numel() * self.bias.element_size()
-        return int(total)
+#: Group sizes the kernels accept, largest first.
+INT4_GROUP_SIZES = (128, 64, 32)
 
 
 def int4_group_size(in_features: int, preferred: int = 128) -> int | None:
     """The largest group size <= ``preferred`` (128, 64 or 32) the kernels accept for
     ``in_features``, or ``None`` when none does (the weight then stays dense)."""
-    for gs in (128, 64, 32):
+    for gs in INT4_GROUP_SIZES:
         if gs <= preferred and in_features % gs == 0 and in_features % 32 == 0:
             return gs
     return None
 
 
-def _inner_k_tiles(in_features: int) -> int:
-    for tiles in (8, 4, 2):
-        if in_features % (tiles * 16) == 0:
-            return tiles
-    raise ConfigError(f"in_features={in_features} is not a multiple of 32")
+def default_int4_layout(device: Any) -> Int4Layout:
+    """``"plain"`` on CUDA with Triton (or under Triton's interpreter), else ``"tinygemm"``."""
+    on_cuda = torch.device(device).type == "cuda"
+    return "plain" if (on_cuda or _INTERPRETING) and _w4_op() is not None else "tinygemm"
+
+
+class Int4Linear(torch.nn.Module):
+    """A weight-only int4 linear layer (gpt-fast's ``WeightOnlyInt4Linear``).
+
+    Build one with :meth:`quantize` (or :func:`quantize_int4`). Buffers: ``qweight`` (the
+    packed grid), ``scales_zeros`` and an optional ``bias``, all on the weight's device;
+    activations and scales share the compute dtype (bf16 on CUDA). Modules of one layout
+    and shape family share compiled code: the decoder's compiled layer functions take them
+    as arguments (dynamo treats their buffers as inputs).
+    """
+
+    qweight: torch.Tensor
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        *,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        layout: Int4Layout,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.layout: Int4Layout = layout
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(
+        cls,
+        weight: torch.Tensor,
+        *,
+        group_size: int = 128,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        layout: Int4Layout | None = None,
+    ) -> Int4Linear:
+        """Quantize a dense ``[out, in]`` weight on its device.
+
+        Args:
+            weight: the dense weight (any float dtype).
+            group_size: input features per scale/zero pair (128, 64 or 32).
+            bias: an optional bias, kept in ``dtype``.
+            dtype: compute dtype of scales, zeros and activations. Default: bf16 on CUDA,
+                the weight's dtype on CPU.
+            layout: ``"plain"`` or ``"tinygemm"``; default :func:`default_int4_layout`.
+
+        Raises:
+            ConfigError: the shape does not suit the kernels (``int4_group_size`` says
+                which do), or an unknown layout.
+        """
+        out_features, in_features = (int(s) for s in weight.shape)
+        if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+            raise ConfigError(f"group_size={group_size} does not divide in_features={in_features}")
+        if in_features % 32:
+            raise ConfigError(f"in_features={in_features} is not a multiple of 32")
+        layout = layout or default_int4_layout(weight.device)
+        if layout not in ("plain", "tinygemm"):
+            raise ConfigError(f"int4 layout must be 'plain' or 'tinygemm', not {layout!r}")
+        cuda = weight.device.type == "cuda"
+        if dtype is None:
+            dtype = torch.bfloat16 if cuda else weight.dtype
+        w = weight.detach().to(torch.float32).reshape(-1, group_size)
+        w_min = w.amin(dim=1, keepdim=True)
+        scales = (w.amax(dim=1, keepdim=True) - w_min).clamp(min=1e-6) / 15
+        zeros = w_min + scales * 8
+        q = w.sub(w_min).div(scales).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        del w
+        pairs = torch.cat([scales.reshape(out_features, -1, 1), zeros.reshape(out_features, -1, 1)], dim=2)
+        if layout == "plain":
+            qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+            scales_zeros = pairs.to(dtype).contiguous()
+        else:
+            tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
+            if cuda:
+                packed_bytes = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+                qweight = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, tiles)
+            else:
+                qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+            scales_zeros = pairs.transpose(0, 1).contiguous().to(dtype)
+        return cls(
+            qweight,
+            scales_zeros,
+            in_features=in_features,
+            out_features=out_features,
+            group_size=group_size,
+            layout=layout,
+            bias=None if bias is None else bias.detach().to(dtype),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.layout == "tinygemm":
+            y = _tinygemm_mm(x2, self.qweight, self.scales_zeros, self.group_size)
+        elif x2.shape[0] <= W4_KERNEL_MAX_ROWS and (x2.is_cuda or _INTERPRETING) and _w4_op() is not None:
+            y = _w4_op()(x2, self.qweight, self.scales_zeros)  # type: ignore[misc]
+        else:
+            y = F.linear(x2, dequantize_plain_int4(self.qweight, self.scales_zeros).to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense ``[out, in]`` float32 weight this module stands for."""
+        if self.layout == "plain":
+            return dequantize_plain_int4(self.qweight, self.scales_zeros).float()
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.qweight.device)
+        return _tinygemm_mm(eye, self.qweight, self.scales_zeros, self.group_size).t().float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight occupies (packed ints + scales and zeros + bias)."""
+        parts = [self.qweight, self.scales_zeros] + ([] if self.bias is None else [self.bias])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, layout={self.layout!r}, bias={self.bias is not None}"
+        )
 
 
 def quantize_int4(
-    weight: Any, *, group_size: int = 128, bias: Any = None, dtype: Any = None, plain: bool = False
-) -> Int4Weight:
-    """Quantize a dense ``[out, in]`` weight to :class:`Int4Weight` on its device.
-
-    Args:
-        weight: the dense weight (any float dtype).
-        group_size: input features per scale/zero pair (128, 64 or 32).
-        bias: an optional bias, kept in ``dtype``.
-        dtype: compute dtype of scales, zeros and activations. Default: bf16 on CUDA,
-            the weight's dtype on CPU.
-        plain: also keep the same grid in the plain layout (:func:`plain_int4`).
-
-    Raises:
-        ConfigError: the shape does not suit the kernels (``int4_group_size`` says which do).
-    """
-    import torch
-
-    out_features, in_features = (int(s) for s in weight.shape)
-    if group_size not in (32, 64, 128) or in_features % group_size:
-        raise ConfigError(f"group_size={group_size} does not divide in_features={in_features}")
-    cuda = weight.device.type == "cuda"
-    if dtype is None:
-        dtype = torch.bfloat16 if cuda else weight.dtype
-    w = weight.detach().to(torch.float32).reshape(-1, group_size)
-    w_max = w.amax(dim=1, keepdim=True)
-    w_min = w.amin(dim=1, keepdim=True)
-    scales = (w_max - w_min).clamp(min=1e-6) / 15
-    zeros = w_min + scales * 8
-    q = w.sub(w_min).div(scales).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
-    scales_zeros = (
-        torch.cat([scales.reshape(out_features, -1, 1), zeros.reshape(out_features, -1, 1)], dim=2)
-        .transpose(0, 1)
-        .contiguous()
-        .to(dtype)
-    )
-    tiles = _inner_k_tiles(in_features)
-    if cuda:
-        packed_bytes = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
-        packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, tiles)
-    else:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
-    simple = None
-    if plain:
-        qweight, sz = plain_int4(
-            q=q, scales=scales.reshape(out_features, -1), zeros=zeros.reshape(out_features, -1)
-        )
-        simple = (qweight, sz.to(dtype))
-    return Int4Weight(
-        packed=packed,
-        scales_zeros=scales_zeros,
-        group_size=group_size,
-        in_features=in_features,
-        out_features=out_features,
-        bias=None if bias is None else bias.detach().to(dtype),
-        plain=simple,
-    )
+    weight: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    layout: Int4Layout | None = None,
+) -> Int4Linear:
+    """:meth:`Int4Linear.quantize` as a function."""
+    return Int4Linear.quantize(weight, group_size=group_size, bias=bias, dtype=dtype, layout=layout)
 
 
-def dequantize_int4(w: Int4Weight) -> Any:
-    """The dense ``[out, in]`` float32 weight an :class:`Int4Weight` stands for (tests)."""
-    import torch
-
-    eye = torch.eye(w.in_features, dtype=w.scales_zeros.dtype, device=w.packed.device)
-    return _int4_mm(eye, w.packed, w.scales_zeros).t().float()
+def dequantize_int4(linear: Int4Linear) -> torch.Tensor:
+    """The dense ``[out, in]`` float32 weight of ``linear`` (:meth:`Int4Linear.dequantize`)."""
+    return linear.dequantize()
 
 
-def _int4_mm(x: Any, packed: Any, scales_zeros: Any) -> Any:
-    import torch
-
-    k = x.shape[-1]
-    group_size = k // scales_zeros.shape[0]
-    x2 = x.reshape(-1, k)
+def _tinygemm_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> Any:
     if x.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-# A linear is a tuple of tensors, so that one compiled layer function serves every layer:
-#   dense: (weight,) or (weight, bias)    int4: (packed, scales_zeros) or (..., bias)
-# or a module (bitsandbytes Linear4bit...), called as it is.
-Linear = tuple[Any, ...] | Any
-
-
-def _linear(x: Any, w: Linear) -> Any:
-    import torch.nn.functional as F
-
-    if not isinstance(w, tuple):
-        return w(x)
-    if isinstance(w[0], str):  # ("w4", plain int4, scales/zeros[, bias]): see plain_int4
-        y = _plain_int4_mm(x, w[1], w[2])
-        return y + w[3] if len(w) > 3 else y
-    if w[0].dtype.is_floating_point:
-        return F.linear(x, w[0], w[1] if len(w) > 1 else None)
-    y = _int4_mm(x, w[0], w[1])
-    return y + w[2] if len(w) > 2 else y
-
-
-# -- plain int4 for a Triton kernel ---------------------------------------------------------------
-#
-# tinygemm's int4 kernel is fast for one row and slows down with more (measured on the H200:
-# 2.3x from 1 to 16 rows, slower than bf16 cuBLAS at 16). The plain layout below is read by
-# a small Triton kernel whose cost barely depends on the rows (up to 16: one MMA tile), and
-# dequantized in torch for prefill, where cuBLAS on bf16 beats any int4 kernel. Same grid as
-# Int4Weight: w = (q - 8) * scale + zero.
-
-#: Rows up to which the plain int4 layout runs through the Triton kernel (one MMA tile).
-W4_KERNEL_MAX_ROWS = 16
-
-
-def plain_int4(*, q: Any, scales: Any, zeros: Any) -> tuple[Any, Any]:
-    """``(qweight, scales_zeros)``: ``uint8 [out, in / 2]`` (low nibble = even input) and
-    ``[out, in / group, 2]`` scale/zero pairs, from the integer grid ``q`` ``[out, in]``."""
-    import torch
-
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
-    sz = torch.stack([scales, zeros], dim=-1).contiguous()
-    return packed, sz
-
-
-def _plain_int4_dequant(qweight: Any, sz: Any) -> Any:
-    import torch
-
-    n, half = qweight.shape
-    groups = sz.shape[1]
-    q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, groups, (2 * half) // groups)
-    return ((q.to(sz.dtype) - 8) * sz[:, :, 0:1] + sz[:, :, 1:2]).reshape(n, 2 * half)
-
-
-def _plain_int4_mm(x: Any, qweight: Any, sz: Any) -> Any:
-    import torch.nn.functional as F
-
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] <= W4_KERNEL_MAX_ROWS and _w4_op() is not None:
-        y = _w4_op()(x2, qweight, sz)  # type: ignore[misc]
-    else:
-        y = F.linear(x2, dequantize_plain_int4(qweight, sz).to(x.dtype))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _linears(x: Any, ws: tuple[Linear, ...]) -> Any:
-    import torch
-
-    if len(ws) == 1:
-        return _linear(x, ws[0])
-    return torch.cat([_linear(x, w) for w in ws], dim=-1)
-
-
-def _dense_linear(x: Any, w: Linear) -> Any:
-    """:func:`_linear` for many rows (prefill): a plain int4 weight is dequantized once, in
-    one kernel, and multiplied by cuBLAS; everything else as :func:`_linear`."""
-    import torch.nn.functional as F
-
-    if isinstance(w, tuple) and isinstance(w[0], str):
-        y = F.linear(x, dequantize_plain_int4(w[1], w[2]).to(x.dtype))
-        return y + w[3] if len(w) > 3 else y
-    return _linear(x, w)
-
-
-def _dense_linears(x: Any, ws: tuple[Linear, ...]) -> Any:
-    import torch
-
-    if len(ws) == 1:
-        return _dense_linear(x, ws[0])
-    return torch.cat([_dense_linear(x, w) for w in ws], dim=-1)
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)

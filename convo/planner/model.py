@@ -544,11 +544,13 @@ INT4_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 #: load peak was the dense model + 13.6 bytes per parameter of the largest fused linear, of
 #: which 2 are its bf16 copy; the plain layout adds ~4.5 (counted, not measured).
 INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 16
-#: Copies of the int4 weights the static decoder keeps on CUDA: the plain layout (prefill
-#: dequantizes it, the Triton decode kernel reads it) and tinygemm's tile layout, dropped
-#: only when every batch bucket picks the Triton kernel at warm-up (on the H200 with 4
-#: slots every bucket picked tinygemm; with 16, the 16-row bucket picked Triton). On CPU: 1.
-INT4_CUDA_LAYOUTS = 2
+#: Copies of the int4 weights the static decoder keeps: one layout (Triton's plain layout on
+#: CUDA, tinygemm's elsewhere; ``convo.fast.int4.Int4Linear``). Earlier builds kept both on
+#: CUDA (2).
+INT4_CUDA_LAYOUTS = 1
+#: Longest prefill chunk the static decoder captures as a CUDA graph (its
+#: ``prefill_chunk_tokens`` default): the graphs' shared pool holds one such forward.
+PREFILL_GRAPH_TOKENS = 512
 
 
 def quantized_linear_bytes(
@@ -585,7 +587,7 @@ def int4_group(in_features: int, preferred: int = INT4_GROUP_SIZE) -> int | None
 
 
 def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_size: int) -> int | None:
-    """Device bytes of one linear weight in convo's int4 format (``convo.fast.int4.Int4Weight``),
+    """Device bytes of one linear weight in convo's int4 format (``convo.fast.int4.Int4Linear``),
     no bias: packed int4 (``out * in / 2`` bytes, tinygemm's tile layout on CUDA, ``uint8
     [out, in/2]`` on CPU) + a scale and a zero per group of ``group_size`` inputs, in the
     compute ``dtype``. ``None`` when the shape stays dense (no group size fits ``in``, or
@@ -1230,7 +1232,9 @@ class MemoryModel:
         """The static decoder: weights + the slot pool + one step's prefill activations
         (the running turns' prompts, up to ``step_tokens`` tokens in one forward, with one
         dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
-        >= slots: a cuBLAS workspace for its capture stream and the step's rows).
+        >= slots: a cuBLAS workspace for its capture stream and the step's rows) + the
+        captured prefill's pool (one :data:`PREFILL_GRAPH_TOKENS`-token forward, its mask
+        and slot view, and a dequantized weight).
 
         Measured on an H200 (Llama-2-7B int4 group 32, 4 slots of 4096 tokens): pool exact;
         weights 8.68 GB with both int4 layouts (predicted -0.7 %), 4.62 GB with tinygemm's
@@ -1251,6 +1255,10 @@ class MemoryModel:
         buckets = [1 << i for i in range(max(kv_slots - 1, 0).bit_length() + 1)]
         per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
         graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
+        chunk = min(PREFILL_GRAPH_TOKENS, context)
+        slot_view = 2 * context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
+        mask = chunk * context
+        graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + mask + slot_view)
         weights = self.weights.total_bytes
         reserved_above = pool + graphs + prefill * self.calibration.prefill_reserved_ratio
         reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from convo.errors import ConfigError
 from convo.fast.kernels import _interpreting, _w4_op, dequantize_plain_int4
+from convo.planner.model import INT4_GROUP_SIZES, int4_group
 
 #: The int4 layouts (see the module docstring).
 Int4Layout = Literal["plain", "tinygemm"]
@@ -35,17 +36,12 @@ W4_KERNEL_MAX_ROWS = 64
 
 _INTERPRETING = _interpreting()  # Triton's interpreter runs the kernels on CPU (tests)
 
-#: Group sizes the kernels accept, largest first.
-INT4_GROUP_SIZES = (128, 64, 32)
-
 
 def int4_group_size(in_features: int, preferred: int = 128) -> int | None:
     """The largest group size <= ``preferred`` (128, 64 or 32) the kernels accept for
-    ``in_features``, or ``None`` when none does (the weight then stays dense)."""
-    for gs in INT4_GROUP_SIZES:
-        if gs <= preferred and in_features % gs == 0 and in_features % 32 == 0:
-            return gs
-    return None
+    ``in_features``, or ``None`` when none does (the weight then stays dense). The rule
+    lives with the planner (:func:`convo.planner.model.int4_group`), which counts the bytes."""
+    return int4_group(in_features, preferred)
 
 
 def default_int4_layout(device: Any) -> Int4Layout:

@@ -576,11 +576,15 @@ def quantized_linear_bytes(
     raise ConfigError(f"{quant} is not a bitsandbytes quantization")
 
 
+#: Group sizes convo's int4 kernels accept, largest first.
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
 def int4_group(in_features: int, preferred: int = INT4_GROUP_SIZE) -> int | None:
-    """The group size the int4 path uses for ``in_features`` inputs: the largest of 128, 64,
-    32 that is <= ``preferred`` and divides it (``convo.fast.int4.int4_group_size``), or
-    ``None`` when none does (the weight then stays dense)."""
-    for gs in (128, 64, 32):
+    """The group size the int4 path uses for ``in_features`` inputs: the largest of
+    :data:`INT4_GROUP_SIZES` that is <= ``preferred`` and divides it, or ``None`` when none
+    does (the weight then stays dense). ``convo.fast.int4`` quantizes by this rule."""
+    for gs in INT4_GROUP_SIZES:
         if gs <= preferred and in_features % gs == 0 and in_features % 32 == 0:
             return gs
     return None

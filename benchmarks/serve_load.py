@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -410,6 +411,15 @@ def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     by_turn = {
         str(t): pct([o.latency_s for o in ok if o.turn == t], 0.5) for t in sorted({o.turn for o in ok})
     }
+    # A turn on which the window slid: its prompt is no longer than the session's previous
+    # one (older turns left the window; the summary took their place).
+    slides, ordinary = [], []
+    for sid in {o.session for o in ok}:
+        turns = sorted((o for o in ok if o.session == sid and o.prompt_tokens), key=lambda o: o.turn)
+        for prev, cur in itertools.pairwise(turns):
+            slid = (cur.prompt_tokens or 0) <= (prev.prompt_tokens or 0)
+            (slides if slid else ordinary).append(cur.latency_s)
+    slide_p50, ordinary_p50 = pct(slides, 0.5), pct(ordinary, 0.5)
     chat = {
         "reply_tokens": reply_tokens,
         "reply_tokens_per_s": round(reply_tokens / res["wall_s"], 1),
@@ -419,6 +429,10 @@ def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         "turn_latency_p95_s": pct([o.latency_s for o in ok], 0.95),
         "turn_latency_p50_s_by_turn": by_turn,
         "prompt_tokens_p50": pct([float(o.prompt_tokens) for o in ok if o.prompt_tokens is not None], 0.5),
+        "window_slide_turns": len(slides),
+        "window_slide_turn_latency_p50_s": slide_p50,
+        "ordinary_turn_latency_p50_s": ordinary_p50,
+        "window_slide_vs_ordinary": round(slide_p50 / ordinary_p50, 2) if slides and ordinary_p50 else None,
     }
     refused_by = {k.split('"')[1]: v for k, v in m.items() if k.startswith("convo_requests_refused_total{")}
     return {

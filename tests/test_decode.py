@@ -292,6 +292,7 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "a = StaticDecoder(model, int4_kernel='tinygemm', **kw)\n"
         "b = StaticDecoder(model, int4_kernel='triton', compile=True, **kw)\n"
         "assert a.int4_layout == 'tinygemm' and b.int4_layout == 'plain'\n"
+        "assert StaticDecoder(model, **kw).int4_layout == 'both'\n"
         "a.warmup(); b.warmup()\n"
         "assert set(b.kernel_choice.values()) == {'triton'}, b.kernel_choice\n"
         "ids = list(range(3, 40))\n"
@@ -527,13 +528,15 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
     w = torch.randn(256, 512, device="cuda")
     ref_w = quantize_int4(w, group_size=128, layout="tinygemm")
-    plain = quantize_int4(w, group_size=128)
-    assert plain.layout == "plain"  # CUDA with Triton
+    plain = quantize_int4(w, group_size=128, layout="plain")
+    both = quantize_int4(w, group_size=128)
+    assert both.layout == "both" and both.nbytes == plain.nbytes + ref_w.nbytes  # CUDA with Triton
     assert torch.allclose(plain.dequantize(), ref_w.dequantize(), atol=1e-2)
-    for rows in (1, 7, 16, 40, 64, 65, 300):  # the Triton kernel up to 64 rows, cuBLAS above
+    assert [both.kernel(r) for r in (1, 8, 9, 64, 65)] == ["tinygemm"] * 2 + ["triton"] * 2 + ["cublas"]
+    for rows in (1, 7, 9, 16, 40, 64, 65, 300):  # tinygemm, the Triton kernel, cuBLAS
         xr = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         ref_r = xr.float() @ ref_w.dequantize().t()
-        for linear in (ref_w, plain):
+        for linear in (ref_w, plain, both):
             yr = linear(xr).float()
             assert float((yr - ref_r).norm() / ref_r.norm()) < 2e-2, (rows, linear.layout)
 
@@ -552,8 +555,8 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     dec.warmup()
     graphs, captures = counters["stats"]["unique_graphs"], dec.captures
     assert captures == len(dec.buckets) + len(dec.prefill_buckets)
-    if weights == "int4":
-        assert set(dec.kernel_choice.values()) == {"triton"}, dec.kernel_choice
+    if weights == "int4":  # both layouts: tinygemm for a few rows, Triton for more
+        assert dec.kernel_choice == {1: "tinygemm", 2: "tinygemm", 4: "tinygemm"}, dec.kernel_choice
     sched = DecodeScheduler(dec)
     # Turns of different lengths, alone and together: no new graphs, no new captures.
     for n in (5, 17, 49, 120):

@@ -351,17 +351,17 @@ def test_int4_needs_a_static_decoder_architecture() -> None:
         weight_bytes(cfg, "int4", method="analytic")
 
 
-def test_int4_llama2_7b_keeps_one_layout() -> None:
-    one = MemoryModel.from_model("random:llama-2-7b", quant="int4").weights
-    two = MemoryModel.from_model("random:llama-2-7b", quant="int4", int4_layouts=2).weights
+def test_int4_llama2_7b_on_cuda_keeps_two_layouts() -> None:
+    cuda = MemoryModel.from_model("random:llama-2-7b", quant="int4").weights
+    one = MemoryModel.from_model("random:llama-2-7b", quant="int4", int4_layouts=1).weights
     bf16 = MemoryModel.from_model("random:llama-2-7b", quant="bf16").weights
     # group 32: 4 bits + a bf16 scale and zero per 32 weights = 5 bits per linear weight
     assert one.quantized_bytes * 8 / one.quantized_params == pytest.approx(5.0, rel=0.001)
-    assert two.quantized_bytes == 2 * one.quantized_bytes  # what earlier builds kept on CUDA
-    assert two.unquantized_bytes == one.unquantized_bytes
-    assert two.loaded_bytes == one.loaded_bytes == bf16.total_bytes
-    # H200, group 32, tinygemm's layout alone: 4.62 GB measured (one layout of either kind
-    # has the same bytes: packed nibbles + a scale and zero per group)
+    assert cuda.quantized_bytes == 2 * one.quantized_bytes  # tinygemm's layout + the plain one
+    assert cuda.unquantized_bytes == one.unquantized_bytes
+    assert cuda.loaded_bytes == one.loaded_bytes == bf16.total_bytes
+    # H200, group 32: 8.68 GB with both layouts, 4.62 GB with one (measured)
+    assert cuda.total_bytes == pytest.approx(8_676_976_128, rel=0.01)
     assert one.total_bytes == pytest.approx(4_620_000_000, rel=0.02)
     assert one.total_bytes < 0.35 * bf16.total_bytes
 

@@ -181,12 +181,13 @@ class StaticDecoder:
         buckets: batch sizes to build the step for (default: powers of two up to the
             next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
             the largest bucket are refused.
-        int4_kernel: the int4 layout, which decides the decode kernel: ``"triton"`` (the
-            plain layout: convo's W4A16 Triton kernel up to
-            :data:`~convo.fast.int4.W4_KERNEL_MAX_ROWS` rows, dequantized once for cuBLAS
-            above), ``"tinygemm"`` (PyTorch's tile-packed kernel at every row count), or
-            ``"auto"`` (default): ``"triton"`` on CUDA with Triton, else ``"tinygemm"``.
-            One layout is kept.
+        int4_kernel: the int4 layouts kept, which decide the kernels
+            (:mod:`convo.fast.int4`): ``"triton"`` (the plain layout alone: convo's W4A16
+            Triton kernel up to :data:`~convo.fast.int4.W4_KERNEL_MAX_ROWS` rows,
+            dequantized once for cuBLAS above), ``"tinygemm"`` (PyTorch's tile-packed
+            layout alone, at every row count: slow prefill), or ``"auto"`` (default): both
+            on CUDA with Triton (tinygemm for steps of up to
+            :data:`~convo.fast.int4.TINYGEMM_MAX_ROWS` rows), else tinygemm's.
         static_prefill: run prefill through the static-shape forward that the graphs
             capture (chunks padded to a bucket, attention over the whole slot under a
             mask). Default: with ``cuda_graphs``; tests set it on CPU to check that forward.
@@ -246,7 +247,8 @@ class StaticDecoder:
         #: The int4 layout of the linears (``"plain"`` / ``"tinygemm"``), or None (no int4).
         self.int4_layout: str | None = None
         if weights == "int4":
-            self.int4_layout = "tinygemm" if int4_kernel == "tinygemm" or not triton_ok else "plain"
+            layouts = {"auto": "both", "triton": "plain", "tinygemm": "tinygemm"}
+            self.int4_layout = layouts[int4_kernel] if triton_ok else "tinygemm"
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
@@ -323,12 +325,9 @@ class StaticDecoder:
         self._prefill_graphs: dict[int, tuple[Any, Any, Any]] = {}
         #: The int4 kernel each decode bucket runs ("triton", "cublas" or "tinygemm").
         self.kernel_choice: dict[int, str] = {}
-        if self.int4_layout is not None:
-            from convo.fast.int4 import W4_KERNEL_MAX_ROWS
-
-            for b in self.buckets:
-                plain = "triton" if b <= W4_KERNEL_MAX_ROWS else "cublas"
-                self.kernel_choice[b] = plain if self.int4_layout == "plain" else "tinygemm"
+        if self.quantized:
+            first = next(m for m in self.layers[0].qkv if isinstance(m, Int4Linear))
+            self.kernel_choice = {b: first.kernel(b) for b in self.buckets}
         #: CUDA graph captures so far (the warm-up captures one per bucket).
         self.captures = 0
 

@@ -1,19 +1,23 @@
 """4-bit weights: group-wise asymmetric int4 and :class:`Int4Linear`, the module that runs them.
 
 ``w ~= (q - 8) * scale + zero`` per group of ``group_size`` input features, with ``q`` in
-0..15 (gpt-fast's and torchao's int4 weight-only grid). One :class:`Int4Linear` holds the
-grid in one layout, chosen for the device:
+0..15 (gpt-fast's and torchao's int4 weight-only grid). An :class:`Int4Linear` holds the
+grid in one or two layouts:
 
-* ``"plain"`` (CUDA with Triton, the default there): ``uint8 [out, in / 2]`` (low nibble =
-  even input) and ``[out, in / group, 2]`` scale/zero pairs. Up to
-  :data:`W4_KERNEL_MAX_ROWS` rows (decode steps, short chunks) run through convo's Triton
-  W4A16 kernel, whose cost barely depends on the rows; more rows (prefill) dequantize the
-  weight once, in one kernel, and multiply with cuBLAS, which beats any int4 kernel there.
-* ``"tinygemm"`` (CPU, or CUDA without Triton): PyTorch's tile-packed int4 and
-  ``[in / group, out, 2]`` scale/zero pairs, through ``aten._weight_int4pack_mm`` (fast for
-  one row, 2.3x slower at 16 on the H200) or its CPU twin.
+* ``"plain"``: ``uint8 [out, in / 2]`` (low nibble = even input) and ``[out, in / group,
+  2]`` scale/zero pairs. On CUDA, up to :data:`W4_KERNEL_MAX_ROWS` rows run through
+  convo's Triton W4A16 kernel, whose cost grows slowly with the rows; more rows (prefill)
+  dequantize the weight once, in one kernel, and multiply with cuBLAS, which beats any
+  int4 kernel there.
+* ``"tinygemm"``: PyTorch's tile-packed int4 and ``[in / group, out, 2]`` scale/zero pairs,
+  through ``aten._weight_int4pack_mm`` (CUDA, bf16) or its CPU twin. The fastest kernel
+  for a row or a few (H200, Llama-2-7B step: 3.2 ms at 1 row against Triton's 5.8), it
+  slows down with more (10.5 ms at 16 against 8.5) and is slow for prefill.
+* ``"both"`` (the default on CUDA with Triton): tinygemm's layout up to
+  :data:`TINYGEMM_MAX_ROWS` rows, the plain one above. Twice the weight bytes of one
+  layout (Llama-2-7B: +3.4 GiB), for the fastest step at every batch size.
 
-Both take ``in * out / 2`` bytes plus the scales, so the planner counts one layout.
+Each layout takes ``in * out / 2`` bytes plus the scales and zeros.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from convo.fast.kernels import _interpreting, _w4_op, dequantize_plain_int4
 from convo.planner.model import INT4_GROUP_SIZES, int4_group
 
 #: The int4 layouts (see the module docstring).
-Int4Layout = Literal["plain", "tinygemm"]
+Int4Layout = Literal["plain", "tinygemm", "both"]
 
 #: Rows up to which a plain int4 weight multiplies through the Triton kernel; more rows are
 #: dequantized once and multiplied by cuBLAS.
 W4_KERNEL_MAX_ROWS = 64
+#: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
+#: kernel up to 4 rows on the H200, slower from 16).
+TINYGEMM_MAX_ROWS = 8
 
 _INTERPRETING = _interpreting()  # Triton's interpreter runs the kernels on CPU (tests)
 
@@ -45,43 +52,49 @@ def int4_group_size(in_features: int, preferred: int = 128) -> int | None:
 
 
 def default_int4_layout(device: Any) -> Int4Layout:
-    """``"plain"`` on CUDA with Triton (or under Triton's interpreter), else ``"tinygemm"``."""
+    """``"both"`` on CUDA with Triton (or under Triton's interpreter), else ``"tinygemm"``."""
     on_cuda = torch.device(device).type == "cuda"
-    return "plain" if (on_cuda or _INTERPRETING) and _w4_op() is not None else "tinygemm"
+    return "both" if (on_cuda or _INTERPRETING) and _w4_op() is not None else "tinygemm"
 
 
 class Int4Linear(torch.nn.Module):
     """A weight-only int4 linear layer (gpt-fast's ``WeightOnlyInt4Linear``).
 
-    Build one with :meth:`quantize` (or :func:`quantize_int4`). Buffers: ``qweight`` (the
-    packed grid), ``scales_zeros`` and an optional ``bias``, all on the weight's device;
-    activations and scales share the compute dtype (bf16 on CUDA). Modules of one layout
-    and shape family share compiled code: the decoder's compiled layer functions take them
-    as arguments (dynamo treats their buffers as inputs).
+    Build one with :meth:`quantize` (or :func:`quantize_int4`). Buffers, on the weight's
+    device: ``qweight`` and ``scales_zeros`` (the plain layout, or ``None``), ``packed`` and
+    ``packed_scales_zeros`` (tinygemm's, or ``None``), and an optional ``bias``;
+    activations, scales and zeros share the compute dtype (bf16 on CUDA). Modules of one
+    layout share compiled code: the decoder's compiled layer functions take them as
+    arguments (dynamo treats their buffers as inputs).
     """
 
-    qweight: torch.Tensor
-    scales_zeros: torch.Tensor
+    qweight: torch.Tensor | None
+    scales_zeros: torch.Tensor | None
+    packed: torch.Tensor | None
+    packed_scales_zeros: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(
         self,
-        qweight: torch.Tensor,
-        scales_zeros: torch.Tensor,
         *,
         in_features: int,
         out_features: int,
         group_size: int,
-        layout: Int4Layout,
+        plain: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        if plain is None and tinygemm is None:
+            raise ConfigError("an Int4Linear needs at least one layout")
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
-        self.layout: Int4Layout = layout
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.layout: Int4Layout = "both" if plain and tinygemm else ("plain" if plain else "tinygemm")
+        self.register_buffer("qweight", plain[0] if plain else None)
+        self.register_buffer("scales_zeros", plain[1] if plain else None)
+        self.register_buffer("packed", tinygemm[0] if tinygemm else None)
+        self.register_buffer("packed_scales_zeros", tinygemm[1] if tinygemm else None)
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -102,7 +115,8 @@ class Int4Linear(torch.nn.Module):
             bias: an optional bias, kept in ``dtype``.
             dtype: compute dtype of scales, zeros and activations. Default: bf16 on CUDA,
                 the weight's dtype on CPU.
-            layout: ``"plain"`` or ``"tinygemm"``; default :func:`default_int4_layout`.
+            layout: ``"plain"``, ``"tinygemm"`` or ``"both"``; default
+                :func:`default_int4_layout`.
 
         Raises:
             ConfigError: the shape does not suit the kernels (``int4_group_size`` says
@@ -114,8 +128,8 @@ class Int4Linear(torch.nn.Module):
         if in_features % 32:
             raise ConfigError(f"in_features={in_features} is not a multiple of 32")
         layout = layout or default_int4_layout(weight.device)
-        if layout not in ("plain", "tinygemm"):
-            raise ConfigError(f"int4 layout must be 'plain' or 'tinygemm', not {layout!r}")
+        if layout not in ("plain", "tinygemm", "both"):
+            raise ConfigError(f"int4 layout must be 'plain', 'tinygemm' or 'both', not {layout!r}")
         cuda = weight.device.type == "cuda"
         if dtype is None:
             dtype = torch.bfloat16 if cuda else weight.dtype
@@ -126,32 +140,33 @@ class Int4Linear(torch.nn.Module):
         q = w.sub(w_min).div(scales).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
         del w
         pairs = torch.cat([scales.reshape(out_features, -1, 1), zeros.reshape(out_features, -1, 1)], dim=2)
-        if layout == "plain":
+        plain = tinygemm = None
+        if layout in ("plain", "both"):
             qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
-            scales_zeros = pairs.to(dtype).contiguous()
-        else:
+            plain = (qweight, pairs.to(dtype).contiguous())
+        if layout in ("tinygemm", "both"):
             tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
             if cuda:
                 packed_bytes = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
-                qweight = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, tiles)
+                packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, tiles)
             else:
-                qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
-            scales_zeros = pairs.transpose(0, 1).contiguous().to(dtype)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+            tinygemm = (packed, pairs.transpose(0, 1).contiguous().to(dtype))
         return cls(
-            qweight,
-            scales_zeros,
             in_features=in_features,
             out_features=out_features,
             group_size=group_size,
-            layout=layout,
+            plain=plain,
+            tinygemm=tinygemm,
             bias=None if bias is None else bias.detach().to(dtype),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.layout == "tinygemm":
-            y = _tinygemm_mm(x2, self.qweight, self.scales_zeros, self.group_size)
-        elif x2.shape[0] <= W4_KERNEL_MAX_ROWS and (x2.is_cuda or _INTERPRETING) and _w4_op() is not None:
+        rows = x2.shape[0]
+        if self.packed is not None and (self.qweight is None or rows <= TINYGEMM_MAX_ROWS):
+            y = _tinygemm_mm(x2, self.packed, self.packed_scales_zeros, self.group_size)
+        elif rows <= W4_KERNEL_MAX_ROWS and (x2.is_cuda or _INTERPRETING) and _w4_op() is not None:
             y = _w4_op()(x2, self.qweight, self.scales_zeros)  # type: ignore[misc]
         else:
             y = F.linear(x2, dequantize_plain_int4(self.qweight, self.scales_zeros).to(x.dtype))
@@ -159,18 +174,25 @@ class Int4Linear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def kernel(self, rows: int) -> str:
+        """The kernel a product of ``rows`` rows runs: ``"tinygemm"``, ``"triton"`` or
+        ``"cublas"`` (plain layout dequantized once)."""
+        if self.packed is not None and (self.qweight is None or rows <= TINYGEMM_MAX_ROWS):
+            return "tinygemm"
+        return "triton" if rows <= W4_KERNEL_MAX_ROWS and _w4_op() is not None else "cublas"
+
     def dequantize(self) -> torch.Tensor:
         """The dense ``[out, in]`` float32 weight this module stands for."""
-        if self.layout == "plain":
+        if self.qweight is not None and self.scales_zeros is not None:
             return dequantize_plain_int4(self.qweight, self.scales_zeros).float()
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.qweight.device)
-        return _tinygemm_mm(eye, self.qweight, self.scales_zeros, self.group_size).t().float()
+        assert self.packed is not None and self.packed_scales_zeros is not None
+        eye = torch.eye(self.in_features, dtype=self.packed_scales_zeros.dtype, device=self.packed.device)
+        return _tinygemm_mm(eye, self.packed, self.packed_scales_zeros, self.group_size).t().float()
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weight occupies (packed ints + scales and zeros + bias)."""
-        parts = [self.qweight, self.scales_zeros] + ([] if self.bias is None else [self.bias])
-        return sum(t.numel() * t.element_size() for t in parts)
+        """Bytes the weight occupies (every layout kept + bias)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def extra_repr(self) -> str:
         return (
@@ -196,7 +218,7 @@ def dequantize_int4(linear: Int4Linear) -> torch.Tensor:
     return linear.dequantize()
 
 
-def _tinygemm_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> Any:
+def _tinygemm_mm(x: torch.Tensor, packed: Any, scales_zeros: Any, group_size: int) -> Any:
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)

@@ -544,10 +544,11 @@ INT4_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 #: load peak was the dense model + 13.6 bytes per parameter of the largest fused linear, of
 #: which 2 are its bf16 copy; the plain layout adds ~4.5 (counted, not measured).
 INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 16
-#: Copies of the int4 weights the static decoder keeps: one layout (Triton's plain layout on
-#: CUDA, tinygemm's elsewhere; ``convo.fast.int4.Int4Linear``). Earlier builds kept both on
-#: CUDA (2).
-INT4_CUDA_LAYOUTS = 1
+#: Copies of the int4 weights the static decoder keeps on CUDA by default
+#: (``convo.fast.int4.Int4Linear`` layout ``"both"``: tinygemm's for steps of a few rows,
+#: the plain one for the Triton kernel and prefill); ``int4_kernel="triton"`` or
+#: ``"tinygemm"`` keeps one. On CPU: 1.
+INT4_CUDA_LAYOUTS = 2
 #: Longest prefill chunk the static decoder captures as a CUDA graph (its
 #: ``prefill_chunk_tokens`` default): the graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512

@@ -10,8 +10,8 @@ convo builds the prompt from the pinned system part, the rolling summary and the
 window (:class:`convo.Session`). Without one, it plans the given messages in a
 throw-away session, so even a stateless request never exceeds the budget::
 
-    request ── foreign Host (keyless) / Origin? 403 ── not application/json? 415
-       │        body > max_body_bytes? 413 ── bad JSON / fields? 400 ── bad key? 401
+    request ── foreign Host (keyless) / Origin? 403 ── bad key? 401 ── not application/json? 415
+       │        body > max_body_bytes? 413 ── bad JSON / fields (pydantic model)? 400
        ├─ session queue (one turn per session in this process; no slot, no thread held)
        │   └─ waited > session_lock_timeout_s? 409
        ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
@@ -30,8 +30,9 @@ A session belongs to the API key that created it (the store keeps a hash of the 
 Layout: :mod:`~convo.server.routes` (the endpoints), :mod:`~convo.server.turns` (one
 request's turn in a worker thread), :mod:`~convo.server.state` (what the routes share),
 :mod:`~convo.server.security` (API key dependency, Host/Origin checks),
-:mod:`~convo.server.requests` (body parsing), :mod:`~convo.server.errors` (every error to an
-OpenAI-style JSON body, one table).
+:mod:`~convo.server.requests` (the request bodies' pydantic models, served as
+``/openapi.json``), :mod:`~convo.server.errors` (every error to an OpenAI-style JSON body,
+one table).
 FastAPI and uvicorn are imported only by this module (``import convo`` does not load it):
 ``pip install 'convo[server]'``.
 """
@@ -110,8 +111,6 @@ def create_app(
         app = create_app(TransformersEngine(), store=SQLiteStore("sessions.db"))
         uvicorn.run(app, host="127.0.0.1", port=8000)
     """
-    from convo.admission import AdmissionController, AdmissionLimits
-
     limits = limits or ServerLimits()
     budget = budget or Budget()
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -119,45 +118,48 @@ def create_app(
         raise ConfigError("an API key must not be empty")
     # The default controller charges tokens (prompt + reply cap): its ledger gauges say so.
     metrics = metrics or ServingMetrics(ledger_unit=admission.limits.unit if admission else "tokens")
-    if admission is None:
-        # With static KV slots the pool is the capacity: every admitted turn holds a slot
-        # and decodes in the shared step, so admit as many as there are slots.
-        decoder = getattr(engine, "decoder", None)
-        admission = AdmissionController(
-            AdmissionLimits(
-                kv_budget_tokens=limits.admission_tokens,
-                max_concurrency=decoder.pool.slots if decoder is not None else limits.max_concurrency,
-                max_queue_short=limits.max_queue,
-                max_queue_long=limits.max_queue,
-                queue_timeout_s=limits.queue_timeout_s,
-                long_request_tokens=budget.context_tokens,
-            ),
-            metrics=metrics,
-        )
     state = ServerState(
         engine=engine,
         store=store,
+        admission=admission or _token_ledger(engine, limits, budget, metrics),
+        summaries=summaries or SummaryWorker.shared(),
         budget=budget,
         limits=limits,
         model_name=model_name,
         metrics=metrics,
-        admission=admission,
-        summaries=summaries or SummaryWorker.shared(),
         keys=keys,
         hosts=frozenset(h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)),
         origins=frozenset(o.rstrip("/").lower() for o in allowed_origins),
         session_from_user=session_from_user,
         scrape=metrics_registry(metrics),
     )
-    app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json documents the routes and request bodies; no docs pages (they load
+    # scripts from a CDN).
+    app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.convo = state
-    app.state.store, app.state.engine, app.state.metrics, app.state.admission = (
-        store,
-        engine,
-        metrics,
-        admission,
-    )
     install_error_handlers(app)
     install_cross_site_checks(app, state)
     app.include_router(router)
     return app
+
+
+def _token_ledger(
+    engine: Engine, limits: ServerLimits, budget: Budget, metrics: ServingMetrics
+) -> AdmissionController:
+    """The default admission controller: a token ledger over ``limits.admission_tokens``.
+    With static KV slots the pool is the capacity: every admitted turn holds a slot and
+    decodes in the shared step, so it admits as many as there are slots."""
+    from convo.admission import AdmissionController, AdmissionLimits
+
+    decoder = getattr(engine, "decoder", None)
+    return AdmissionController(
+        AdmissionLimits(
+            kv_budget_tokens=limits.admission_tokens,
+            max_concurrency=decoder.pool.slots if decoder is not None else limits.max_concurrency,
+            max_queue_short=limits.max_queue,
+            max_queue_long=limits.max_queue,
+            queue_timeout_s=limits.queue_timeout_s,
+            long_request_tokens=budget.context_tokens,
+        ),
+        metrics=metrics,
+    )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, get_args
 
 from convo.errors import (
     AdmissionError,
@@ -25,42 +26,59 @@ logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body ``{"error": {"message", "type", "code"}}``."""
+    """An HTTP error with an OpenAI-style body
+    ``{"error": {"message", "type", "param", "code"}}``; ``type`` follows from the status
+    unless given (:func:`error_type`), ``param`` names the request field at fault."""
 
     def __init__(
         self,
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",
+        type: str | None = None,
         code: str | None = None,
+        param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type
+        self.type = type or error_type(status)
         self.code = code
+        self.param = param
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return "server_error" if status >= 500 else _TYPES.get(status, "invalid_request_error")
 
 
 # Most specific first: the first isinstance match wins.
-_STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
-    (QueueFullError, 429, "rate_limit_error", "queue_full"),
-    (QueueTimeoutError, 503, "server_error", "queue_timeout"),
-    (AdmissionError, 400, "invalid_request_error", "request_too_large"),
-    (BudgetError, 400, "invalid_request_error", "context_length_exceeded"),
-    (MessageError, 400, "invalid_request_error", "invalid_message"),
-    (ConfigError, 400, "invalid_request_error", "invalid_value"),
-    (SessionNotFound, 404, "invalid_request_error", "session_not_found"),
-    (SessionBusy, 409, "conflict_error", "session_busy"),
-    (StoreError, 500, "server_error", "store_error"),
-    (GenerationTimeout, 504, "server_error", "generation_timeout"),
-    (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),
-    (ConvoError, 500, "server_error", "internal_error"),
+_STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (QueueFullError, 429, "queue_full"),
+    (QueueTimeoutError, 503, "queue_timeout"),
+    (AdmissionError, 400, "request_too_large"),
+    (BudgetError, 400, "context_length_exceeded"),
+    (MessageError, 400, "invalid_message"),
+    (ConfigError, 400, "invalid_value"),
+    (SessionNotFound, 404, "session_not_found"),
+    (SessionBusy, 409, "session_busy"),
+    (StoreError, 500, "store_error"),
+    (GenerationTimeout, 504, "generation_timeout"),
+    (DeviceOutOfMemory, 503, "out_of_memory"),
+    (ConvoError, 500, "internal_error"),
 )
 
 
@@ -82,7 +100,7 @@ def error_status(exc: BaseException) -> ApiError:
     """
     if isinstance(exc, ApiError):
         return exc
-    for kind, status, type_, code in _STATUS:
+    for kind, status, code in _STATUS:
         if isinstance(exc, kind):
             headers = {}
             if isinstance(exc, QueueFullError):
@@ -91,9 +109,28 @@ def error_status(exc: BaseException) -> ApiError:
             if status >= 500 and not isinstance(exc, _SHOWN_5XX):
                 logger.error("%s: %s", code, exc, exc_info=exc)
                 message = _HIDDEN.get(code, _HIDDEN["internal_error"])
-            return ApiError(status, message, type=type_, code=code, headers=headers)
+            return ApiError(status, message, code=code, headers=headers)
     logger.error("unexpected error", exc_info=exc)
-    return ApiError(500, _HIDDEN["internal_error"], type="server_error", code="internal_error")
+    return ApiError(500, _HIDDEN["internal_error"], code="internal_error")
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """The 400 for a request that fails its pydantic model: the first error, ``param``
+    naming its field (``messages[0].content``). convo's own checks (a custom error type such
+    as ``unsupported_parameter``) give the ``code``; pydantic's built-in ones give
+    ``invalid_value``. The refused input is never echoed."""
+    from pydantic_core.core_schema import ErrorType
+
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "header", "query", "path"):
+        loc = loc[1:]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    kind = str(first.get("type", ""))
+    code = "invalid_value" if kind in get_args(ErrorType) else kind
+    return ApiError(
+        400, f"{param or 'the request body'}: {first.get('msg', 'invalid')}", code=code, param=param
+    )
 
 
 def error_response(err: ApiError) -> Any:
@@ -125,7 +162,7 @@ def install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Any:
-        return error_response(ApiError(400, "the request is malformed", code="invalid_request"))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Any:

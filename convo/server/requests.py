@@ -1,22 +1,41 @@
-"""Parsing and validating ``/v1/chat/completions`` bodies."""
+"""``/v1/chat/completions`` bodies: the pydantic model FastAPI validates them against (so
+``/openapi.json`` documents them) and the :class:`ChatRequest` a turn runs.
+
+The model is strict where OpenAI's API is loose in practice and a loose server is unsafe:
+JSON types are not coerced (``"1"`` is not a number, ``0`` is not ``false``), numbers are
+finite, and the OpenAI parameters this server does not implement get 400
+``unsupported_parameter`` unless they ask for what it does anyway (``n: 1``,
+``tools: []``...). Other unknown fields are ignored, as OpenAI-compatible servers do. A
+failure is one 400 in OpenAI's error JSON whose ``param`` names the field
+(:func:`convo.server.errors.validation_error`). What depends on the server's configuration
+(``max_tokens`` against the budget, the message count against
+:class:`~convo.server.limits.ServerLimits`) is checked by :meth:`ChatCompletionBody.to_request`.
+"""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from convo.engines.base import GREEDY, Sampling
-from convo.errors import (
-    ConfigError,
-    MessageError,
-)
+from convo.errors import MessageError
 from convo.messages import Message, check_text
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
-
-_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 #: Most stop sequences a request may give (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
@@ -27,25 +46,223 @@ MAX_TEMPERATURE = 2.0
 #: A positive ``temperature`` below this decodes greedily (dividing logits by ~0 overflows).
 MIN_SAMPLING_TEMPERATURE = 1e-3
 
-# OpenAI parameters this server does not implement: refused with 400 instead of being
-# silently ignored, as strict servers do. (name, is it harmless at this value?)
-_UNSUPPORTED = {
-    "n": lambda v: v in (None, 1),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "function_call": lambda v: v in (None, "none", "auto"),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v in (None, ["text"]),
-}
+_SESSION_ID = r"[A-Za-z0-9._:@-]{1,128}"
+_SESSION_ID_RULE = "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -"
+
+
+def _refuse(code: str, message: str) -> WrapValidator:
+    """Report any failure of the annotated type as one error: ``code`` (the error JSON's
+    ``code``) with ``message``, instead of one error per member of a union."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(code, message) from None
+
+    return WrapValidator(validate)
+
+
+def _invalid(code: str, exc: Exception) -> PydanticCustomError:
+    """A validation error carrying a convo error's message (passed as context: the message
+    may hold braces)."""
+    return PydanticCustomError(code, "{reason}", {"reason": str(exc)})
+
+
+#: OpenAI parameters this server does not implement: only their harmless values pass; any
+#: other gets 400 ``unsupported_parameter`` instead of being silently ignored.
+_Unsupported = _refuse("unsupported_parameter", "not supported by this server")
+#: A session id (``X-Session-Id``, ``metadata.session_id``).
+SessionId = Annotated[str, Field(pattern=f"^{_SESSION_ID}$"), _refuse("invalid_session_id", _SESSION_ID_RULE)]
+
+
+class _Body(BaseModel):
+    """JSON types as sent (no coercion), finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class TextPart(_Body):
+    """One part of a message's ``content`` list; only text is supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (an object is serialized)")
+
+
+class ToolCall(_Body):
+    """A tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    """One message of the conversation (``developer`` is read as ``system``)."""
+
+    role: Annotated[
+        Literal["system", "developer", "user", "assistant", "tool"],
+        _refuse("invalid_role", "is not supported (system, developer, user, assistant, tool)"),
+    ]
+    content: Annotated[
+        str | list[TextPart] | None,
+        _refuse("invalid_content", "must be a string, null or a list of text parts"),
+    ] = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    _message: Message = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _read(self) -> Self:
+        """Build the :class:`Message` (which refuses lone surrogates, misplaced tool fields)."""
+        try:
+            self._message = Message.from_openai(self.model_dump(exclude_none=True))
+        except MessageError as exc:
+            raise _invalid("invalid_messages", exc) from None
+        return self
+
+    @property
+    def message(self) -> Message:
+        return self._message
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else stop
+
+
+def _stop_text(stop: str | list[str] | None) -> str | list[str] | None:
+    """Refuse stop sequences UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        for text in _stops(stop):
+            check_text(text, "stop")
+    except MessageError as exc:
+        raise _invalid("invalid_value", exc) from None
+    return stop
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(None, description="end the stream with a usage chunk")
+
+
+class Metadata(_Body):
+    """Free-form; ``session_id`` names the conversation the server keeps."""
+
+    model_config = ConfigDict(extra="allow")
+
+    session_id: SessionId | None = None
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionBody(_Body):
+    """The body of ``POST /v1/chat/completions`` (OpenAI's Chat Completions request)."""
+
+    model: str | None = Field(None, description="ignored: the server runs one model")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[
+        Annotated[int, Field(ge=1)] | None,
+        _refuse("invalid_max_tokens", "must be an integer >= 1"),
+    ] = Field(None, description="reply cap, at most the server's (default: the budget's max_new_tokens)")
+    max_completion_tokens: Annotated[
+        Annotated[int, Field(ge=1)] | None,
+        _refuse("invalid_max_tokens", "must be an integer >= 1"),
+    ] = Field(None, description="the same as max_tokens, which wins when both are given")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+        None, description="0 or absent: greedy decoding"
+    )
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Annotated[
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
+        | None,
+        _refuse(
+            "invalid_value",
+            f"must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
+        ),
+        AfterValidator(_stop_text),
+    ] = None
+    metadata: Metadata | None = None
+    user: str | None = Field(None, description="an end user; the session id only with --session-from-user")
+    n: Annotated[Literal[1] | None, _Unsupported] = None
+    tools: Annotated[Annotated[list[Any], Field(max_length=0)] | None, _Unsupported] = None
+    functions: Annotated[Annotated[list[Any], Field(max_length=0)] | None, _Unsupported] = None
+    tool_choice: Annotated[Literal["none", "auto"] | None, _Unsupported] = None
+    function_call: Annotated[Literal["none", "auto"] | None, _Unsupported] = None
+    logprobs: Annotated[Literal[False] | None, _Unsupported] = None
+    top_logprobs: Annotated[Literal[0] | None, _Unsupported] = None
+    response_format: Annotated[TextFormat | None, _Unsupported] = None
+    audio: Annotated[None, _Unsupported] = None
+    modalities: Annotated[
+        Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None, _Unsupported
+    ] = None
+
+    def to_request(
+        self,
+        *,
+        header_session_id: str | None,
+        limits: ServerLimits,
+        max_tokens_cap: int,
+        session_from_user: bool = False,
+    ) -> ChatRequest:
+        """The turn to run; what depends on the server's limits is checked here (400).
+
+        Args:
+            header_session_id: the ``X-Session-Id`` header, if any (wins over the body's).
+            limits: the server's limits.
+            max_tokens_cap: the largest ``max_tokens`` allowed.
+            session_from_user: read the ``user`` field as a session id (after the header and
+                ``metadata.session_id``). Off by default: OpenAI's ``user`` names an end user,
+                who may have many conversations.
+        """
+        if len(self.messages) > limits.max_messages:
+            raise ApiError(
+                400,
+                f"{len(self.messages)} messages, over the limit of {limits.max_messages} per request",
+                code="too_many_messages",
+                param="messages",
+            )
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        if max_tokens is not None and max_tokens > max_tokens_cap:
+            raise ApiError(
+                400,
+                f"max_tokens must be between 1 and {max_tokens_cap}",
+                code="invalid_max_tokens",
+                param="max_tokens",
+            )
+        session_id = header_session_id or (self.metadata.session_id if self.metadata else None)
+        if session_id is None and session_from_user and self.user is not None:
+            if not re.fullmatch(_SESSION_ID, self.user):
+                raise ApiError(400, _SESSION_ID_RULE, code="invalid_session_id", param="user")
+            session_id = self.user
+        temperature = self.temperature or 0.0
+        if temperature < MIN_SAMPLING_TEMPERATURE:
+            temperature = 0.0  # greedy: what a temperature this close to 0 means
+        sampling = Sampling(temperature=temperature, top_p=self.top_p or 1.0, seed=self.seed)
+        return ChatRequest(
+            messages=tuple(m.message for m in self.messages),
+            max_tokens=max_tokens,
+            stream=bool(self.stream),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            session_id=session_id,
+            sampling=sampling,
+            stop=tuple(_stops(self.stop)),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChatRequest:
-    """A parsed, validated ``/v1/chat/completions`` body."""
+    """A validated ``/v1/chat/completions`` request, as a turn runs it."""
 
     messages: tuple[Message, ...]
     max_tokens: int | None = None
@@ -54,162 +271,3 @@ class ChatRequest:
     session_id: str | None = None
     sampling: Sampling = GREEDY
     stop: tuple[str, ...] = ()
-
-
-def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise ApiError(
-                    400, f"messages[{index}].content: only text parts are supported", code="invalid_content"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(
-        400, f"messages[{index}].content must be a string or a list of text parts", code="invalid_content"
-    )
-
-
-def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(
-            400, f"{name} must be a{'n integer' if kind is int else ' number'}", code="invalid_value"
-        )
-    if kind is float and not math.isfinite(value):
-        raise ApiError(400, f"{name} must be a finite number", code="invalid_value")
-    return kind(value)
-
-
-def _flag(body: dict[str, Any], name: str) -> bool:
-    """A boolean field: JSON ``true``/``false`` (or absent/null); ``"false"`` is refused."""
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a boolean (true or false)", code="invalid_value")
-    return value
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(x, str) and x for x in stops)
-    ):
-        raise ApiError(
-            400,
-            f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
-            code="invalid_value",
-        )
-    try:
-        return tuple(check_text(x, "stop") for x in stops)
-    except MessageError as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from None
-
-
-def parse_chat_request(
-    body: Any,
-    *,
-    header_session_id: str | None,
-    limits: ServerLimits,
-    max_tokens_cap: int,
-    session_from_user: bool = False,
-) -> ChatRequest:
-    """Validate a chat completions body (raises :class:`ApiError` 400).
-
-    Args:
-        body: the decoded JSON.
-        header_session_id: the ``X-Session-Id`` header, if any (wins over the body's).
-        limits: the server's limits.
-        max_tokens_cap: the largest ``max_tokens`` allowed.
-        session_from_user: read the ``user`` field as a session id (after the header and
-            ``metadata.session_id``). Off by default: OpenAI's ``user`` names an end user,
-            who may have many conversations.
-    """
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    for name, harmless in _UNSUPPORTED.items():
-        if not harmless(body.get(name)):
-            raise ApiError(400, f"{name} is not supported by this server", code="unsupported_parameter")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "messages must be a non-empty list", code="invalid_messages")
-    if len(raw) > limits.max_messages:
-        raise ApiError(
-            400,
-            f"{len(raw)} messages, over the limit of {limits.max_messages} per request",
-            code="too_many_messages",
-        )
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", code="invalid_messages")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise ApiError(
-                400,
-                f"messages[{i}].role {role!r} is not supported (system, user, assistant, tool)",
-                code="invalid_role",
-            )
-        fields = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
-        try:
-            messages.append(
-                Message.from_openai({**fields, "role": role, "content": _content_text(m.get("content"), i)})
-            )
-        except MessageError as exc:
-            raise ApiError(400, f"messages[{i}]: {exc}", code="invalid_messages") from None
-    cap = max_tokens_cap
-    max_tokens = _number(body, "max_completion_tokens", int, None)
-    max_tokens = _number(body, "max_tokens", int, max_tokens)
-    if max_tokens is not None and not 1 <= max_tokens <= cap:
-        raise ApiError(400, f"max_tokens must be between 1 and {cap}", code="invalid_max_tokens")
-    options = body.get("stream_options") or {}
-    metadata = body.get("metadata") or {}
-    if not isinstance(options, dict) or not isinstance(metadata, dict):
-        raise ApiError(400, "stream_options and metadata must be objects", code="invalid_value")
-    session_id = (
-        header_session_id or metadata.get("session_id") or (body.get("user") if session_from_user else None)
-    )
-    if session_id is not None and (not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id)):
-        raise ApiError(
-            400, "a session id is 1-128 characters of A-Z a-z 0-9 . _ : @ -", code="invalid_session_id"
-        )
-    temperature = _number(body, "temperature", float, 0.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise ApiError(400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}", code="invalid_value")
-    if temperature < MIN_SAMPLING_TEMPERATURE:
-        temperature = 0.0  # greedy: what a temperature this close to 0 means
-    seed = _number(body, "seed", int, None)
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_value")
-    try:
-        sampling = Sampling(temperature=temperature, top_p=_number(body, "top_p", float, 1.0), seed=seed)
-    except ConfigError as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from None
-    return ChatRequest(
-        messages=tuple(messages),
-        max_tokens=max_tokens,
-        stream=_flag(body, "stream"),
-        include_usage=_flag(options, "include_usage"),
-        session_id=session_id,
-        sampling=sampling,
-        stop=_stop(body),
-    )

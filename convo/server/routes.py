@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import replace
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from convo.admission import Request as AdmissionRequest
 from convo.engines.base import TextStream
@@ -21,13 +22,46 @@ from convo.errors import StoreError
 from convo.server.errors import error_status
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from convo.server.prometheus import render
-from convo.server.requests import parse_chat_request
+from convo.server.requests import ChatCompletionBody, SessionId
 from convo.server.security import caller, state_of
 from convo.server.state import ServerState
 from convo.server.turns import _convo_stats, _finish, _prompt_estimate, _Turn, _usage
 from convo.session import Reply
 
-router = APIRouter()
+
+class _ReadRequest(Request):
+    """A request whose body is already read and decoded."""
+
+    def __init__(self, request: Request, raw: bytes, data: Any) -> None:
+        super().__init__(request.scope, request.receive)
+        self._raw, self._data = raw, data
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> Any:
+        return self._data
+
+
+class _BodyRoute(APIRoute):
+    """A route whose JSON body is read by :meth:`ServerState.read_body` (415, 413, 400 for
+    bad or too deeply nested JSON), after the API key check (401: a stranger's body is never
+    parsed), before FastAPI validates it against the route's pydantic model."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def read_first(request: Request) -> Response:
+            caller(request)
+            raw, data = await state_of(request).read_body(request)
+            return await handler(_ReadRequest(request, raw, data))
+
+        return read_first
+
+
+router = APIRouter(route_class=_BodyRoute)
 
 #: The app's shared state, and the caller's owner hash (401 unless the API key is ours).
 State = Annotated[ServerState, Depends(state_of)]
@@ -103,11 +137,18 @@ async def delete(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
 
 
 @router.post("/v1/chat/completions")
-async def chat(request: Request, state: State, owner: Owner) -> Response:
-    body = await state.read_body(request)
-    parsed = parse_chat_request(
-        body,
-        header_session_id=request.headers.get("x-session-id"),
+async def chat(
+    body: ChatCompletionBody,
+    state: State,
+    owner: Owner,
+    x_session_id: Annotated[
+        SessionId | None, Header(description="the conversation the server keeps (wins over metadata)")
+    ] = None,
+) -> Response:
+    """OpenAI's Chat Completions, with and without ``stream``; with a session id the
+    server keeps the conversation inside its budget."""
+    parsed = body.to_request(
+        header_session_id=x_session_id,
         limits=state.limits,
         max_tokens_cap=state.max_tokens_cap,
         session_from_user=state.session_from_user,

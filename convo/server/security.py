@@ -61,16 +61,13 @@ def install_cross_site_checks(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def _cross_site(request: Request, call_next: Callable[[Request], Any]) -> Response:
         if not state.keys and host_name(request.headers.get("host", "")) not in state.hosts:
-            return error_response(
-                ApiError(403, "this Host is not served here", type="permission_error", code="forbidden_host")
-            )
+            return error_response(ApiError(403, "this Host is not served here", code="forbidden_host"))
         origin = request.headers.get("origin")
         if origin is not None and not origin_allowed(state, origin):
             return error_response(
                 ApiError(
                     403,
                     "cross-origin requests are refused (convo serve --allow-origin ORIGIN)",
-                    type="permission_error",
                     code="forbidden_origin",
                 )
             )

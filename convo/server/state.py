@@ -77,13 +77,12 @@ class ServerState:
         raise ApiError(
             401,
             "invalid or missing API key (Authorization: Bearer ...)",
-            type="authentication_error",
             code="invalid_api_key",
         )
 
-    async def read_body(self, request: Request) -> Any:
-        """The JSON body: 415 unless ``application/json``, 413 past ``max_body_bytes``, 400
-        for bad or too deeply nested JSON."""
+    async def read_body(self, request: Request) -> tuple[bytes, Any]:
+        """The body and its JSON: 415 unless ``application/json``, 413 past
+        ``max_body_bytes``, 400 for bad or too deeply nested JSON."""
         kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if kind != "application/json":
             raise ApiError(
@@ -99,8 +98,9 @@ class ServerState:
             if size > limit:
                 raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            return json.loads(b"".join(chunks))
+            return raw, json.loads(raw)
         except RecursionError:
             raise ApiError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as exc:

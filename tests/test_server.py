@@ -222,6 +222,33 @@ def test_models_health_metrics(url: str) -> None:
 # -- refusals --------------------------------------------------------------------------------
 
 
+def test_the_openai_client_reads_which_field_was_refused(url: str) -> None:
+    with client(url) as c:
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}], n=2)
+        assert (refused.value.param, refused.value.code) == ("n", "unsupported_parameter")
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "x"}], temperature=3
+            )
+        assert (refused.value.param, refused.value.code) == ("temperature", "invalid_value")
+        ok = c.chat.completions.create(
+            model="echo",
+            messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            n=1,
+            temperature=0.5,
+            top_p=0.9,
+            seed=7,
+            stop=["zzz"],
+            max_completion_tokens=20,
+            stream_options=None,
+            metadata={"session_id": "typed", "team": "a"},
+            user="someone",
+        )
+        assert ok.choices[0].message.content == "heard 2: hi"
+    assert [m["role"] for m in history(url, "typed")] == ["system", "user", "assistant"]
+
+
 def test_bad_requests_get_openai_style_errors(url: str) -> None:
     auth = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
 

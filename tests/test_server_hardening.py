@@ -290,3 +290,77 @@ def test_sqlite_lock_files_do_not_pile_up_from_deletes(tmp_path: Path) -> None:
             for i in range(200):
                 assert http.delete(f"/v1/sessions/unknown-{i}").status_code == 404
     assert list((tmp_path / "s.db.locks").iterdir()) == []
+
+
+# -- request bodies are a pydantic model: each refusal names its field; /openapi.json shows it --
+
+
+def test_each_refusal_names_its_field_and_says_what_failed() -> None:
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"n": 2}, "n", "unsupported_parameter"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"temperature": 5}, "temperature", "invalid_value"),
+        ({"top_p": 0}, "top_p", "invalid_value"),
+        ({"seed": True}, "seed", "invalid_value"),
+        ({"stream": "false"}, "stream", "invalid_value"),
+        ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_value"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"max_tokens": 201}, "max_tokens", "invalid_max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens", "invalid_max_tokens"),
+        ({"metadata": {"session_id": "bad id!"}}, "metadata.session_id", "invalid_session_id"),
+        ({"messages": []}, "messages", "invalid_value"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "invalid_content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+            "messages[1]",
+            "invalid_messages",
+        ),
+    ]
+    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            for extra, param, code in cases:
+                err = openai_error(chat(http, "x", **extra), 400)
+                assert (err["param"], err["code"]) == (param, code), (extra, err)
+                assert err["message"].startswith(f"{param}: ") or err["param"] == "max_tokens", err
+            r = http.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}]},
+                headers={"X-Session-Id": "no spaces"},
+            )
+            assert (openai_error(r, 400)["param"], r.json()["error"]["code"]) == (
+                "x-session-id",
+                "invalid_session_id",
+            )
+            huge = "z" * 5000  # the refused value is not echoed back
+            r = chat(http, "x", temperature=huge)
+            assert openai_error(r, 400)["param"] == "temperature" and huge not in r.text
+            # OpenAI parameters the server leaves to its defaults are ignored, as before
+            assert chat(http, "x", frequency_penalty=0.5, presence_penalty=0, model="any").status_code == 200
+
+
+def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
+    from convo.server.requests import MAX_SEED, MAX_STOP_SEQUENCES, MAX_TEMPERATURE
+
+    with serve(create_app(EchoEngine(), store=MemoryStore(), api_key="k")) as base:
+        spec = httpx.get(f"{base}/openapi.json").json()  # no key needed: it is the API's shape
+    op = spec["paths"]["/v1/chat/completions"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionBody")
+    assert [p["name"] for p in op["parameters"]] == ["x-session-id"]
+    assert "422" not in op["responses"]  # refusals are 400 with OpenAI's error JSON
+    assert op["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    schemas = spec["components"]["schemas"]
+    assert set(schemas["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
+    body = schemas["ChatCompletionBody"]
+    assert body["required"] == ["messages"] and body["properties"]["messages"]["minItems"] == 1
+    props = body["properties"]
+    assert props["temperature"]["anyOf"][0]["maximum"] == MAX_TEMPERATURE
+    assert props["seed"]["anyOf"][0]["maximum"] == float(MAX_SEED)
+    assert props["stop"]["anyOf"][1]["maxItems"] == MAX_STOP_SEQUENCES
+    assert props["n"]["anyOf"][0]["const"] == 1
+    roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
+    assert set(roles) == {"system", "developer", "user", "assistant", "tool"}

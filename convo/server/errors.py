@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, get_args
 
+from pydantic import BaseModel, Field
+
 from convo.errors import (
     AdmissionError,
     BudgetError,
@@ -49,7 +51,28 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump()
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error...")
+    param: str | None = Field(None, description="the request field at fault (messages[0].content)")
+    code: str | None = Field(None, description="what failed: unsupported_parameter, queue_full...")
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+#: The error responses every route documents in ``/openapi.json``.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "refused: the error says which field and why"},
+    "5XX": {"model": ErrorBody, "description": "failed: a timeout, out of memory, the store"},
+}
 
 
 _TYPES = {

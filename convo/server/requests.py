@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -136,11 +136,13 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [] if stop is None else [stop] if isinstance(stop, str) else stop
 
 
-def _stop_text(stop: str | list[str] | None) -> str | list[str] | None:
-    """Refuse stop sequences UTF-8 cannot encode (a lone surrogate)."""
+def _stop_text(stop: Any) -> Any:
+    """Refuse stop sequences UTF-8 cannot encode (a lone surrogate), before their type is
+    checked (pydantic's own message for them says less)."""
     try:
-        for text in _stops(stop):
-            check_text(text, "stop")
+        for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
+            if isinstance(text, str):
+                check_text(text, "the text")
     except MessageError as exc:
         raise _invalid("invalid_value", exc) from None
     return stop
@@ -163,7 +165,14 @@ class TextFormat(_Body):
 
 
 class ChatCompletionBody(_Body):
-    """The body of ``POST /v1/chat/completions`` (OpenAI's Chat Completions request)."""
+    """The body of ``POST /v1/chat/completions`` (OpenAI's Chat Completions request).
+
+    ``n``, ``tools``, ``functions``, ``tool_choice``, ``function_call``, ``logprobs``,
+    ``top_logprobs``, ``response_format``, ``audio`` and ``modalities`` are not supported:
+    only values that ask for what the server does anyway pass (``n: 1``, ``tools: []``,
+    ``response_format: {"type": "text"}``...); any other gets 400 ``unsupported_parameter``.
+    Other fields OpenAI defines (``frequency_penalty``...) are ignored.
+    """
 
     model: str | None = Field(None, description="ignored: the server runs one model")
     messages: list[ChatMessage] = Field(min_length=1)
@@ -190,7 +199,7 @@ class ChatCompletionBody(_Body):
             "invalid_value",
             f"must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
         ),
-        AfterValidator(_stop_text),
+        BeforeValidator(_stop_text),
     ] = None
     metadata: Metadata | None = None
     user: str | None = Field(None, description="an end user; the session id only with --session-from-user")

@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 from convo.admission import Request as AdmissionRequest
 from convo.engines.base import TextStream
 from convo.errors import StoreError
-from convo.server.errors import error_status
+from convo.server.errors import ERROR_RESPONSES, error_status
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from convo.server.prometheus import render
 from convo.server.requests import ChatCompletionBody, SessionId
@@ -61,7 +61,7 @@ class _BodyRoute(APIRoute):
         return read_first
 
 
-router = APIRouter(route_class=_BodyRoute)
+router = APIRouter(route_class=_BodyRoute, responses=ERROR_RESPONSES)
 
 #: The app's shared state, and the caller's owner hash (401 unless the API key is ours).
 State = Annotated[ServerState, Depends(state_of)]

@@ -253,3 +253,20 @@ def test_a_too_long_system_prompt_is_a_flag_error(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "--system is" in out.stderr and "raise --budget" in out.stderr
     assert "pinned_tokens" not in out.stderr
+
+
+def test_quant_choices_come_from_the_quant_enum() -> None:
+    from convo.cli import build_parser
+    from convo.engines.base import Quant
+
+    parser = build_parser()
+    for command in ("chat", "serve"):
+        assert parser.parse_args([command]).quant == Quant.AUTO
+        for q in Quant:
+            if q in (Quant.FP4, Quant.NONE):  # fp4: convo plan only; none: the planner's spelling
+                with pytest.raises(SystemExit):
+                    parser.parse_args([command, "--quant", q.value])
+            else:
+                assert Quant.parse(parser.parse_args([command, "--quant", q.value]).quant) is q
+    plan = parser.parse_args(["plan", "--quant", Quant.FP4.value])
+    assert plan.quant == "fp4"

@@ -41,9 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
     )
-    chat.add_argument(
-        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
-    )
     chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     chat.add_argument(
         "--budget", type=positive_int, default=None, help="context_tokens of the session (default 2048)"
@@ -69,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
     serve.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded)")
-    serve.add_argument(
-        "--quant", default="auto", choices=["auto", "nf4", "int4", "int8", "bf16", "fp16", "fp32"]
-    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="bearer key clients must send (or $CONVO_API_KEY)")

@@ -1,5 +1,5 @@
 """What the subcommands share: the session database's place, a progress spinner, and the
-engine flags (local ``--kv-slots``, remote ``--engine-*``)."""
+engine flags (local ``--quant``/``--kv-slots``, remote ``--engine-*``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from convo.engines.base import Quant
 from convo.engines.openai import OpenAIEngine
 from convo.errors import ConfigError
+
+#: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
+#: (``fp4`` is priced by ``convo plan`` only; ``none``, the checkpoint's own dtype, is the
+#: planner's spelling).
+ENGINE_QUANTS = tuple(q.value for q in Quant if q not in (Quant.FP4, Quant.NONE))
 
 
 def default_db_path() -> Path:
@@ -77,7 +83,14 @@ def positive_seconds(text: str) -> float:
 
 
 def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--kv-slots``: the local engine's static KV slots (sized to the session budget)."""
+    """The local engine's ``--quant`` and ``--kv-slots`` (static KV slots sized to the
+    session budget)."""
+    parser.add_argument(
+        "--quant",
+        default=Quant.AUTO.value,
+        choices=ENGINE_QUANTS,
+        help="weight format (default auto: nf4 on CUDA, fp32 on CPU; int4: the fast static decoder)",
+    )
     parser.add_argument(
         "--kv-slots",
         type=non_negative_int,

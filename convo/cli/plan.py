@@ -27,6 +27,7 @@ from convo.planner.model import (
     BUILTIN_CONFIGS,
     Attn,
     CellPrediction,
+    DType,
     GiB,
     MemoryModel,
     Plan,
@@ -92,7 +93,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default=None,
-        help="KV cache dtype: bf16, fp16, fp32, fp8, int8, int4 (default: --dtype)",
+        help=f"KV cache dtype: {', '.join(DType)} (default: --dtype)",
     )
     parser.add_argument("--attn", default="sdpa", choices=[a.value for a in Attn])
     parser.add_argument(

@@ -334,22 +334,22 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"convo plan: {exc}", file=sys.stderr)
         return 2
+    plan = plan_grid(
+        mm,
+        model=args.model,
+        contexts=contexts,
+        concurrencies=concs,
+        memory_bytes=memory,
+        new_tokens=new_tokens,
+        kv_slots=kv_slots,
+    )
     if not measure:
-        plan = plan_grid(
-            mm,
-            model=args.model,
-            contexts=contexts,
-            concurrencies=concs,
-            memory_bytes=memory,
-            new_tokens=new_tokens,
-            kv_slots=kv_slots,
-        )
         if args.json:
             print(json.dumps(plan_to_json(plan, mm, _memory_json(device)), indent=2))
         else:
             print(render_plan_table(plan, memory_source=device.source, quant=_quant_label(mm, args.quant)))
         return 0
-    return _run_measure(args, mm, contexts, concs, device, new_tokens)
+    return _run_measure(args, mm, plan, contexts, concs, device, new_tokens)
 
 
 def _quant_label(mm: MemoryModel, asked: str) -> str:
@@ -370,11 +370,13 @@ def _memory_json(device: DeviceMemory) -> dict[str, Any]:
 def _run_measure(
     args: argparse.Namespace,
     mm: MemoryModel,
+    plan: Plan,
     contexts: list[int],
     concs: list[int],
     device: DeviceMemory,
     new_tokens: int,
 ) -> int:
+    """Measure every cell of ``plan`` on the GPU (random weights) next to its prediction."""
     require("torch", "local")
     import gc
 
@@ -390,7 +392,6 @@ def _run_measure(
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    memory = device.total_bytes
     device_memory = int(torch.cuda.get_device_properties(0).total_memory)
     t0 = time.perf_counter()
     model = build_random_model(load_config(args.model), quant=mm.quant, dtype=mm.compute_dtype, attn=mm.attn)
@@ -401,14 +402,6 @@ def _run_measure(
     log(
         f"model built in {time.perf_counter() - t0:.1f}s: weights allocated {format_size(w_alloc)} "
         f"(predicted {format_size(mm.weights.total_bytes)}), reserved {format_size(w_res)}"
-    )
-    plan = plan_grid(
-        mm,
-        model=args.model,
-        contexts=contexts,
-        concurrencies=concs,
-        memory_bytes=memory,
-        new_tokens=new_tokens,
     )
     preds = {(c.context, c.concurrency): c for c in plan.cells}
     cells = measure_cells(

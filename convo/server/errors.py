@@ -1,4 +1,6 @@
-"""Errors: one table from exception to HTTP status and OpenAI-style body."""
+"""Errors: one table from exception to HTTP status and OpenAI-style body
+(``{"error": {"message", "type", "param", "code"}}``), and one mapping from a request that
+fails its pydantic model to that body (:func:`validation_error`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, get_args
 
 from pydantic import BaseModel, Field
+from pydantic_core.core_schema import ErrorType
 
 from convo.errors import (
     AdmissionError,
@@ -67,6 +70,8 @@ class ErrorBody(BaseModel):
 
     error: ErrorDetail
 
+
+_PYDANTIC_ERRORS = frozenset(get_args(ErrorType))
 
 #: The error responses every route documents in ``/openapi.json``.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -142,15 +147,13 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     naming its field (``messages[0].content``). convo's own checks (a custom error type such
     as ``unsupported_parameter``) give the ``code``; pydantic's built-in ones give
     ``invalid_value``. The refused input is never echoed."""
-    from pydantic_core.core_schema import ErrorType
-
-    first = errors[0]
+    first = errors[0] if errors else {}
     loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "header", "query", "path"):
         loc = loc[1:]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     kind = str(first.get("type", ""))
-    code = "invalid_value" if kind in get_args(ErrorType) else kind
+    code = "invalid_value" if kind in _PYDANTIC_ERRORS else kind
     return ApiError(
         400, f"{param or 'the request body'}: {first.get('msg', 'invalid')}", code=code, param=param
     )

@@ -352,6 +352,8 @@ def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionBody")
     assert [p["name"] for p in op["parameters"]] == ["x-session-id"]
     assert "422" not in op["responses"]  # refusals are 400 with OpenAI's error JSON
+    assert op["security"] == [{"HTTPBearer": []}] and "security" not in spec["paths"]["/health"]["get"]
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert op["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     schemas = spec["components"]["schemas"]
     assert set(schemas["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}

@@ -23,7 +23,7 @@ from convo.server.errors import ERROR_RESPONSES, error_status
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from convo.server.prometheus import render
 from convo.server.requests import ChatCompletionBody, SessionId
-from convo.server.security import caller, state_of
+from convo.server.security import bearer, caller, state_of
 from convo.server.state import ServerState
 from convo.server.turns import _convo_stats, _finish, _prompt_estimate, _Turn, _usage
 from convo.session import Reply
@@ -54,7 +54,7 @@ class _BodyRoute(APIRoute):
             return handler
 
         async def read_first(request: Request) -> Response:
-            caller(request)
+            await caller(request, await bearer(request))
             raw, data = await state_of(request).read_body(request)
             return await handler(_ReadRequest(request, raw, data))
 

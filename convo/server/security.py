@@ -10,11 +10,12 @@ foreign ``Origin`` unless ``allowed_origins`` lists it; POST bodies must be
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from convo.server.errors import ApiError, error_response
 from convo.server.state import ServerState
@@ -29,9 +30,19 @@ def state_of(request: Request) -> ServerState:
     return state
 
 
-def caller(request: Request) -> str:
+#: ``Authorization: Bearer KEY``, as ``/openapi.json`` documents it (no error of its own:
+#: :func:`caller` answers 401).
+bearer = HTTPBearer(
+    auto_error=False,
+    description="one of the server's API keys (convo serve --api-key); none on a keyless loopback server",
+)
+
+
+async def caller(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> str:
     """The caller's owner hash (a route dependency); 401 unless the key is one of ours."""
-    return state_of(request).owner_of(request)
+    return state_of(request).owner_of(credentials.credentials.strip() if credentials else "")
 
 
 def host_name(value: str) -> str:

@@ -2,7 +2,7 @@
 your own). FastAPI and uvicorn are imported on first use: ``pip install 'convo[server]'``.
 
 * :mod:`convo.server.app` — the app and its routes;
-* :mod:`convo.server.requests` — request bodies, parsed and validated;
+* :mod:`convo.server.requests` — request bodies: pydantic models, served as ``/openapi.json``;
 * :mod:`convo.server.errors` — one table from exception to HTTP status;
 * :mod:`convo.server.limits` — :class:`ServerLimits`;
 * :mod:`convo.server.auth` — API keys and session owners.

@@ -72,6 +72,11 @@ def _invalid(code: str, exc: Exception) -> PydanticCustomError:
 #: OpenAI parameters this server does not implement: only their harmless values pass; any
 #: other gets 400 ``unsupported_parameter`` instead of being silently ignored.
 _Unsupported = _refuse("unsupported_parameter", "not supported by this server")
+_NoList = Annotated[list[Any], Field(max_length=0)]
+_NoTool = Literal["none", "auto"]
+_MaxTokens = Annotated[
+    Annotated[int, Field(ge=1)] | None, _refuse("invalid_max_tokens", "must be an integer >= 1")
+]
 #: A session id (``X-Session-Id``, ``metadata.session_id``).
 SessionId = Annotated[str, Field(pattern=f"^{_SESSION_ID}$"), _refuse("invalid_session_id", _SESSION_ID_RULE)]
 
@@ -176,14 +181,12 @@ class ChatCompletionBody(_Body):
 
     model: str | None = Field(None, description="ignored: the server runs one model")
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[
-        Annotated[int, Field(ge=1)] | None,
-        _refuse("invalid_max_tokens", "must be an integer >= 1"),
-    ] = Field(None, description="reply cap, at most the server's (default: the budget's max_new_tokens)")
-    max_completion_tokens: Annotated[
-        Annotated[int, Field(ge=1)] | None,
-        _refuse("invalid_max_tokens", "must be an integer >= 1"),
-    ] = Field(None, description="the same as max_tokens, which wins when both are given")
+    max_tokens: _MaxTokens = Field(
+        None, description="reply cap, at most the server's (default: the budget's max_new_tokens)"
+    )
+    max_completion_tokens: _MaxTokens = Field(
+        None, description="as max_tokens, which wins when both are given"
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
@@ -204,10 +207,10 @@ class ChatCompletionBody(_Body):
     metadata: Metadata | None = None
     user: str | None = Field(None, description="an end user; the session id only with --session-from-user")
     n: Annotated[Literal[1] | None, _Unsupported] = None
-    tools: Annotated[Annotated[list[Any], Field(max_length=0)] | None, _Unsupported] = None
-    functions: Annotated[Annotated[list[Any], Field(max_length=0)] | None, _Unsupported] = None
-    tool_choice: Annotated[Literal["none", "auto"] | None, _Unsupported] = None
-    function_call: Annotated[Literal["none", "auto"] | None, _Unsupported] = None
+    tools: Annotated[_NoList | None, _Unsupported] = None
+    functions: Annotated[_NoList | None, _Unsupported] = None
+    tool_choice: Annotated[_NoTool | None, _Unsupported] = None
+    function_call: Annotated[_NoTool | None, _Unsupported] = None
     logprobs: Annotated[Literal[False] | None, _Unsupported] = None
     top_logprobs: Annotated[Literal[0] | None, _Unsupported] = None
     response_format: Annotated[TextFormat | None, _Unsupported] = None

@@ -306,6 +306,8 @@ def test_each_refusal_names_its_field_and_says_what_failed() -> None:
         ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_value"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
         ({"max_tokens": 201}, "max_tokens", "invalid_max_tokens"),
+        ({"max_completion_tokens": 201}, "max_completion_tokens", "invalid_max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}] * 257}, "messages", "too_many_messages"),
         ({"max_tokens": 1.5}, "max_tokens", "invalid_max_tokens"),
         ({"metadata": {"session_id": "bad id!"}}, "metadata.session_id", "invalid_session_id"),
         ({"messages": []}, "messages", "invalid_value"),
@@ -326,7 +328,7 @@ def test_each_refusal_names_its_field_and_says_what_failed() -> None:
             for extra, param, code in cases:
                 err = openai_error(chat(http, "x", **extra), 400)
                 assert (err["param"], err["code"]) == (param, code), (extra, err)
-                assert err["message"].startswith(f"{param}: ") or err["param"] == "max_tokens", err
+                assert err["message"].startswith(f"{param}: "), err
             r = http.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "x"}]},

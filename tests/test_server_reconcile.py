@@ -186,6 +186,9 @@ def test_user_field_is_not_a_session_unless_the_server_says_so(store: Store) -> 
     with serve(create_app(EchoEngine(), store=store, budget=BUDGET, session_from_user=True)) as base:
         with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
             c.chat.completions.create(model="echo", messages=secret, user="alice-chat-1")
+            with pytest.raises(openai.BadRequestError) as bad:  # a user that is no session id
+                c.chat.completions.create(model="echo", messages=secret, user="alice chat 2")
+            assert (bad.value.param, bad.value.code) == ("user", "invalid_session_id")
     assert store.list_sessions() == ["alice-chat-1"]
 
 

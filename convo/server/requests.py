@@ -240,22 +240,23 @@ class ChatCompletionBody(_Body):
         if len(self.messages) > limits.max_messages:
             raise ApiError(
                 400,
-                f"{len(self.messages)} messages, over the limit of {limits.max_messages} per request",
+                f"messages: {len(self.messages)}, over the limit of {limits.max_messages} per request",
                 code="too_many_messages",
                 param="messages",
             )
+        param = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         if max_tokens is not None and max_tokens > max_tokens_cap:
             raise ApiError(
                 400,
-                f"max_tokens must be between 1 and {max_tokens_cap}",
+                f"{param}: at most {max_tokens_cap} (this server's reply cap)",
                 code="invalid_max_tokens",
-                param="max_tokens",
+                param=param,
             )
         session_id = header_session_id or (self.metadata.session_id if self.metadata else None)
         if session_id is None and session_from_user and self.user is not None:
             if not re.fullmatch(_SESSION_ID, self.user):
-                raise ApiError(400, _SESSION_ID_RULE, code="invalid_session_id", param="user")
+                raise ApiError(400, f"user: {_SESSION_ID_RULE}", code="invalid_session_id", param="user")
             session_id = self.user
         temperature = self.temperature or 0.0
         if temperature < MIN_SAMPLING_TEMPERATURE:

@@ -338,15 +338,21 @@ class SummaryWorker:
         self._key_locks = [threading.Lock() for _ in range(64)]
 
     @classmethod
-    def shared(cls) -> SummaryWorker:
-        """The process-wide worker that sessions use by default."""
+    def shared(cls, *, min_threads: int | None = None) -> SummaryWorker:
+        """The process-wide worker that sessions use by default; ``min_threads`` raises its
+        thread count (a server whose engine batches N calls, e.g. N KV slots, runs N
+        summaries at once)."""
         with cls._shared_guard:
             if cls._shared is None or cls._shared._closed:
                 cls._shared = cls()
                 # At exit, stop summaries mid-generation rather than let the interpreter
                 # tear down under them (they are re-derived on the next turn).
                 atexit.register(cls._shared.close, wait=True, timeout_s=SHUTDOWN_TIMEOUT_S)
-            return cls._shared
+            worker = cls._shared
+        if min_threads is not None:
+            with worker._cond:
+                worker.threads = max(worker.threads, int(min_threads))
+        return worker
 
     # -- what sessions call ---------------------------------------------------------------------
     @contextmanager

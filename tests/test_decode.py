@@ -230,6 +230,29 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
         assert torch.allclose(out, ref[p], atol=1e-4)
 
 
+def test_mixed_step_decodes_and_prefills_in_one_forward() -> None:
+    """Decode rows and prefill chunks in one forward give transformers' logits for both,
+    and what each wrote to its slot carries on."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    dec = StaticDecoder(model, slots=3, slot_tokens=64)
+    dec.warmup()
+    dec.prefill(0, ids[:30], 0)
+    dec.prefill(1, ids[:20], 0)
+    chunks = [PrefillChunk(slot=2, ids=ids, start=0, end=12), PrefillChunk(slot=1, ids=ids, start=21, end=26)]
+    rows, outs = dec.mixed_step([ids[30], ids[20]], [0, 1], [30, 20], chunks[:1])
+    assert torch.allclose(rows[0], ref[30], atol=1e-4) and torch.allclose(rows[1], ref[20], atol=1e-4)
+    assert torch.allclose(outs[0], ref[11], atol=1e-4)
+    rows, outs = dec.mixed_step([ids[31]], [0], [31], chunks[1:])  # slot 1 continues after its row
+    assert torch.allclose(rows[0], ref[31], atol=1e-4) and torch.allclose(outs[0], ref[25], atol=1e-4)
+    out = dec.step([ids[26], ids[12]], [1, 2], [26, 12])
+    assert torch.allclose(out[0], ref[26], atol=1e-4) and torch.allclose(out[1], ref[12], atol=1e-4)
+    with pytest.raises(ConfigError):
+        dec.mixed_step([], [], [], chunks)
+
+
 def test_unsupported_architectures_are_refused() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -140,12 +140,43 @@ def test_while_replies_stream_a_step_prefills_one_short_chunk() -> None:
         prefills += [what for kind, what in dec.events[seen:] if kind == "prefill"]
     assert prefills and all(len(what) == 1 and what[0][2] - what[0][1] <= 8 for what in prefills)
     assert {what[0][0] for what in prefills} == {a.slot}  # in arrival order: a first
-    after = next(what for kind, what in dec.events[seen:] if kind == "prefill")
-    assert len(after) == 2 and sum(end - start for _, start, end in after) <= 64  # both turns
     drain(sched)
     assert a.new_ids == [140, 141] and b.new_ids == [340, 341]
     with pytest.raises(ConfigError):
         DecodeScheduler(dec, interleave_tokens=0)
+
+
+class MixedDecoder(FakeDecoder):
+    """A decoder that runs decode rows and prefill chunks in one forward."""
+
+    def mixed_step(
+        self, tokens: list[int], slots: list[int], positions: list[int], chunks: list[PrefillChunk]
+    ) -> tuple[Any, list[Any]]:
+        self.events.append(
+            ("mixed", (list(zip(slots, positions, strict=True)), [(c.slot, c.start, c.end) for c in chunks]))
+        )
+        return _logits(tokens), list(_logits([c.ids[c.end - 1] for c in chunks]))
+
+
+def test_prefill_rides_in_the_decode_rows_forward() -> None:
+    """With a mixed-step decoder, the chunks of several waiting turns (up to
+    interleave_tokens) run in the same forward as the streaming replies' rows: every step
+    advances every reply by one token, and the answers are those of separate forwards."""
+    dec = MixedDecoder(slots=3)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, interleave_tokens=12)
+    running = sched.submit(request(5, max_new=12))
+    sched.run_step()
+    a, b = sched.submit(request(10, first=100, max_new=3)), sched.submit(request(10, first=300, max_new=3))
+    drain(sched)
+    assert running.new_ids == list(range(6, 18))
+    assert a.new_ids == [110, 111, 112] and b.new_ids == [310, 311, 312]
+    mixed = [what for kind, what in dec.events if kind == "mixed"]
+    assert mixed[0][1] == [(a.slot, 0, 10), (b.slot, 0, 2)]  # two turns' chunks, 12 tokens
+    assert mixed[1][1] == [(b.slot, 2, 10)]
+    assert all(sum(end - start for _, start, end in chunks) <= 12 for _, chunks in mixed)
+    rows = [what if kind == "step" else what[0] for kind, what in dec.events if kind != "prefill"]
+    positions = [p for step in rows for s, p in step if s == running.slot]
+    assert positions == list(range(5, 16))  # one token every step, mixed or not
 
 
 def test_waiting_prefills_run_together_in_one_forward() -> None:

@@ -492,3 +492,15 @@ def test_asend_waits_for_the_summary_without_blocking_the_event_loop(
 
     waited, summary_tokens = asyncio.run(main())
     assert waited > 0 and summary_tokens > 0
+
+
+def test_a_server_sizes_the_shared_worker_to_its_engine_batch() -> None:
+    """The process-wide worker runs as many summaries at once as the engine batches
+    (its KV slots); asking for fewer never shrinks it."""
+    from convo.summarize import SummaryWorker
+
+    worker = SummaryWorker.shared()
+    before = worker.threads
+    assert SummaryWorker.shared(min_threads=before + 5) is worker and worker.threads == before + 5
+    assert SummaryWorker.shared(min_threads=1).threads == before + 5
+    worker.threads = before

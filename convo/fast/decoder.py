@@ -533,26 +533,51 @@ class StaticDecoder:
         return self.lm_head(h).float()[0]
 
     def _prefill_eager(self, chunks: Sequence[PrefillChunk], all_logits: bool) -> list[Any]:
+        return self._forward_eager((), (), (), chunks, all_logits)[1]
+
+    def _forward_eager(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        positions: Sequence[int],
+        chunks: Sequence[PrefillChunk],
+        all_logits: bool = False,
+    ) -> tuple[Any, list[Any]]:
+        """One eager forward over decode rows (one token each, at ``positions`` of
+        ``slots``) and prefill chunks together: the matrix products once over all rows;
+        attention per decode row with the split kernel, per chunk with SDPA over its slot.
+
+        Returns:
+            ``(decode logits [rows, vocab] or None, per chunk logits as prefill_batch)``.
+        """
         import torch
         import torch.nn.functional as F
         from torch.nn.attention.bias import causal_lower_right
 
+        rows = len(tokens)
         sizes = [c.end - c.start for c in chunks]
         shape = (self.heads, self.kv_heads, self.head_dim)
         gqa = self.kv_heads != self.heads
         with torch.inference_mode():
-            flat = [t for c in chunks for t in c.ids[c.start : c.end]]
-            positions = [p for c in chunks for p in range(c.start, c.end)]
-            host = torch.tensor([flat, positions], dtype=torch.long)
+            flat = [*tokens, *(t for c in chunks for t in c.ids[c.start : c.end])]
+            where = [*positions, *(p for c in chunks for p in range(c.start, c.end))]
+            host = torch.tensor([flat, where, [*slots, *[0] * sum(sizes)]], dtype=torch.long)
             dev = host.to(self.device, non_blocking=True)
             x = F.embedding(dev[0], self.embed)
             cos, sin = self.cos[dev[1]][:, None, :], self.sin[dev[1]][:, None, :]
+            row_slots, row_positions = dev[2, :rows], dev[1, :rows]
+            lengths = (row_positions + 1).to(torch.int32)
             masks = [None if c.start == 0 else causal_lower_right(c.end - c.start, c.end) for c in chunks]
             for i, layer in enumerate(self.layers):
                 q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
                 k_cache, v_cache = self.pool.k[i], self.pool.v[i]
                 outs = []
-                off = 0
+                if rows:
+                    k_cache[row_slots, :, row_positions] = k[:rows]
+                    v_cache[row_slots, :, row_positions] = v[:rows]
+                    a = decode_attention(q[:rows], k_cache, v_cache, row_slots, lengths, scale=layer.scale)
+                    outs.append(a.reshape(rows, -1))
+                off = rows
                 for c, n, mask in zip(chunks, sizes, masks, strict=True):
                     k_cache[c.slot, :, c.start : c.end] = k[off : off + n].transpose(0, 1)
                     v_cache[c.slot, :, c.start : c.end] = v[off : off + n].transpose(0, 1)
@@ -571,11 +596,37 @@ class StaticDecoder:
                 a = outs[0] if len(outs) == 1 else torch.cat(outs)
                 x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
             if all_logits:
-                logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps * 1e-12)).float()
-                return list(torch.split(logits, sizes))
-            last = torch.tensor([sum(sizes[: j + 1]) - 1 for j in range(len(sizes))], device=self.device)
-            h = _rms_norm(x.index_select(0, last), self.norm, self.norm_eps * 1e-12)
-            return list(self.lm_head(h).float().unbind(0))
+                logits = self.lm_head(_rms_norm(x[rows:], self.norm, self.norm_eps * 1e-12)).float()
+                return None, list(torch.split(logits, sizes))
+            ends = [rows + sum(sizes[: j + 1]) - 1 for j in range(len(sizes))]
+            pick = torch.tensor([*range(rows), *ends], device=self.device)
+            h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
+            logits = self.lm_head(h).float()
+            return (logits[:rows] if rows else None), list(logits[rows:].unbind(0))
+
+    def mixed_step(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        positions: Sequence[int],
+        chunks: Sequence[PrefillChunk],
+    ) -> tuple[Any, list[Any]]:
+        """Decode one token for each row and run prefill chunks of waiting turns in the
+        same forward (vLLM's mixed batch): the weights are read (and int4 dequantized)
+        once for both, so a step that carries a prefill chunk costs about that chunk's
+        forward, not a decode step plus it.
+
+        Returns:
+            ``(logits [rows, vocab], per chunk float32 logits [vocab] after its last token)``.
+        """
+        if not tokens:
+            raise ConfigError("a mixed step needs at least one decode row")
+        if max(positions) >= self.pool.slot_tokens:
+            raise ConfigError(f"position {max(positions)} is past the slot ({self.pool.slot_tokens} tokens)")
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
+                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
+        return self._forward_eager(tokens, slots, positions, chunks)
 
     # -- decode --------------------------------------------------------------------------------
     def _step(self, inputs: Any) -> Any:
@@ -615,6 +666,8 @@ class StaticDecoder:
 
         self._prefill_eager([PrefillChunk(slot=0, ids=[0] * 16, start=0, end=16)], False)
         with torch.inference_mode():
+            if self.quantized and self.device.type == "cuda":
+                self._tune_int4()
             for b in self.buckets:
                 inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
                 if self.cuda_graphs:
@@ -631,6 +684,20 @@ class StaticDecoder:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         empty_device_cache()
+
+    def _tune_int4(self) -> None:
+        """Run each int4 weight shape once at every power-of-two row count its kernels
+        see (decode buckets, mixed steps, short chunks), so the Triton kernel picks its
+        launch settings now, not during a request."""
+        from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
+
+        seen = set()
+        for layer in self.layers:
+            for m in (*layer.qkv, layer.o, *layer.gate_up, layer.down):
+                if isinstance(m, Int4Linear) and (m.in_features, m.out_features) not in seen:
+                    seen.add((m.in_features, m.out_features))
+                    for rows in (1 << i for i in range(W4_KERNEL_MAX_ROWS.bit_length())):
+                        m(self.embed.new_zeros((rows, m.in_features)))
 
     def _capture(self, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
         """Run ``fn`` twice on a side stream (compiles, tunes kernels), then capture it."""

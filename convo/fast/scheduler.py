@@ -8,12 +8,13 @@ Modelled on vLLM v1's scheduler. Each step has a token budget (``step_tokens``):
    such as summaries), then arrival order
    (:meth:`~convo.fast.decoder.StaticDecoder.prefill_batch` runs them).
 
-While replies stream, a step prefills one chunk of at most ``interleave_tokens`` tokens
-(the prefill captured for that length: one graph replay), so a long prompt that arrives
-delays each running reply's next token by one short chunk, never by its whole prefill.
-When no reply is streaming, the whole ``step_tokens`` budget goes to prefill, the chunks
-of several turns together in one forward (one weight read, and for int4 one
-dequantization, for all of them).
+While replies stream, a step prefills at most ``interleave_tokens`` prompt tokens, and
+runs them in the same forward as the decode rows (vLLM's mixed batch,
+:meth:`~convo.fast.decoder.StaticDecoder.mixed_step`: the weights are read, and for int4
+dequantized, once for both), so a prompt that arrives delays each running reply's next
+token by one short chunk, never by its whole prefill. Steps without prefill replay the
+captured decode step. When no reply is streaming, the whole ``step_tokens`` budget goes
+to prefill, the chunks of several turns together in one forward.
 
 A request waits for a slot (in priority, then arrival order) while every slot holds a
 turn; it finishes with ``timeout`` when its deadline passes and with ``cancelled`` when
@@ -41,9 +42,9 @@ from convo.tokens import common_prefix_length
 #: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
 #: smaller: shorter stalls of the running replies while a prompt is prefilled.
 DEFAULT_STEP_TOKENS = 2048
-#: Prompt tokens a step may prefill while replies stream (one chunk): larger, faster
-#: prefill under load; smaller, shorter gaps between a streaming reply's tokens. On the
-#: H200 (Llama-2-7B int4) a 256-token chunk adds about one decode step to the step.
+#: Prompt tokens a step may prefill while replies stream: larger, faster prefill under
+#: load; smaller, shorter gaps between a streaming reply's tokens. On the H200 (Llama-2-7B
+#: int4) a 256-token prefill forward takes about two decode steps.
 DEFAULT_INTERLEAVE_TOKENS = 256
 
 
@@ -136,9 +137,9 @@ class DecodeScheduler:
         step_tokens: the token budget of one step (:data:`DEFAULT_STEP_TOKENS`): decode
             rows first, prefill chunks fill the rest. At least one prefill token runs per
             step while a turn waits, whatever the rows.
-        interleave_tokens: while replies stream, a step prefills one chunk of at most
-            this many tokens (:data:`DEFAULT_INTERLEAVE_TOKENS`, and within
-            ``step_tokens``).
+        interleave_tokens: while replies stream, a step prefills at most this many prompt
+            tokens (:data:`DEFAULT_INTERLEAVE_TOKENS`, and within ``step_tokens``), in the
+            decode rows' forward when the decoder has ``mixed_step`` (else one chunk).
         background: run the loop in its own thread (``False``: the caller calls
             :meth:`run_step`).
 
@@ -159,6 +160,8 @@ class DecodeScheduler:
         self.decoder = decoder
         self.step_tokens = step_tokens
         self.interleave_tokens = interleave_tokens
+        # A decoder that runs decode rows and prefill chunks in one forward (StaticDecoder).
+        self._mixed = callable(getattr(decoder, "mixed_step", None))
         self.background = background
         self._pending: list[DecodeRequest] = []  # no slot yet
         self._prefilling: list[DecodeRequest] = []  # a slot, no first token yet
@@ -226,18 +229,35 @@ class DecodeScheduler:
         of the budget. The loop thread calls it; with ``background=False`` the caller does."""
         self._expire()
         self._admit()
+        batch: list[tuple[DecodeRequest, PrefillChunk]] = []
+        if self._prefilling:
+            if self._active:  # replies stream: a short chunk
+                batch = self._plan_prefill(
+                    max(min(self.step_tokens - len(self._active), self.interleave_tokens), 1)
+                )
+                if not self._mixed:
+                    batch = batch[:1]
+            else:
+                batch = self._plan_prefill(self.step_tokens)
+        if self._active and batch and self._mixed:  # one forward for both
+            rows = self._active
+            try:
+                logits, outs = self.decoder.mixed_step(*self._rows(rows), [c for _, c in batch])
+            except BaseException as exc:  # a device error ends every request in it
+                self._active = []
+                self._prefilling = [r for r in self._prefilling if all(r is not b for b, _ in batch)]
+                self._fail([*rows, *(r for r, _ in batch)], exc)
+                return
+            self._decoded(rows, logits)
+            self._prefilled(batch, outs)
+            return
         if self._active:
             try:
                 self._step()
             except BaseException as exc:  # a device error ends every row in flight
                 self._fail(self._active, exc)
                 self._active = []
-        if self._prefilling:
-            if self._active:  # replies stream: one short chunk
-                budget = max(min(self.step_tokens - len(self._active), self.interleave_tokens), 1)
-                batch = self._plan_prefill(budget)[:1]
-            else:
-                batch = self._plan_prefill(self.step_tokens)
+        if batch:
             try:
                 self._prefill(batch)
             except BaseException as exc:
@@ -300,7 +320,10 @@ class DecodeScheduler:
         return batch
 
     def _prefill(self, batch: list[tuple[DecodeRequest, PrefillChunk]]) -> None:
-        logits = self.decoder.prefill_batch([c for _, c in batch])
+        self._prefilled(batch, self.decoder.prefill_batch([c for _, c in batch]))
+
+    def _prefilled(self, batch: list[tuple[DecodeRequest, PrefillChunk]], logits: Sequence[Any]) -> None:
+        """Account a prefill forward's chunks; turns whose prompt is in get their first token."""
         tokens = sum(c.end - c.start for _, c in batch)
         self.prefills += 1
         self.prefill_tokens += tokens
@@ -344,11 +367,16 @@ class DecodeScheduler:
         self._finish(req, reason)
         return True
 
+    @staticmethod
+    def _rows(rows: Sequence[DecodeRequest]) -> tuple[list[int], list[int], list[int]]:
+        """A decode step's inputs: each row's last token, slot and position."""
+        return [r.new_ids[-1] for r in rows], [r.slot for r in rows], [r.position for r in rows]
+
     def _step(self) -> None:
-        rows = self._active
-        logits = self.decoder.step(
-            [r.new_ids[-1] for r in rows], [r.slot for r in rows], [r.position for r in rows]
-        )
+        self._decoded(self._active, self.decoder.step(*self._rows(self._active)))
+
+    def _decoded(self, rows: list[DecodeRequest], logits: Any) -> None:
+        """Take a decode step's logits: sample, record, finish rows that are done."""
         for r in rows:
             r.kv_tokens = r.position + 1
         tokens = _sample(logits, rows)

@@ -122,7 +122,7 @@ def create_app(
         engine=engine,
         store=store,
         admission=admission or _token_ledger(engine, limits, budget, metrics),
-        summaries=summaries or SummaryWorker.shared(),
+        summaries=summaries or SummaryWorker.shared(min_threads=_batch(engine)),
         budget=budget,
         limits=limits,
         model_name=model_name,
@@ -151,11 +151,10 @@ def _token_ledger(
     decodes in the shared step, so it admits as many as there are slots."""
     from convo.admission import AdmissionController, AdmissionLimits
 
-    decoder = getattr(engine, "decoder", None)
     return AdmissionController(
         AdmissionLimits(
             kv_budget_tokens=limits.admission_tokens,
-            max_concurrency=decoder.pool.slots if decoder is not None else limits.max_concurrency,
+            max_concurrency=_batch(engine) or limits.max_concurrency,
             max_queue_short=limits.max_queue,
             max_queue_long=limits.max_queue,
             queue_timeout_s=limits.queue_timeout_s,
@@ -163,3 +162,9 @@ def _token_ledger(
         ),
         metrics=metrics,
     )
+
+
+def _batch(engine: Engine) -> int | None:
+    """Calls the engine runs together (its KV slots), if it batches them."""
+    decoder = getattr(engine, "decoder", None)
+    return decoder.pool.slots if decoder is not None else None

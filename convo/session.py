@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -50,6 +50,7 @@ from convo.engines.base import (
     AsyncTextStream,
     Engine,
     FinishReason,
+    GenerateOptions,
     Generation,
     GenerationStats,
     Sampling,
@@ -207,6 +208,60 @@ def incoming_messages(content: str | MessageLike | Sequence[MessageLike]) -> lis
             "and generate with reply()"
         )
     return messages
+
+
+@dataclass(frozen=True)
+class _SummaryWait:
+    """A step of a turn: wait up to ``left`` seconds (``None``: no limit) for ``job``."""
+
+    job: SummaryJob
+    left: float | None
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """A step's outcome that is an exception (thrown into the turn)."""
+
+    error: Exception
+
+
+class _TurnDriver:
+    """Runs a turn's steps (:meth:`Session._turn`) one by one: the outcome of each step,
+    its value or its exception, goes back into the turn. The blocking (:meth:`run`) and
+    the awaited (:meth:`arun`) drivers differ only in how they get that outcome."""
+
+    def __init__(self, turn: Generator[_SummaryWait | PromptPlan, Any, Reply]) -> None:
+        self._turn = turn
+        self.step: _SummaryWait | PromptPlan | None = None
+        self._reply: Reply | None = None
+        self._resume(None)
+
+    def run(self, do: Callable[..., Any], *args: Any) -> None:
+        try:
+            outcome = do(*args)
+        except Exception as exc:
+            outcome = _Raised(exc)
+        self._resume(outcome)
+
+    async def arun(self, do: Awaitable[Any]) -> None:
+        try:
+            outcome = await do
+        except Exception as exc:
+            outcome = _Raised(exc)
+        self._resume(outcome)
+
+    def _resume(self, outcome: Any) -> None:
+        try:
+            if isinstance(outcome, _Raised):
+                self.step = self._turn.throw(outcome.error)
+            else:
+                self.step = self._turn.send(outcome)
+        except StopIteration as done:
+            self.step, self._reply = None, done.value
+
+    def result(self) -> Reply:
+        assert self._reply is not None, "the turn has not ended"
+        return self._reply
 
 
 class Session:
@@ -710,29 +765,11 @@ class Session:
         cancel: threading.Event | None,
         stop: Sequence[str] = (),
     ) -> Reply:
-        waits = self._summary_waits()
-        waited = 0.0
-        try:
-            job, left = next(waits)
-            while True:
-                t0 = time.monotonic()
-                finished = job.wait(left)
-                waited += time.monotonic() - t0
-                job, left = waits.send(finished)
-        except StopIteration:
-            pass
-        flow = self._reply_flow(started, waited)
-        try:
-            plan = next(flow)
-            while True:
-                try:
-                    gen = self._generate(plan, sampling, timeout_s, on_text, cancel, stop)
-                except Exception as exc:
-                    plan = flow.throw(exc)
-                else:
-                    plan = flow.send(gen)
-        except StopIteration as done:
-            return cast(Reply, done.value)
+        """Drive :meth:`_turn` with blocking calls."""
+        turn = _TurnDriver(self._turn(started))
+        while (step := turn.step) is not None:
+            turn.run(self._do_step, step, sampling, timeout_s, on_text, cancel, stop)
+        return turn.result()
 
     async def _areply(
         self,
@@ -742,35 +779,50 @@ class Session:
         on_text: Any,
         cancel: threading.Event | None,
     ) -> Reply:
-        """:meth:`_reply`, awaiting each generation (the same flow)."""
-        waits = self._summary_waits()
-        waited = 0.0
-        try:
-            job, left = next(waits)
-            while True:
-                t0 = time.monotonic()
-                finished = await asyncio.to_thread(job.wait, left)
-                waited += time.monotonic() - t0
-                job, left = waits.send(finished)
-        except StopIteration:
-            pass
-        flow = self._reply_flow(started, waited)
-        try:
-            plan = next(flow)
-            while True:
-                try:
-                    gen = await self._agenerate(plan, sampling, timeout_s, on_text, cancel)
-                except Exception as exc:
-                    plan = flow.throw(exc)
-                else:
-                    plan = flow.send(gen)
-        except StopIteration as done:
-            return cast(Reply, done.value)
+        """:meth:`_reply`, awaiting each step (the same turn)."""
+        turn = _TurnDriver(self._turn(started))
+        while (step := turn.step) is not None:
+            await turn.arun(self._ado_step(step, sampling, timeout_s, on_text, cancel))
+        return turn.result()
 
-    def _summary_waits(self) -> Generator[tuple[SummaryJob, float | None], bool, None]:
+    def _do_step(
+        self,
+        step: _SummaryWait | PromptPlan,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+        stop: Sequence[str],
+    ) -> bool | Generation:
+        """One step of :meth:`_turn`, blocking: wait for the summary, or generate."""
+        if isinstance(step, _SummaryWait):
+            return step.job.wait(step.left)
+        return self._generate(step, sampling, timeout_s, on_text, cancel, stop)
+
+    async def _ado_step(
+        self,
+        step: _SummaryWait | PromptPlan,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+    ) -> bool | Generation:
+        """:meth:`_do_step` on the event loop (the summary is waited for in a worker thread)."""
+        if isinstance(step, _SummaryWait):
+            return await asyncio.to_thread(step.job.wait, step.left)
+        return await self._agenerate(step, sampling, timeout_s, on_text, cancel)
+
+    def _turn(self, started: float) -> Generator[_SummaryWait | PromptPlan, Any, Reply]:
+        """One turn, without I/O: the summary waits (:meth:`_summary_waits`), then the
+        generations (:meth:`_reply_flow`). :meth:`_reply` and :meth:`_areply` drive it."""
+        waited = yield from self._summary_waits()
+        return (yield from self._reply_flow(started, waited))
+
+    def _summary_waits(self) -> Generator[_SummaryWait, bool, float]:
         """The background summary a turn waits for, before it plans: it yields each job to
-        wait for, with the seconds left (``None``: no limit), and is sent whether the job
-        ended. :meth:`_reply` waits blocking, :meth:`_areply` in a worker thread.
+        wait for, with the seconds left (``None``: no limit), is sent whether the job
+        ended, and returns the seconds it waited. :meth:`_reply` waits blocking,
+        :meth:`_areply` in a worker thread.
 
         A finished summary is picked up; turns the summary owes get a job (after a crash, a
         failure or a cancel: the stored turns are the source of truth). While the turns the
@@ -779,6 +831,7 @@ class Session:
         """
         t0 = time.monotonic()
         deadline = None if self.summary_wait_s is None else t0 + self.summary_wait_s
+        waited = 0.0
         while True:
             self._sync_summary()
             job = self._live_job() or self._submit_summary()
@@ -787,21 +840,23 @@ class Session:
             hides = start == self.evicted_turns and self._owes_summary()
             left = None if deadline is None else deadline - time.monotonic()
             if not hides or job is None or not job.live or (left is not None and left <= 0):
-                return
+                return waited
             self.summaries.promote(job)
-            finished = yield job, left
+            t_wait = time.monotonic()
+            finished = yield _SummaryWait(job, left)
+            waited += time.monotonic() - t_wait
             if not finished or job.status is not JobStatus.DONE:
                 logger.info(
                     "session %s: summary of turns %d-%d not in after %.1f s (%s); planning without it",
                     self.id, job.start, job.end, time.monotonic() - t0, job.status.value,
                 )  # fmt: skip
-                return
+                return waited
 
     def _reply_flow(self, started: float, waited: float = 0.0) -> Generator[PromptPlan, Generation, Reply]:
         """One turn, without I/O of the model: it yields each prompt to generate and is sent
         the :class:`Generation` (or thrown the engine's error). :meth:`_reply` drives it
         with blocking calls, :meth:`_areply` with awaited ones; ``waited`` is the seconds
-        they waited for the summary (:meth:`_summary_waits`) first."""
+        the turn waited for the summary (:meth:`_summary_waits`) first."""
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
         self._remember_completed_turns()
@@ -895,12 +950,7 @@ class Session:
             result = await agenerate(
                 plan.messages,
                 max_new_tokens=self.budget.max_new_tokens,
-                timeout_s=timeout_s or self.timeout_s,
-                sampling=sampling or self.sampling,
-                cache_key=self.id,
-                on_text=on_text,
-                cancel=cancel,
-                max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+                **self._generate_options(plan, sampling, timeout_s, on_text, cancel, ()),
             )
         return cast(Generation, result)
 
@@ -918,15 +968,29 @@ class Session:
             return self.engine.generate(
                 plan.messages,
                 max_new_tokens=self.budget.max_new_tokens,
-                timeout_s=timeout_s or self.timeout_s,
-                sampling=sampling or self.sampling,
-                cache_key=self.id,
-                on_text=on_text,
-                cancel=cancel,
-                stop=tuple(stop),
-                # The engine checks the real token ids against the budget before the model runs.
-                max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+                **self._generate_options(plan, sampling, timeout_s, on_text, cancel, stop),
             )
+
+    def _generate_options(
+        self,
+        plan: PromptPlan,
+        sampling: Sampling | None,
+        timeout_s: float | None,
+        on_text: Any,
+        cancel: threading.Event | None,
+        stop: Sequence[str],
+    ) -> GenerateOptions:
+        """The engine's arguments for ``plan``, the session's defaults filled in."""
+        return GenerateOptions(
+            timeout_s=timeout_s or self.timeout_s,
+            sampling=sampling or self.sampling,
+            cache_key=self.id,
+            on_text=on_text,
+            cancel=cancel,
+            stop=tuple(stop),
+            # The engine checks the real token ids against the budget before the model runs.
+            max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
+        )
 
     # -- planning ------------------------------------------------------------------------------
     def plan(

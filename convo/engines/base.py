@@ -20,11 +20,9 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
-from convo.errors import (
-    ConfigError,
-)
+from convo.errors import BudgetError, ConfigError
 from convo.messages import Message
 from convo.tokens import TokenCounter
 
@@ -292,6 +290,73 @@ class Generation:
         return self.finish_reason is FinishReason.TIMEOUT
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The optional keyword arguments of :meth:`Engine.generate` (and ``agenerate``), the
+    same for every engine; :class:`GenerateRequest` gives each its default.
+
+    * ``timeout_s``: wall-clock cap of the call (default: the engine's ``timeout_s``);
+    * ``sampling``: decoding settings (default greedy);
+    * ``stop``: strings that end the reply where they first appear (not part of it);
+    * ``cache_key``: keep and reuse the KV cache under this key (a session id);
+    * ``on_text``: called with each new piece of text;
+    * ``cancel``: set it to stop early (finish reason ``cancelled``);
+    * ``max_prompt_tokens``: refuse a prompt longer than this (the session's budget,
+      checked before the model runs).
+    """
+
+    timeout_s: float | None
+    sampling: Sampling
+    stop: Sequence[str]
+    cache_key: str | None
+    on_text: Callable[[str], None] | None
+    cancel: threading.Event | None
+    max_prompt_tokens: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """The arguments of one :meth:`Engine.generate` call, defaults filled in
+    (:class:`GenerateOptions` says what each is). ``GenerateRequest(max_new_tokens=n,
+    **options)`` refuses an unknown keyword with ``TypeError``, as a signature would.
+
+    Raises:
+        ConfigError: ``max_new_tokens`` < 1.
+    """
+
+    max_new_tokens: int
+    timeout_s: float | None = None
+    sampling: Sampling = GREEDY
+    stop: Sequence[str] = ()
+    cache_key: str | None = None
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event | None = None
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be >= 1")
+
+    @property
+    def streams(self) -> bool:
+        """The caller wants text piece by piece, or may cancel the call."""
+        return self.on_text is not None or self.cancel is not None
+
+    def check_prompt(self, prompt_tokens: int, *, input_cap: int, cap_name: str) -> None:
+        """Refuse a prompt over ``max_prompt_tokens``, or one that leaves no room for
+        ``max_new_tokens`` under the engine's ``input_cap`` (``cap_name`` says which cap).
+
+        Raises:
+            BudgetError: either.
+        """
+        cap = self.max_prompt_tokens
+        if cap is not None and prompt_tokens > cap:
+            raise BudgetError(f"prompt of {prompt_tokens} tokens is over the budget's {cap}")
+        if prompt_tokens + self.max_new_tokens > input_cap:
+            raise BudgetError(
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={self.max_new_tokens} exceeds {cap_name}"
+            )
+
+
 class Engine(Protocol):
     """What a :class:`~convo.session.Session` needs from an engine."""
 
@@ -302,17 +367,7 @@ class Engine(Protocol):
     def context_window(self) -> int: ...
 
     def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-        sampling: Sampling = GREEDY,
-        stop: Sequence[str] = (),
-        cache_key: str | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        max_prompt_tokens: int | None = None,
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Generation: ...
 
     def release(self, cache_key: str) -> None: ...

@@ -55,10 +55,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from convo.budget import Budget
-from convo.engines.base import GREEDY, FinishReason, Generation, GenerationStats, Sampling
+from convo.engines.base import (
+    FinishReason,
+    GenerateOptions,
+    GenerateRequest,
+    Generation,
+    GenerationStats,
+    Sampling,
+)
 from convo.errors import (
     BudgetError,
     ConfigError,
@@ -188,6 +195,33 @@ class _Result:
     usage: Mapping[str, Any] | None
     first_text_at: float | None
     chunks: int
+
+
+#: What a call cancelled during a retry wait got from the server: nothing.
+_CANCELLED = _Result("", None, None, None, 0)
+
+
+@dataclass
+class _Call:
+    """One :meth:`OpenAIEngine.generate` call, across its attempts: the checked request,
+    the prompt's local count, the body, when it started and its deadline
+    (``time.monotonic()``), and the retries so far."""
+
+    request: GenerateRequest
+    local: int
+    body: dict[str, Any]
+    start: float
+    deadline: float
+    attempts: int = 0
+
+
+async def _sleep_unless_cancelled(wait_s: float, cancel: threading.Event | None) -> bool:
+    """Sleep ``wait_s`` on the event loop, waking early when ``cancel`` is set; whether it was."""
+    waited = 0.0
+    while waited < wait_s and not (cancel is not None and cancel.is_set()):
+        await asyncio.sleep(min(0.05, wait_s - waited))
+        waited += 0.05
+    return cancel is not None and cancel.is_set()
 
 
 class OpenAIEngine:
@@ -423,146 +457,74 @@ class OpenAIEngine:
         return body
 
     def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-        sampling: Sampling = GREEDY,
-        stop: Sequence[str] = (),
-        cache_key: str | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        max_prompt_tokens: int | None = None,
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Generation:
         """Generate a reply on the server.
 
         Args:
             messages: the planned prompt.
             max_new_tokens: cap on the reply, in tokens (sent as ``max_tokens``).
-            timeout_s: wall-clock cap of the whole call, retries included (default: the
-                engine's).
-            sampling: decoding settings (default greedy).
-            stop: stop strings (sent as ``stop``).
-            cache_key: unused (the server caches prefixes itself).
-            on_text: called with each new piece of text; the reply is streamed (SSE).
-            cancel: set it to stop early: the stream is closed, finish reason ``cancelled``.
-            max_prompt_tokens: refuse a prompt whose local count exceeds this.
+            **options: :class:`~convo.engines.base.GenerateOptions`: ``timeout_s`` caps
+                the whole call, retries included (default: the engine's); ``stop`` is sent
+                as ``stop``; ``cache_key`` is unused (the server caches prefixes itself);
+                with ``on_text`` or ``cancel`` the reply is streamed (SSE), and ``cancel``
+                closes the stream (finish reason ``cancelled``); ``max_prompt_tokens``
+                refuses a prompt whose local count exceeds it.
 
         Raises:
             BudgetError: the prompt does not fit (local count, or the server said so).
             GenerationTimeout: no text came before the deadline.
             RemoteEngineError: refused after the retries, unreachable, or a bad answer.
         """
-        local, body, stream = self._prepare(
-            messages,
-            max_new_tokens,
-            sampling,
-            stop,
-            on_text is not None or cancel is not None,
-            max_prompt_tokens,
-        )
-        start = time.monotonic()
-        deadline = start + (timeout_s or self.timeout_s)
-        attempt = 0
+        call = self._prepare(messages, GenerateRequest(max_new_tokens=max_new_tokens, **options))
+        cancel = call.request.cancel
         while True:
             try:
-                result = self._attempt(body, stream, deadline, on_text, cancel)
-                break
+                return self._generation(call, self._attempt(call))
             except _Retry as exc:
-                wait = self._retry_wait(exc, attempt, start, deadline)
-                attempt += 1
-                self.retries += 1
-                if cancel is not None and cancel.wait(wait):
-                    return self._generation(
-                        _Result("", None, None, None, 0), local, start, FinishReason.CANCELLED, max_new_tokens
-                    )
-                if cancel is None:
-                    time.sleep(wait)
-        return self._generation(
-            result, local, start, self._finish_reason(result, cancel, deadline), max_new_tokens
-        )
+                wait = self._retry_wait(exc, call)
+            if cancel is not None and cancel.wait(wait):
+                return self._generation(call, _CANCELLED)
+            if cancel is None:
+                time.sleep(wait)
 
     async def agenerate(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-        sampling: Sampling = GREEDY,
-        stop: Sequence[str] = (),
-        cache_key: str | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        max_prompt_tokens: int | None = None,
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Generation:
         """:meth:`generate` on the event loop (``httpx.AsyncClient``): same arguments,
         checks, retries, deadline and errors; no thread. ``cancel`` is checked between
         streamed pieces and during retry waits."""
-        local, body, stream = self._prepare(
-            messages,
-            max_new_tokens,
-            sampling,
-            stop,
-            on_text is not None or cancel is not None,
-            max_prompt_tokens,
-        )
-        start = time.monotonic()
-        deadline = start + (timeout_s or self.timeout_s)
-        attempt = 0
+        call = self._prepare(messages, GenerateRequest(max_new_tokens=max_new_tokens, **options))
         async with httpx.AsyncClient(
             headers=self._client.headers, transport=self._async_transport
         ) as client:  # (one per call: an AsyncClient belongs to the event loop that made it)
             while True:
                 try:
-                    result = await self._aattempt(client, body, stream, deadline, on_text, cancel)
-                    break
+                    return self._generation(call, await self._aattempt(client, call))
                 except _Retry as exc:
-                    wait = self._retry_wait(exc, attempt, start, deadline)
-                    attempt += 1
-                    self.retries += 1
-                    waited = 0.0
-                    while waited < wait and not (cancel is not None and cancel.is_set()):
-                        await asyncio.sleep(min(0.05, wait - waited))
-                        waited += 0.05
-                    if cancel is not None and cancel.is_set():
-                        return self._generation(
-                            _Result("", None, None, None, 0),
-                            local,
-                            start,
-                            FinishReason.CANCELLED,
-                            max_new_tokens,
-                        )
-        return self._generation(
-            result, local, start, self._finish_reason(result, cancel, deadline), max_new_tokens
-        )
+                    wait = self._retry_wait(exc, call)
+                if await _sleep_unless_cancelled(wait, call.request.cancel):
+                    return self._generation(call, _CANCELLED)
 
-    def _prepare(
-        self,
-        messages: Sequence[Message],
-        max_new_tokens: int,
-        sampling: Sampling,
-        stop: Sequence[str],
-        stream: bool,
-        max_prompt_tokens: int | None,
-    ) -> tuple[int, dict[str, Any], bool]:
-        """Check the prompt against the budget and build the body: ``(local count, body, stream)``."""
-        if max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be >= 1")
+    def _prepare(self, messages: Sequence[Message], request: GenerateRequest) -> _Call:
+        """Check the prompt against the budget and build the body: the call's state."""
         local = self._counter.count_prompt(messages)
-        if max_prompt_tokens is not None and local > max_prompt_tokens:
-            raise BudgetError(f"prompt of {local} tokens is over the budget's {max_prompt_tokens}")
-        if local + max_new_tokens > self.context_window:
-            raise BudgetError(
-                f"prompt of {local} tokens + max_new_tokens={max_new_tokens} exceeds this engine's "
-                f"context_window={self.context_window} (server window {self.server_context_window} "
-                f"minus a {self.margin_tokens}-token counting margin)"
-            )
-        body = self._body(messages, max_new_tokens, sampling, stop, stream)
-        return local, body, stream
+        request.check_prompt(
+            local,
+            input_cap=self.context_window,
+            cap_name=(
+                f"this engine's context_window={self.context_window} (server window "
+                f"{self.server_context_window} minus a {self.margin_tokens}-token counting margin)"
+            ),
+        )
+        body = self._body(messages, request.max_new_tokens, request.sampling, request.stop, request.streams)
+        start = time.monotonic()
+        return _Call(request, local, body, start, start + (request.timeout_s or self.timeout_s))
 
-    def _retry_wait(self, exc: _Retry, attempt: int, start: float, deadline: float) -> float:
-        """Seconds to wait before retrying after ``exc``, or the error that ends the call."""
+    def _retry_wait(self, exc: _Retry, call: _Call) -> float:
+        """Seconds to wait before retrying after ``exc`` (counted as a retry), or the error
+        that ends the call."""
+        attempt, start, deadline = call.attempts, call.start, call.deadline
         if attempt >= self.retry.max_retries:
             raise RemoteEngineError(
                 f"{self.base_url} failed after {attempt + 1} attempts: {exc}",
@@ -590,6 +552,8 @@ class OpenAIEngine:
             self.retry.max_retries,
             wait,
         )
+        call.attempts += 1
+        self.retries += 1
         return wait
 
     @staticmethod
@@ -600,9 +564,13 @@ class OpenAIEngine:
             return FinishReason.TIMEOUT
         return _FINISH.get(result.finish or "stop", FinishReason.STOP)
 
-    def _generation(
-        self, result: _Result, local: int, start: float, reason: FinishReason, max_new_tokens: int
-    ) -> Generation:
+    def _generation(self, call: _Call, result: _Result) -> Generation:
+        """The call's :class:`Generation` from what the server answered."""
+        local, start, max_new_tokens = call.local, call.start, call.request.max_new_tokens
+        if result is _CANCELLED:
+            reason = FinishReason.CANCELLED
+        else:
+            reason = self._finish_reason(result, call.request.cancel, call.deadline)
         end = time.monotonic()
         usage = result.usage or {}
         prompt = usage.get("prompt_tokens")
@@ -630,36 +598,20 @@ class OpenAIEngine:
         )
         return Generation(text=text, finish_reason=reason, token_ids=(), stats=stats)
 
-    def _attempt(
-        self,
-        body: dict[str, Any],
-        stream: bool,
-        deadline: float,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> _Result:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise GenerationTimeout(f"no reply from {self.base_url} before the deadline")
-        timeout = httpx.Timeout(remaining, connect=min(self.connect_timeout_s, remaining))
-        request = self._client.build_request(
-            "POST", f"{self.base_url}/chat/completions", json=body, timeout=timeout
-        )
+    def _attempt(self, call: _Call) -> _Result:
+        on_text, cancel, deadline = call.request.on_text, call.request.cancel, call.deadline
+        _, request = self._build_request(self._client, call)
         emitted = False
         try:
             response = self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout) and time.monotonic() < deadline:
-                raise _Retry(f"connect timeout: {exc}") from exc
-            raise GenerationTimeout(f"no reply from {self.base_url} before the deadline: {exc!r}") from exc
-        except httpx.TransportError as exc:  # refused, reset, closed before answering
-            raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise self._send_failed(exc, deadline) from exc
         watchdog = _Watchdog(response, deadline, cancel)
         try:
             if response.status_code != 200:
                 response.read()
                 self._raise_for_status(response)
-            if not stream:
+            if not call.request.streams:
                 data = json.loads(response.read())
                 return self._parse_plain(data)
             state = _StreamState(self.base_url, on_text)
@@ -696,42 +648,23 @@ class OpenAIEngine:
             watchdog.stop()
             response.close()
 
-    async def _aattempt(
-        self,
-        client: httpx.AsyncClient,
-        body: dict[str, Any],
-        stream: bool,
-        deadline: float,
-        on_text: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> _Result:
+    async def _aattempt(self, client: httpx.AsyncClient, call: _Call) -> _Result:
         """:meth:`_attempt` on the event loop: the same outcomes (``_Retry``, timeouts,
         errors); the deadline is an asyncio timeout instead of a watchdog thread."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise GenerationTimeout(f"no reply from {self.base_url} before the deadline")
-        timeout = httpx.Timeout(remaining, connect=min(self.connect_timeout_s, remaining))
-        state = _StreamState(self.base_url, on_text)
+        remaining, request = self._build_request(client, call)
+        state = _StreamState(self.base_url, call.request.on_text)
+        cancel = call.request.cancel
         try:
             async with asyncio.timeout(remaining):
-                request = client.build_request(
-                    "POST", f"{self.base_url}/chat/completions", json=body, timeout=timeout
-                )
                 try:
                     response = await client.send(request, stream=True)
-                except httpx.TimeoutException as exc:
-                    if isinstance(exc, httpx.ConnectTimeout) and time.monotonic() < deadline:
-                        raise _Retry(f"connect timeout: {exc}") from exc
-                    raise GenerationTimeout(
-                        f"no reply from {self.base_url} before the deadline: {exc!r}"
-                    ) from exc
                 except httpx.TransportError as exc:
-                    raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+                    raise self._send_failed(exc, call.deadline) from exc
                 try:
                     if response.status_code != 200:
                         await response.aread()
                         self._raise_for_status(response)
-                    if not stream:
+                    if not call.request.streams:
                         return self._parse_plain(json.loads(await response.aread()))
                     parser = _SSEParser()
                     async for line in response.aiter_lines():
@@ -759,6 +692,30 @@ class OpenAIEngine:
             if state.chunks:
                 return state.result()  # cut at the deadline: the text so far, finish None
             raise GenerationTimeout(f"no text from {self.base_url} before the deadline") from exc
+
+    def _build_request(
+        self, client: httpx.Client | httpx.AsyncClient, call: _Call
+    ) -> tuple[float, httpx.Request]:
+        """The seconds left before the call's deadline, and the request of one attempt.
+
+        Raises:
+            GenerationTimeout: no time is left.
+        """
+        remaining = call.deadline - time.monotonic()
+        if remaining <= 0:
+            raise GenerationTimeout(f"no reply from {self.base_url} before the deadline")
+        timeout = httpx.Timeout(remaining, connect=min(self.connect_timeout_s, remaining))
+        url = f"{self.base_url}/chat/completions"
+        return remaining, client.build_request("POST", url, json=call.body, timeout=timeout)
+
+    def _send_failed(self, exc: httpx.TransportError, deadline: float) -> Exception:
+        """What a request that could not be sent ends in: a connect timeout, refused, reset
+        or closed before answering is retried; a later timeout ends the call."""
+        if isinstance(exc, httpx.ConnectTimeout) and time.monotonic() < deadline:
+            return _Retry(f"connect timeout: {exc}")
+        if isinstance(exc, httpx.TimeoutException):
+            return GenerationTimeout(f"no reply from {self.base_url} before the deadline: {exc!r}")
+        return _Retry(f"{type(exc).__name__}: {exc}")
 
     @property
     def _async_transport(self) -> httpx.AsyncBaseTransport | None:

@@ -29,24 +29,23 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from convo.engines.base import (
-    GREEDY,
     INT4_GROUP_SIZE,
     FinishReason,
+    GenerateOptions,
+    GenerateRequest,
     Generation,
     GenerationStats,
     KVBackend,
     KVCall,
     Quant,
-    Sampling,
     TextStream,
 )
 from convo.engines.kv import DynamicKV, SlotKV
 from convo.engines.models import default_model_path, progress_bars, resolve_model
 from convo.errors import (
-    BudgetError,
     ConfigError,
     MissingDependency,
     ModelLoadError,
@@ -474,60 +473,46 @@ class TransformersEngine:
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_new_tokens: int,
-        timeout_s: float | None = None,
-        sampling: Sampling = GREEDY,
-        stop: Sequence[str] = (),
-        cache_key: str | None = None,
-        on_text: Callable[[str], None] | None = None,
-        cancel: threading.Event | None = None,
-        max_prompt_tokens: int | None = None,
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Generation:
         """Generate a reply to ``messages``.
 
         Args:
             messages: the planned prompt.
             max_new_tokens: cap on the reply, in tokens.
-            timeout_s: wall-clock cap, prefill included (default: the engine's).
-            sampling: decoding settings (default greedy).
-            stop: extra stop strings (the chat template's end-of-turn token always stops).
-            cache_key: keep and reuse the KV cache under this key (a session id).
-            on_text: called with each new piece of text as it is decoded.
-            cancel: set it to stop generation early (finish reason ``cancelled``).
-            max_prompt_tokens: refuse a rendered prompt longer than this (the session's
-                budget, checked on the real token ids before the model runs).
+            **options: :class:`~convo.engines.base.GenerateOptions`: ``timeout_s`` caps
+                the call, prefill included (default: the engine's); ``stop`` adds stop
+                strings (the chat template's end-of-turn token always stops);
+                ``cache_key`` keeps and reuses the KV cache under that key; ``on_text``
+                gets each piece as it is decoded; ``cancel`` stops early;
+                ``max_prompt_tokens`` refuses a longer rendered prompt (checked on the
+                real token ids before the model runs).
 
         Raises:
             BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``,
                 or the prompt exceeds ``max_prompt_tokens``.
             DeviceOutOfMemory: the device ran out of memory (the cache was freed).
         """
+        request = GenerateRequest(max_new_tokens=max_new_tokens, **options)
         ids = self._counter.render_ids(messages)
-        if max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be >= 1")
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            raise BudgetError(f"rendered prompt has {len(ids)} tokens, over the budget's {max_prompt_tokens}")
-        if len(ids) + max_new_tokens > self.max_input_tokens:
-            raise BudgetError(
-                f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"input cap max_input_tokens={self.max_input_tokens}"
-            )
+        request.check_prompt(
+            len(ids),
+            input_cap=self.max_input_tokens,
+            cap_name=f"the input cap max_input_tokens={self.max_input_tokens}",
+        )
         call = KVCall(
             ids=ids,
             max_new_tokens=max_new_tokens,
-            timeout_s=timeout_s or self.timeout_s,
-            sampling=sampling,
-            stop=stop,
-            cache_key=cache_key,
-            on_text=on_text,
-            cancel=cancel,
+            timeout_s=request.timeout_s or self.timeout_s,
+            sampling=request.sampling,
+            stop=request.stop,
+            cache_key=request.cache_key,
+            on_text=request.on_text,
+            cancel=request.cancel,
         )
         run = self._kv.generate(call)
         text, reason = self._reply(
-            run.new_ids, max_new_tokens, stop, cancelled=run.cancelled, timed_out=run.timed_out
+            run.new_ids, max_new_tokens, request.stop, cancelled=run.cancelled, timed_out=run.timed_out
         )
         stats = GenerationStats.from_times(
             prompt_tokens=len(ids),

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypedDict, Unpack, cast
 
 from convo.budget import Budget, OversizePolicy
 from convo.engines.base import (
@@ -208,6 +208,35 @@ def incoming_messages(content: str | MessageLike | Sequence[MessageLike]) -> lis
             "and generate with reply()"
         )
     return messages
+
+
+class TurnOptions(TypedDict, total=False):
+    """The keyword arguments of a turn (:meth:`Session.send`, :meth:`Session.reply`,
+    :meth:`Session.asend`, and the streams):
+
+    * ``sampling``: decoding settings (default: the session's);
+    * ``timeout_s``: wall-clock limit of the generate call (default: the session's);
+    * ``on_text``: called with each new piece of the reply;
+    * ``cancel``: a ``threading.Event``; set it to stop generation early;
+    * ``stop``: strings that end the reply where they first appear (not part of it).
+    """
+
+    sampling: Sampling | None
+    timeout_s: float | None
+    on_text: Any
+    cancel: threading.Event | None
+    stop: Sequence[str]
+
+
+@dataclass(frozen=True)
+class _TurnArgs:
+    """:class:`TurnOptions` with their defaults (an unknown keyword is a ``TypeError``)."""
+
+    sampling: Sampling | None = None
+    timeout_s: float | None = None
+    on_text: Any = None
+    cancel: threading.Event | None = None
+    stop: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -654,14 +683,7 @@ class Session:
 
     # -- turns -------------------------------------------------------------------------------
     def send(
-        self,
-        content: str | MessageLike | Sequence[MessageLike],
-        *,
-        sampling: Sampling | None = None,
-        timeout_s: float | None = None,
-        on_text: Any = None,
-        cancel: threading.Event | None = None,
-        stop: Sequence[str] = (),
+        self, content: str | MessageLike | Sequence[MessageLike], **options: Unpack[TurnOptions]
     ) -> Reply:
         """Send a user message (or tool results) and return the reply.
 
@@ -669,9 +691,10 @@ class Session:
             content: the user's text; or a message (a :class:`~convo.messages.Message` or
                 an OpenAI dict); or a list of them, e.g. the results of every tool an
                 assistant message called. The last one must be a user or tool message.
+            **options: :class:`TurnOptions` (``sampling``, ``timeout_s``, ``on_text``,
+                ``cancel``, ``stop``).
 
-        The messages are stored (all or none) before generation starts. ``stop``: strings
-        that end the reply where they first appear (they are not part of it).
+        The messages are stored (all or none) before generation starts.
 
         Raises:
             MessageError: a malformed message, a tool result answering no pending call,
@@ -681,11 +704,9 @@ class Session:
             DeviceOutOfMemory: out of memory even after one retry with a smaller plan
                 (the message stays stored; call :meth:`reply` to try again).
         """
+        args = _TurnArgs(**options)
         with self._held_turn():
-            started = time.monotonic()
-            self._commit(incoming_messages(content))
-            self._advance_window()
-            return self._reply(started, sampling, timeout_s, on_text, cancel, stop)
+            return self._reply(self._accept(content), args)
 
     def stream(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> TextStream[Reply]:
         """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
@@ -695,27 +716,26 @@ class Session:
         return TextStream(lambda **kw: self.send(content, **kw), kwargs)
 
     async def asend(
-        self,
-        content: str | MessageLike | Sequence[MessageLike],
-        *,
-        sampling: Sampling | None = None,
-        timeout_s: float | None = None,
-        on_text: Any = None,
-        cancel: threading.Event | None = None,
+        self, content: str | MessageLike | Sequence[MessageLike], **options: Unpack[TurnOptions]
     ) -> Reply:
         """:meth:`send` on the event loop.
 
-        The same turn as :meth:`send` (one planning core, :meth:`_reply_flow`); generation
+        The same turn as :meth:`send` (one planning core, :meth:`_turn`); generation
         is awaited through the engine's ``agenerate`` when it has one (``OpenAIEngine``:
         an ``httpx.AsyncClient``, no thread), else the engine's ``generate`` runs in a worker
         thread (a local model computes on its own device anyway). Turns of one session run
         one at a time, across threads and tasks.
         """
+        args = _TurnArgs(**options)
         async with self._turn_lock():
-            started = time.monotonic()
-            self._commit(incoming_messages(content))
-            self._advance_window()
-            return await self._areply(started, sampling, timeout_s, on_text, cancel)
+            return await self._areply(self._accept(content), args)
+
+    def _accept(self, content: str | MessageLike | Sequence[MessageLike]) -> float:
+        """Store the incoming messages of a turn (all or none); when the turn started."""
+        started = time.monotonic()
+        self._commit(incoming_messages(content))
+        self._advance_window()
+        return started
 
     def astream(
         self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any
@@ -740,77 +760,41 @@ class Session:
             finally:
                 self._lock.release()
 
-    def reply(
-        self,
-        *,
-        sampling: Sampling | None = None,
-        timeout_s: float | None = None,
-        on_text: Any = None,
-        cancel: threading.Event | None = None,
-        stop: Sequence[str] = (),
-    ) -> Reply:
+    def reply(self, **options: Unpack[TurnOptions]) -> Reply:
         """Generate the assistant's next message for the history as it stands.
 
         Use it after :meth:`add` (e.g. tool results) or to re-run a failed turn.
+        ``options``: :class:`TurnOptions`, as for :meth:`send`.
         """
+        args = _TurnArgs(**options)
         with self._held_turn():
-            return self._reply(time.monotonic(), sampling, timeout_s, on_text, cancel, stop)
+            return self._reply(time.monotonic(), args)
 
-    def _reply(
-        self,
-        started: float,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-        stop: Sequence[str] = (),
-    ) -> Reply:
+    def _reply(self, started: float, args: _TurnArgs) -> Reply:
         """Drive :meth:`_turn` with blocking calls."""
         turn = _TurnDriver(self._turn(started))
         while (step := turn.step) is not None:
-            turn.run(self._do_step, step, sampling, timeout_s, on_text, cancel, stop)
+            turn.run(self._do_step, step, args)
         return turn.result()
 
-    async def _areply(
-        self,
-        started: float,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-    ) -> Reply:
+    async def _areply(self, started: float, args: _TurnArgs) -> Reply:
         """:meth:`_reply`, awaiting each step (the same turn)."""
         turn = _TurnDriver(self._turn(started))
         while (step := turn.step) is not None:
-            await turn.arun(self._ado_step(step, sampling, timeout_s, on_text, cancel))
+            await turn.arun(self._ado_step(step, args))
         return turn.result()
 
-    def _do_step(
-        self,
-        step: _SummaryWait | PromptPlan,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-        stop: Sequence[str],
-    ) -> bool | Generation:
+    def _do_step(self, step: _SummaryWait | PromptPlan, args: _TurnArgs) -> bool | Generation:
         """One step of :meth:`_turn`, blocking: wait for the summary, or generate."""
         if isinstance(step, _SummaryWait):
             return step.job.wait(step.left)
-        return self._generate(step, sampling, timeout_s, on_text, cancel, stop)
+        return self._generate(step, args)
 
-    async def _ado_step(
-        self,
-        step: _SummaryWait | PromptPlan,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-    ) -> bool | Generation:
+    async def _ado_step(self, step: _SummaryWait | PromptPlan, args: _TurnArgs) -> bool | Generation:
         """:meth:`_do_step` on the event loop (the summary is waited for in a worker thread)."""
         if isinstance(step, _SummaryWait):
             return await asyncio.to_thread(step.job.wait, step.left)
-        return await self._agenerate(step, sampling, timeout_s, on_text, cancel)
+        return await self._agenerate(step, args)
 
     def _turn(self, started: float) -> Generator[_SummaryWait | PromptPlan, Any, Reply]:
         """One turn, without I/O: the summary waits (:meth:`_summary_waits`), then the
@@ -935,59 +919,32 @@ class Session:
         )
         return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
 
-    async def _agenerate(
-        self,
-        plan: PromptPlan,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-    ) -> Generation:
+    async def _agenerate(self, plan: PromptPlan, args: _TurnArgs) -> Generation:
         agenerate = getattr(self.engine, "agenerate", None)
         if agenerate is None:  # a synchronous engine: its own call, in a worker thread
-            return await asyncio.to_thread(self._generate, plan, sampling, timeout_s, on_text, cancel)
+            return await asyncio.to_thread(self._generate, plan, args)
         with self.summaries.replying():  # background summaries defer to replies
             result = await agenerate(
-                plan.messages,
-                max_new_tokens=self.budget.max_new_tokens,
-                **self._generate_options(plan, sampling, timeout_s, on_text, cancel, ()),
+                plan.messages, max_new_tokens=self.budget.max_new_tokens, **self._generate_options(plan, args)
             )
         return cast(Generation, result)
 
-    def _generate(
-        self,
-        plan: PromptPlan,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-        stop: Sequence[str] = (),
-    ) -> Generation:
+    def _generate(self, plan: PromptPlan, args: _TurnArgs) -> Generation:
         assert self.engine is not None
         with self.summaries.replying():  # background summaries defer to replies
             return self.engine.generate(
-                plan.messages,
-                max_new_tokens=self.budget.max_new_tokens,
-                **self._generate_options(plan, sampling, timeout_s, on_text, cancel, stop),
+                plan.messages, max_new_tokens=self.budget.max_new_tokens, **self._generate_options(plan, args)
             )
 
-    def _generate_options(
-        self,
-        plan: PromptPlan,
-        sampling: Sampling | None,
-        timeout_s: float | None,
-        on_text: Any,
-        cancel: threading.Event | None,
-        stop: Sequence[str],
-    ) -> GenerateOptions:
+    def _generate_options(self, plan: PromptPlan, args: _TurnArgs) -> GenerateOptions:
         """The engine's arguments for ``plan``, the session's defaults filled in."""
         return GenerateOptions(
-            timeout_s=timeout_s or self.timeout_s,
-            sampling=sampling or self.sampling,
+            timeout_s=args.timeout_s or self.timeout_s,
+            sampling=args.sampling or self.sampling,
             cache_key=self.id,
-            on_text=on_text,
-            cancel=cancel,
-            stop=tuple(stop),
+            on_text=args.on_text,
+            cancel=args.cancel,
+            stop=tuple(args.stop),
             # The engine checks the real token ids against the budget before the model runs.
             max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack
 
 from convo.budget import Budget, OversizePolicy
 from convo.errors import BudgetError, ConfigError, MessageError
@@ -455,17 +455,19 @@ def plan_prompt(
 EXACT_REPLAN_ATTEMPTS = 4
 
 
-def plan_checked(
-    *,
-    budget: Budget,
-    counter: TokenCounter,
-    turns: Sequence[Turn],
-    pinned: Sequence[Message] = (),
-    summary: str = "",
-    passages: Sequence[Passage] = (),
-    min_score: float = float("-inf"),
-    exact: bool = False,
-) -> PromptPlan:
+class PlanInputs(TypedDict, total=False):
+    """What :func:`plan_prompt` plans from, besides the budget (its arguments of the same
+    names; ``counter`` and ``turns`` are required)."""
+
+    counter: Required[TokenCounter]
+    turns: Required[Sequence[Turn]]
+    pinned: Sequence[Message]
+    summary: str
+    passages: Sequence[Passage]
+    min_score: float
+
+
+def plan_checked(*, budget: Budget, exact: bool = False, **inputs: Unpack[PlanInputs]) -> PromptPlan:
     """:func:`plan_prompt`, checked against the count of the rendered prompt.
 
     When the counter is not additive (or ``exact`` is set), the planned messages are
@@ -476,28 +478,22 @@ def plan_checked(
     exact count. Pure: no I/O.
 
     Args:
+        budget: the token budget.
         exact: re-count the rendered prompt even when the counter is additive.
-        (the others as in :func:`plan_prompt`)
+        **inputs: :class:`PlanInputs`, as for :func:`plan_prompt`.
 
     Raises:
         BudgetError: as :func:`plan_prompt`, or the prompt still does not fit after
             :data:`EXACT_REPLAN_ATTEMPTS` attempts.
     """
+    counter = inputs["counter"]
     held_back = 0
     for _ in range(EXACT_REPLAN_ATTEMPTS):
         try:
             b = budget if held_back == 0 else replace(budget, margin_tokens=budget.margin_tokens + held_back)
         except ConfigError as exc:
             raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
-        plan = plan_prompt(
-            budget=b,
-            counter=counter,
-            turns=turns,
-            pinned=pinned,
-            summary=summary,
-            passages=passages,
-            min_score=min_score,
-        )
+        plan = plan_prompt(budget=b, **inputs)
         # An additive counter's sum is exact (the engine re-checks the real length).
         count = plan.prompt_tokens if counter.additive and not exact else counter.count_prompt(plan.messages)
         if count <= budget.available_prompt_tokens:  # the margin stays free too

@@ -15,6 +15,7 @@ that needs no model is :class:`convo.testing.EchoEngine`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import queue
 import threading
@@ -498,25 +499,22 @@ class TextStream(Generic[T]):
         self._thread.start()
 
     def __iter__(self) -> Iterator[str]:
-        try:
-            while True:
-                item = self._queue.get()
-                if item is _END:
-                    break
+        with self._draining():
+            while (item := self._queue.get()) is not _END:
                 yield item
-        finally:
-            self.close()
-        if self.error is not None:
-            raise self.error
 
     async def aiter(self) -> AsyncIterator[str]:
         """Async iteration without blocking the event loop."""
-        try:
-            while True:
-                item = await asyncio.to_thread(self._queue.get)
-                if item is _END:
-                    break
+        with self._draining():
+            while (item := await asyncio.to_thread(self._queue.get)) is not _END:
                 yield item
+
+    @contextlib.contextmanager
+    def _draining(self) -> Iterator[None]:
+        """Around the iteration: the call is closed however it ends (a consumer that
+        stops early cancels it); once every chunk came, the call's error is raised."""
+        try:
+            yield
         finally:
             self.close()
         if self.error is not None:

@@ -346,28 +346,29 @@ class OpenAIEngine:
                     self._server_window = value
                     break
 
+    def _discover_unless(self, attribute: str) -> None:
+        """Ask ``/v1/models`` once, when ``attribute`` (what the caller needs) is unknown."""
+        if getattr(self, attribute) is None:
+            with self._lock:
+                if getattr(self, attribute) is None:
+                    self._discover()
+
     @property
     def model(self) -> str:
         """The served model's name (asked from ``/v1/models`` when not given)."""
-        if self._model is None:
-            with self._lock:
-                if self._model is None:
-                    self._discover()
+        self._discover_unless("_model")
         assert self._model is not None
         return self._model
 
     @property
     def server_context_window(self) -> int:
         """The server's context length in tokens (given, or read from ``/v1/models``)."""
+        self._discover_unless("_server_window")
         if self._server_window is None:
-            with self._lock:
-                if self._server_window is None:
-                    self._discover()
-            if self._server_window is None:
-                raise ConfigError(
-                    f"{self.base_url}/models does not say the context length; pass context_window="
-                    " (convo serve --engine-context N)"
-                )
+            raise ConfigError(
+                f"{self.base_url}/models does not say the context length; pass context_window="
+                " (convo serve --engine-context N)"
+            )
         return self._server_window
 
     def assume_context_window(self, tokens: int) -> None:

@@ -769,6 +769,29 @@ def _weight_bytes_meta(
                 continue
             seen.add(id(buf))
             ubytes += _round_alloc(buf.numel() * buf.element_size())
+    return _weight_report("meta", quant, dtype, qbytes, qparams, ubytes, uparams, largest)
+
+
+def _weight_report(
+    method: str,
+    quant: Quant,
+    dtype: DType,
+    qbytes: int,
+    qparams: int,
+    ubytes: int,
+    uparams: int,
+    largest: int,
+) -> WeightReport:
+    """The report of weights counted by ``method``: ``qparams`` quantized parameters in
+    ``qbytes``, ``uparams`` others in ``ubytes``, the largest quantized linear's
+    parameters. int4 loads the model dense, then quantizes linear by linear (freeing each
+    dense copy): its load peak is the dense model plus the temporaries of the first,
+    largest linear."""
+    load: dict[str, int] = {}
+    if quant is Quant.INT4:
+        dense = ubytes + _round_alloc(qparams * dtype.nbytes)
+        peak = dense + largest * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
+        load = {"loaded_bytes": dense, "load_peak_bytes": int(peak)}
     return WeightReport(
         total_bytes=qbytes + ubytes,
         quantized_params=qparams,
@@ -776,19 +799,9 @@ def _weight_bytes_meta(
         quantized_bytes=qbytes,
         unquantized_bytes=ubytes,
         largest_linear_params=largest,
-        method="meta",
-        **_int4_load(quant, qparams, ubytes, largest, dtype),
+        method=method,
+        **load,
     )
-
-
-def _int4_load(quant: Quant, qparams: int, ubytes: int, largest: int, dtype: DType) -> dict[str, int]:
-    """int4 loads the model dense, then quantizes linear by linear (freeing each dense
-    copy): the peak is the dense model plus the temporaries of the first, largest linear."""
-    if quant is not Quant.INT4:
-        return {}
-    dense = ubytes + _round_alloc(qparams * dtype.nbytes)
-    peak = dense + largest * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
-    return {"loaded_bytes": dense, "load_peak_bytes": int(peak)}
 
 
 def _weight_bytes_analytic(
@@ -820,16 +833,7 @@ def _weight_bytes_analytic(
             qparams += o * n
             largest = max(largest, o * n)
     ubytes = _round_alloc(uparams * elem)
-    return WeightReport(
-        total_bytes=qbytes + ubytes,
-        quantized_params=qparams,
-        unquantized_params=uparams,
-        quantized_bytes=qbytes,
-        unquantized_bytes=ubytes,
-        largest_linear_params=largest,
-        method="analytic",
-        **_int4_load(quant, qparams, ubytes, largest, dtype),
-    )
+    return _weight_report("analytic", quant, dtype, qbytes, qparams, ubytes, uparams, largest)
 
 
 # The CUDA caching allocator: blocks <= 1 MiB come from 2 MiB segments, < 10 MiB from

@@ -1,15 +1,45 @@
-"""What the GPU benchmarks share: environment info for the JSON, device sync, a bitsandbytes
-nf4 stock model, one timed round through the decode scheduler, and matplotlib (or None)."""
+"""What the GPU benchmarks share: a stderr log, the device and a random-weight model,
+environment info for the JSON, device sync, a bitsandbytes nf4 stock model, one timed round
+through the decode scheduler, and matplotlib (or None)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 GiB = 1024**3
+
+
+def stderr_log(name: str) -> Callable[[str], None]:
+    """A benchmark's progress log: ``[name] message`` lines on stderr (stdout is the JSON)."""
+
+    def log(msg: str) -> None:
+        print(f"[{name}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def pick_device(model: str | None, cpu_model: str = "random:tiny-llama") -> tuple[bool, str, str]:
+    """``(gpu, device, model name)``: CUDA when there is one; the model asked for, else
+    ``random:llama-2-7b`` on CUDA and ``cpu_model`` on CPU."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    return gpu, "cuda" if gpu else "cpu", model or ("random:llama-2-7b" if gpu else cpu_model)
+
+
+def random_model(name: str, device: str) -> Any:
+    """The random-weight model ``name`` (``random:...``) on ``device``: unquantized, bf16 on
+    CUDA and fp32 on CPU, SDPA attention."""
+    from convo.planner.measure import build_random_model
+    from convo.planner.model import Attn, DType, Quant, load_config
+
+    dtype = DType.BF16 if device == "cuda" else DType.FP32
+    return build_random_model(load_config(name), quant=Quant.NONE, dtype=dtype, attn=Attn.SDPA, device=device)
 
 
 def env_info(device: str) -> dict[str, Any]:

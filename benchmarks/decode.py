@@ -35,19 +35,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import decode_round, env_info, pyplot, sync, to_nf4
+from _common import decode_round, env_info, pick_device, pyplot, random_model, stderr_log, sync, to_nf4
 
 from convo.engines.base import GREEDY
 from convo.engines.transformers import TransformersEngine
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
-from convo.planner.measure import build_random_model
-from convo.planner.model import Attn, DType, MemoryModel, ModelShape, Quant, load_config, weight_bytes
+from convo.planner.measure import generate_exactly
+from convo.planner.model import DType, MemoryModel, ModelShape, Quant, weight_bytes
 
 GiB = 1 << 30
 
 
-def log(msg: str) -> None:
-    print(f"[decode] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("decode")
 
 
 def copy_bandwidth(device: str) -> float:
@@ -113,20 +112,11 @@ def run_stock(model: Any, batch: int, args: argparse.Namespace, vocab: int, devi
     import torch
 
     ids = torch.tensor(prompts(batch, args.prompt_tokens, vocab), device=device)
-    mask = torch.ones_like(ids)
 
     def gen(n: int) -> float:
         sync(device)
         t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
+        generate_exactly(model, ids, n)
         sync(device)
         return time.perf_counter() - t
 
@@ -160,9 +150,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
-    name = args.model or ("random:llama-2-7b" if gpu else "default")
+    gpu, device, name = pick_device(args.model, cpu_model="default")
     batches = [int(b) for b in (args.batch or ("1,4,16" if gpu else "1,4")).split(",")]
     args.prompt_tokens = args.prompt_tokens or (512 if gpu else 128)
     args.new_tokens = args.new_tokens or (128 if gpu else 24)
@@ -176,10 +164,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if name.startswith("random:"):
-        cfg = load_config(name)
-        model = build_random_model(
-            cfg, quant=Quant.NONE, dtype=DType.BF16 if gpu else DType.FP32, attn=Attn.SDPA, device=device
-        )
+        model = random_model(name, device)
     else:
         model = TransformersEngine(name if name != "default" else None, device=device, kv_slots=0,
                                    quant="bf16" if gpu else "fp32").model  # fmt: skip

@@ -27,17 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
+from _common import pick_device, random_model, stderr_log
+
 from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder
-from convo.planner.measure import build_random_model
-from convo.planner.model import Attn, DType, Quant, load_config
 
 #: Issue 11: the running streams' p95 inter-token gap under arrivals, in steady steps.
 TARGET_RATIO = 3.0
 
 
-def log(msg: str) -> None:
-    print(f"[interleave] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("interleave")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -65,16 +64,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
-    name = args.model or ("random:llama-2-7b" if gpu else "random:tiny-llama")
-    model = build_random_model(
-        load_config(name),
-        quant=Quant.NONE,
-        dtype=DType.BF16 if gpu else DType.FP32,
-        attn=Attn.SDPA,
-        device=device,
-    )
+    gpu, device, name = pick_device(args.model)
+    model = random_model(name, device)
     slots = args.streams + 8
     t = time.perf_counter()
     dec = StaticDecoder(

@@ -40,20 +40,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import env_info, pyplot, sync, to_nf4
+from _common import env_info, pick_device, pyplot, random_model, stderr_log, sync, to_nf4
 
 from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, PrefillChunk, StaticDecoder
 from convo.fast.int4 import Int4Linear
-from convo.planner.measure import build_random_model
-from convo.planner.model import Attn, DType, Quant, load_config
 
 #: Share of stock bf16 + SDPA prefill throughput that the int4 and nf4 paths aim for (issue 11).
 TARGET_FRACTION = 0.8
 
 
-def log(msg: str) -> None:
-    print(f"[prefill] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("prefill")
 
 
 def timed(fn: Any, device: str, warmup: int, repeats: int) -> float:
@@ -84,9 +81,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
-    name = args.model or ("random:llama-2-7b" if gpu else "random:tiny-llama")
+    gpu, device, name = pick_device(args.model)
     try:
         import bitsandbytes  # noqa: F401
 
@@ -100,11 +95,8 @@ def main() -> None:
     paths = args.paths.split(",") if args.paths else all_paths
     if not has_bnb:
         paths = [x for x in paths if "nf4" not in x]
-    dtype = DType.BF16 if gpu else DType.FP32
     t0 = time.perf_counter()
-    model = build_random_model(
-        load_config(name), quant=Quant.NONE, dtype=dtype, attn=Attn.SDPA, device=device
-    )
+    model = random_model(name, device)
     tdtype = next(model.parameters()).dtype
     vocab = int(model.config.vocab_size)
     log(f"{name} on {device} in {time.perf_counter() - t0:.1f}s; paths {paths}")

@@ -95,6 +95,23 @@ def build_random_model(
     return model
 
 
+def generate_exactly(model: Any, ids: Any, new_tokens: int) -> None:
+    """Stock Hugging Face ``model.generate``: exactly ``new_tokens`` greedy tokens after each
+    row of ``ids`` (no early stop, no padding), as the memory measurement and the decode
+    benchmark time it."""
+    import torch
+
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
 def measure_cells(
     model: Any,
     *,
@@ -122,48 +139,40 @@ def measure_cells(
     out: list[MeasuredCell] = []
     gen = torch.Generator(device="cpu").manual_seed(0)
 
+    def cell(
+        ctx: int, conc: int, allocated: int | None, reserved: int | None, seconds: float
+    ) -> MeasuredCell:
+        """A cell's record; no allocated peak: out of memory."""
+        return MeasuredCell(
+            context=ctx,
+            concurrency=conc,
+            new_tokens=new_tokens,
+            peak_allocated_bytes=allocated,
+            peak_reserved_bytes=reserved,
+            seconds=seconds,
+            oom=allocated is None,
+        )
+
     def one(ctx: int, conc: int) -> MeasuredCell:
         prompt = max(ctx - new_tokens, 1)
         ids = torch.randint(3, vocab, (conc, prompt), generator=gen).to(dev)
-        mask = torch.ones_like(ids)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        allocated: int | None = None
         try:
-            with torch.inference_mode():
-                model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+            generate_exactly(model, ids, new_tokens)
             torch.cuda.synchronize()
-            cell = MeasuredCell(
-                context=ctx,
-                concurrency=conc,
-                new_tokens=new_tokens,
-                peak_allocated_bytes=int(torch.cuda.max_memory_allocated()),
-                peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
-                seconds=time.perf_counter() - t0,
-                oom=False,
-            )
+            allocated = int(torch.cuda.max_memory_allocated())
         except torch.OutOfMemoryError:
-            cell = MeasuredCell(
-                context=ctx,
-                concurrency=conc,
-                new_tokens=new_tokens,
-                peak_allocated_bytes=None,
-                peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
-                seconds=time.perf_counter() - t0,
-                oom=True,
-            )
-        del ids, mask
+            pass
+        seconds = time.perf_counter() - t0
+        reserved = int(torch.cuda.max_memory_reserved())
+        del ids
         gc.collect()
         torch.cuda.empty_cache()
-        return cell
+        return cell(ctx, conc, allocated, reserved, seconds)
 
     one(64 + new_tokens, 1)  # warm-up: cuBLAS handles, kernels
     for ctx in contexts:
@@ -172,24 +181,16 @@ def measure_cells(
             if (
                 skip_above_bytes is not None
                 and pred is not None
-                and (pred.peak_reserved_bytes > 1.3 * skip_above_bytes)
+                and pred.peak_reserved_bytes > 1.3 * skip_above_bytes
             ):
-                cell = MeasuredCell(
-                    context=ctx,
-                    concurrency=conc,
-                    new_tokens=new_tokens,
-                    peak_allocated_bytes=None,
-                    peak_reserved_bytes=None,
-                    seconds=0.0,
-                    oom=True,
-                )
+                out.append(cell(ctx, conc, None, None, 0.0))  # (marked OOM)
             else:
-                cell = one(ctx, conc)
-            out.append(cell)
+                out.append(one(ctx, conc))
+            measured = out[-1]
             if log is not None:
                 log(
-                    f"measured {ctx}x{conc}: alloc={cell.peak_allocated_bytes} "
-                    f"reserved={cell.peak_reserved_bytes} oom={cell.oom} {cell.seconds:.1f}s"
+                    f"measured {ctx}x{conc}: alloc={measured.peak_allocated_bytes} "
+                    f"reserved={measured.peak_reserved_bytes} oom={measured.oom} {measured.seconds:.1f}s"
                 )
     return out
 

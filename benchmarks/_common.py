@@ -8,6 +8,8 @@ import gc
 import os
 import platform
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +23,18 @@ def stderr_log(name: str) -> Callable[[str], None]:
         print(f"[{name}] {msg}", file=sys.stderr, flush=True)
 
     return log
+
+
+def run_in_threads(fn: Callable[[Any], object], items: Sequence[Any]) -> float:
+    """``fn(item)`` for every item, each in its own thread, all started together; the
+    seconds until the last one ended."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=fn, args=(item,)) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def pick_device(model: str | None, cpu_model: str = "random:tiny-llama") -> tuple[bool, str, str]:

@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import run_in_threads  # (the tests import this module as benchmarks.concurrency)
 from convo.admission import (
     AdmissionController,
     AdmissionLimits,
@@ -150,13 +151,8 @@ def run_plain_concurrent(model: Any, reqs: list[Request], runner: TinyRunner) ->
             else:
                 other += 1
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(r,)) for r in reqs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"completed": ok, "oom": ooms, "other_errors": other, "seconds": time.perf_counter() - t0}
+    seconds = run_in_threads(one, reqs)
+    return {"completed": ok, "oom": ooms, "other_errors": other, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,13 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed.append(f"{type(exc).__name__}: {exc}")
 
         runner.batches.clear()
-        t = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(r,)) for r in reqs]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        convo_s = time.perf_counter() - t
+        convo_s = run_in_threads(client, reqs)
     result["convo"] = {
         "completed": len(done),
         "failed": len(failed),

@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,7 @@ def run_convo(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
     )
     rng = random.Random(0)
     rows = []
-    for turn in range(1, args.turns + 1):
-        if time.monotonic() > deadline:
-            print(f"[turns] convo stopped at turn {turn} (--max-seconds)", file=sys.stderr)
-            break
+    for turn in turns_until(deadline, args.turns, "convo"):
         if turn > 1 and args.think_s:
             time.sleep(args.think_s)  # the user reads and types; background summaries run
         reply = session.send(user_turn(turn, args.user_words, rng))
@@ -145,6 +143,15 @@ class FirstToken:
         pass
 
 
+def turns_until(deadline: float, count: int, who: str) -> Iterator[int]:
+    """Turn numbers 1 to ``count``, until ``time.monotonic()`` passes ``deadline`` (logged)."""
+    for turn in range(1, count + 1):
+        if time.monotonic() > deadline:
+            print(f"[turns] {who} stopped at turn {turn} (--max-seconds)", file=sys.stderr)
+            return
+        yield turn
+
+
 def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: float) -> list[dict[str, Any]]:
     """Plain transformers: the whole history through the chat template into generate."""
     import torch
@@ -155,10 +162,7 @@ def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
     rng = random.Random(0)
     rows = []
-    for turn in range(1, args.naive_turns + 1):
-        if time.monotonic() > deadline:
-            print(f"[turns] naive stopped at turn {turn} (--max-seconds)", file=sys.stderr)
-            break
+    for turn in turns_until(deadline, args.naive_turns, "naive"):
         history.append({"role": "user", "content": user_turn(turn, args.user_words, rng)})
         text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]

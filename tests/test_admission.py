@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -200,10 +202,29 @@ def test_batcher_errors_reach_every_caller() -> None:
 
 @dataclass
 class Outcome:
+    """How the requests of a stress test ended (counted from any thread)."""
+
     ok: int = 0
     refused: int = 0
     timed_out: int = 0
     untyped: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def tally(self) -> Iterator[None]:
+        """Count how the block ends: ok, refused, timed out, or an untyped error (kept)."""
+        try:
+            yield
+            kind = "ok"
+        except QueueFullError as exc:
+            assert exc.retry_after_s >= 0
+            kind = "refused"
+        except QueueTimeoutError:
+            kind = "timed_out"
+        except Exception:
+            kind = "untyped"
+        with self.lock:
+            setattr(self, kind, getattr(self, kind) + 1)
 
 
 class FakeRunner:
@@ -222,6 +243,14 @@ class FakeRunner:
         assert self.ctl.running <= self.ctl.limits.max_concurrency
         time.sleep(0.001 * max(r.max_new_tokens for r in reqs) / 16)
         return [f"reply-{r.id}" for r in reqs]
+
+
+def _started_threads(client: Callable[[Request], None], reqs: list[Request]) -> list[threading.Thread]:
+    """A thread per request running ``client``, all started."""
+    threads = [threading.Thread(target=client, args=(r,)) for r in reqs]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def _mixed(rng: random.Random) -> Request:
@@ -254,30 +283,15 @@ def test_stress_threads() -> None:
     )
     runner = FakeRunner(ctl)
     out = Outcome()
-    lock = threading.Lock()
     rng = random.Random(0)
     reqs = [_mixed(rng) for _ in range(400)]
     with Batcher(runner, max_batch_size=8, batch_window_s=0.002) as batcher:
 
         def client(req: Request) -> None:
-            try:
-                with ctl.acquire(req):
-                    assert batcher.run(req) == f"reply-{req.id}"
-                kind = "ok"
-            except QueueFullError as exc:
-                assert exc.retry_after_s >= 0
-                kind = "refused"
-            except QueueTimeoutError:
-                kind = "timed_out"
-            except Exception:
-                kind = "untyped"
-            with lock:
-                setattr(out, kind, getattr(out, kind) + 1)
+            with out.tally(), ctl.acquire(req):
+                assert batcher.run(req) == f"reply-{req.id}"
 
-        threads = [threading.Thread(target=client, args=(r,)) for r in reqs]
-        for t in threads:
-            t.start()
-        for t in threads:
+        for t in _started_threads(client, reqs):
             t.join()
     _check(ctl, out, len(reqs), runner)
     assert max(batcher.batch_sizes) > 1  # concurrent requests were batched
@@ -310,16 +324,9 @@ def test_stress_asyncio() -> None:
             hb = asyncio.create_task(heartbeat())
 
             async def client(req: Request) -> None:
-                try:
+                with out.tally():
                     async with await ctl.acquire_async(req):
                         assert await batcher.run_async(req) == f"reply-{req.id}"
-                    out.ok += 1
-                except QueueFullError:
-                    out.refused += 1
-                except QueueTimeoutError:
-                    out.timed_out += 1
-                except Exception:
-                    out.untyped += 1
 
             await asyncio.gather(*(client(r) for r in reqs))
             hb.cancel()
@@ -340,31 +347,18 @@ def test_stress_tight_queue_refuses_typed() -> None:
     )
     runner = FakeRunner(ctl)
     out = Outcome()
-    lock = threading.Lock()
     rng = random.Random(2)
     reqs = [_mixed(rng) for _ in range(200)]
     reqs = [r for r in reqs if r.total_tokens <= 300]
 
     def client(req: Request) -> None:
-        try:
-            with ctl.acquire(req):
-                runner([req])
-            kind = "ok"
-        except QueueFullError:
-            kind = "refused"
-        except QueueTimeoutError:
-            kind = "timed_out"
-        except Exception:
-            kind = "untyped"
-        with lock:
-            setattr(out, kind, getattr(out, kind) + 1)
+        with out.tally(), ctl.acquire(req):
+            runner([req])
 
     # Both slots are taken while the burst arrives, so the small queues must overflow
     # whatever the scheduler does; then the slots free up and the queue drains.
     held = [ctl.acquire(Request(prompt_tokens=8, max_new_tokens=8)) for _ in range(2)]
-    threads = [threading.Thread(target=client, args=(r,)) for r in reqs]
-    for t in threads:
-        t.start()
+    threads = _started_threads(client, reqs)
     deadline = time.monotonic() + 10
     while ctl.waiting < 7 and time.monotonic() < deadline:
         time.sleep(0.01)

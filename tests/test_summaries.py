@@ -20,7 +20,7 @@ from conftest import FakeEngine
 from convo import Budget, Session
 from convo.messages import Message, Role
 from convo.store import MemoryStore, SessionState, SQLiteStore
-from convo.summarize import JobStatus, SummaryStatus, SummaryWorker
+from convo.summarize import JobStatus, SummaryJob, SummaryStatus, SummaryWorker
 
 WAIT = 10.0  # seconds a test waits for something that happens at once; a hang fails, not blocks
 
@@ -261,36 +261,31 @@ def test_a_crash_between_reply_and_summary_loses_nothing(fake_engine: FakeEngine
 
 def test_summaries_defer_to_replies_in_flight_but_never_starve() -> None:
     store = MemoryStore()
-    store.create(SessionState(session_id="s", evicted_turns=1))
-    worker = SummaryWorker(threads=1, max_defer_s=60.0)
     summ = GatedSummarizer(open_gate=True)
-    msgs = [Message(role=Role.USER, content="hello")]
+
+    def submit(worker: SummaryWorker, session_id: str) -> SummaryJob:
+        """A one-turn summary job for a new session ``session_id``."""
+        store.create(SessionState(session_id=session_id, evicted_turns=1))
+        msgs = [Message(role=Role.USER, content="hello")]
+        return worker.submit(
+            store=store,
+            session_id=session_id,
+            summarizer=summ,
+            previous="",
+            messages=msgs,
+            start=0,
+            end=1,
+            max_tokens=9,
+        )
+
+    worker = SummaryWorker(threads=1, max_defer_s=60.0)
     try:
         with worker.replying():
-            job = worker.submit(
-                store=store,
-                session_id="s",
-                summarizer=summ,
-                previous="",
-                messages=msgs,
-                start=0,
-                end=1,
-                max_tokens=9,
-            )
+            job = submit(worker, "s")
             assert not job.wait(0.3) and job.status is JobStatus.QUEUED  # a reply is generating
         assert job.wait(WAIT) and job.status is JobStatus.DONE  # the reply ended: it runs
-        store.create(SessionState(session_id="t", evicted_turns=1))
         with worker.replying():
-            job = worker.submit(
-                store=store,
-                session_id="t",
-                summarizer=summ,
-                previous="",
-                messages=msgs,
-                start=0,
-                end=1,
-                max_tokens=9,
-            )
+            job = submit(worker, "t")
             assert not job.wait(0.2)
             worker.promote(job)  # a turn waits for it: it goes now
             assert job.wait(WAIT) and job.status is JobStatus.DONE
@@ -298,18 +293,8 @@ def test_summaries_defer_to_replies_in_flight_but_never_starve() -> None:
         worker.close(wait=False)
     short = SummaryWorker(threads=1, max_defer_s=0.1)
     try:
-        store.create(SessionState(session_id="u", evicted_turns=1))
         with short.replying():  # replies never end: the summary starts after max_defer_s
-            job = short.submit(
-                store=store,
-                session_id="u",
-                summarizer=summ,
-                previous="",
-                messages=msgs,
-                start=0,
-                end=1,
-                max_tokens=9,
-            )
+            job = submit(short, "u")
             assert job.wait(WAIT) and job.status is JobStatus.DONE
     finally:
         short.close(wait=False)

@@ -21,6 +21,32 @@ from convo.tokens import CharCounter, TokenCounter
 FakeEngine = ScriptedEngine
 
 
+#: What every cell of ``convo plan --json`` has.
+PLAN_CELL_KEYS = frozenset(
+    (
+        "context",
+        "concurrency",
+        "kv_bytes",
+        "activation_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "safe",
+    )
+)
+
+
+def check_plan_json(data: dict[str, Any], *, cells: int, gpu_memory_bytes: int) -> None:
+    """The ``convo plan --json`` contract, for llama-2-7b in nf4 (the console command and
+    the in-process CLI answer alike): its geometry, and every cell's keys and peaks."""
+    assert data["kv_bytes_per_token"] == 524_288
+    assert data["weights_bytes"] / 2**30 == pytest.approx(3.6, rel=0.02)
+    assert len(data["cells"]) == cells
+    for cell in data["cells"]:
+        assert PLAN_CELL_KEYS <= set(cell)
+        assert cell["peak_reserved_bytes"] >= cell["peak_allocated_bytes"] > data["weights_bytes"]
+        assert cell["safe"] == (cell["peak_reserved_bytes"] <= gpu_memory_bytes)
+
+
 @pytest.fixture
 def counter() -> CharCounter:
     return CharCounter()

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import pytest
+from conftest import check_plan_json
 
 from convo.cli.plan import add_plan_arguments, run_plan_cli
 from convo.errors import ConfigError
@@ -198,22 +199,7 @@ def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["kv_bytes_per_token"] == 524_288
-    assert out["weights_bytes"] / GiB == pytest.approx(3.6, rel=0.02)
-    assert len(out["cells"]) == 9
-    keys = {
-        "context",
-        "concurrency",
-        "kv_bytes",
-        "activation_bytes",
-        "peak_allocated_bytes",
-        "peak_reserved_bytes",
-        "safe",
-    }
-    for cell in out["cells"]:
-        assert keys <= set(cell)
-        assert cell["peak_reserved_bytes"] >= cell["peak_allocated_bytes"] > out["weights_bytes"]
-        assert cell["safe"] == (cell["peak_reserved_bytes"] <= 24 * GiB)
+    check_plan_json(out, cells=9, gpu_memory_bytes=24 * GiB)
     assert out["max_safe_concurrency"]["1024"] == 16
     assert out["max_safe_concurrency"]["16384"] == 1
     assert out["max_safe_context"]["16"] == 1024

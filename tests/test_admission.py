@@ -272,19 +272,25 @@ def _check(ctl: AdmissionController, out: Outcome, n: int, runner: FakeRunner) -
     assert sum(refused.values()) == out.refused + out.timed_out  # type: ignore[union-attr]
 
 
-def test_stress_threads() -> None:
+def _stress_setup(
+    seed: int, *, max_queue_short: int, max_queue_long: int
+) -> tuple[AdmissionController, FakeRunner, Outcome, list[Request]]:
+    """A controller (2,000 KB, 8 at once, 20 s queue timeout) with these queues, its
+    checking runner, an empty tally and 400 mixed requests drawn from ``seed``."""
     ctl = controller(
         kv_budget_bytes=2000 * KB,
         max_concurrency=8,
-        max_queue_short=150,
-        max_queue_long=20,
+        max_queue_short=max_queue_short,
+        max_queue_long=max_queue_long,
         long_request_tokens=256,
         queue_timeout_s=20,
     )
-    runner = FakeRunner(ctl)
-    out = Outcome()
-    rng = random.Random(0)
-    reqs = [_mixed(rng) for _ in range(400)]
+    rng = random.Random(seed)
+    return ctl, FakeRunner(ctl), Outcome(), [_mixed(rng) for _ in range(400)]
+
+
+def test_stress_threads() -> None:
+    ctl, runner, out, reqs = _stress_setup(0, max_queue_short=150, max_queue_long=20)
     with Batcher(runner, max_batch_size=8, batch_window_s=0.002) as batcher:
 
         def client(req: Request) -> None:
@@ -298,18 +304,7 @@ def test_stress_threads() -> None:
 
 
 def test_stress_asyncio() -> None:
-    ctl = controller(
-        kv_budget_bytes=2000 * KB,
-        max_concurrency=8,
-        max_queue_short=300,
-        max_queue_long=80,
-        long_request_tokens=256,
-        queue_timeout_s=20,
-    )
-    runner = FakeRunner(ctl)
-    out = Outcome()
-    rng = random.Random(1)
-    reqs = [_mixed(rng) for _ in range(400)]
+    ctl, runner, out, reqs = _stress_setup(1, max_queue_short=300, max_queue_long=80)
 
     async def main() -> None:
         with Batcher(runner, max_batch_size=8, batch_window_s=0.002) as batcher:

@@ -69,6 +69,19 @@ def job_of(session: Session, worker: SummaryWorker):  # type: ignore[no-untyped-
     return job
 
 
+def summary_under_way(
+    engine: FakeEngine, worker: SummaryWorker, *, summary_wait_s: float
+) -> tuple[GatedSummarizer, Session]:
+    """A session (tight budget) whose next turn needs the summary of its first turns, which
+    has started and holds until ``summ.gate`` is set."""
+    summ = GatedSummarizer()
+    session = Session(engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=summary_wait_s)
+    for i in range(3):
+        session.send(f"turn {i} {BIG}")
+    assert summ.started.wait(WAIT)
+    return summ, session
+
+
 def test_reply_returns_and_is_stored_before_the_summary_runs(
     fake_engine: FakeEngine, worker: SummaryWorker
 ) -> None:
@@ -115,11 +128,7 @@ def test_next_turn_does_not_wait_when_the_unsummarized_turns_fit(
 def test_next_turn_waits_for_a_needed_summary_and_uses_it(
     fake_engine: FakeEngine, worker: SummaryWorker
 ) -> None:
-    summ = GatedSummarizer()
-    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=WAIT)
-    for i in range(3):
-        session.send(f"turn {i} {BIG}")
-    assert summ.started.wait(WAIT)
+    summ, session = summary_under_way(fake_engine, worker, summary_wait_s=WAIT)
     job = job_of(session, worker)
 
     def open_once_waited_for() -> None:  # the turn promotes the job when it starts to wait
@@ -144,11 +153,7 @@ def test_next_turn_waits_for_a_needed_summary_and_uses_it(
 def test_past_the_bound_the_turn_goes_on_within_the_budget(
     fake_engine: FakeEngine, worker: SummaryWorker
 ) -> None:
-    summ = GatedSummarizer()
-    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=0.2)
-    for i in range(3):
-        session.send(f"turn {i} {BIG}")
-    assert summ.started.wait(WAIT)
+    summ, session = summary_under_way(fake_engine, worker, summary_wait_s=0.2)
     t0 = time.monotonic()
     reply = session.send(f"turn 3 {BIG}")
     assert 0.15 <= reply.stats.summarize_s < 5.0 and time.monotonic() - t0 < 5.0
@@ -452,11 +457,7 @@ def test_asend_waits_for_the_summary_without_blocking_the_event_loop(
 ) -> None:
     import asyncio
 
-    summ = GatedSummarizer()
-    session = Session(fake_engine, budget=TIGHT, summarizer=summ, summaries=worker, summary_wait_s=WAIT)
-    for i in range(3):
-        session.send(f"turn {i} {BIG}")
-    assert summ.started.wait(WAIT)
+    summ, session = summary_under_way(fake_engine, worker, summary_wait_s=WAIT)
     job = job_of(session, worker)
 
     async def main() -> tuple[float, int]:

@@ -674,7 +674,9 @@ def fit(
         >>> plan.prompt_tokens + 64 <= 512, kept[0]["content"]
         (True, 'Be brief.')
     """
-    plan, originals = _fit(messages, budget, counter, summary, retriever, session_id)
+    plan, originals = _fit(
+        messages, budget=budget, counter=counter, summary=summary, retriever=retriever, session_id=session_id
+    )
     out = []
     for m in plan.messages:
         original = originals.get(id(m))
@@ -685,29 +687,33 @@ def fit(
     return Fitted(messages=out, plan=plan)
 
 
-def fit_plan(
-    messages: Sequence[MessageLike],
-    *,
-    budget: Budget,
-    counter: TokenCounter,
-    summary: str | None = None,
-    retriever: PassageSource | None = None,
-    session_id: str = "",
-) -> PromptPlan:
+class FitArgs(TypedDict, total=False):
+    """The keyword arguments of :func:`fit` and :func:`fit_plan` (``budget`` and
+    ``counter`` are required; see :func:`fit`)."""
+
+    budget: Required[Budget]
+    counter: Required[TokenCounter]
+    summary: str | None
+    retriever: PassageSource | None
+    session_id: str
+
+
+def fit_plan(messages: Sequence[MessageLike], **kwargs: Unpack[FitArgs]) -> PromptPlan:
     """:func:`fit`, returning only the plan: its ``messages`` are :class:`Message` objects,
     the very objects passed in for those kept unchanged (adapters map them back to their
-    own message types by identity)."""
-    return _fit(messages, budget, counter, summary, retriever, session_id)[0]
+    own message types by identity). The arguments are :func:`fit`'s."""
+    return _fit(messages, **kwargs)[0]
 
 
 def _fit(
-    messages: Sequence[MessageLike],
-    budget: Budget,
-    counter: TokenCounter,
-    summary: str | None,
-    retriever: PassageSource | None,
-    session_id: str,
+    messages: Sequence[MessageLike], **kwargs: Unpack[FitArgs]
 ) -> tuple[PromptPlan, dict[int, Mapping[str, Any]]]:
+    unknown = kwargs.keys() - FitArgs.__annotations__.keys()
+    if unknown:  # (as a signature would)
+        raise TypeError(f"fit() got unexpected keyword arguments {sorted(unknown)}")
+    budget, counter = kwargs["budget"], kwargs["counter"]
+    summary, retriever = kwargs.get("summary"), kwargs.get("retriever")
+    session_id = kwargs.get("session_id", "")
     if not isinstance(budget, Budget):
         raise ConfigError(f"fit() needs budget=Budget(...), got {type(budget).__name__}")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes, Mapping)):

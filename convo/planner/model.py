@@ -1205,8 +1205,34 @@ class MemoryModel:
             batch=concurrency,
             decode_above=decode,
         )
+        return self._cell(
+            context, concurrency, prompt, new, memory_bytes, kv=kv, activations=above - kv,
+            reserved_above=reserved_above, phase=phase,
+        )  # fmt: skip
+
+    def _cell(
+        self,
+        context: int,
+        concurrency: int,
+        prompt: int,
+        new: int,
+        memory_bytes: int | None,
+        *,
+        kv: int,
+        activations: int,
+        reserved_above: float,
+        phase: str,
+        **slots: int,
+    ) -> CellPrediction:
+        """A cell's prediction from its bytes above the weights: ``kv`` and ``activations``
+        allocated, ``reserved_above`` reserved (the weights' reserve is added here); whether
+        it is safe under ``memory_bytes`` (peak reserved fits, and the weights' load peak
+        too) and the headroom left. ``slots``: the slot fields of a static-decoder cell."""
         weights = self.weights.total_bytes
         reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
+        safe = None
+        if memory_bytes is not None:
+            safe = reserved <= memory_bytes and self.weights.load_peak_bytes <= memory_bytes
         return CellPrediction(
             context=context,
             concurrency=concurrency,
@@ -1214,18 +1240,14 @@ class MemoryModel:
             new_tokens=new,
             weights_bytes=weights,
             kv_bytes=kv,
-            activation_bytes=above - kv,
-            peak_allocated_bytes=weights + above,
+            activation_bytes=activations,
+            peak_allocated_bytes=weights + kv + activations,
             peak_reserved_bytes=reserved,
             phase=phase,
-            safe=self._fits(reserved, memory_bytes),
+            safe=safe,
             headroom_bytes=None if memory_bytes is None else memory_bytes - reserved,
+            **slots,
         )
-
-    def _fits(self, reserved: int, memory_bytes: int | None) -> bool | None:
-        if memory_bytes is None:
-            return None
-        return reserved <= memory_bytes and self.weights.load_peak_bytes <= memory_bytes
 
     def _predict_slots(
         self,
@@ -1268,26 +1290,11 @@ class MemoryModel:
         slot_view = 2 * context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
         mask = chunk * context
         graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + mask + slot_view)
-        weights = self.weights.total_bytes
-        reserved_above = pool + graphs + prefill * self.calibration.prefill_reserved_ratio
-        reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
-        return CellPrediction(
-            context=context,
-            concurrency=concurrency,
-            prompt_tokens=prompt,
-            new_tokens=new,
-            weights_bytes=weights,
-            kv_bytes=pool,
-            activation_bytes=prefill + graphs,
-            peak_allocated_bytes=weights + pool + prefill + graphs,
-            peak_reserved_bytes=reserved,
-            phase="slots",
-            safe=self._fits(reserved, memory_bytes),
-            headroom_bytes=None if memory_bytes is None else memory_bytes - reserved,
-            kv_slots=kv_slots,
-            running=running,
-            queued=concurrency - running,
-        )
+        return self._cell(
+            context, concurrency, prompt, new, memory_bytes, kv=pool, activations=prefill + graphs,
+            reserved_above=pool + graphs + prefill * self.calibration.prefill_reserved_ratio,
+            phase="slots", kv_slots=kv_slots, running=running, queued=concurrency - running,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,7 +57,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from convo.engines.base import INT4_GROUP_SIZE, Quant
 from convo.errors import ConfigError
@@ -879,6 +879,17 @@ def kv_generations(bytes_per_token: float, prompt_tokens: int, new_tokens: int) 
 # --------------------------------------------------------------------------------------
 
 
+class _Cell(NamedTuple):
+    """A cell asked of :meth:`MemoryModel.predict`: its requests' shape, and the device
+    memory it must fit (``None``: not checked)."""
+
+    context: int
+    concurrency: int
+    prompt: int
+    new: int
+    memory_bytes: int | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CellPrediction:
     """Predicted peak of ``concurrency`` requests of ``context`` tokens each.
@@ -1176,16 +1187,9 @@ class MemoryModel:
             raise ConfigError("context and concurrency must be positive, new_tokens >= 0")
         new = min(new_tokens, context - 1)
         prompt = context - new
+        cell = _Cell(context, concurrency, prompt, new, memory_bytes)
         if kv_slots is not None:
-            return self._predict_slots(
-                context=context,
-                concurrency=concurrency,
-                prompt=prompt,
-                new=new,
-                memory_bytes=memory_bytes,
-                kv_slots=kv_slots,
-                step_tokens=step_tokens,
-            )
+            return self._predict_slots(cell, kv_slots, step_tokens)
         kv_dt = self.kv_dtype
         kv_prefill = self.shape.kv_bytes(prompt, concurrency, kv_dt, cap_windows=False)
         prefill = kv_prefill + self.prefill_activation_bytes(prompt, concurrency)
@@ -1205,39 +1209,28 @@ class MemoryModel:
             batch=concurrency,
             decode_above=decode,
         )
-        return self._cell(
-            context, concurrency, prompt, new, memory_bytes, kv=kv, activations=above - kv,
-            reserved_above=reserved_above, phase=phase,
-        )  # fmt: skip
+        return self._prediction(
+            cell, kv=kv, activations=above - kv, reserved_above=reserved_above, phase=phase
+        )
 
-    def _cell(
-        self,
-        context: int,
-        concurrency: int,
-        prompt: int,
-        new: int,
-        memory_bytes: int | None,
-        *,
-        kv: int,
-        activations: int,
-        reserved_above: float,
-        phase: str,
-        **slots: int,
+    def _prediction(
+        self, cell: _Cell, *, kv: int, activations: int, reserved_above: float, phase: str, **slots: int
     ) -> CellPrediction:
         """A cell's prediction from its bytes above the weights: ``kv`` and ``activations``
         allocated, ``reserved_above`` reserved (the weights' reserve is added here); whether
-        it is safe under ``memory_bytes`` (peak reserved fits, and the weights' load peak
-        too) and the headroom left. ``slots``: the slot fields of a static-decoder cell."""
+        it is safe under the cell's ``memory_bytes`` (peak reserved fits, and the weights'
+        load peak too) and the headroom left. ``slots``: a static-decoder cell's fields."""
         weights = self.weights.total_bytes
         reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
+        memory_bytes = cell.memory_bytes
         safe = None
         if memory_bytes is not None:
             safe = reserved <= memory_bytes and self.weights.load_peak_bytes <= memory_bytes
         return CellPrediction(
-            context=context,
-            concurrency=concurrency,
-            prompt_tokens=prompt,
-            new_tokens=new,
+            context=cell.context,
+            concurrency=cell.concurrency,
+            prompt_tokens=cell.prompt,
+            new_tokens=cell.new,
             weights_bytes=weights,
             kv_bytes=kv,
             activation_bytes=activations,
@@ -1249,17 +1242,7 @@ class MemoryModel:
             **slots,
         )
 
-    def _predict_slots(
-        self,
-        *,
-        context: int,
-        concurrency: int,
-        prompt: int,
-        new: int,
-        memory_bytes: int | None,
-        kv_slots: int,
-        step_tokens: int | None,
-    ) -> CellPrediction:
+    def _predict_slots(self, cell: _Cell, kv_slots: int, step_tokens: int | None) -> CellPrediction:
         """The static decoder: weights + the slot pool + one step's prefill activations
         (the running turns' prompts, up to ``step_tokens`` tokens in one forward, with one
         dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
@@ -1279,21 +1262,21 @@ class MemoryModel:
         if kv_slots < 1 or step_tokens < 1:
             raise ConfigError("kv_slots and step_tokens must be >= 1")
         s = self.shape
-        pool = self.kv_pool_bytes(kv_slots, context)
-        running = min(concurrency, kv_slots)
-        tokens = min(step_tokens, running * prompt)
+        pool = self.kv_pool_bytes(kv_slots, cell.context)
+        running = min(cell.concurrency, kv_slots)
+        tokens = min(step_tokens, running * cell.prompt)
         prefill = int(tokens * self.act_bytes_per_token()) + self.workspace_bytes()
         buckets = [1 << i for i in range(max(kv_slots - 1, 0).bit_length() + 1)]
         per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
         graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
-        chunk = min(PREFILL_GRAPH_TOKENS, context)
-        slot_view = 2 * context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
-        mask = chunk * context
+        chunk = min(PREFILL_GRAPH_TOKENS, cell.context)
+        slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
+        mask = chunk * cell.context
         graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + mask + slot_view)
-        return self._cell(
-            context, concurrency, prompt, new, memory_bytes, kv=pool, activations=prefill + graphs,
+        return self._prediction(
+            cell, kv=pool, activations=prefill + graphs,
             reserved_above=pool + graphs + prefill * self.calibration.prefill_reserved_ratio,
-            phase="slots", kv_slots=kv_slots, running=running, queued=concurrency - running,
+            phase="slots", kv_slots=kv_slots, running=running, queued=cell.concurrency - running,
         )  # fmt: skip
 
 

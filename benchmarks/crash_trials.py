@@ -50,6 +50,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from convo.testing import wait_until_serving
+
 
 @dataclass
 class Ack:
@@ -83,7 +85,6 @@ def free_port() -> int:
 
 
 def start_server(store_args: list[str], delay_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "convo.cli", "serve", "--port", str(port), *store_args]
@@ -91,17 +92,10 @@ def start_server(store_args: list[str], delay_s: float) -> tuple[subprocess.Pope
     env = {**os.environ, "CONVO_FAKE_ENGINE": "1", "CONVO_FAKE_DELAY_S": str(delay_s)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"convo serve did not start: {' '.join(cmd)}")
-        time.sleep(0.05)
+    if not wait_until_serving(f"{base}/health", proc, timeout_s=120):
+        proc.kill()
+        raise SystemExit(f"convo serve did not start: {' '.join(cmd)}")
+    return proc, base
 
 
 def one_turn(client: Any, base: str, sid: str, text: str, stream: bool) -> tuple[str, int | None]:

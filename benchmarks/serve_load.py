@@ -54,6 +54,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from convo.testing import wait_until_serving
+
 WORDS = (
     "the tide came in slowly over the harbour while we argued about the budget for the "
     "new boat and whether the engine would survive another winter on the north coast"
@@ -639,7 +641,6 @@ def _engine_label(args: argparse.Namespace) -> str:
 
 def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Start the server process with ``args``, run the load, stop it: (summary, raw, startup s)."""
-    import httpx
 
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="convo-load-")
@@ -666,15 +667,8 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() - started > 600:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
+        if not wait_until_serving(f"{base}/health", proc, timeout_s=600):
+            raise SystemExit("the server did not start")
         startup_s = time.monotonic() - started
         res = asyncio.run(run(args, base, proc.pid))
     finally:

@@ -565,24 +565,28 @@ class SQLiteStore(Store):
 # the lock key no longer holds that token, i.e. the lease expired and may be someone else's.
 # Every fenced script starts with that check (ARGV[1]: the token, '' for an unfenced write;
 # the last key: the lock key); those that write into a session then refuse (0) a missing one.
-_R_FENCE = """
-if ARGV[1] ~= '' and redis.call('GET', KEYS[#KEYS]) ~= ARGV[1] then return -1 end
-"""
-_R_EXISTING = _R_FENCE + """if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-"""
-_R_CREATE = _R_FENCE + """if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+_R_FENCE = "if ARGV[1] ~= '' and redis.call('GET', KEYS[#KEYS]) ~= ARGV[1] then return -1 end"
+_R_EXISTING = f"""{_R_FENCE}
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end"""
+_R_CREATE = f"""
+{_R_FENCE}
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local n = tonumber(ARGV[3])
 for i = 1, n do redis.call('RPUSH', KEYS[3], ARGV[3 + i]) end
 redis.call('HSET', KEYS[1], unpack(ARGV, n + 4))
 redis.call('SADD', KEYS[2], ARGV[2])
 return 1
 """
-_R_APPEND = _R_EXISTING + """local n = tonumber(ARGV[2])
+_R_APPEND = f"""
+{_R_EXISTING}
+local n = tonumber(ARGV[2])
 for i = 1, n do redis.call('RPUSH', KEYS[2], ARGV[2 + i]) end
 redis.call('HSET', KEYS[1], unpack(ARGV, n + 3))
 return 1
 """
-_R_SAVE = _R_EXISTING + """redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+_R_SAVE = f"""
+{_R_EXISTING}
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
 _R_SUMMARY = """
@@ -591,7 +595,9 @@ if redis.call('HGET', KEYS[1], 'summarized_turns') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'summary', ARGV[2], 'summarized_turns', ARGV[3], 'updated_at', ARGV[4])
 return 1
 """
-_R_DELETE = _R_FENCE + """local n = redis.call('DEL', KEYS[1])
+_R_DELETE = f"""
+{_R_FENCE}
+local n = redis.call('DEL', KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('SREM', KEYS[3], ARGV[2])
 return n

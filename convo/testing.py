@@ -6,6 +6,7 @@
 * :class:`ScriptedEngine` answers ``reply {n}`` (or ``reply_fn(messages)``), records every
   prompt and can be told to fail, to test session logic around errors.
 * :class:`~convo.tokens.CharCounter` counts one token per character.
+* :func:`wait_until_serving` waits for a ``convo serve`` started in a subprocess.
 
 Example::
 
@@ -18,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +30,27 @@ from convo.errors import BudgetError
 from convo.messages import Message, Role
 from convo.tokens import CharCounter, TokenCounter
 
-__all__ = ["CharCounter", "EchoEngine", "ScriptedEngine"]
+__all__ = ["CharCounter", "EchoEngine", "ScriptedEngine", "wait_until_serving"]
+
+#: How often :func:`wait_until_serving` asks, in seconds.
+SERVING_POLL_S = 0.1
+
+
+def wait_until_serving(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> bool:
+    """Ask ``url`` (e.g. a server's ``/health``) until it answers 200: ``True``; or until
+    ``proc``, the server's process, exits or ``timeout_s`` pass: ``False``. Needs httpx."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(SERVING_POLL_S)
 
 
 class _ModelFree:

@@ -25,6 +25,7 @@ from convo.engines.base import FinishReason
 from convo.engines.openai import OpenAIEngine, RetryPolicy, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
+from convo.testing import wait_until_serving
 
 USER = [Message(role=Role.USER, content="hello there")]
 
@@ -224,19 +225,11 @@ def process(cmd: list[str], ready_url: str, env: dict[str, str], timeout_s: floa
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    if httpx.get(ready_url, timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    proc.wait()
-                    log.seek(0)
-                    raise AssertionError(f"{cmd[:4]} did not start: {log.read().decode()[-2000:]}")
-                time.sleep(0.1)
+            if not wait_until_serving(ready_url, proc, timeout_s):
+                proc.kill()
+                proc.wait()
+                log.seek(0)
+                raise AssertionError(f"{cmd[:4]} did not start: {log.read().decode()[-2000:]}")
             yield
         finally:
             proc.terminate()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -195,6 +196,22 @@ def test_budget_is_checked_before_the_request_and_margin_is_documented() -> None
         engine.generate(USER, max_new_tokens=16, max_prompt_tokens=2)
     with pytest.raises(ConfigError):
         OpenAIEngine("localhost:8000")
+
+
+def test_generate_takes_the_engine_keywords_and_no_others() -> None:
+    """The keyword signature every engine shares (GenerateOptions): an unknown keyword is a
+    TypeError, a reply cap below 1 a ConfigError, sync and async alike; nothing is sent."""
+    sent: list[httpx.Request] = []
+    engine = mock_engine(lambda r: sent.append(r) or httpx.Response(200, json=ok_body("x")))
+    with pytest.raises(TypeError):
+        engine.generate(USER, max_new_tokens=8, temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError):
+        engine.generate(USER, max_new_tokens=0)
+    with pytest.raises(TypeError):
+        asyncio.run(engine.agenerate(USER, max_new_tokens=8, cache=None))  # type: ignore[call-arg]
+    assert not sent
+    out = engine.generate(USER, max_new_tokens=8, stop=["\n"], cache_key="s", timeout_s=5)
+    assert out.text == "x" and json.loads(sent[0].content)["stop"] == ["\n"]
 
 
 def test_retry_policy_and_retry_after_parsing() -> None:

@@ -244,3 +244,19 @@ def test_when_the_token_budget_binds_turns_leave_in_batches(
             extends.append(cur[: len(prev)] == prev)
     # Without batching every turn past the first few would restart the prompt.
     assert sum(extends[10:]) >= len(extends[10:]) // 2
+
+
+def test_turn_keywords_are_checked_before_anything_is_stored() -> None:
+    """send/reply/asend share one set of keywords (TurnOptions): an unknown one is a
+    TypeError before the message is stored; ``stop`` ends the reply in send and asend alike."""
+    from convo.testing import EchoEngine
+
+    session = Session(EchoEngine(), budget=Budget(context_tokens=2048, max_new_tokens=32))
+    with pytest.raises(TypeError):
+        session.send("hello", stops=["x"])  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        session.reply(sampler=None)  # type: ignore[call-arg]
+    assert session.messages == []
+    assert session.send("hello there", stop=[" there"]).text == "heard 1: hello"
+    reply = asyncio.run(session.asend("hi again", stop=[" again"]))
+    assert reply.text == "heard 3: hi"

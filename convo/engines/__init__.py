@@ -12,7 +12,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from convo._deprecated import lazy
-from convo.engines.base import Engine, FinishReason, Generation, GenerationStats, Quant, Sampling
+from convo.engines.base import (
+    Engine,
+    FinishReason,
+    GenerateOptions,
+    GenerateRequest,
+    Generation,
+    GenerationStats,
+    Quant,
+    Sampling,
+)
 
 if TYPE_CHECKING:
     from convo.engines.openai import OpenAIEngine
@@ -21,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Engine",
     "FinishReason",
+    "GenerateOptions",
+    "GenerateRequest",
     "Generation",
     "GenerationStats",
     "OpenAIEngine",

@@ -146,12 +146,18 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
 # -- the decoder against transformers ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_decoder_matches_transformers_forward(model_type: str) -> None:
+def with_reference(model_type: str, *, tokens: int, seed: int) -> tuple[Any, list[int], Any]:
+    """A tiny random model, ``tokens`` random ids and transformers' logits after each."""
     model = tiny_model(model_type)
-    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
+    return model, ids, ref
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_decoder_matches_transformers_forward(model_type: str) -> None:
+    model, ids, ref = with_reference(model_type, tokens=40, seed=2)
     dec = StaticDecoder(model, slots=3, slot_tokens=64, prefill_chunk_tokens=7)
     dec.warmup()
     # q/k/v are fused without a second copy: the model's modules view the fused weight.
@@ -182,10 +188,7 @@ def test_decoder_matches_transformers_forward(model_type: str) -> None:
 def test_prefill_batch_runs_several_turns_in_one_forward() -> None:
     """Chunks of three turns (one continuing a kept prefix) in one forward give each turn
     the logits of transformers' forward, and decoding continues from every slot."""
-    model = tiny_model("qwen2")  # grouped-query attention and q/k/v biases
-    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
+    model, ids, ref = with_reference("qwen2", tokens=50, seed=3)  # grouped-query attention and q/k/v biases
     dec = StaticDecoder(model, slots=3, slot_tokens=64)
     dec.warmup()
     dec.prefill(1, ids[:10], 0)
@@ -207,10 +210,9 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
     attention over the whole slot under a mask), run eagerly on CPU: the logits of
     transformers' forward, from the start, from a kept prefix, across the end of a slot
     (pieces of smaller buckets), and decoding continues from what it wrote."""
-    model = tiny_model(model_type)  # qwen2: grouped-query attention and q/k/v biases
-    ids = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
+    model, ids, ref = with_reference(
+        model_type, tokens=64, seed=4
+    )  # qwen2: grouped-query attention and q/k/v biases
     dec = StaticDecoder(model, slots=2, slot_tokens=64, prefill_chunk_tokens=32, static_prefill=True)
     assert dec.prefill_buckets == [16, 32]
     dec.warmup()
@@ -233,10 +235,7 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
 def test_mixed_step_decodes_and_prefills_in_one_forward() -> None:
     """Decode rows and prefill chunks in one forward give transformers' logits for both,
     and what each wrote to its slot carries on."""
-    model = tiny_model("qwen2")
-    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
+    model, ids, ref = with_reference("qwen2", tokens=50, seed=5)
     dec = StaticDecoder(model, slots=3, slot_tokens=64)
     dec.warmup()
     dec.prefill(0, ids[:30], 0)

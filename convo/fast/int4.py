@@ -201,16 +201,8 @@ class Int4Linear(torch.nn.Module):
         )
 
 
-def quantize_int4(
-    weight: torch.Tensor,
-    *,
-    group_size: int = 128,
-    bias: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    layout: Int4Layout | None = None,
-) -> Int4Linear:
-    """:meth:`Int4Linear.quantize` as a function."""
-    return Int4Linear.quantize(weight, group_size=group_size, bias=bias, dtype=dtype, layout=layout)
+#: :meth:`Int4Linear.quantize` as a function.
+quantize_int4 = Int4Linear.quantize
 
 
 def dequantize_int4(linear: Int4Linear) -> torch.Tensor:

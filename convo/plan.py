@@ -35,6 +35,11 @@ from convo.tokens import TokenCounter
 SUMMARY_HEADER = "Summary of the earlier conversation:\n"
 #: How a retrieved passage is shown to the model (one system message each).
 PASSAGE_TEMPLATE = "Relevant memory ({source}):\n{text}"
+#: The first line of the one system message that carries every grouped passage (passages
+#: with ``meta["group"]``, e.g. messages of earlier turns tagged with their day).
+MEMORY_HEADER = "Relevant memory:"
+#: How a group's label opens its lines in that message.
+GROUP_LABEL = "[{group}]"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,37 +145,49 @@ def _group(p: Passage) -> str | None:
     return group if isinstance(group, str) and group else None
 
 
+def _order(p: Passage) -> tuple[int, int]:
+    turn, line = p.meta.get("turn"), p.meta.get("line")
+    return (turn if isinstance(turn, int) else 0, line if isinstance(line, int) else 0)
+
+
 def group_message(group: str, passages: Sequence[Passage]) -> Message:
-    """The system message that carries passages of one group (``meta["group"]``, e.g.
-    the date of the turns they come from): one header, then their texts in conversation
-    order (``meta["turn"]``, ``meta["line"]``) when known."""
+    """The system message that carries the passages of one group: see :func:`groups_message`."""
+    return groups_message({group: passages})
 
-    def order(p: Passage) -> tuple[int, int]:
-        turn, line = p.meta.get("turn"), p.meta.get("line")
-        return (turn if isinstance(turn, int) else 0, line if isinstance(line, int) else 0)
 
-    body = "\n".join(p.text for p in sorted(passages, key=order))
-    return Message(role=Role.SYSTEM, content=PASSAGE_TEMPLATE.format(source=group, text=body))
+def groups_message(groups: Mapping[str, Sequence[Passage]]) -> Message:
+    """The one system message that carries grouped passages (``meta["group"]``, e.g. the
+    day of the turns they come from): :data:`MEMORY_HEADER`, then per group its label
+    (:data:`GROUP_LABEL`) and its passages' texts, groups and passages in conversation
+    order (``meta["turn"]``, ``meta["line"]``) when known.
+
+    One message with a short label per group costs far less than a message with a header
+    per group, so more evidence fits in the same tokens.
+    """
+    ordered = sorted(
+        ((g, sorted(ps, key=_order)) for g, ps in groups.items() if ps), key=lambda x: (_order(x[1][0]), x[0])
+    )
+    body = "\n".join(GROUP_LABEL.format(group=g) + "\n" + "\n".join(p.text for p in ps) for g, ps in ordered)
+    return Message(role=Role.SYSTEM, content=f"{MEMORY_HEADER}\n{body}")
 
 
 def passage_messages(passages: Sequence[Passage]) -> list[Message]:
-    """The messages that carry ``passages``: one per passage, except that passages of
-    one group share one message (placed where the group's first passage is)."""
+    """The messages that carry ``passages``: one per passage, except that all grouped
+    passages share one message (:func:`groups_message`, placed where the first of them is)."""
     out: list[Message] = []
     groups: dict[str, list[Passage]] = {}
-    slots: dict[str, int] = {}
+    slot: int | None = None
     for p in passages:
         g = _group(p)
         if g is None:
             out.append(passage_message(p))
-        elif g in groups:
-            groups[g].append(p)
-        else:
-            groups[g] = [p]
-            slots[g] = len(out)
+            continue
+        groups.setdefault(g, []).append(p)
+        if slot is None:
+            slot = len(out)
             out.append(passage_message(p))  # placeholder, replaced below
-    for g, members in groups.items():
-        out[slots[g]] = group_message(g, members)
+    if slot is not None:
+        out[slot] = groups_message(groups)
     return out
 
 
@@ -226,13 +243,17 @@ def _select_passages(
     counter: TokenCounter,
     min_score: float,
 ) -> tuple[list[tuple[Passage, int]], list[DroppedPassage]]:
-    """Best-first passages within ``room`` tokens and top-k, skipping weak and repeated ones."""
+    """Best-first passages within ``room`` tokens and top-k, skipping weak and repeated ones.
+
+    A grouped passage costs what it adds to the one grouped message (its line, plus its
+    group's label when it opens the group, plus the message itself when it is the first);
+    the sum is checked against the exact count of that message at the end.
+    """
     used: list[tuple[Passage, int]] = []
     dropped: list[DroppedPassage] = []
     seen: set[str] = set()
     total = 0
     groups: dict[str, list[Passage]] = {}
-    group_costs: dict[str, int] = {}
     for p in passages:
         norm = _norm(p.text)
         reason = None
@@ -248,9 +269,11 @@ def _select_passages(
             g = _group(p)
             if g is None:
                 cost = counter.message_tokens(passage_message(p))
-            else:  # what joining its group's message adds
-                group_cost = counter.message_tokens(group_message(g, [*groups.get(g, []), p]))
-                cost = group_cost - group_costs.get(g, 0)
+            else:  # what joining the grouped message adds
+                piece = p.text if g in groups else GROUP_LABEL.format(group=g) + "\n" + p.text
+                cost = counter.count_text("\n" + piece)
+                if not groups:
+                    cost += counter.message_tokens(Message(role=Role.SYSTEM, content=MEMORY_HEADER))
             if total + cost > room:
                 reason = "token_cap"
             else:
@@ -259,9 +282,20 @@ def _select_passages(
                 seen.update(x for x in (p.key, norm) if x)
                 if g is not None:
                     groups.setdefault(g, []).append(p)
-                    group_costs[g] = group_cost
         if reason is not None:
             dropped.append(DroppedPassage(passage=p, reason=reason))
+    # Tokens can merge across the joins: hold the exact count to the room.
+    while groups:
+        exact = sum(counter.message_tokens(m) for m in passage_messages([p for p, _ in used]))
+        if exact <= room:
+            break
+        i = max(i for i, (p, _) in enumerate(used) if _group(p) is not None)
+        last = used.pop(i)[0]
+        members = groups[_group(last) or ""]
+        members.remove(last)
+        if not members:
+            del groups[_group(last) or ""]
+        dropped.append(DroppedPassage(passage=last, reason="token_cap"))
     return used, dropped
 
 

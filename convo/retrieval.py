@@ -1148,6 +1148,23 @@ def _strip_names(query: str, names: Iterable[str]) -> str:
     return stripped if terms(stripped) else query
 
 
+_TIME_OF_DAY = re.compile(r"^\s*\d{1,2}[:.]\d{2}(?:[:.]\d{2})?\s*(?:[ap]\.?m\.?)?\s*(?:on\s+|,\s*)?", re.I)
+_ISO_DAY = re.compile(r"^(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}\S*$")
+
+
+def day_label(date: str) -> str:
+    """The day of a turn's date, as a short group label: the time of day is dropped
+    (``"1:56 pm on 8 May, 2023"`` -> ``"8 May 2023"``, ``"2023-05-08T13:56"`` ->
+    ``"2023-05-08"``); a date in another form is kept as it is."""
+    text = date.strip()
+    m = _ISO_DAY.match(text)
+    if m:
+        return m.group(1)
+    day = _TIME_OF_DAY.sub("", text, count=1)
+    day = re.sub(r",\s*(\d{4})\b", r" \1", day).strip()
+    return day or text
+
+
 def _speaker_line(message: Message) -> str:
     name = message.name or message.role.value
     content = message.content.strip()
@@ -1406,7 +1423,7 @@ class RetrievalMemory:
         text = line
         if date and self.config.date_in_text:
             if self.config.group_passages:
-                meta["group"] = str(date)
+                meta["group"] = day_label(str(date))
             else:
                 text = f"[{date}]\n{line}"
         turn = int(rec.meta.get("turn", 0))

@@ -72,6 +72,7 @@ __all__ = [
     "RetrievalMemory",
     "VectorIndex",
     "chunk_text",
+    "day_label",
 ]
 
 #: Above this many vectors a :class:`VectorIndex` becomes approximate (IVF). Exact search

@@ -90,6 +90,48 @@ def test_passages_deduplicated_against_window_and_each_other(counter: CharCounte
     assert passage_message(dup_a) in plan.messages
 
 
+def test_grouped_passages_share_one_message_within_the_cap() -> None:
+    """Lines tagged with a group (their day) go into one memory message, one label per
+    group, in conversation order; the cap holds with the exact count of that message."""
+    from convo.plan import GROUP_LABEL, MEMORY_HEADER
+    from convo.tokens import TiktokenCounter
+
+    counter = TiktokenCounter("cl100k_base")
+    turns = make_turns(3)
+    lines = [
+        Passage(
+            text=f"Ann: fact number {i} " + "x" * (5 + 7 * i),
+            score=1.0 - i / 100,
+            source="turn",
+            key=turn_key(100 + i % 5, i),
+            meta={"group": f"{1 + i % 5 // 2} May 2023", "turn": 100 + i % 5, "line": i},
+        )
+        for i in range(30)
+    ]
+    doc = Passage(text="a document chunk", score=0.5, source="doc.md:0-10")
+    for cap in (60, 150, 400, 5000):
+        b = Budget(context_tokens=6000, max_new_tokens=100, retrieval_tokens=cap, retrieval_top_k=40)
+        plan = plan_prompt(budget=b, counter=counter, turns=turns, passages=[*lines[:3], doc, *lines[3:]])
+        memory = [m for m in plan.messages if m.content.startswith(MEMORY_HEADER)]
+        assert len(memory) == 1
+        assert plan.parts["retrieved"] <= cap
+        assert plan.parts["retrieved"] == sum(
+            counter.message_tokens(m) for m in plan.messages if m.role is Role.SYSTEM
+        )
+        used = [p for p in plan.passages_used if p.meta]
+        assert used == lines[: len(used)]  # best first, nothing skipped ahead of a better line
+        body = memory[0].content
+        for p in used:
+            assert p.text in body
+        labels = [GROUP_LABEL.format(group=g) for g in {p.meta["group"] for p in used}]
+        assert all(body.count(label) == 1 for label in labels)
+        # Groups and lines in conversation order (turn, line), whatever the scores.
+        positions = [body.index(p.text) for p in sorted(used, key=lambda p: (p.meta["turn"], p.meta["line"]))]
+        assert positions == sorted(positions)
+        if cap == 5000:
+            assert len(used) == 30 and passage_message(doc) in plan.messages
+
+
 def test_pinned_over_cap_raises(counter: CharCounter) -> None:
     b = Budget(context_tokens=200, max_new_tokens=20, pinned_tokens=10)
     with pytest.raises(BudgetError, match="pinned"):

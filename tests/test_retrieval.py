@@ -30,6 +30,7 @@ from convo.retrieval import (
     RetrievalMemory,
     VectorIndex,
     chunk_text,
+    day_label,
     terms,
 )
 from convo.tokens import TiktokenCounter
@@ -275,6 +276,21 @@ def test_memory_recalls_planted_fact_and_keeps_sessions_apart() -> None:
     assert whole.text.count("Ann:") == 1
     assert all("4512" not in p.text for p in memory.retrieve("locker combination", session_id="bob", top_k=5))
     assert memory.retrieve("locker", session_id="nobody", top_k=3) == []
+
+
+def test_day_label_drops_the_time_of_day_only() -> None:
+    assert day_label("1:56 pm on 8 May, 2023") == "8 May 2023"  # LoCoMo's session dates
+    assert day_label("10:37 am on 27 June, 2023") == "27 June 2023"
+    assert day_label("2023-05-08T13:56:00Z") == "2023-05-08"
+    assert day_label("3 May 2023") == "3 May 2023"
+    assert day_label("next Tuesday") == "next Tuesday"
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    first, second = turns_of([("I adopted a cat named Miso.", "Lovely."), ("Miso sleeps all day.", "Ha.")])
+    memory.remember_turns("s", [first], dates={0: "9:00 am on 8 May, 2023"})
+    memory.remember_turns("s", [second], dates={1: "6:30 pm on 8 May, 2023"})
+    hits = memory.retrieve("Miso the cat", session_id="s", top_k=4)
+    assert {p.meta["group"] for p in hits} == {"8 May 2023"}  # two sessions of one day: one group
+    assert {p.meta["date"] for p in hits} == {"9:00 am on 8 May, 2023", "6:30 pm on 8 May, 2023"}
 
 
 def test_memory_forget_really_forgets() -> None:

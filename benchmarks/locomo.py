@@ -16,8 +16,9 @@ turns (by ``dia_id``) appear verbatim in it. Strategies, side by side:
 
 ``window+retrieval`` uses the library's default :class:`~convo.retrieval.RetrievalConfig`.
 Variants of it (``window+retrieval:NAME``, see :data:`RETRIEVAL_VARIANTS` and
-``--variants``) change query-time options only, e.g. ``turns`` is the earlier default
-(whole turns, one passage each, no speaker boost). With ``--folds K`` (default 2) the
+``--variants``) change query-time options only, e.g. ``turns`` is the first default
+(whole turns, one passage each, no speaker boost) and ``previous`` the one before the
+content prior. With ``--folds K`` (default 2) the
 conversations are cut into ``K`` contiguous folds; for each fold the retrieval strategy
 with the best ``recall_all`` on the other folds is chosen and scored on this one, and
 ``cross_validation`` reports those held-out numbers pooled (``test``) and per fold.
@@ -262,6 +263,15 @@ class CachedEmbeddings:
         self._dirty = False
 
 
+def default_embed_cache(data: str | Path, embedder: str | None) -> Path:
+    """Where the embeddings of ``data`` by ``embedder`` are kept between runs: under
+    convo's cache folder, never in the repository (the vectors encode the data's text)."""
+    from convo.paths import cache_dir
+
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(embedder).name if embedder else "all-MiniLM-L6-v2")
+    return cache_dir() / "locomo" / f"{Path(data).stem}-{model}.npz"
+
+
 # ---------------------------------------------------------------------------------------
 # Scoring
 # ---------------------------------------------------------------------------------------
@@ -342,7 +352,7 @@ class Tally:
 #: Query-time variants of ``window+retrieval``: strategy ``window+retrieval:NAME`` uses
 #: ``RetrievalConfig(**overrides)`` on top of ``--fusion``.
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
-    # The earlier default: whole turns, one passage each.
+    # The first default: whole turns, one passage each.
     "turns": {
         "turn_lines": "all",
         "group_passages": False,
@@ -350,14 +360,24 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
         "strip_names": False,
         "second_hop": 0.0,
         "episode_weight": 0.0,
+        "content_weight": 0.0,
     },
-    # Messages as passages, packed under one date header per day.
-    "grouped": {"speaker_boost": 0.0, "strip_names": False, "second_hop": 0.0, "episode_weight": 0.0},
+    # Messages as passages, packed under one label per day.
+    "grouped": {
+        "speaker_boost": 0.0,
+        "strip_names": False,
+        "second_hop": 0.0,
+        "episode_weight": 0.0,
+        "content_weight": 0.0,
+    },
     # ... plus the speaker named in the question.
-    "speaker": {"second_hop": 0.0, "episode_weight": 0.0},
+    "speaker": {"second_hop": 0.0, "episode_weight": 0.0, "content_weight": 0.0},
+    # The previous default (second hop 0.3, episode 0.1, no content prior).
+    "previous": {"second_hop": 0.3, "episode_weight": 0.1, "content_weight": 0.0},
     # The default without one of its parts, or with one more.
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
+    "no-content": {"content_weight": 0.0},
     "mmr": {"mmr_lambda": 0.1},
 }
 
@@ -578,7 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--embed-cache",
         help="an .npz file of embeddings kept between runs (read if present, written at the end); "
-        "it holds vectors of the data's text: keep it outside the repository",
+        "it holds vectors of the data's text: keep it outside the repository. Default: "
+        "locomo/<data>-<model>.npz in convo's cache folder (convo.paths.cache_dir); 'off' for none",
     )
     ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
     ap.add_argument("--limit", type=int, help="only the first N conversations")
@@ -640,8 +661,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             planner = "local"
     embedder: Any = Embedder(args.embedder, cache_size=200_000)
-    if args.embed_cache:
-        embedder = CachedEmbeddings(embedder, Path(args.embed_cache))
+    cache_path = args.embed_cache
+    if cache_path is None:
+        cache_path = default_embed_cache(args.data, args.embedder)
+    if cache_path and str(cache_path) != "off":
+        Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
+        embedder = CachedEmbeddings(embedder, Path(cache_path))
     config = RetrievalConfig(fusion=args.fusion)
     configs = {
         f"window+retrieval:{v}": RetrievalConfig(fusion=args.fusion, **RETRIEVAL_VARIANTS[v])

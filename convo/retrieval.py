@@ -26,11 +26,13 @@ over several turns (all :class:`RetrievalConfig` options, measured on LoCoMo by
     fused message scores
       + second hop: the first hits' rarest words (names, places) and mean vector
       + episode: the query against the mean vector of the message's day
+      + content: a small prior for messages with more content words
       + speaker: the query names who said it (the name itself is taken out of the query)
-      -> best messages, each a passage keyed turn_key(turn, line), tagged with its date
+      -> best messages, each a passage keyed turn_key(turn, line), tagged with its day
 
-The planner packs the messages of one date under one header, so a passage costs about
-its own line instead of a whole turn with its date.
+The planner puts every retrieved message into one memory message, under one short label
+per day (:func:`day_label`), so a passage costs about its own line instead of a whole turn
+with its date.
 
 Isolation: a session only ever searches its own turns plus the collections attached to
 all sessions or to it. Persistence uses FAISS's own file format and JSON, each file
@@ -43,6 +45,7 @@ faiss and sentence-transformers are imported lazily; without them a
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -544,18 +547,18 @@ class RetrievalConfig:
         second_hop: weight, in [0, 1], of a second query built from the first hits: their
             rarest words added to the query's terms (names, places, things the question
             did not say), which may find new messages, and their mean vector added to the
-            query's, which re-scores the messages found. Default 0.3; 0 skips
+            query's, which re-scores the messages found. Default 0.5; 0 skips
             it.
         strip_names: search the turns with the names of the speakers the query names
             taken out of it (the speaker boost already favours their messages, and a
             name alone matches every greeting that addresses that person). Default
             True.
         hop_seeds: first hits the second query is built from. Default 3.
-        hop_terms: words taken from the first hits into the second query. Default 8.
+        hop_terms: words taken from the first hits into the second query. Default 12.
         episode_weight: weight of the score of the message's whole episode (the turns
             of one date; blocks of ``episode_turns`` turns without dates): its mean
             vector against the query, added to each message's score, so an episode about
-            the topic lifts its messages. Default 0.1; 0 turns it off.
+            the topic lifts its messages. Default 0.2; 0 turns it off.
         episode_turns: turns per episode when turns carry no date. Default 16.
         mmr_lambda: diversity (maximal marginal relevance): a candidate's score is
             lowered by ``mmr_lambda`` times its highest cosine to a better candidate
@@ -563,6 +566,12 @@ class RetrievalConfig:
             keeps the plain ranking.
         expand_lines: with ``"each"``, also offer the messages right before and after a
             hit (``expand_lines`` each side) as candidates just below it. Default 0.
+        content_weight: a prior for messages that say something: added to a message's
+            score times ``min(1, content words / content_terms)`` (its own words, not the
+            context line's, stopwords left out), so "Thanks, see you!" yields to news
+            that answers questions later. Default 0.05; 0 turns it off.
+        content_terms: content words at which a message gets the whole
+            ``content_weight``. Default 20.
 
     Raises:
         ConfigError: a value is out of range.
@@ -581,14 +590,16 @@ class RetrievalConfig:
     context_lines: int = 0
     group_passages: bool = True
     speaker_boost: float = 0.25
-    second_hop: float = 0.3
+    second_hop: float = 0.5
     hop_seeds: int = 3
-    hop_terms: int = 8
-    episode_weight: float = 0.1
+    hop_terms: int = 12
+    episode_weight: float = 0.2
     episode_turns: int = 16
     strip_names: bool = True
     mmr_lambda: float = 0.0
     expand_lines: int = 0
+    content_weight: float = 0.05
+    content_terms: int = 20
 
     def __post_init__(self) -> None:
         try:
@@ -600,7 +611,14 @@ class RetrievalConfig:
             raise ConfigError(f"dense_weight must be in [0, 1], got {self.dense_weight}")
         if self.bm25_half <= 0:
             raise ConfigError(f"bm25_half must be > 0, got {self.bm25_half}")
-        for name in ("rrf_k", "candidates_factor", "unit_candidates", "hop_seeds", "episode_turns"):
+        for name in (
+            "rrf_k",
+            "candidates_factor",
+            "unit_candidates",
+            "hop_seeds",
+            "episode_turns",
+            "content_terms",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -610,7 +628,7 @@ class RetrievalConfig:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.turn_lines not in TURN_LINES:
             raise ConfigError(f"turn_lines must be one of {', '.join(TURN_LINES)}, got {self.turn_lines!r}")
-        for name in ("speaker_boost", "episode_weight", "mmr_lambda"):
+        for name in ("speaker_boost", "episode_weight", "mmr_lambda", "content_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.second_hop <= 1.0:
@@ -1153,6 +1171,7 @@ _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}[:.]\d{2}(?:[:.]\d{2})?\s*(?:[ap]\.?m\.?)
 _ISO_DAY = re.compile(r"^(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}\S*$")
 
 
+@functools.lru_cache(maxsize=4096)
 def day_label(date: str) -> str:
     """The day of a turn's date, as a short group label: the time of day is dropped
     (``"1:56 pm on 8 May, 2023"`` -> ``"8 May 2023"``, ``"2023-05-08T13:56"`` ->
@@ -1214,6 +1233,7 @@ class RetrievalMemory:
         self._sessions: dict[str, _Store] = {}
         self._episode_cache: dict[int, tuple[int, tuple[list[str], np.ndarray, dict[int, str]]]] = {}
         self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
+        self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1386,6 +1406,11 @@ class RetrievalMemory:
             ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
             for u in fused:
                 fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
+        if cfg.content_weight > 0:
+            size = self._content_sizes(store)
+            full = float(cfg.content_terms)
+            for u in fused:
+                fused[u] += cfg.content_weight * min(size.get(u, 0) / full, 1.0)
         if named:
             speaker = self._speakers(store)
             fused = {
@@ -1442,6 +1467,18 @@ class RetrievalMemory:
             speakers: list[str] = rec.meta.get("_speakers") or []
             of_unit.update(zip(rec.units, speakers, strict=False))
         self._speaker_cache[id(store)] = (store.version, of_unit)
+        return of_unit
+
+    def _content_sizes(self, store: _Store) -> dict[int, int]:
+        """Each unit's count of content words (its own line, not the context line; cached)."""
+        cached = self._size_cache.get(id(store))
+        if cached is not None and cached[0] == store.version:
+            return cached[1]
+        of_unit: dict[int, int] = {}
+        for rec in store.records.values():
+            lines: list[str] = rec.meta.get("_lines") or [rec.text]
+            of_unit.update(zip(rec.units, (len(terms(line)) for line in lines), strict=False))
+        self._size_cache[id(store)] = (store.version, of_unit)
         return of_unit
 
     def _named_speakers(self, store: _Store, query: str) -> set[str]:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -460,6 +461,10 @@ def _rank(hits: Sequence[object], key: str) -> int:
     return keys.index(key) if key in keys else len(keys)
 
 
+#: Scoring parts a test of another part keeps off, so it measures that part alone.
+PINNED: dict[str, float] = {"episode_weight": 0.0, "content_weight": 0.0}
+
+
 def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> None:
     # The question names the trip; only the first hit names the friend; only the second
     # evidence line (about the friend) says what she does, with no word of the question.
@@ -475,12 +480,12 @@ def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> Non
     second = turn_key(len(FILLER) + 1, 0)
     plain = RetrievalMemory(
         HashEncoder(),
-        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.0),
+        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.0, **PINNED),
     )
     plain.remember_turns("s", history)
     hop = RetrievalMemory(
         HashEncoder(),
-        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.5),
+        config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, second_hop=0.5, **PINNED),
     )
     hop.remember_turns("s", history)
     without = plain.retrieve(question, session_id="s", top_k=3)
@@ -488,6 +493,31 @@ def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> Non
     assert without[0].key == with_hop[0].key == turn_key(0, 0)
     assert _rank(with_hop, second) == 1  # right after the hit it was found through
     assert _rank(without, second) > 3
+
+
+def test_content_prior_lifts_messages_that_say_something() -> None:
+    history = turns_of(
+        [
+            ("Garden, yes!", "Ha."),
+            *FILLER,
+            ("The garden now has tomatoes, basil, peppers, zucchini and beans by the fence.", "Wow."),
+            *FILLER,
+        ]
+    )
+    short, rich = turn_key(0, 0), turn_key(len(FILLER) + 1, 0)
+    ranks = {}
+    for weight in (0.0, 0.3):
+        cfg = RetrievalConfig(min_score=0.0, speaker_boost=0.0, second_hop=0.0, episode_weight=0.0)
+        memory = RetrievalMemory(HashEncoder(), config=replace(cfg, content_weight=weight, content_terms=8))
+        memory.remember_turns("s", history)
+        hits = memory.retrieve("the garden", session_id="s", top_k=3)
+        ranks[weight] = (_rank(hits, short), _rank(hits, rich))
+    assert ranks[0.0][0] < ranks[0.0][1]  # alone, the short line matches better
+    assert ranks[0.3][1] < ranks[0.3][0]  # the prior puts the news first
+    with pytest.raises(ConfigError):
+        RetrievalConfig(content_weight=-0.1)
+    with pytest.raises(ConfigError):
+        RetrievalConfig(content_terms=0)
 
 
 def test_speaker_named_in_the_question_is_boosted() -> None:

@@ -160,8 +160,8 @@ class DecodeScheduler:
         self.decoder = decoder
         self.step_tokens = step_tokens
         self.interleave_tokens = interleave_tokens
-        # A decoder that runs decode rows and prefill chunks in one forward (StaticDecoder).
-        self._mixed = callable(getattr(decoder, "mixed_step", None))
+        # A decoder that runs decode rows and prefill chunks in one forward, and gains by it.
+        self._mixed = callable(getattr(decoder, "mixed_step", None)) and getattr(decoder, "mixed_steps", True)
         self.background = background
         self._pending: list[DecodeRequest] = []  # no slot yet
         self._prefilling: list[DecodeRequest] = []  # a slot, no first token yet

@@ -338,10 +338,15 @@ class SummaryWorker:
         self._key_locks = [threading.Lock() for _ in range(64)]
 
     @classmethod
-    def shared(cls, *, min_threads: int | None = None) -> SummaryWorker:
-        """The process-wide worker that sessions use by default; ``min_threads`` raises its
-        thread count (a server whose engine batches N calls, e.g. N KV slots, runs N
-        summaries at once)."""
+    def shared(cls, *, min_threads: int | None = None, max_defer_s: float | None = None) -> SummaryWorker:
+        """The process-wide worker that sessions use by default.
+
+        Args:
+            min_threads: raise its thread count (a server whose engine batches N calls,
+                e.g. N KV slots, runs N summaries at once).
+            max_defer_s: lower its deferral (an engine whose scheduler serves replies first
+                by priority needs none: 0).
+        """
         with cls._shared_guard:
             if cls._shared is None or cls._shared._closed:
                 cls._shared = cls()
@@ -349,9 +354,11 @@ class SummaryWorker:
                 # tear down under them (they are re-derived on the next turn).
                 atexit.register(cls._shared.close, wait=True, timeout_s=SHUTDOWN_TIMEOUT_S)
             worker = cls._shared
-        if min_threads is not None:
-            with worker._cond:
+        with worker._cond:
+            if min_threads is not None:
                 worker.threads = max(worker.threads, int(min_threads))
+            if max_defer_s is not None:
+                worker.max_defer_s = min(worker.max_defer_s, float(max_defer_s))
         return worker
 
     # -- what sessions call ---------------------------------------------------------------------

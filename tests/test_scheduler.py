@@ -146,6 +146,20 @@ def test_while_replies_stream_a_step_prefills_one_short_chunk() -> None:
         DecodeScheduler(dec, interleave_tokens=0)
 
 
+def test_background_rows_do_not_hold_prefill_to_short_chunks() -> None:
+    """Only streaming replies limit a step's prefill: while just a summary decodes, a
+    waiting turn prefills with the whole step budget."""
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, interleave_tokens=8)
+    summary = sched.submit(request(5, max_new=20, priority=Priority.BACKGROUND))
+    sched.run_step()
+    turn = sched.submit(request(40, first=100, max_new=2))
+    sched.run_step()
+    assert ("prefill", [(turn.slot, 0, 40)]) in dec.events
+    drain(sched)
+    assert summary.new_ids == list(range(6, 26)) and turn.new_ids == [140, 141]
+
+
 class MixedDecoder(FakeDecoder):
     """A decoder that runs decode rows and prefill chunks in one forward."""
 

@@ -489,4 +489,6 @@ def test_a_server_sizes_the_shared_worker_to_its_engine_batch() -> None:
     before = worker.threads
     assert SummaryWorker.shared(min_threads=before + 5) is worker and worker.threads == before + 5
     assert SummaryWorker.shared(min_threads=1).threads == before + 5
-    worker.threads = before
+    defer = worker.max_defer_s
+    assert SummaryWorker.shared(max_defer_s=0.0).max_defer_s == 0.0
+    worker.threads, worker.max_defer_s = before, defer

@@ -8,7 +8,8 @@ Modelled on vLLM v1's scheduler. Each step has a token budget (``step_tokens``):
    such as summaries), then arrival order
    (:meth:`~convo.fast.decoder.StaticDecoder.prefill_batch` runs them).
 
-While replies stream, a step prefills at most ``interleave_tokens`` prompt tokens, and
+While replies stream (rows of :data:`Priority.REPLY`; background rows such as summaries
+do not count), a step prefills at most ``interleave_tokens`` prompt tokens, and
 runs them in the same forward as the decode rows (vLLM's mixed batch,
 :meth:`~convo.fast.decoder.StaticDecoder.mixed_step`: the weights are read, and for int4
 dequantized, once for both), so a prompt that arrives delays each running reply's next
@@ -231,7 +232,7 @@ class DecodeScheduler:
         self._admit()
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
-            if self._active:  # replies stream: a short chunk
+            if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
                 batch = self._plan_prefill(
                     max(min(self.step_tokens - len(self._active), self.interleave_tokens), 1)
                 )

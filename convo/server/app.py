@@ -122,7 +122,7 @@ def create_app(
         engine=engine,
         store=store,
         admission=admission or _token_ledger(engine, limits, budget, metrics),
-        summaries=summaries or SummaryWorker.shared(min_threads=_batch(engine)),
+        summaries=summaries or _summary_worker(engine),
         budget=budget,
         limits=limits,
         model_name=model_name,
@@ -162,6 +162,16 @@ def _token_ledger(
         ),
         metrics=metrics,
     )
+
+
+def _summary_worker(engine: Engine) -> SummaryWorker:
+    """The process-wide summary worker, sized to an engine that batches calls: as many
+    summaries at once as it has KV slots, started without deferring to replies (its step
+    scheduler serves replies first by priority)."""
+    batch = _batch(engine)
+    if batch is None:
+        return SummaryWorker.shared()
+    return SummaryWorker.shared(min_threads=batch, max_defer_s=0.0)
 
 
 def _batch(engine: Engine) -> int | None:

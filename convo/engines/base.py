@@ -485,7 +485,9 @@ class TextStream(Generic[T]):
         self._cancel = threading.Event()
         self.result: T | None = None
         self.error: BaseException | None = None
-        kwargs = dict(kwargs, on_text=self._queue.put, cancel=self._cancel)
+        # An async consumer's loop and wake-up event (set from the worker thread).
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        kwargs = dict(kwargs, on_text=self._put, cancel=self._cancel)
 
         def work() -> None:
             try:
@@ -493,7 +495,7 @@ class TextStream(Generic[T]):
             except BaseException as exc:  # delivered to the consumer
                 self.error = exc
             finally:
-                self._queue.put(_END)
+                self._put(_END)
 
         self._thread = threading.Thread(target=work, name="convo-generate", daemon=True)
         self._thread.start()
@@ -504,10 +506,30 @@ class TextStream(Generic[T]):
                 yield item
 
     async def aiter(self) -> AsyncIterator[str]:
-        """Async iteration without blocking the event loop."""
+        """Async iteration without blocking the event loop: the worker wakes the loop
+        (no thread hop per chunk), and every chunk that came meanwhile is taken at once."""
+        ready = asyncio.Event()
+        self._waker = (asyncio.get_running_loop(), ready)
         with self._draining():
-            while (item := await asyncio.to_thread(self._queue.get)) is not _END:
-                yield item
+            while True:
+                ready.clear()
+                items = []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        items.append(self._queue.get_nowait())
+                for item in items:
+                    if item is _END:
+                        return
+                    yield item
+                if not items:
+                    await ready.wait()
+
+    def _put(self, item: Any) -> None:
+        self._queue.put(item)
+        waker = self._waker
+        if waker is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                waker[0].call_soon_threadsafe(waker[1].set)
 
     @contextlib.contextmanager
     def _draining(self) -> Iterator[None]:

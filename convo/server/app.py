@@ -39,7 +39,6 @@ FastAPI and uvicorn are imported only by this module (``import convo`` does not 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -165,23 +164,13 @@ def _token_ledger(
     )
 
 
-#: Python's thread switch interval (seconds) in a process that serves a batching engine.
-#: The decode loop runs in its own thread beside the event loop; with Python's default
-#: (5 ms) it can wait that long for the interpreter at every step while the loop streams
-#: tokens, which would double a 16-row step on the H200 (~9 ms).
-SERVER_SWITCH_INTERVAL_S = 0.0005
-
-
 def _summary_worker(engine: Engine) -> SummaryWorker:
     """The process-wide summary worker, sized to an engine that batches calls: as many
     summaries at once as it has KV slots, started without deferring to replies (its step
-    scheduler serves replies first by priority). Such an engine's decode thread also gets
-    the interpreter back sooner (:data:`SERVER_SWITCH_INTERVAL_S`)."""
+    scheduler serves replies first by priority)."""
     batch = _batch(engine)
     if batch is None:
         return SummaryWorker.shared()
-    if sys.getswitchinterval() > SERVER_SWITCH_INTERVAL_S:
-        sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     return SummaryWorker.shared(min_threads=batch, max_defer_s=0.0)
 
 

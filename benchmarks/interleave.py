@@ -61,6 +61,12 @@ def main() -> None:
         "--interleave-tokens", default="256,512", help="prefill chunk while replies stream (comma list)"
     )
     p.add_argument("--slot-tokens", type=int, default=2048)
+    p.add_argument(
+        "--mixed",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode rows and prefill chunks in one forward (auto: the decoder's choice, CPU only)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -72,7 +78,10 @@ def main() -> None:
         model, slots=slots, slot_tokens=args.slot_tokens, weights=args.weights, free_dense=True
     )
     dec.warmup()
-    log(f"{name} {args.weights}: {slots} slots, warm-up {time.perf_counter() - t:.1f}s")
+    if args.mixed != "auto":
+        dec.mixed_steps = args.mixed == "on"
+    warm = time.perf_counter() - t
+    log(f"{name} {args.weights}: {slots} slots, mixed steps {dec.mixed_steps}, warm-up {warm:.1f}s")
     vocab = dec.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -173,6 +182,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "torch": torch.__version__,
         "weights": args.weights,
+        "mixed_steps": dec.mixed_steps,
         "streams": args.streams,
         "prompt_tokens": args.prompt_tokens,
         "arrival_ms": args.arrival_ms,

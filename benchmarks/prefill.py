@@ -45,6 +45,7 @@ from _common import env_info, pick_device, pyplot, random_model, stderr_log, syn
 from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, PrefillChunk, StaticDecoder
 from convo.fast.int4 import Int4Linear
+from convo.fast.kernels import dequantize_plain_int4
 
 #: Share of stock bf16 + SDPA prefill throughput that the int4 and nf4 paths aim for (issue 11).
 TARGET_FRACTION = 0.8
@@ -141,9 +142,10 @@ def main() -> None:
                 dec.prefill_chunk_tokens = n
             if weights == "int4":
                 plain = [w for layer in dec.layers for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
-                         if isinstance(w, Int4Linear) and w.layout == "plain"]  # fmt: skip
+                         if isinstance(w, Int4Linear) and w.qweight is not None]  # fmt: skip
                 if plain:
-                    dq = timed(lambda ws=plain: [w.dequantize() for w in ws], device, **kw)
+                    grids = [(w.qweight, w.scales_zeros) for w in plain]
+                    dq = timed(lambda g=grids: [dequantize_plain_int4(q, sz) for q, sz in g], device, **kw)
                     info["int4_dequantize_all_layers_ms"] = round(dq * 1000, 3)
                     log(f"dequantize every int4 layer weight once: {dq * 1000:.2f} ms")
             if f"convo-{weights}-graphs" in wanted and gpu:

@@ -257,3 +257,24 @@ def test_quant_choices_come_from_the_quant_enum() -> None:
                 assert Quant.parse(parser.parse_args([command, "--quant", q.value]).quant) is q
     plan = parser.parse_args(["plan", "--quant", Quant.FP4.value])
     assert plan.quant == "fp4"
+
+
+def test_int4_kernel_flag_is_one_choice_for_serve_chat_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--int4-kernel`` takes the engine's choices in every command, and ``convo plan``
+    prices what it keeps: both int4 layouts by default, one with ``triton``."""
+    from convo.cli import build_parser, main
+    from convo.engines.base import INT4_KERNELS
+
+    parser = build_parser()
+    for command in ("chat", "serve", "plan"):
+        assert parser.parse_args([command]).int4_kernel == "auto"
+        for kernel in INT4_KERNELS:
+            assert parser.parse_args([command, "--int4-kernel", kernel]).int4_kernel == kernel
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--int4-kernel", "cutlass"])
+    weights = {}
+    for kernel in ("auto", "triton"):
+        args = ["--model", "random:llama-2-7b", "--quant", "int4", "--gpu-memory", "80GiB", "--json"]
+        assert main(["plan", *args, "--int4-kernel", kernel]) == 0
+        weights[kernel] = json.loads(capsys.readouterr().out)["weights_bytes"]
+    assert 1.8 < weights["auto"] / weights["triton"] < 2.0  # the int4 layers twice, the rest once

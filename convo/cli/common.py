@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from convo.engines.base import Quant
+from convo.engines.base import INT4_KERNELS, Quant
 from convo.engines.openai import OpenAIEngine
 from convo.errors import ConfigError
 
@@ -97,6 +97,18 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
     )
+    add_int4_kernel_argument(parser)
+
+
+def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
+    """``--int4-kernel``: which int4 weight layouts ``--quant int4`` keeps."""
+    parser.add_argument(
+        "--int4-kernel",
+        default="auto",
+        choices=INT4_KERNELS,
+        help="with --quant int4: auto keeps tinygemm's and the Triton kernel's layouts on CUDA "
+        "(fastest at every batch size, twice the int4 weight bytes); triton or tinygemm keep one",
+    )
 
 
 def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
@@ -110,6 +122,7 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         device=getattr(args, "device", None),
         kv_slots=getattr(args, "kv_slots", None),
         slot_tokens=context_tokens,
+        int4_kernel=getattr(args, "int4_kernel", "auto"),
         progress=progress,
     )
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from convo.cli.common import positive_int
+from convo.cli.common import add_int4_kernel_argument, positive_int
 from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
 from convo.errors import ConfigError, require
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
@@ -25,6 +25,7 @@ from convo.planner.measure import (
 )
 from convo.planner.model import (
     BUILTIN_CONFIGS,
+    INT4_CUDA_LAYOUTS,
     Attn,
     CellPrediction,
     DType,
@@ -87,6 +88,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         f"engine takes them, up to {DEFAULT_KV_SLOTS} as the memory allows). convo serve uses slots "
         "by default on CUDA",
     )
+    add_int4_kernel_argument(parser)
     parser.add_argument(
         "--dtype", default=None, help="dtype of unquantized weights and activations (default: config's)"
     )
@@ -185,6 +187,7 @@ def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
         kv_dtype=args.kv_dtype,
         attn=attn,
         calibration=cal,
+        int4_layouts=INT4_CUDA_LAYOUTS if getattr(args, "int4_kernel", "auto") == "auto" else 1,
     )
     return mm, source
 

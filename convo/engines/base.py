@@ -40,8 +40,9 @@ class Quant(enum.StrEnum):
     quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
     ``FP4`` is bitsandbytes' other 4-bit type (the planner prices it; the engine loads nf4).
 
-    ``INT4`` is the fast 4-bit path: group-wise int4 (group :data:`INT4_GROUP_SIZE`) in the
-    tile-packed layout of PyTorch's tinygemm kernels, run by the static decoder
+    ``INT4`` is the fast 4-bit path: group-wise int4 (group :data:`INT4_GROUP_SIZE`) held by
+    :class:`convo.fast.int4.Int4Linear` (PyTorch's tinygemm layout and a plain one for
+    convo's Triton kernel, see :data:`INT4_KERNELS`), run by the static decoder
     (:mod:`convo.fast`), whose compiled, graph-captured step these kernels fit into. The
     model is loaded dense (bf16 on CUDA, fp32 on CPU) and quantized at load; it needs
     ``kv_slots`` > 0 (the default for it). On CPU the int4 kernels are slower than fp32:
@@ -134,6 +135,11 @@ _QUANT_BITS = {
 #: Input features per int4 scale/zero pair that :class:`~convo.engines.transformers.TransformersEngine`
 #: (and so ``convo serve --quant int4``) uses by default; ``convo plan --quant int4`` prices it.
 INT4_GROUP_SIZE = 32
+#: The int4 kernel choices (``TransformersEngine(int4_kernel=)``, ``--int4-kernel``): which
+#: weight layouts are kept. ``auto``: both on CUDA with Triton (tinygemm for a few rows,
+#: Triton above; twice the weight bytes), else tinygemm's; ``triton``: the plain layout
+#: alone; ``tinygemm``: PyTorch's alone.
+INT4_KERNELS = ("auto", "triton", "tinygemm")
 
 
 class FinishReason(enum.StrEnum):

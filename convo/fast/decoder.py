@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from convo.engines.base import empty_device_cache
+from convo.engines.base import INT4_KERNELS, empty_device_cache
 from convo.errors import ConfigError
 from convo.fast.kernels import _interpreting, _w4_op, decode_attention
 from convo.fast.kv_pool import KVSlotPool
@@ -228,7 +228,7 @@ class StaticDecoder:
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
         if prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
-        if int4_kernel not in ("auto", "tinygemm", "triton"):
+        if int4_kernel not in INT4_KERNELS:
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:

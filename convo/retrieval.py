@@ -53,10 +53,10 @@ import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -77,6 +77,9 @@ __all__ = [
     "chunk_text",
     "day_label",
 ]
+
+
+V = TypeVar("V")
 
 #: Above this many vectors a :class:`VectorIndex` becomes approximate (IVF). Exact search
 #: over 20,000 MiniLM vectors takes about a millisecond per query on one core.
@@ -1459,26 +1462,32 @@ class RetrievalMemory:
 
     def _speakers(self, store: _Store) -> dict[int, str]:
         """Each unit's speaker (cached until the store changes)."""
-        cached = self._speaker_cache.get(id(store))
-        if cached is not None and cached[0] == store.version:
-            return cached[1]
-        of_unit: dict[int, str] = {}
-        for rec in store.records.values():
-            speakers: list[str] = rec.meta.get("_speakers") or []
-            of_unit.update(zip(rec.units, speakers, strict=False))
-        self._speaker_cache[id(store)] = (store.version, of_unit)
-        return of_unit
+
+        def speakers(rec: Any) -> Iterable[str]:
+            return rec.meta.get("_speakers") or []
+
+        return self._per_unit(self._speaker_cache, store, speakers)
 
     def _content_sizes(self, store: _Store) -> dict[int, int]:
         """Each unit's count of content words (its own line, not the context line; cached)."""
-        cached = self._size_cache.get(id(store))
+
+        def sizes(rec: Any) -> Iterable[int]:
+            return (len(terms(line)) for line in rec.meta.get("_lines") or [rec.text])
+
+        return self._per_unit(self._size_cache, store, sizes)
+
+    @staticmethod
+    def _per_unit(
+        cache: dict[int, tuple[int, dict[int, V]]], store: _Store, values: Callable[[Any], Iterable[V]]
+    ) -> dict[int, V]:
+        """``values(record)`` per unit of every record, cached per store until it changes."""
+        cached = cache.get(id(store))
         if cached is not None and cached[0] == store.version:
             return cached[1]
-        of_unit: dict[int, int] = {}
+        of_unit: dict[int, V] = {}
         for rec in store.records.values():
-            lines: list[str] = rec.meta.get("_lines") or [rec.text]
-            of_unit.update(zip(rec.units, (len(terms(line)) for line in lines), strict=False))
-        self._size_cache[id(store)] = (store.version, of_unit)
+            of_unit.update(zip(rec.units, values(rec), strict=False))
+        cache[id(store)] = (store.version, of_unit)
         return of_unit
 
     def _named_speakers(self, store: _Store, query: str) -> set[str]:

@@ -520,8 +520,10 @@ def test_content_prior_lifts_messages_that_say_something() -> None:
         RetrievalConfig(content_terms=0)
 
 
-def test_speaker_named_in_the_question_is_boosted() -> None:
-    turns = [
+def maria_and_john(first: tuple[str, str]) -> list[Turn]:
+    """Turns of Maria (user) and John (assistant), each line prefixed with its speaker:
+    ``first``, then the filler."""
+    return [
         Turn(
             index=i,
             messages=(
@@ -529,8 +531,12 @@ def test_speaker_named_in_the_question_is_boosted() -> None:
                 Message(role=Role.ASSISTANT, content=f"John: {b}", name="John"),
             ),
         )
-        for i, (a, b) in enumerate([("I painted a sunset.", "I painted a red barn."), *FILLER])
+        for i, (a, b) in enumerate([first, *FILLER])
     ]
+
+
+def test_speaker_named_in_the_question_is_boosted() -> None:
+    turns = maria_and_john(("I painted a sunset.", "I painted a red barn."))
     scores = {}
     for boost in (0.0, 0.25):
         config = RetrievalConfig(
@@ -547,16 +553,7 @@ def test_speaker_named_in_the_question_is_boosted() -> None:
 
 
 def test_strip_names_stops_greetings_matching_the_name() -> None:
-    turns = [
-        Turn(
-            index=i,
-            messages=(
-                Message(role=Role.USER, content=f"Maria: {a}", name="Maria"),
-                Message(role=Role.ASSISTANT, content=f"John: {b}", name="John"),
-            ),
-        )
-        for i, (a, b) in enumerate([("Thanks John, bye John!", "I painted a red barn."), *FILLER])
-    ]
+    turns = maria_and_john(("Thanks John, bye John!", "I painted a red barn."))
     first, greeting = {}, {}
     for strip in (False, True):
         config = RetrievalConfig(

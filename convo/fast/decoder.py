@@ -461,9 +461,7 @@ class StaticDecoder:
             per chunk, float32 logits ``[vocab]`` after its last token (``[n, vocab]`` after
             every token with ``all_logits``).
         """
-        for c in chunks:
-            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
-                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
+        self._check_chunks(chunks)
         if not chunks:
             return []
         if self.static_prefill and not all_logits and len(chunks) <= PREFILL_GRAPH_MAX_CHUNKS:
@@ -471,6 +469,11 @@ class StaticDecoder:
             if all(p is not None for p in plans):
                 return [self._prefill_static_chunk(c, p) for c, p in zip(chunks, plans, strict=True)]  # type: ignore[arg-type]
         return self._prefill_eager(chunks, all_logits)
+
+    def _check_chunks(self, chunks: Sequence[PrefillChunk]) -> None:
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
+                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
 
     def _static_pieces(self, chunk: PrefillChunk) -> list[tuple[int, int, int]] | None:
         """``(start, end, bucket)`` pieces that cover the chunk, each run padded to a bucket.
@@ -629,9 +632,7 @@ class StaticDecoder:
             raise ConfigError("a mixed step needs at least one decode row")
         if max(positions) >= self.pool.slot_tokens:
             raise ConfigError(f"position {max(positions)} is past the slot ({self.pool.slot_tokens} tokens)")
-        for c in chunks:
-            if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
-                raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
+        self._check_chunks(chunks)
         return self._forward_eager(tokens, slots, positions, chunks)
 
     # -- decode --------------------------------------------------------------------------------

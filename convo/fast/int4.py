@@ -163,10 +163,10 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if self.packed is not None and (self.qweight is None or rows <= TINYGEMM_MAX_ROWS):
+        kernel = self.kernel(x2.shape[0], x2.device.type)
+        if kernel == "tinygemm":
             y = _tinygemm_mm(x2, self.packed, self.packed_scales_zeros, self.group_size)
-        elif rows <= W4_KERNEL_MAX_ROWS and (x2.is_cuda or _INTERPRETING) and _w4_op() is not None:
+        elif kernel == "triton":
             y = _w4_op()(x2, self.qweight, self.scales_zeros)  # type: ignore[misc]
         else:
             y = F.linear(x2, dequantize_plain_int4(self.qweight, self.scales_zeros).to(x.dtype))
@@ -174,12 +174,13 @@ class Int4Linear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel(self, rows: int) -> str:
-        """The kernel a product of ``rows`` rows runs: ``"tinygemm"``, ``"triton"`` or
-        ``"cublas"`` (plain layout dequantized once)."""
+    def kernel(self, rows: int, device_type: str = "cuda") -> str:
+        """The kernel a product of ``rows`` rows on ``device_type`` runs: ``"tinygemm"``,
+        ``"triton"`` or ``"cublas"`` (the plain layout dequantized once, then a matmul)."""
         if self.packed is not None and (self.qweight is None or rows <= TINYGEMM_MAX_ROWS):
             return "tinygemm"
-        return "triton" if rows <= W4_KERNEL_MAX_ROWS and _w4_op() is not None else "cublas"
+        on_triton = device_type == "cuda" or _INTERPRETING
+        return "triton" if rows <= W4_KERNEL_MAX_ROWS and on_triton and _w4_op() is not None else "cublas"
 
     def dequantize(self) -> torch.Tensor:
         """The dense ``[out, in]`` float32 weight this module stands for."""

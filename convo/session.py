@@ -14,8 +14,13 @@ by a :class:`~convo.summarize.SummaryWorker`, at lower priority than replies::
 
 While a summary is late, the prompt shows the previous summary and the turns it does not
 cover yet when they all fit (the prompt then extends the previous one); otherwise the turn
-waits for the summary, at most ``summary_wait_s``, and past that sends the previous summary
-and the window. The budget invariant holds in every case, and nothing stored is lost.
+goes on without it: at once on an engine that runs calls together (the reply runs beside
+the summary), after waiting at most ``summary_wait_s`` on one that runs a call at a time
+(where the reply would queue behind the summary anyway). Such a prompt shows a
+provisional summary in the summary's place
+(:func:`~convo.summarize.provisional_summary`: the previous summary and excerpts of the
+turns it misses) and the window. The budget invariant holds in every case, and nothing
+stored is lost.
 
 
 Nothing stored is ever lost: the full history stays in the store even when the prompt only
@@ -42,7 +47,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypedDict, Unpack, cast
+from typing import Any, Final, Literal, Protocol, TypedDict, Unpack, cast
 
 from convo.budget import Budget, OversizePolicy
 from convo.engines.base import (
@@ -55,6 +60,7 @@ from convo.engines.base import (
     GenerationStats,
     Sampling,
     TextStream,
+    concurrent_calls,
 )
 from convo.errors import BudgetError, ConfigError, ConvoError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
@@ -68,26 +74,41 @@ from convo.summarize import (
     SummaryState,
     SummaryStatus,
     SummaryWorker,
+    provisional_summary,
 )
 from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
 
-#: Default of ``Session(summary_wait_s=...)``: seconds a turn waits for its session's
-#: background summary when the turns it folds do not fit beside the window. A summary takes
-#: about a second on a GPU and 5-60 s with the default model on a small shared CPU, where
-#: the engine runs one call at a time, so a reply could not start before it ends anyway.
+#: Seconds a turn waits for its session's background summary, when the turns it folds do
+#: not fit beside the window, on an engine that runs one call at a time (``summary_wait_s``
+#: ``"auto"``, the default): the reply would queue behind the summary's model call anyway.
+#: A summary takes 5-60 s with the default model on a small shared CPU.
 DEFAULT_SUMMARY_WAIT_S = 30.0
+#: ``Session(summary_wait_s="auto")``: :data:`DEFAULT_SUMMARY_WAIT_S` on an engine that runs
+#: one call at a time, 0 on one that runs calls together
+#: (:func:`~convo.engines.base.concurrent_calls` > 1: a batching local engine, a server).
+SUMMARY_WAIT_AUTO: Final = "auto"
+
+
+def check_summary_wait(value: object) -> None:
+    """Raise :class:`~convo.errors.ConfigError` unless ``value`` is a valid
+    ``summary_wait_s``: seconds >= 0, ``"auto"`` or ``None``."""
+    if value is None or value == SUMMARY_WAIT_AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"summary_wait_s must be seconds >= 0, 'auto' or None, got {value!r}")
 
 
 @dataclass(frozen=True)
 class _Planned:
     """The summary a turn's prompt was planned with."""
 
-    summary: str
+    summary: str  # the stored summary, or the provisional one the prompt showed
     summarized_turns: int
     summarizing: bool  # False: turns that leave the window are meant to go (no summary)
     start: int  # the first turn the planner could show
+    provisional: bool = False
 
     def hidden_turns(self, plan: PromptPlan) -> int:
         """Turns neither in that summary nor in the prompt."""
@@ -126,9 +147,13 @@ class TurnStats:
         evicted_turns: turns that have left the window so far (total).
         summarized_turns: turns folded into the stored summary when the reply returned
             (the summary of the turns that left the window on this turn is written after it).
-        hidden_turns: turns that were neither in the summary nor in this prompt: the summary
-            had not caught up with them (it was still running past ``summary_wait_s``, or
-            the budget cut them on this turn). They stay stored and are folded in later.
+        hidden_turns: turns that were neither in the summary nor shown whole in this prompt:
+            the summary had not caught up with them (the turn went on without it, see
+            ``summary_wait_s``, or the budget cut them on this turn). The prompt showed
+            excerpts of them in a provisional summary (``provisional_summary``); they stay
+            stored and are folded in later.
+        provisional_summary: the prompt showed a provisional summary
+            (:func:`~convo.summarize.provisional_summary`) in the summary's place.
         passages_used / passages_dropped: retrieval outcome.
         truncated_messages: messages the TRUNCATE policy shortened in this prompt.
         plan_s / generate_s / latency_s: seconds.
@@ -161,6 +186,7 @@ class TurnStats:
     generation: GenerationStats | None = None
     hidden_turns: int = 0
     summary: SummaryState | None = None
+    provisional_summary: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,11 +337,15 @@ class Session:
         summary_wait_s: how long a turn waits for this session's summary while it is
             still running. A turn waits only when the turns the summary does not cover yet
             cannot all be shown beside the window (while they can, the prompt shows them
-            and extends the previous one). Default :data:`DEFAULT_SUMMARY_WAIT_S`; 0 never
-            waits; ``None`` waits as long as it takes. Past the bound the turn is planned
-            as if the summary were there: the previous summary and the window. The turns
-            between are left out of that prompt (``TurnStats.hidden_turns``), stay stored,
-            and are folded in when the job ends; the budget holds either way.
+            and extends the previous one). Default ``"auto"``
+            (:data:`SUMMARY_WAIT_AUTO`): :data:`DEFAULT_SUMMARY_WAIT_S` on an engine that
+            runs one call at a time, 0 on one that runs calls together (the reply then
+            runs beside the summary instead of after it); 0 never waits; ``None`` waits as
+            long as it takes. Past the bound the turn shows a provisional summary
+            (:func:`~convo.summarize.provisional_summary`: the previous summary and
+            excerpts of the turns it misses) and the window. Those turns
+            (``TurnStats.hidden_turns``) stay stored and are folded in when the job ends;
+            the budget holds either way.
         retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
         sampling: decoding settings (default greedy).
@@ -352,13 +382,12 @@ class Session:
         timeout_s: float | None = None,
         owner: str = "",
         summaries: SummaryWorker | None = None,
-        summary_wait_s: float | None = DEFAULT_SUMMARY_WAIT_S,
+        summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO,
         lock_timeout_s: float = 60.0,
     ) -> None:
         if engine is None and counter is None:
             raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
-        if summary_wait_s is not None and not summary_wait_s >= 0:
-            raise ConfigError(f"summary_wait_s must be >= 0 or None, got {summary_wait_s!r}")
+        check_summary_wait(summary_wait_s)
         self.summary_wait_s = summary_wait_s
         self.summaries = summaries or SummaryWorker.shared()
         self.summarizer: Summarizer | None = None  # set below, once the budget is known
@@ -814,7 +843,8 @@ class Session:
         (and the next one), at most ``summary_wait_s`` in all.
         """
         t0 = time.monotonic()
-        deadline = None if self.summary_wait_s is None else t0 + self.summary_wait_s
+        limit = self.summary_wait_limit
+        deadline = None if limit is None else t0 + limit
         waited = 0.0
         while True:
             self._sync_summary()
@@ -916,6 +946,7 @@ class Session:
             generation=gen.stats,
             hidden_turns=planned.hidden_turns(plan),
             summary=self.summary_state,
+            provisional_summary=planned.provisional,
         )
         return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
 
@@ -985,6 +1016,30 @@ class Session:
                 return plan, start
         return self._plan(query, None, exact, start=self.evicted_turns), self.evicted_turns
 
+    @property
+    def summary_wait_limit(self) -> float | None:
+        """Seconds a turn waits for a late summary (``summary_wait_s``, ``"auto"`` resolved
+        for this session's engine); ``None``: no limit."""
+        if self.summary_wait_s != SUMMARY_WAIT_AUTO:
+            return self.summary_wait_s
+        return 0.0 if concurrent_calls(self.engine) > 1 else DEFAULT_SUMMARY_WAIT_S
+
+    def _summary_text(self, start: int) -> tuple[str, bool]:
+        """The summary a prompt that starts at turn ``start`` shows, and whether it is
+        provisional: the stored one, or, when it misses turns before ``start``, the
+        provisional summary that adds excerpts of them."""
+        done = self._state.summarized_turns
+        if not self._summarizing or start <= done:
+            return self._state.summary, False
+        missed = [m for t in self.turns(done)[: start - done] for m in t.messages]
+        text = provisional_summary(
+            previous=self._state.summary,
+            messages=missed,
+            counter=self.counter,
+            max_tokens=self.budget.summary_tokens,
+        )
+        return text, True
+
     def _plan(self, query: str | None, budget: Budget | None, exact: bool, *, start: int) -> PromptPlan:
         budget = budget or self.budget
         if budget.summarize_batch_turns > 1:
@@ -1013,7 +1068,7 @@ class Session:
             counter=self.counter,
             turns=turns,
             pinned=self._pinned,
-            summary=self._state.summary,
+            summary=self._summary_text(start)[0],
             passages=passages,
             min_score=min_score,
             exact=exact,
@@ -1161,11 +1216,13 @@ class Session:
         self._submit_summary()
 
     def _planned(self, start: int) -> _Planned:
+        summary, provisional = self._summary_text(start)
         return _Planned(
-            summary=self._state.summary,
+            summary=summary,
             summarized_turns=self._state.summarized_turns,
             summarizing=self._summarizing,
             start=start,
+            provisional=provisional,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------

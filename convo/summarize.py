@@ -40,6 +40,7 @@ from convo.messages import Message, Role
 if TYPE_CHECKING:
     from convo.engines.base import Engine
     from convo.store import Store
+    from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,39 @@ class ModelSummarizer:
         )
         text = result.text.strip() or previous
         return counter.truncate_middle(text, max_tokens)
+
+
+#: How a provisional summary (:func:`provisional_summary`) introduces its excerpts.
+PROVISIONAL_HEADER = "Latest turns, not summarized yet (excerpts):"
+#: Fewest tokens of text a provisional summary shows per message; with less room per
+#: message it shows the latest messages only.
+PROVISIONAL_MIN_TOKENS = 24
+
+
+def provisional_summary(
+    *, previous: str, messages: Sequence[Message], counter: TokenCounter, max_tokens: int
+) -> str:
+    """A model-free stand-in for the rolling summary while the model's is still written:
+    the previous summary (at most half of ``max_tokens`` when there are messages), then
+    :data:`PROVISIONAL_HEADER` and one ``speaker: text`` line per message it does not cover
+    yet, each cut in the middle to an equal share of the rest (at least
+    :data:`PROVISIONAL_MIN_TOKENS`; the latest messages win when not all fit). At most
+    ``max_tokens`` tokens in all, and the same text for the same input, so two prompts
+    that carry it share their KV prefix.
+
+    A session shows it when a turn goes on without the summary of turns that left its
+    window (``Session(summary_wait_s=...)``), so those turns are still seen, in part.
+    """
+    if not messages or max_tokens <= 0:
+        return counter.truncate_middle(previous, max(max_tokens, 0)) if previous else ""
+    prev = counter.truncate_middle(previous, max_tokens // 2) if previous else ""
+    room = max_tokens - counter.count_text(f"{prev}\n{PROVISIONAL_HEADER}\n")
+    # Each line costs its text plus the speaker's name and a newline (about 4 tokens).
+    shown = list(messages)[-max(room // (PROVISIONAL_MIN_TOKENS + 4), 1) :]
+    share = max(room // len(shown) - 4, 1)
+    lines = [counter.truncate_middle(format_messages([m]), share + 4) for m in shown]
+    text = "\n".join([*([prev] if prev else []), PROVISIONAL_HEADER, *lines])
+    return counter.truncate_middle(text, max_tokens)
 
 
 # -- background summaries ---------------------------------------------------------------------

@@ -232,11 +232,14 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
         assert torch.allclose(out, ref[p], atol=1e-4)
 
 
-def test_mixed_step_decodes_and_prefills_in_one_forward() -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_mixed_step_decodes_and_prefills_in_one_forward(static: bool) -> None:
     """Decode rows and prefill chunks in one forward give transformers' logits for both,
-    and what each wrote to its slot carries on."""
+    and what each wrote to its slot carries on: eager, and in the static-shape forward
+    that CUDA graphs capture per (decode bucket, chunk bucket), rows and chunk padded."""
     model, ids, ref = with_reference("qwen2", tokens=50, seed=5)
-    dec = StaticDecoder(model, slots=3, slot_tokens=64)
+    dec = StaticDecoder(model, slots=3, slot_tokens=64, static_prefill=static, mixed_chunk_tokens=16)
+    assert dec.mixed_steps and dec.mixed_buckets == [16] and dec.buckets == [1, 2, 4]
     dec.warmup()
     dec.prefill(0, ids[:30], 0)
     dec.prefill(1, ids[:20], 0)
@@ -248,6 +251,14 @@ def test_mixed_step_decodes_and_prefills_in_one_forward() -> None:
     assert torch.allclose(rows[0], ref[31], atol=1e-4) and torch.allclose(outs[0], ref[25], atol=1e-4)
     out = dec.step([ids[26], ids[12]], [1, 2], [26, 12])
     assert torch.allclose(out[0], ref[26], atol=1e-4) and torch.allclose(out[1], ref[12], atol=1e-4)
+    # Three rows (bucket 4) beside a chunk longer than the mixed buckets: static prefill
+    # runs it after the decode step, in pieces; the eager forward takes it as it is.
+    rows, outs = dec.mixed_step([ids[27], ids[13], ids[32]], [1, 2, 0], [27, 13, 32], [])
+    assert torch.allclose(rows[2], ref[32], atol=1e-4) and outs == []
+    long = PrefillChunk(slot=2, ids=ids, start=14, end=40)
+    rows, outs = dec.mixed_step([ids[28], ids[33]], [1, 0], [28, 33], [long])
+    assert torch.allclose(rows[0], ref[28], atol=1e-4) and torch.allclose(rows[1], ref[33], atol=1e-4)
+    assert torch.allclose(outs[0], ref[39], atol=1e-4)
     with pytest.raises(ConfigError):
         dec.mixed_step([], [], [], chunks)
 
@@ -576,7 +587,7 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     assert dec.compiled and dec.cuda_graphs
     dec.warmup()
     graphs, captures = counters["stats"]["unique_graphs"], dec.captures
-    assert captures == len(dec.buckets) + len(dec.prefill_buckets)
+    assert captures == len(dec.buckets) * (1 + len(dec.mixed_buckets)) + len(dec.prefill_buckets)
     if weights == "int4":  # both layouts: tinygemm for a few rows, Triton for more
         assert dec.kernel_choice == {1: "tinygemm", 2: "tinygemm", 4: "tinygemm"}, dec.kernel_choice
     sched = DecodeScheduler(dec)
@@ -593,6 +604,27 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     tol = 0.05 if weights == "as-loaded" else 0.25
     assert float((step - ref_logits).norm() / ref_logits.norm()) < tol
     sched.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
+    """A replay of the graph captured for (3 rows -> bucket 4, a 20-token chunk -> bucket
+    32) gives the logits of a decode replay followed by a prefill replay on a twin pool."""
+    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    ids = list(range(1, 120))
+    outs = []
+    for mixed in (True, False):
+        dec = StaticDecoder(model, slots=4, slot_tokens=256, mixed_chunk_tokens=0 if not mixed else 256)
+        dec.warmup()
+        assert ((4, 32) in dec._mixed_graphs) is mixed
+        for slot, n in ((0, 40), (1, 50), (2, 60)):
+            dec.prefill(slot, ids[:n], 0)
+        chunk = PrefillChunk(slot=3, ids=ids, start=0, end=20)
+        rows, chunks = dec.mixed_step([ids[40], ids[50], ids[60]], [0, 1, 2], [40, 50, 60], [chunk])
+        after = dec.step([ids[20], ids[41]], [3, 0], [20, 41])  # both slots carry on
+        outs.append(torch.cat([rows, torch.stack(chunks), after]).float())
+    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
 
 
 @pytest.mark.gpu

@@ -20,7 +20,16 @@ from conftest import FakeEngine
 from convo import Budget, Session
 from convo.messages import Message, Role
 from convo.store import MemoryStore, SessionState, SQLiteStore
-from convo.summarize import JobStatus, SummaryJob, SummaryStatus, SummaryWorker
+from convo.session import DEFAULT_SUMMARY_WAIT_S
+from convo.summarize import (
+    PROVISIONAL_HEADER,
+    JobStatus,
+    SummaryJob,
+    SummaryStatus,
+    SummaryWorker,
+    provisional_summary,
+)
+from convo.tokens import CharCounter
 
 WAIT = 10.0  # seconds a test waits for something that happens at once; a hang fails, not blocks
 
@@ -176,6 +185,55 @@ def test_zero_wait_never_waits(fake_engine: FakeEngine, worker: SummaryWorker) -
         reply = session.send(f"turn {i} {BIG}")
     assert reply.stats.summarize_s == 0.0 and reply.stats.hidden_turns == 2
     summ.gate.set()
+
+
+def test_auto_wait_goes_on_at_once_beside_a_batching_engine(worker: SummaryWorker) -> None:
+    """``summary_wait_s="auto"`` (the default) waits on an engine that runs one call at a
+    time, and not on one that runs calls together: the turn shows a provisional summary
+    (excerpts of the turns the summary misses) in its place, then the model's summary once
+    the job is in."""
+    assert Session(FakeEngine(), budget=TIGHT, summaries=worker).summary_wait_limit == DEFAULT_SUMMARY_WAIT_S
+    engine = FakeEngine()
+    engine.concurrent_calls = 4  # type: ignore[attr-defined]  # as a batching engine says
+    summ = GatedSummarizer()
+    session = Session(engine, budget=TIGHT, summarizer=summ, summaries=worker)
+    assert session.summary_wait_limit == 0.0
+    for i in range(3):
+        session.send(f"turn {i} {BIG}")
+    assert summ.started.wait(WAIT)
+    replies = [session.send(f"turn {i} {BIG}") for i in (3, 4)]
+    for reply in replies:
+        assert reply.stats.summarize_s == 0.0 and reply.stats.provisional_summary
+        assert reply.stats.hidden_turns >= 2 and reply.stats.prompt_tokens + 50 <= 700
+        assert 0 < reply.plan.parts["summary"] <= TIGHT.summary_tokens + 8
+    first, second = (p[0].content for p in engine.prompts[-2:])
+    assert PROVISIONAL_HEADER in first and "assistant: reply" in first
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    nxt = session.send("turn 5")
+    assert not nxt.stats.provisional_summary and "turn 0;" in engine.prompts[-1][0].content
+    assert len(session.messages) == 12  # every message stored
+
+
+def test_provisional_summary_fits_and_keeps_the_latest() -> None:
+    counter = CharCounter()
+    msgs = [Message(role=Role.USER, content=f"fact {i} " + "x" * 400) for i in range(6)]
+    text = provisional_summary(
+        previous="Earlier: Ana likes tea.", messages=msgs, counter=counter, max_tokens=120
+    )
+    assert counter.count_text(text) <= 120
+    assert text.startswith("Earlier: Ana likes tea.") and PROVISIONAL_HEADER in text
+    assert "fact 5" in text and "fact 0" not in text  # room for the latest messages only
+    assert text == provisional_summary(
+        previous="Earlier: Ana likes tea.", messages=msgs, counter=counter, max_tokens=120
+    )
+    roomy = provisional_summary(previous="", messages=msgs[:2], counter=counter, max_tokens=400)
+    assert "fact 0" in roomy and "fact 1" in roomy and counter.count_text(roomy) <= 400
+    long_previous = provisional_summary(
+        previous="p" * 2000, messages=msgs[:1], counter=counter, max_tokens=100
+    )
+    assert "fact 0" in long_previous and counter.count_text(long_previous) <= 100  # half for the previous
+    assert provisional_summary(previous="abc", messages=[], counter=counter, max_tokens=10) == "abc"
 
 
 def test_failures_are_reported_and_retried(fake_engine: FakeEngine, worker: SummaryWorker) -> None:

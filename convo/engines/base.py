@@ -380,6 +380,13 @@ class Engine(Protocol):
     def release(self, cache_key: str) -> None: ...
 
 
+def concurrent_calls(engine: object) -> int:
+    """Calls ``engine`` runs together rather than one after another: its
+    ``concurrent_calls`` attribute (a batching local engine: its KV slots; a client of a
+    server: its connections), 1 for an engine without one."""
+    return max(int(getattr(engine, "concurrent_calls", 1) or 1), 1)
+
+
 # -- the KV cache of a local engine ------------------------------------------------------------------
 
 

@@ -315,6 +315,9 @@ class OpenAIEngine:
             transport=transport,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        #: Calls that run together (:func:`~convo.engines.base.concurrent_calls`): one per
+        #: connection; the server decides how it runs them.
+        self.concurrent_calls = max_connections
         self._lock = threading.Lock()
         self._rng = random.Random()
         #: The largest ``usage.prompt_tokens / local count`` seen so far (1.0 = exact).

@@ -382,6 +382,7 @@ class TransformersEngine:
                 compile=compile_decode,
                 prefill_chunk_tokens=self.prefill_chunk_tokens,
                 free_dense=self.quant is Quant.INT4,
+                mixed_chunk_tokens=self.interleave_tokens,
             )
         except ConfigError:
             if auto and self.quant is not Quant.INT4:
@@ -391,6 +392,14 @@ class TransformersEngine:
             progress("static decode: compiling and capturing the decode step")
         decoder.warmup()
         return decoder
+
+    @property
+    def concurrent_calls(self) -> int:
+        """Calls decoded together (:func:`~convo.engines.base.concurrent_calls`): the KV
+        slots of the static decoder's scheduler; 1 with plain ``generate`` (one call at a
+        time)."""
+        decoder = self.decoder
+        return int(decoder.pool.slots) if decoder is not None else 1
 
     @property
     def decoder(self) -> Any:

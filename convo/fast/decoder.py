@@ -157,6 +157,10 @@ def _is_plain_linear(module: Any) -> bool:
 #: Python launching every kernel: ~30 ms for a 32-layer model on the H200).
 PREFILL_GRAPH_MAX_CHUNKS = 4
 
+#: Longest prefill chunk (tokens) a mixed step is captured for by default: the scheduler's
+#: chunk while replies stream (:data:`~convo.fast.scheduler.DEFAULT_INTERLEAVE_TOKENS`).
+MIXED_CHUNK_TOKENS = 256
+
 
 class StaticDecoder:
     """A Llama-family model decoding over a :class:`KVSlotPool` with static shapes.
@@ -191,6 +195,11 @@ class StaticDecoder:
         static_prefill: run prefill through the static-shape forward that the graphs
             capture (chunks padded to a bucket, attention over the whole slot under a
             mask). Default: with ``cuda_graphs``; tests set it on CPU to check that forward.
+        mixed_chunk_tokens: with ``cuda_graphs``, :meth:`mixed_step` (decode rows and one
+            prefill chunk in one forward) is captured for every decode bucket and every
+            prefill bucket up to this many tokens (:data:`MIXED_CHUNK_TOKENS` by default:
+            the scheduler's chunk while replies stream); 0: no mixed graphs (a decode
+            replay, then a prefill replay).
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -212,6 +221,7 @@ class StaticDecoder:
         buckets: Sequence[int] | None = None,
         int4_kernel: str = "auto",
         static_prefill: bool | None = None,
+        mixed_chunk_tokens: int = MIXED_CHUNK_TOKENS,
     ) -> None:
         import torch
 
@@ -228,6 +238,8 @@ class StaticDecoder:
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
         if prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if mixed_chunk_tokens < 0:
+            raise ConfigError("mixed_chunk_tokens must be >= 0")
         if int4_kernel not in INT4_KERNELS:
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
         devices = {p.device for p in model.parameters()}
@@ -301,12 +313,15 @@ class StaticDecoder:
         self.compiled = (cuda and not self.modules) if compile is None else compile
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self.static_prefill = self.cuda_graphs if static_prefill is None else static_prefill
-        #: Whether the scheduler should run decode rows and prefill chunks in one forward
-        #: (:meth:`mixed_step`): where every forward is eager (no CUDA graphs) it saves a
-        #: weight pass; with graphs, a decode replay plus a captured chunk is faster than
-        #: one eager forward (H200, Llama-2-7B int4, 16 rows + 256 tokens: ~28 ms against
-        #: up to 75 ms, which Python's kernel launches bound).
-        self.mixed_steps = not self.cuda_graphs
+        #: Whether the scheduler should hand decode rows and prefill chunks to
+        #: :meth:`mixed_step`, one forward for both (one weight pass, and for int4 one
+        #: dequantization): eager, or a graph captured per (decode bucket, chunk bucket).
+        #: An eager mixed forward on CUDA is launch-bound (H200, Llama-2-7B int4, 16 rows +
+        #: 256 tokens: up to 75 ms against ~28 ms for a decode replay plus a prefill
+        #: replay), so with graphs but no mixed graphs the scheduler keeps them apart.
+        self.mixed_steps = not self.cuda_graphs or mixed_chunk_tokens > 0
+        #: Prefill chunks one mixed step takes (``None``: any; a mixed graph takes one).
+        self.mixed_chunks: int | None = 1 if self.cuda_graphs else None
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
         #: Batch sizes the decode step is built for; a step of n rows runs in the smallest
@@ -319,6 +334,8 @@ class StaticDecoder:
         #: bucket that holds it.
         top = min(prefill_chunk_tokens, slot_tokens)
         self.prefill_buckets = [b for b in (16 << i for i in range(16)) if b < top] + [top]
+        #: Chunk buckets the mixed step is captured for (with each decode bucket).
+        self.mixed_buckets = [b for b in self.prefill_buckets if b <= mixed_chunk_tokens]
         if self.compiled:
             # Each decoder compiles its own copies: dynamo keys its cache (and its limit of
             # recompiles) on the code object, which every decoder in a process would share.
@@ -329,6 +346,7 @@ class StaticDecoder:
                 torch._dynamo.config.recompile_limit = 2 * len(self.buckets)
         self._graphs: dict[int, tuple[Any, Any, Any]] = {}
         self._prefill_graphs: dict[int, tuple[Any, Any, Any]] = {}
+        self._mixed_graphs: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
         #: The int4 kernel each decode bucket runs ("triton", "cublas" or "tinygemm").
         self.kernel_choice: dict[int, str] = {}
         if self.quantized:
@@ -515,31 +533,58 @@ class StaticDecoder:
         """The static-shape prefill of one chunk: ``inputs`` is ``[tokens + 3]``, the chunk's
         token ids padded to ``tokens``, then its slot, start position and last real row.
         Attention runs over the whole slot under a causal mask, so every shape depends on
-        ``tokens`` alone and the forward can be captured as a CUDA graph."""
+        ``tokens`` alone and the forward can be captured as a CUDA graph. Returns float32
+        logits ``[vocab]`` after the chunk's last token."""
+        return self._static_forward(None, inputs, tokens)[-1]
+
+    def _static_forward(self, decode: Any | None, inputs: Any, tokens: int) -> Any:
+        """Decode rows (``decode``: ``[3, B]`` tokens, slots, positions, or ``None``) and one
+        prefill chunk (``inputs`` as :meth:`_prefill_static`'s) in one static-shape forward:
+        the matrix products once over the ``B + tokens`` rows, attention per decode row with
+        the split kernel and for the chunk over its slot under a mask.
+
+        Returns:
+            float32 logits ``[B + 1, vocab]``: each decode row's, then the chunk's last token's.
+        """
+        import torch
         import torch.nn.functional as F
 
         ids, slot, start, last = inputs[:tokens], inputs[tokens : tokens + 1], inputs[tokens + 1], inputs[-1:]
-        positions = start + self._positions[:tokens]
-        x = F.embedding(ids, self.embed)
+        chunk_positions = start + self._positions[:tokens]
+        rows = 0 if decode is None else decode.shape[1]
+        if decode is None:
+            positions, x = chunk_positions, F.embedding(ids, self.embed)
+        else:
+            positions = torch.cat([decode[2], chunk_positions])
+            x = F.embedding(torch.cat([decode[0], ids]), self.embed)
+            lengths = (decode[2] + 1).to(torch.int32)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         slots = slot.expand(tokens)
-        mask = (self._positions[None, :] <= positions[:, None])[None, None]
+        mask = (self._positions[None, :] <= chunk_positions[:, None])[None, None]
         shape = (self.heads, self.kv_heads, self.head_dim)
         group = self.heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
             k_cache, v_cache = self.pool.k[i], self.pool.v[i]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
+            outs = []
+            if decode is not None:
+                k_cache[decode[1], :, decode[2]] = k[:rows]
+                v_cache[decode[1], :, decode[2]] = v[:rows]
+                a = decode_attention(q[:rows], k_cache, v_cache, decode[1], lengths, scale=layer.scale)
+                outs.append(a.reshape(rows, -1))
+            k_cache[slots, :, chunk_positions] = k[rows:]
+            v_cache[slots, :, chunk_positions] = v[rows:]
             kc, vc = k_cache.index_select(0, slot), v_cache.index_select(0, slot)
             if group > 1:
                 kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
-            qt = q.transpose(0, 1)[None]
+            qt = q[rows:].transpose(0, 1)[None]
             a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, scale=layer.scale)
-            a = a[0].transpose(0, 1).reshape(tokens, self.heads * self.head_dim)
+            outs.append(a[0].transpose(0, 1).reshape(tokens, self.heads * self.head_dim))
+            a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
-        h = _rms_norm(x.index_select(0, last), self.norm, self.norm_eps * 1e-12)
-        return self.lm_head(h).float()[0]
+        pick = last + rows if decode is None else torch.cat([self._positions[:rows], last + rows])
+        h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
+        return self.lm_head(h).float()
 
     def _prefill_eager(self, chunks: Sequence[PrefillChunk], all_logits: bool) -> list[Any]:
         return self._forward_eager((), (), (), chunks, all_logits)[1]
@@ -625,15 +670,47 @@ class StaticDecoder:
         once for both, so a step that carries a prefill chunk costs about that chunk's
         forward, not a decode step plus it.
 
+        With static prefill, one chunk that fits a mixed bucket (:attr:`mixed_buckets`)
+        runs with the rows padded to their decode bucket and the chunk to its prefill
+        bucket: a replay of the graph captured for the pair (CUDA). Other steps run as a
+        decode step, then :meth:`prefill_batch`; without static prefill, in one eager forward.
+
         Returns:
             ``(logits [rows, vocab], per chunk float32 logits [vocab] after its last token)``.
         """
-        if not tokens:
+        import torch
+
+        rows = len(tokens)
+        if not rows:
             raise ConfigError("a mixed step needs at least one decode row")
         if max(positions) >= self.pool.slot_tokens:
             raise ConfigError(f"position {max(positions)} is past the slot ({self.pool.slot_tokens} tokens)")
         self._check_chunks(chunks)
-        return self._forward_eager(tokens, slots, positions, chunks)
+        if not self.static_prefill:
+            return self._forward_eager(tokens, slots, positions, chunks)
+        pieces = self._static_pieces(chunks[0]) if len(chunks) == 1 else None
+        if pieces is None or len(pieces) > 1 or pieces[0][2] not in self.mixed_buckets:
+            logits = self.step(tokens, slots, positions)
+            return logits, self.prefill_batch(chunks)
+        (start, end, bucket), c, b = pieces[0], chunks[0], self.bucket(rows)
+        decode = torch.tensor([list(tokens), list(slots), list(positions)], dtype=torch.long)
+        decode = torch.cat([decode, decode[:, :1].expand(3, b - rows)], dim=1)  # pad: copies of row 0
+        pad = [0] * (bucket - (end - start))
+        chunk = torch.tensor([*c.ids[start:end], *pad, c.slot, start, end - start - 1])
+        with torch.inference_mode():
+            if (b, bucket) in self._mixed_graphs:
+                graph, inputs, out = self._mixed_graphs[b, bucket]
+                inputs.copy_(torch.cat([decode.flatten(), chunk]), non_blocking=False)
+                graph.replay()
+                out = out.clone()
+            else:
+                out = self._static_forward(decode.to(self.device), chunk.to(self.device), bucket)
+        return out[:rows], [out[-1]]
+
+    def _mixed_static(self, inputs: Any, rows: int, tokens: int) -> Any:
+        """:meth:`_static_forward` over one flat input (what a mixed graph copies in):
+        ``[3 * rows]`` decode inputs, then the chunk's ``[tokens + 3]``."""
+        return self._static_forward(inputs[: 3 * rows].view(3, rows), inputs[3 * rows :], tokens)
 
     # -- decode --------------------------------------------------------------------------------
     def _step(self, inputs: Any) -> Any:
@@ -665,9 +742,10 @@ class StaticDecoder:
         raise ConfigError(f"{rows} rows > {self.buckets[-1]}: more rows than slots")
 
     def warmup(self) -> None:
-        """Compile and capture the decode step for every batch bucket and the prefill for
-        every chunk bucket (CUDA), or run one short prefill and step (their kernels load
-        before the first request). Call before any session uses the pool: warm-up writes
+        """Compile and capture the decode step for every batch bucket, the prefill for
+        every chunk bucket and the mixed step for every pair of a batch bucket and a mixed
+        bucket (CUDA), or run one short prefill and step (their kernels load before the
+        first request). Call before any session uses the pool: warm-up writes
         the first positions of slot 0."""
         import torch
 
@@ -688,6 +766,13 @@ class StaticDecoder:
                     inputs[-1] = t - 1
                     graph, out = self._capture(functools.partial(self._prefill_static, inputs, t), pool)
                     self._prefill_graphs[t] = (graph, inputs, out)
+                for b in self.buckets:
+                    for t in self.mixed_buckets:
+                        inputs = torch.zeros(3 * b + t + 3, dtype=torch.long, device=self.device)
+                        inputs[-1] = t - 1
+                        fn = functools.partial(self._mixed_static, inputs, b, t)
+                        graph, out = self._capture(fn, pool)
+                        self._mixed_graphs[b, t] = (graph, inputs, out)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         empty_device_cache()

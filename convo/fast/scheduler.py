@@ -140,7 +140,9 @@ class DecodeScheduler:
             step while a turn waits, whatever the rows.
         interleave_tokens: while replies stream, a step prefills at most this many prompt
             tokens (:data:`DEFAULT_INTERLEAVE_TOKENS`, and within ``step_tokens``), in the
-            decode rows' forward when the decoder has ``mixed_step`` (else one chunk).
+            decode rows' forward when the decoder has ``mixed_step`` (as many chunks as its
+            ``mixed_chunks``: one for a captured mixed step), else one chunk in a forward of
+            its own.
         background: run the loop in its own thread (``False``: the caller calls
             :meth:`run_step`).
 
@@ -163,6 +165,8 @@ class DecodeScheduler:
         self.interleave_tokens = interleave_tokens
         # A decoder that runs decode rows and prefill chunks in one forward, and gains by it.
         self._mixed = callable(getattr(decoder, "mixed_step", None)) and getattr(decoder, "mixed_steps", True)
+        #: Chunks a streaming step prefills: those one mixed step takes, else one.
+        self._mixed_chunks: int | None = getattr(decoder, "mixed_chunks", None) if self._mixed else 1
         self.background = background
         self._pending: list[DecodeRequest] = []  # no slot yet
         self._prefilling: list[DecodeRequest] = []  # a slot, no first token yet
@@ -236,8 +240,7 @@ class DecodeScheduler:
                 batch = self._plan_prefill(
                     max(min(self.step_tokens - len(self._active), self.interleave_tokens), 1)
                 )
-                if not self._mixed:
-                    batch = batch[:1]
+                batch = batch[: self._mixed_chunks]
             else:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both

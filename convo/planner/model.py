@@ -1248,13 +1248,17 @@ class MemoryModel:
         dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
         >= slots: a cuBLAS workspace for its capture stream and the step's rows) + the
         captured prefill's pool (one :data:`PREFILL_GRAPH_TOKENS`-token forward, its mask
-        and slot view, and a dequantized weight).
+        and slot view, and a dequantized weight; the mixed steps' graphs share it and add
+        their logits, per batch bucket and chunk bucket up to
+        :data:`~convo.fast.decoder.MIXED_CHUNK_TOKENS`).
 
         Measured on an H200 (Llama-2-7B int4 group 32, 4 slots of 4096 tokens): pool exact;
         weights 8.68 GB with both int4 layouts (predicted -0.7 %), 4.62 GB with tinygemm's
         alone (-1.1 %); captured steps 135 MB and a 3,840-token prefill of the earlier
         one-turn, 512-token-chunk decoder 88 MB above them (predicted together 0.37 GB).
         """
+        from convo.fast.decoder import MIXED_CHUNK_TOKENS
+
         if step_tokens is None:
             from convo.fast.scheduler import DEFAULT_STEP_TOKENS
 
@@ -1273,6 +1277,8 @@ class MemoryModel:
         slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
         mask = chunk * cell.context
         graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + mask + slot_view)
+        mixed_buckets = sum(1 for i in range(16) if 16 << i <= min(MIXED_CHUNK_TOKENS, cell.context))
+        graphs += mixed_buckets * (sum(buckets) + len(buckets)) * s.vocab_size * 4
         return self._prediction(
             cell, kv=pool, activations=prefill + graphs,
             reserved_above=pool + graphs + prefill * self.calibration.prefill_reserved_ratio,

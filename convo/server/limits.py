@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from convo.errors import (
     ConfigError,
 )
-from convo.session import DEFAULT_SUMMARY_WAIT_S
+from convo.session import SUMMARY_WAIT_AUTO, check_summary_wait
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,8 +36,9 @@ class ServerLimits:
             and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
         summary_wait_s: seconds a turn waits for its session's background summary, only
             when the turns it folds do not fit beside the window (see
-            ``Session(summary_wait_s=...)``); past it the turn goes on with the previous
-            summary. ``None``: no limit. Default
+            ``Session(summary_wait_s=...)``); past it the turn goes on with a provisional
+            summary. ``None``: no limit. Default ``"auto"``: 0 with an engine that runs
+            calls together (static KV slots, a remote server), else
             :data:`convo.session.DEFAULT_SUMMARY_WAIT_S` (30 s). The summary never delays
             the reply that caused it: a stream ends, and the turn is stored, before the
             summary starts.
@@ -51,7 +53,7 @@ class ServerLimits:
     queue_timeout_s: float = 30.0
     session_lock_timeout_s: float = 60.0
     generation_timeout_s: float | None = None
-    summary_wait_s: float | None = DEFAULT_SUMMARY_WAIT_S
+    summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency"):
@@ -66,5 +68,4 @@ class ServerLimits:
                 raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:
             raise ConfigError("ServerLimits.generation_timeout_s must be > 0 or None")
-        if self.summary_wait_s is not None and not self.summary_wait_s >= 0:
-            raise ConfigError("ServerLimits.summary_wait_s must be >= 0 or None")
+        check_summary_wait(self.summary_wait_s)

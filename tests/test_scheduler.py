@@ -360,3 +360,59 @@ def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
     assert auto_kv_slots(10 * slot, slot) == 5  # half of the free memory
     assert auto_kv_slots(1000 * slot, slot) == DEFAULT_KV_SLOTS
     assert auto_kv_slots(1.5 * slot, slot) == 0  # not one fits: plain generate
+
+
+def test_background_work_leaves_hot_session_caches_alone() -> None:
+    """A summary takes an empty slot, or a session's cached slot only once it has idled
+    ``background_min_idle_s`` (or the summary has waited ``background_max_wait_s``): the
+    session's next turn finds its prompt still cached."""
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, background_min_idle_s=60.0, background_max_wait_s=60.0)
+    turns = [sched.submit(request(10, first=f, max_new=2, cache_key=k)) for f, k in ((100, "a"), (300, "b"))]
+    drain(sched)
+    summary = sched.submit(request(5, max_new=2, priority=Priority.BACKGROUND))
+    for _ in range(3):
+        sched.run_step()
+    assert summary.slot == -1 and sched._blocked  # both slots hold hot caches
+    nxt = sched.submit(request(12, first=100, max_new=1, cache_key="a"))  # turn a's prompt + 2
+    sched.run_step()
+    assert nxt.cached_tokens == 11 and nxt.slot == turns[0].slot  # its cache was kept
+    sched.background_min_idle_s = 0.0  # the caches have now idled long enough
+    drain(sched)
+    assert summary.new_ids == [6, 7] and summary.finish is FinishReason.LENGTH
+    # The bound on waiting: a summary that waited background_max_wait_s takes a hot slot.
+    sched.background_min_idle_s, sched.background_max_wait_s = 60.0, 0.0
+    late = sched.submit(request(5, max_new=2, priority=Priority.BACKGROUND))
+    drain(sched)
+    assert late.new_ids == [6, 7]
+
+
+def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
+    """A reply that finds every slot busy stops the latest background request (its slot
+    freed at once); the summary, re-admitted later, prefills its prompt and the tokens it
+    had generated, and its reply is the one it would have written without the stop."""
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    summary = sched.submit(request(5, max_new=8, priority=Priority.BACKGROUND))
+    for _ in range(3):
+        sched.run_step()
+    assert summary.new_ids == [6, 7, 8]
+    reply = sched.submit(request(10, first=100, max_new=2))
+    sched.run_step()
+    assert summary.slot == -1 and summary.preemptions == 1 and sched.preemptions == 1
+    assert reply.slot == 0
+    drain(sched)
+    assert reply.new_ids == [110, 111]
+    assert summary.new_ids == [6, 7, 8, 9, 10, 11, 12, 13] and summary.finish is FinishReason.LENGTH
+    # Re-admitted, it prefilled its prompt and the 3 tokens it had, then decoded on.
+    resumed = [what for kind, what in dec.events if kind == "prefill" and what[0][2] == 8]
+    assert resumed == [[(0, 0, 8)]]
+    assert summary.first_token_at is not None and summary.first_token_at < reply.first_token_at  # type: ignore[operator]
+    # A request of the same priority is never preempted: it waits for the slot.
+    a = sched.submit(request(5, max_new=4))
+    sched.run_step()
+    b = sched.submit(request(5, first=50, max_new=1))
+    sched.run_step()
+    assert b.slot == -1 and a.slot == 0
+    drain(sched)
+    assert a.new_ids == [6, 7, 8, 9] and b.new_ids == [55]

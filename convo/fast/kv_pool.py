@@ -83,12 +83,12 @@ class KVSlotPool:
         """Bytes one slot occupies."""
         return self.nbytes // self.slots
 
-    def acquire(self, key: str | None) -> tuple[int, list[int]] | None:
-        """A slot for ``key`` and the tokens already in it, or ``None`` when all are busy.
+    def acquire(self, key: str | None, *, min_idle_s: float = 0.0) -> tuple[int, list[int]] | None:
+        """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
         The session's own idle slot comes first (its tokens are reused), then an empty
         slot, then the least recently used idle slot of another session (its tokens are
-        dropped).
+        dropped), if it has been idle for ``min_idle_s`` seconds at least.
         """
         with self._lock:
             chosen = None
@@ -98,7 +98,7 @@ class KVSlotPool:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner is None and not s.busy), None)
             if chosen is None:
                 idle = [(s.last_used, i) for i, s in enumerate(self._table) if not s.busy]
-                if not idle:
+                if not idle or min(idle)[0] > time.monotonic() - min_idle_s:
                     return None
                 chosen = min(idle)[1]
             slot = self._table[chosen]

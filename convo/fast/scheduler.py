@@ -18,8 +18,13 @@ captured decode step. When no reply is streaming, the whole ``step_tokens`` budg
 to prefill, the chunks of several turns together in one forward.
 
 A request waits for a slot (in priority, then arrival order) while every slot holds a
-turn; it finishes with ``timeout`` when its deadline passes and with ``cancelled`` when
-its ``cancel`` event is set, whether it is waiting, prefilling or decoding.
+turn. Background work takes a slot whose session's cache is hot only once it has been
+idle a while (``background_min_idle_s``) or the work has waited long
+(``background_max_wait_s``); a reply that finds every slot busy preempts the latest
+background request, which later prefills its prompt and what it generated so far again
+and goes on (vLLM's preemption by recompute). A request finishes with ``timeout`` when
+its deadline passes and with ``cancelled`` when its ``cancel`` event is set, whether it is
+waiting, prefilling or decoding.
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ DEFAULT_STEP_TOKENS = 2048
 #: load; smaller, shorter gaps between a streaming reply's tokens. On the H200 (Llama-2-7B
 #: int4) a 256-token prefill forward takes about two decode steps.
 DEFAULT_INTERLEAVE_TOKENS = 256
+#: Seconds another session's cached prompt must have sat idle in its slot before background
+#: work (a summary) may take the slot: while sessions keep talking, summaries use empty
+#: slots and the ones sessions left, not the caches that their next turns will reuse.
+DEFAULT_BACKGROUND_MIN_IDLE_S = 1.0
+#: Seconds background work waits for such a slot before it takes the least recently used
+#: idle one anyway, so it never starves.
+DEFAULT_BACKGROUND_MAX_WAIT_S = 10.0
+#: How often the loop looks for a slot again while only work that waits for one is left.
+SLOT_POLL_S = 0.02
 
 
 class Priority(enum.IntEnum):
@@ -116,10 +130,18 @@ class DecodeRequest:
     _generator: Any = None
     _order: int = field(default_factory=lambda: next(_ARRIVALS))
 
+    #: Times the scheduler stopped this request to free its slot for a reply.
+    preemptions: int = 0
+
     @property
     def position(self) -> int:
         """Where the last sampled token goes in the slot."""
         return len(self.ids) + len(self.new_ids) - 1
+
+    def context(self) -> list[int]:
+        """The tokens to prefill before the next token is sampled: the prompt, and for a
+        request that was preempted, the reply so far."""
+        return self.ids + self.new_ids if self.new_ids else self.ids
 
     def _stop_reason(self, now: float) -> FinishReason | None:
         if self.cancel is not None and self.cancel.is_set():
@@ -145,9 +167,15 @@ class DecodeScheduler:
             its own.
         background: run the loop in its own thread (``False``: the caller calls
             :meth:`run_step`).
+        background_min_idle_s: seconds another session's cached prompt must have been
+            idle before a request of lower priority than a reply takes its slot
+            (:data:`DEFAULT_BACKGROUND_MIN_IDLE_S`).
+        background_max_wait_s: seconds such a request waits before it takes the least
+            recently used idle slot anyway (:data:`DEFAULT_BACKGROUND_MAX_WAIT_S`).
 
     Raises:
-        ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1.
+        ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
+            background bound.
     """
 
     def __init__(
@@ -157,9 +185,15 @@ class DecodeScheduler:
         step_tokens: int = DEFAULT_STEP_TOKENS,
         interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS,
         background: bool = True,
+        background_min_idle_s: float = DEFAULT_BACKGROUND_MIN_IDLE_S,
+        background_max_wait_s: float = DEFAULT_BACKGROUND_MAX_WAIT_S,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
+        if not (background_min_idle_s >= 0 and background_max_wait_s >= 0):
+            raise ConfigError("background_min_idle_s and background_max_wait_s must be >= 0")
+        self.background_min_idle_s = background_min_idle_s
+        self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
         self.interleave_tokens = interleave_tokens
@@ -182,6 +216,9 @@ class DecodeScheduler:
         self.prefill_tokens = 0
         #: Most prompt tokens one prefill forward ran between two decode steps.
         self.max_prefill_tokens = 0
+        #: Requests stopped to free a slot for a reply (they went on later).
+        self.preemptions = 0
+        self._blocked = False  # the last admission left work waiting for a slot
 
     def submit(self, request: DecodeRequest) -> DecodeRequest:
         """Queue ``request``; wait on ``request.done``."""
@@ -227,6 +264,8 @@ class DecodeScheduler:
                 if self._closed and not (self._pending or self._prefilling or self._active):
                     self._thread = None
                     return
+                if self._blocked and not (self._prefilling or self._active):
+                    self._cv.wait(SLOT_POLL_S)  # only work that waits for a slot: look again soon
             self.run_step()
 
     def run_step(self) -> None:
@@ -298,28 +337,60 @@ class DecodeScheduler:
             self._finish(req, why)
 
     def _admit(self) -> None:
-        """Give free slots to waiting requests: by priority, then arrival."""
+        """Give free slots to waiting requests: by priority, then arrival. Work of lower
+        priority than a reply takes another session's cached slot only when it has been
+        idle ``background_min_idle_s`` (or the work waited ``background_max_wait_s``); a
+        request that finds no slot preempts running work of lower priority
+        (:meth:`_preempt`)."""
+        self._blocked = False
         while True:
             with self._cv:
                 if not self._pending:
                     return
                 req = min(self._pending, key=lambda r: (r.priority, r._order))
-                got = self.decoder.pool.acquire(req.cache_key)
+                patient = req.priority > Priority.REPLY
+                patient = patient and time.monotonic() - req.started_at < self.background_max_wait_s
+                got = self.decoder.pool.acquire(
+                    req.cache_key, min_idle_s=self.background_min_idle_s if patient else 0.0
+                )
                 if got is None:
-                    return  # every slot holds a turn: wait for one to finish
+                    if self._preempt(req):
+                        continue
+                    self._blocked = True  # every slot holds a turn: wait for one to finish
+                    return
                 self._pending.remove(req)
             req.slot, kept = got
-            common = common_prefix_length(kept, req.ids, len(req.ids) - 1)
+            ids = req.context()
+            common = common_prefix_length(kept, ids, len(ids) - 1)
             req.cached_tokens = req.kv_tokens = common
             self._prefilling.append(req)
+
+    def _preempt(self, req: DecodeRequest) -> bool:
+        """Free a slot for ``req``: stop the running request of lowest priority below
+        ``req``'s (the latest of them) and put it back in the queue. Re-admitted, it
+        prefills its prompt and the reply so far (:meth:`DecodeRequest.context`) and goes
+        on where it stopped (vLLM's preemption by recompute). False: nothing to preempt."""
+        running = [r for r in (*self._active, *self._prefilling) if r.priority > req.priority]
+        if not running:
+            return False
+        victim = max(running, key=lambda r: (r.priority, r._order))
+        self._active = [r for r in self._active if r is not victim]
+        self._prefilling = [r for r in self._prefilling if r is not victim]
+        self.decoder.pool.release(victim.slot, (victim.ids + victim.new_ids)[: victim.kv_tokens])
+        victim.slot, victim.kv_tokens = -1, 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self._pending.append(victim)
+        return True
 
     def _plan_prefill(self, budget: int) -> list[tuple[DecodeRequest, PrefillChunk]]:
         batch = []
         for req in sorted(self._prefilling, key=lambda r: (r.priority, r._order)):
             if budget <= 0:
                 break
-            end = min(len(req.ids), req.kv_tokens + budget)
-            batch.append((req, PrefillChunk(slot=req.slot, ids=req.ids, start=req.kv_tokens, end=end)))
+            ids = req.context()
+            end = min(len(ids), req.kv_tokens + budget)
+            batch.append((req, PrefillChunk(slot=req.slot, ids=ids, start=req.kv_tokens, end=end)))
             budget -= end - req.kv_tokens
         return batch
 
@@ -335,7 +406,7 @@ class DecodeScheduler:
         ready = []
         for (req, chunk), out in zip(batch, logits, strict=True):
             req.kv_tokens = chunk.end
-            if chunk.end == len(req.ids):
+            if chunk.end == len(chunk.ids):
                 ready.append((req, out))
         if not ready:
             return
@@ -343,7 +414,7 @@ class DecodeScheduler:
         self._prefilling = [r for r in self._prefilling if id(r) not in done]
         reqs = [r for r, _ in ready]
         for req in reqs:
-            if req.sampling.seed is not None:
+            if req.sampling.seed is not None and req._generator is None:
                 import torch
 
                 req._generator = torch.Generator(device=ready[0][1].device).manual_seed(req.sampling.seed)
@@ -352,7 +423,8 @@ class DecodeScheduler:
         first = _sample(torch.stack([out for _, out in ready]), reqs)
         now = time.monotonic()
         for req, token in zip(reqs, first, strict=True):
-            req.first_token_at = now
+            if req.first_token_at is None:  # (a preempted request had its first token)
+                req.first_token_at = now
             if not self._accept(req, token):
                 self._active.append(req)
 

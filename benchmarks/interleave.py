@@ -44,6 +44,24 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))] if values else 0.0
 
 
+def graph_replays(dec: StaticDecoder, rows: int, chunk: int) -> dict[str, float]:
+    """Median ms of one replay of the captured decode step (``rows`` rows), prefill
+    (``chunk`` tokens) and mixed step (both), where they were captured (CUDA)."""
+    from convo.fast.decoder import _replay_ms
+
+    b = dec.bucket(rows)
+    t = min((x for x in dec.prefill_buckets if x >= chunk), default=dec.prefill_buckets[-1])
+    out = {}
+    for label, graphs, key in (
+        (f"decode_{b}", dec._graphs, b),
+        (f"prefill_{t}", dec._prefill_graphs, t),
+        (f"mixed_{b}_{t}", dec._mixed_graphs, (b, t)),
+    ):
+        if key in graphs:
+            out[label] = round(_replay_ms(graphs[key][0]), 3)  # type: ignore[index]
+    return out
+
+
 def main() -> None:
     import torch
 
@@ -82,6 +100,9 @@ def main() -> None:
         dec.mixed_steps = args.mixed == "on"
     warm = time.perf_counter() - t
     log(f"{name} {args.weights}: {slots} slots, mixed steps {dec.mixed_steps}, warm-up {warm:.1f}s")
+    replay_ms = graph_replays(dec, args.streams, max(int(i) for i in args.interleave_tokens.split(",")))
+    if replay_ms:
+        log(f"graph replays (ms): {replay_ms}")
     vocab = dec.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -183,6 +204,8 @@ def main() -> None:
         "torch": torch.__version__,
         "weights": args.weights,
         "mixed_steps": dec.mixed_steps,
+        "warmup_s": round(warm, 1),
+        "replay_ms": replay_ms,
         "streams": args.streams,
         "prompt_tokens": args.prompt_tokens,
         "arrival_ms": args.arrival_ms,

@@ -79,30 +79,87 @@ def _rope(x: Any, cos: Any, sin: Any) -> Any:
     return x * cos + rotated * sin
 
 
+def _norm(x: Any, weight: Any, eps_pico: int) -> Any:
+    return _rms_norm(x, weight, eps_pico * 1e-12)
+
+
+def _rotary(q: Any, k: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _add_norm(x: Any, y: Any, weight: Any, eps_pico: int) -> tuple[Any, Any]:
+    x = x + y
+    return x, _rms_norm(x, weight, eps_pico * 1e-12)
+
+
+def _swiglu(gate_up: Any) -> Any:
+    import torch.nn.functional as F
+
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class _Pointwise:
+    """The elementwise parts of a layer: the norms (``eps`` in 1e-12 units: an int, so
+    every layer shares one compile), rotary embedding, residual + norm, SwiGLU. Eager, or
+    each compiled with dynamic shapes for the static forwards (one compile serves every
+    bucket, fusing ~30 kernels a layer into ~6)."""
+
+    norm: Callable[..., Any] = _norm
+    rotary: Callable[..., Any] = _rotary
+    add_norm: Callable[..., Any] = _add_norm
+    swiglu: Callable[..., Any] = _swiglu
+
+    @classmethod
+    def compiled(cls) -> _Pointwise:
+        import torch
+
+        return cls(
+            *(
+                torch.compile(_own_copy(fn), fullgraph=True, dynamic=True)
+                for fn in (_norm, _rotary, _add_norm, _swiglu)
+            )
+        )
+
+
+_EAGER = _Pointwise()
+
+
 def _pre_attention(
-    x: Any, ln: Any, qkv: tuple[Linear, ...], cos: Any, sin: Any, shape: tuple[int, ...]
+    x: Any,
+    ln: Any,
+    qkv: tuple[Linear, ...],
+    cos: Any,
+    sin: Any,
+    shape: tuple[int, ...],
+    pw: _Pointwise = _EAGER,
 ) -> Any:
     """Norm, fused q/k/v projection and rotary embedding of ``x`` ``[N, hidden]``."""
-    heads, kv_heads, dim, eps_pico = shape  # eps in 1e-12 units: an int, so every layer shares one compile
-    h = _rms_norm(x, ln, eps_pico * 1e-12)
+    heads, kv_heads, dim, eps_pico = shape
+    h = pw.norm(x, ln, eps_pico)
     out = _linears(h, qkv)
     n = x.shape[0]
     q = out[:, : heads * dim].view(n, heads, dim)
     k = out[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
     v = out[:, (heads + kv_heads) * dim :].reshape(n, kv_heads, dim)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+    q, k = pw.rotary(q, k, cos, sin)
+    return q, k, v
 
 
 def _post_attention(
-    x: Any, attn: Any, o: Linear, ln: Any, gate_up: tuple[Linear, ...], down: Linear, eps_pico: int
+    x: Any,
+    attn: Any,
+    o: Linear,
+    ln: Any,
+    gate_up: tuple[Linear, ...],
+    down: Linear,
+    eps_pico: int,
+    pw: _Pointwise = _EAGER,
 ) -> Any:
     """Output projection, residual, norm, SwiGLU MLP, residual."""
-    import torch.nn.functional as F
-
-    x = x + o(attn)
-    h = _rms_norm(x, ln, eps_pico * 1e-12)
-    gate, up = _linears(h, gate_up).chunk(2, dim=-1)
-    return x + down(F.silu(gate) * up)
+    x, h = pw.add_norm(x, o(attn), ln, eps_pico)
+    return x + down(pw.swiglu(_linears(h, gate_up)))
 
 
 @dataclass(frozen=True)
@@ -341,6 +398,9 @@ class StaticDecoder:
             # recompiles) on the code object, which every decoder in a process would share.
             self._pre = torch.compile(_own_copy(_pre_attention), fullgraph=True, dynamic=False)
             self._post = torch.compile(_own_copy(_post_attention), fullgraph=True, dynamic=False)
+        #: The elementwise parts of the static forwards (prefill and mixed graphs).
+        self._static_pw = _Pointwise.compiled() if self.compiled and self.static_prefill else _EAGER
+        if self.compiled:
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             if limit is not None and limit < 2 * len(self.buckets):
                 torch._dynamo.config.recompile_limit = 2 * len(self.buckets)
@@ -563,8 +623,9 @@ class StaticDecoder:
         mask = (self._positions[None, :] <= chunk_positions[:, None])[None, None]
         shape = (self.heads, self.kv_heads, self.head_dim)
         group = self.heads // self.kv_heads
+        pw = self._static_pw
         for i, layer in enumerate(self.layers):
-            q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
+            q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]), pw)
             k_cache, v_cache = self.pool.k[i], self.pool.v[i]
             outs = []
             if decode is not None:
@@ -581,7 +642,7 @@ class StaticDecoder:
             a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, scale=layer.scale)
             outs.append(a[0].transpose(0, 1).reshape(tokens, self.heads * self.head_dim))
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
+            x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i], pw)
         pick = last + rows if decode is None else torch.cat([self._positions[:rows], last + rows])
         h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
         return self.lm_head(h).float()

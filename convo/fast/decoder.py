@@ -213,10 +213,6 @@ def _is_plain_linear(module: Any) -> bool:
 #: together in one eager forward (one weight read for all of them, at a fixed cost of
 #: Python launching every kernel: ~30 ms for a 32-layer model on the H200).
 PREFILL_GRAPH_MAX_CHUNKS = 4
-#: Most prompt tokens one prefill step runs as captured graphs; more run in one eager
-#: forward, whose single weight pass (one int4 dequantization) beats a replay per 512
-#: tokens there (H200, Llama-2-7B int4, 2,048 tokens: 66 ms eager, 100 ms as 4 replays).
-PREFILL_GRAPH_MAX_TOKENS = 1024
 
 #: Longest prefill chunk (tokens) a mixed step is captured for by default: the scheduler's
 #: chunk while replies stream (:data:`~convo.fast.scheduler.DEFAULT_INTERLEAVE_TOKENS`).
@@ -531,10 +527,9 @@ class StaticDecoder:
     def prefill_batch(self, chunks: Sequence[PrefillChunk], *, all_logits: bool = False) -> list[Any]:
         """Run the chunks of several turns (each into its own slot).
 
-        Up to :data:`PREFILL_GRAPH_MAX_CHUNKS` chunks of up to
-        :data:`PREFILL_GRAPH_MAX_TOKENS` tokens in all run one by one through the static
+        Up to :data:`PREFILL_GRAPH_MAX_CHUNKS` chunks run one by one through the static
         prefill (with ``cuda_graphs``: a replay of the graph captured for the chunk's
-        length bucket, so no per-kernel launch cost). More, or ``all_logits``, run
+        length bucket, so no per-kernel launch cost). More chunks, or ``all_logits``, run
         together in one eager forward: the matrix products once over all the chunks'
         tokens, attention per chunk over its slot with SDPA (causal from the chunk's start).
         Either way dense weights multiply through cuBLAS, plain int4 through the Triton
@@ -547,9 +542,7 @@ class StaticDecoder:
         self._check_chunks(chunks)
         if not chunks:
             return []
-        tokens = sum(c.end - c.start for c in chunks)
-        few = len(chunks) <= PREFILL_GRAPH_MAX_CHUNKS and tokens <= PREFILL_GRAPH_MAX_TOKENS
-        if self.static_prefill and not all_logits and few:
+        if self.static_prefill and not all_logits and len(chunks) <= PREFILL_GRAPH_MAX_CHUNKS:
             plans = [self._static_pieces(c) for c in chunks]
             if all(p is not None for p in plans):
                 return [self._prefill_static_chunk(c, p) for c, p in zip(chunks, plans, strict=True)]  # type: ignore[arg-type]

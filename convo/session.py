@@ -420,6 +420,8 @@ class Session:
         self._log: list[Message] = []
         self._turn_starts: list[int] = []
         self._pending_tool_ids: set[str] = set()
+        #: (start, text, covered turns) of the provisional summary the last prompt showed.
+        self._provisional: tuple[int, str, int] | None = None
         self._indexed_turns = 0
         self._dates: dict[int, str] = {}
 
@@ -1024,13 +1026,18 @@ class Session:
             return self.summary_wait_s
         return 0.0 if concurrent_calls(self.engine) > 1 else DEFAULT_SUMMARY_WAIT_S
 
-    def _summary_text(self, start: int) -> tuple[str, bool]:
-        """The summary a prompt that starts at turn ``start`` shows, and whether it is
-        provisional: the stored one, or, when it misses turns before ``start``, the
-        provisional summary that adds excerpts of them."""
+    def _summary_text(self, start: int) -> tuple[str, bool, int]:
+        """The summary a prompt that starts at turn ``start`` shows, whether it is
+        provisional, and the turns its model-written part covers: the stored summary, or,
+        when that misses turns before ``start``, the provisional summary that adds
+        excerpts of them. A provisional summary stays until the window moves, even when
+        the model's lands meanwhile: the prompt keeps extending the previous one (its KV
+        is reused), and the summary changes with the window, one re-prefill per move."""
         done = self._state.summarized_turns
+        if self._provisional is not None and self._provisional[0] == start:
+            return self._provisional[1], True, self._provisional[2]
         if not self._summarizing or start <= done:
-            return self._state.summary, False
+            return self._state.summary, False, done
         missed = [m for t in self.turns(done)[: start - done] for m in t.messages]
         text = provisional_summary(
             previous=self._state.summary,
@@ -1038,7 +1045,7 @@ class Session:
             counter=self.counter,
             max_tokens=self.budget.summary_tokens,
         )
-        return text, True
+        return text, True, done
 
     def _plan(self, query: str | None, budget: Budget | None, exact: bool, *, start: int) -> PromptPlan:
         budget = budget or self.budget
@@ -1216,10 +1223,13 @@ class Session:
         self._submit_summary()
 
     def _planned(self, start: int) -> _Planned:
-        summary, provisional = self._summary_text(start)
+        """What the turn's prompt, planned from ``start``, showed as its summary; a
+        provisional one is kept for the next prompts from the same start."""
+        summary, provisional, covered = self._summary_text(start)
+        self._provisional = (start, summary, covered) if provisional else None
         return _Planned(
             summary=summary,
-            summarized_turns=self._state.summarized_turns,
+            summarized_turns=covered,
             summarizing=self._summarizing,
             start=start,
             provisional=provisional,

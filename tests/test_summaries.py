@@ -19,8 +19,8 @@ from conftest import FakeEngine
 
 from convo import Budget, Session
 from convo.messages import Message, Role
-from convo.store import MemoryStore, SessionState, SQLiteStore
 from convo.session import DEFAULT_SUMMARY_WAIT_S
+from convo.store import MemoryStore, SessionState, SQLiteStore
 from convo.summarize import (
     PROVISIONAL_HEADER,
     JobStatus,
@@ -206,13 +206,37 @@ def test_auto_wait_goes_on_at_once_beside_a_batching_engine(worker: SummaryWorke
         assert reply.stats.summarize_s == 0.0 and reply.stats.provisional_summary
         assert reply.stats.hidden_turns >= 2 and reply.stats.prompt_tokens + 50 <= 700
         assert 0 < reply.plan.parts["summary"] <= TIGHT.summary_tokens + 8
-    first, second = (p[0].content for p in engine.prompts[-2:])
+    first = engine.prompts[-2][0].content
     assert PROVISIONAL_HEADER in first and "assistant: reply" in first
     summ.gate.set()
     assert session.wait_summary(WAIT).status is SummaryStatus.DONE
     nxt = session.send("turn 5")
     assert not nxt.stats.provisional_summary and "turn 0;" in engine.prompts[-1][0].content
     assert len(session.messages) == 12  # every message stored
+
+
+def test_a_provisional_summary_stays_until_the_window_moves(worker: SummaryWorker) -> None:
+    """When the model's summary lands while the prompt shows a provisional one, the next
+    prompts from the same window start keep the provisional text (they extend the previous
+    prompt, whose KV the engine reuses); the summary changes with the window's next move:
+    one re-prefill per move, not two."""
+    engine = FakeEngine(CharCounter())
+    engine.concurrent_calls = 16  # type: ignore[attr-defined]
+    engine.reply_fn = lambda _: "r" * 128
+    summ = GatedSummarizer()
+    budget = Budget(context_tokens=2048, max_new_tokens=32)
+    session = Session(engine, budget=budget, summarizer=summ, summaries=worker)
+    slid = [session.send(f"u{i} " + "x" * 1196) for i in range(7)][-1]
+    assert slid.stats.provisional_summary and slid.plan.first_shown_turn == 3
+    summ.gate.set()
+    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
+    kept = session.send("u7 " + "x" * 1196)
+    assert kept.plan.first_shown_turn == slid.plan.first_shown_turn  # the window did not move
+    assert kept.stats.provisional_summary and engine.prompts[-1][0] == engine.prompts[-2][0]
+    moved = session.send("u8 " + "x" * 1196)
+    assert moved.plan.first_shown_turn > kept.plan.first_shown_turn
+    assert engine.prompts[-1][0].content.startswith("Summary of the earlier conversation:\nu0 xxx")
+    assert moved.stats.summarize_s == 0.0
 
 
 def test_provisional_summary_fits_and_keeps_the_latest() -> None:

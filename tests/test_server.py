@@ -625,6 +625,7 @@ def test_the_stream_ends_before_the_summary_and_stats_report_it(store: Store) ->
             stats = r.json()["convo"]
             assert stats["summary"]["status"] == "running" and stats["summary"]["pending_turns"] >= 1
             assert stats["hidden_turns"] == 0 and stats["summary_wait_s"] == 0.0  # it fit: no wait
+            assert stats["provisional_summary"] is False
             gate.set()
             job = worker.job(store, "sum")
             assert job is not None and job.wait(10)

@@ -32,6 +32,7 @@ def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
         "oom_retries": s.oom_retries,
         "summarize_s": round(s.summarize_s, 4),
         "hidden_turns": s.hidden_turns,
+        "provisional_summary": s.provisional_summary,
         "summary": s.summary.to_dict() if s.summary is not None else None,
     }
     if g is not None:

@@ -211,6 +211,7 @@ def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None
         "evicted_turns": s.evicted_turns,
         "summarized_turns": s.summarized_turns,
         "hidden_turns": s.hidden_turns,
+        "provisional_summary": s.provisional_summary,
         "summary_wait_s": round(s.summarize_s, 4),
         "summary": s.summary.to_dict() if s.summary is not None else None,
     }

@@ -98,8 +98,13 @@ class Conversation:
     needles: dict[str, str] = field(default_factory=dict)  # dia_id -> content to find
 
 
-def load(path: str | Path) -> list[Conversation]:
-    """Read a LoCoMo JSON file into conversations (nothing is copied anywhere)."""
+def load(path: str | Path, *, captions: bool = False) -> list[Conversation]:
+    """Read a LoCoMo JSON file into conversations (nothing is copied anywhere).
+
+    With ``captions``, a line that shares a photo reads ``"{text} [shares {blip_caption}]"``,
+    as LoCoMo's own reference code renders it; by default the text alone (the benchmark's
+    headline input).
+    """
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     out = []
     for rec in data:
@@ -117,6 +122,8 @@ def load(path: str | Path) -> list[Conversation]:
             for t in conv[key]:
                 role = Role.USER if t["speaker"] == speaker_a else Role.ASSISTANT
                 content = f"{t['speaker']}: {t['text']}"
+                if captions and t.get("blip_caption"):
+                    content += f" [shares {t['blip_caption']}]"
                 msg = Message(role=role, content=content, name=t["speaker"])
                 lines.append(Line(dia_id=t["dia_id"], message=msg, date=date))
                 needles[t["dia_id"]] = content
@@ -361,6 +368,7 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
         "second_hop": 0.0,
         "episode_weight": 0.0,
         "content_weight": 0.0,
+        "neighbour_weight": 0.0,
     },
     # Messages as passages, packed under one label per day.
     "grouped": {
@@ -369,15 +377,19 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
         "second_hop": 0.0,
         "episode_weight": 0.0,
         "content_weight": 0.0,
+        "neighbour_weight": 0.0,
     },
     # ... plus the speaker named in the question.
-    "speaker": {"second_hop": 0.0, "episode_weight": 0.0, "content_weight": 0.0},
-    # The previous default (second hop 0.3, episode 0.1, no content prior).
-    "previous": {"second_hop": 0.3, "episode_weight": 0.1, "content_weight": 0.0},
+    "speaker": {"second_hop": 0.0, "episode_weight": 0.0, "content_weight": 0.0, "neighbour_weight": 0.0},
+    # The default two rounds ago (second hop 0.3, episode 0.1, no content prior, no
+    # neighbour share).
+    "previous": {"second_hop": 0.3, "episode_weight": 0.1, "content_weight": 0.0, "neighbour_weight": 0.0},
     # The default without one of its parts, or with one more.
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-content": {"content_weight": 0.0},
+    # The default before the neighbour share (issue 15, third round).
+    "no-neighbour": {"neighbour_weight": 0.0},
     "mmr": {"mmr_lambda": 0.1},
 }
 
@@ -601,6 +613,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "it holds vectors of the data's text: keep it outside the repository. Default: "
         "locomo/<data>-<model>.npz in convo's cache folder (convo.paths.cache_dir); 'off' for none",
     )
+    ap.add_argument(
+        "--captions",
+        action="store_true",
+        help="render a photo line as text + ' [shares <blip_caption>]' (LoCoMo's reference rendering); "
+        "off by default: the headline numbers are text only",
+    )
     ap.add_argument("--fusion", default="mix", choices=["mix", "rrf", "dense", "lexical"])
     ap.add_argument("--limit", type=int, help="only the first N conversations")
     ap.add_argument(
@@ -639,7 +657,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from convo.embeddings import Embedder
     from convo.retrieval import RetrievalConfig, RetrievalMemory
 
-    convs = [cut(c, args.max_lines, args.max_questions) for c in load(args.data)[: args.limit]]
+    convs = [
+        cut(c, args.max_lines, args.max_questions)
+        for c in load(args.data, captions=args.captions)[: args.limit]
+    ]
     if args.conversations:
         wanted = [x.strip() for x in args.conversations.split(",") if x.strip()]
         unknown = sorted(set(wanted) - {c.sample_id for c in convs})
@@ -715,6 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "settings": {
             "data": Path(args.data).name,
+            "captions": args.captions,
             "conversations": [c.sample_id for c in convs],
             "reply_tokens": REPLY_TOKENS,
             "top_k": args.top_k,

@@ -26,6 +26,8 @@ over several turns (all :class:`RetrievalConfig` options, measured on LoCoMo by
     fused message scores
       + second hop: the first hits' rarest words (names, places) and mean vector
       + episode: the query against the mean vector of the message's day
+      + neighbours: a share of the better adjacent message's score (a reply that
+        matches lifts the line it answers, and the other way round)
       + content: a small prior for messages with more content words
       + speaker: the query names who said it (the name itself is taken out of the query)
       -> best messages, each a passage keyed turn_key(turn, line), tagged with its day
@@ -575,6 +577,11 @@ class RetrievalConfig:
             that answers questions later. Default 0.05; 0 turns it off.
         content_terms: content words at which a message gets the whole
             ``content_weight``. Default 20.
+        neighbour_weight: a message is raised by ``neighbour_weight`` times the score
+            (above the lowest candidate's) of the better of the messages right before and
+            after it in the conversation, so the line a matching reply answers ("Look at
+            this!" before "What a lovely sunset painting!") is found with it; those
+            neighbours become candidates too. Default 0.5; 0 turns it off.
 
     Raises:
         ConfigError: a value is out of range.
@@ -603,6 +610,7 @@ class RetrievalConfig:
     expand_lines: int = 0
     content_weight: float = 0.05
     content_terms: int = 20
+    neighbour_weight: float = 0.5
 
     def __post_init__(self) -> None:
         try:
@@ -631,7 +639,7 @@ class RetrievalConfig:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.turn_lines not in TURN_LINES:
             raise ConfigError(f"turn_lines must be one of {', '.join(TURN_LINES)}, got {self.turn_lines!r}")
-        for name in ("speaker_boost", "episode_weight", "mmr_lambda", "content_weight"):
+        for name in ("speaker_boost", "episode_weight", "mmr_lambda", "content_weight", "neighbour_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.second_hop <= 1.0:
@@ -1159,6 +1167,51 @@ def _mmr(
     return out, new
 
 
+def _propagate(order: np.ndarray, fused: Mapping[int, float], weight: float, grow: int) -> dict[int, float]:
+    """``own + weight * (better neighbour - floor)`` for every candidate.
+
+    ``order`` is ``(2, n)``: the previous and next unit of each unit id (``-1``: none).
+    The floor is the lowest fused score; a unit not in ``fused`` scores the floor. The
+    neighbours of the best ``grow`` candidates join the candidates (the others' neighbours
+    could not climb into the ranking anyway), so a line with no word of the query is
+    found through its reply.
+    """
+    if not fused:
+        return {}
+    ids = np.fromiter(fused.keys(), dtype=np.int64, count=len(fused))
+    vals = np.fromiter(fused.values(), dtype=np.float64, count=len(fused))
+    floor = float(vals.min())
+    n = order.shape[1]
+    inside = (ids >= 0) & (ids < n)
+    ids, vals = ids[inside], vals[inside]
+    score = np.full(n + 1, floor)  # the last slot stands for "no neighbour"
+    score[ids] = vals
+    top = ids[np.argpartition(-vals, grow - 1)[:grow]] if 0 < grow < len(ids) else ids
+    near = order[:, top]
+    cand = np.unique(np.concatenate([ids, near[near >= 0]]))
+    nb = order[:, cand]
+    nb = np.where(nb >= 0, nb, n)
+    best = np.maximum(score[nb[0]], score[nb[1]])
+    out = dict(fused)  # a unit the order does not know keeps its score
+    out.update(zip(cand.tolist(), (score[cand] + weight * (best - floor)).tolist(), strict=True))
+    return out
+
+
+def _top(score: Mapping[int, float], k: int) -> list[int]:
+    """The ``k`` best keys of ``score``, best first (ties: the smaller key first)."""
+    if k <= 0 or not score:
+        return []
+    ids = np.fromiter(score.keys(), dtype=np.int64, count=len(score))
+    vals = np.fromiter(score.values(), dtype=np.float64, count=len(score))
+    if k < len(ids):
+        # Everything tied with the k-th best stays in, so ties break by key as in a full sort.
+        kth = np.partition(-vals, k - 1)[k - 1]
+        keep = -vals <= kth
+        ids, vals = ids[keep], vals[keep]
+    order = np.lexsort((ids, -vals))[:k]
+    return ids[order].tolist()
+
+
 def _strip_names(query: str, names: Iterable[str]) -> str:
     """``query`` without the words of ``names`` (and a possessive ``'s`` after them)."""
     words = {w for name in names for w in _WORD.findall(name.lower())}
@@ -1237,6 +1290,7 @@ class RetrievalMemory:
         self._episode_cache: dict[int, tuple[int, tuple[list[str], np.ndarray, dict[int, str]]]] = {}
         self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
         self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
+        self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1409,6 +1463,8 @@ class RetrievalMemory:
             ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
             for u in fused:
                 fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
+        if cfg.neighbour_weight > 0:
+            fused = _propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
         if cfg.content_weight > 0:
             size = self._content_sizes(store)
             full = float(cfg.content_terms)
@@ -1421,7 +1477,7 @@ class RetrievalMemory:
             }
         if cfg.turn_lines != "each":
             return [self._turn_passage(store.records[h.pid], h) for h in store.hits(fused, dense, lexical, n)]
-        ranked = sorted(fused, key=lambda u: (-fused[u], u))[: max(n, 1) * 2]
+        ranked = _top(fused, max(n, 1) * 2)
         if cfg.mmr_lambda > 0 and store.vectors is not None:
             ranked, fused = _mmr(ranked, fused, store.vectors.vectors(ranked), cfg.mmr_lambda)
         out: list[Passage] = []
@@ -1459,6 +1515,26 @@ class RetrievalMemory:
         return Passage(
             text=text, score=float(score), source=f"turn {turn}", key=turn_key(turn, pos), meta=meta
         )
+
+    def _order(self, store: _Store) -> np.ndarray:
+        """``(2, max uid + 1)`` int64: each unit's previous and next message in conversation
+        order, ``-1`` for none (cached until the store changes)."""
+        cached = self._order_cache.get(id(store))
+        if cached is not None and cached[0] == store.version:
+            return cached[1]
+        seq = np.asarray(
+            [
+                u
+                for rec in sorted(store.records.values(), key=lambda r: int(r.meta.get("turn", 0)))
+                for u in rec.units
+            ],
+            dtype=np.int64,
+        )
+        order = np.full((2, int(seq.max(initial=-1)) + 1), -1, dtype=np.int64)
+        order[0, seq[1:]] = seq[:-1]
+        order[1, seq[:-1]] = seq[1:]
+        self._order_cache[id(store)] = (store.version, order)
+        return order
 
     def _speakers(self, store: _Store) -> dict[int, str]:
         """Each unit's speaker (cached until the store changes)."""

@@ -462,7 +462,7 @@ def _rank(hits: Sequence[object], key: str) -> int:
 
 
 #: Scoring parts a test of another part keeps off, so it measures that part alone.
-PINNED: dict[str, float] = {"episode_weight": 0.0, "content_weight": 0.0}
+PINNED: dict[str, float] = {"episode_weight": 0.0, "content_weight": 0.0, "neighbour_weight": 0.0}
 
 
 def test_second_hop_finds_evidence_only_reachable_through_the_first_hit() -> None:
@@ -507,7 +507,9 @@ def test_content_prior_lifts_messages_that_say_something() -> None:
     short, rich = turn_key(0, 0), turn_key(len(FILLER) + 1, 0)
     ranks = {}
     for weight in (0.0, 0.3):
-        cfg = RetrievalConfig(min_score=0.0, speaker_boost=0.0, second_hop=0.0, episode_weight=0.0)
+        cfg = RetrievalConfig(
+            min_score=0.0, speaker_boost=0.0, second_hop=0.0, episode_weight=0.0, neighbour_weight=0.0
+        )
         memory = RetrievalMemory(HashEncoder(), config=replace(cfg, content_weight=weight, content_terms=8))
         memory.remember_turns("s", history)
         hits = memory.retrieve("the garden", session_id="s", top_k=3)
@@ -582,7 +584,13 @@ def test_episode_score_lifts_the_lines_of_a_matching_day() -> None:
     for weight in (0.0, 1.0):
         memory = RetrievalMemory(
             HashEncoder(),
-            config=RetrievalConfig(min_score=0.0, speaker_boost=0.0, neighbours=False, episode_weight=weight),
+            config=RetrievalConfig(
+                min_score=0.0,
+                speaker_boost=0.0,
+                neighbours=False,
+                neighbour_weight=0.0,
+                episode_weight=weight,
+            ),
         )
         memory.remember_turns("s", history, dates=dates)
         hits = memory.retrieve(question, session_id="s", top_k=6)
@@ -669,9 +677,74 @@ def test_new_retrieval_options_reject_nonsense() -> None:
         {"mmr_lambda": -0.1},
         {"expand_lines": -1},
         {"episode_turns": 0},
+        {"neighbour_weight": -0.5},
     ):
         with pytest.raises(ConfigError):
             RetrievalConfig(**bad)
+
+
+def test_neighbour_share_finds_the_line_a_matching_reply_answers() -> None:
+    # The photo line shares no word with the question; only the reply to it does.
+    history = turns_of([*FILLER, ("Look at this!", "What a lovely sunset painting!"), *FILLER])
+    photo, reply = turn_key(len(FILLER), 0), turn_key(len(FILLER), 1)
+    ranks = {}
+    for weight in (0.0, 0.5):
+        config = RetrievalConfig(
+            min_score=0.0,
+            speaker_boost=0.0,
+            neighbours=False,
+            second_hop=0.0,
+            neighbour_weight=weight,
+            **PINNED_NB,
+        )
+        memory = RetrievalMemory(HashEncoder(), config=config)
+        memory.remember_turns("s", history)
+        hits = memory.retrieve("the sunset painting", session_id="s", top_k=4)
+        assert _rank(hits, reply) == 0
+        ranks[weight] = _rank(hits, photo)
+    assert ranks[0.0] > 3  # alone it ranks with the filler
+    assert ranks[0.5] == 1  # lifted right behind the reply that matches
+
+
+#: PINNED without the neighbour share (for the test that sets it).
+PINNED_NB = {k: v for k, v in PINNED.items() if k != "neighbour_weight"}
+
+
+def test_neighbour_order_runs_across_turns() -> None:
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig())
+    memory.remember_turns("s", turns_of([("a one", "b one"), ("a two", "b two")]))
+    store = memory._sessions["s"]
+    units = [u for i in range(2) for u in store.records[store.by_key[turn_key(i)]].units]
+    order = memory._order(store)
+    assert order[0, units].tolist() == [-1, *units[:-1]]  # previous message
+    assert order[1, units].tolist() == [*units[1:], -1]  # next message, across the turn boundary
+
+
+def test_propagate_lifts_neighbours_of_the_best_candidates_only() -> None:
+    from convo.retrieval import _propagate
+
+    seq = np.arange(6)
+    order = np.stack([np.concatenate([[-1], seq[:-1]]), np.concatenate([seq[1:], [-1]])])
+    out = _propagate(order, {1: 1.0, 4: 0.2}, 0.5, 1)
+    floor = 0.2
+    assert out[1] == pytest.approx(1.0)  # its neighbours score the floor: no gain
+    assert out[0] == out[2] == pytest.approx(floor + 0.5 * (1.0 - floor))  # new candidates
+    assert out[4] == pytest.approx(floor)
+    assert 3 not in out and 5 not in out  # neighbours of a candidate outside the best `grow`
+    assert set(_propagate(order, {1: 1.0, 4: 0.2}, 0.5, 2)) == set(range(6))
+    assert _propagate(order, {}, 0.5, 4) == {}
+    assert _propagate(order, {99: 0.3}, 0.5, 4) == {99: 0.3}  # a unit it does not know keeps its score
+
+
+def test_top_matches_a_full_sort_with_ties_by_key() -> None:
+    from convo.retrieval import _top
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        keys = rng.permutation(200)[: int(rng.integers(1, 60))].tolist()
+        score = {k: float(rng.integers(0, 5)) for k in keys}  # many ties
+        k = int(rng.integers(0, 70))
+        assert _top(score, k) == sorted(score, key=lambda u: (-score[u], u))[:k]
 
 
 def test_vector_index_hands_back_vectors_after_ivf_save_load(tmp_path: Path) -> None:

@@ -145,8 +145,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="torch and FAISS (OpenMP) threads (default 1: one short query gains nothing from more, "
         "and on a shared CPU more threads only wait for each other; 0 leaves the libraries' defaults)",
     )
+    ap.add_argument(
+        "--config",
+        default="{}",
+        help="RetrievalConfig overrides as JSON, e.g. '{\"neighbour_weight\": 0}' (default: the defaults)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    try:
+        overrides = json.loads(args.config)
+        config = RetrievalConfig(**overrides)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--config: {exc}")
 
     if args.threads:
         import faiss
@@ -158,7 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     encoder: Any = query_encoder
     if args.store_encoder == "hash":
         encoder = SplitEncoder(HashEncoder(query_encoder.dim), query_encoder)
-    config = RetrievalConfig()
     memory = RetrievalMemory(encoder, config=config)
     turns, dates = synthetic_turns(args.turns, args.seed)
     t0 = time.perf_counter()

@@ -138,6 +138,26 @@ class Embedder:
         assert self._dim is not None
         return self._dim
 
+    @staticmethod
+    def _encode_one(model: Any, text: str) -> np.ndarray:
+        """One text (a query) straight through the model's modules, normalized.
+
+        The same vector as ``model.encode([text])`` without its batching machinery (length
+        sorting, progress, per-call set-up), about a millisecond less per query on a CPU;
+        retrieval embeds one query per call, so that millisecond is a share of its latency.
+        """
+        import torch
+
+        prepare = getattr(model, "preprocess", None) or model.tokenize
+        with torch.inference_mode():
+            features = prepare([text])
+            features = {
+                k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()
+            }
+            out = model.forward(features)["sentence_embedding"].float()
+            out = torch.nn.functional.normalize(out, dim=1)
+        return np.asarray(out.cpu().numpy(), dtype=np.float32)
+
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Encode ``texts`` in batches.
 
@@ -155,13 +175,16 @@ class Embedder:
         fresh: dict[str, np.ndarray] = {}
         if todo:
             model = self._load()
-            vecs = model.encode(
-                todo,
-                batch_size=self.batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            )
+            if len(todo) == 1:
+                vecs = self._encode_one(model, todo[0])
+            else:
+                vecs = model.encode(
+                    todo,
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,
+                )
             vecs = np.asarray(vecs, dtype=np.float32)
             fresh = dict(zip(todo, vecs, strict=True))
         out = np.stack([fresh[t] if t in fresh else self._cache[t] for t in texts])

@@ -70,6 +70,19 @@ def test_load_and_evaluate_a_tiny_conversation(tmp_path: Path) -> None:
     assert results["window+retrieval"]["mean_prompt_tokens"] <= 512 - locomo.REPLY_TOKENS
 
 
+def test_captions_are_opt_in(tmp_path: Path) -> None:
+    path = tiny_locomo(tmp_path / "tiny.json")
+    data = json.loads(path.read_text())
+    data[0]["conversation"]["session_2"][4]["blip_caption"] = "a photo of a grey cat"
+    path.write_text(json.dumps(data))
+    assert locomo.load(path)[0].needles["D2:5"] == "Ann: I adopted a grey cat named Miso last week."
+    with_captions = locomo.load(path, captions=True)[0]
+    assert with_captions.needles["D2:5"] == (
+        "Ann: I adopted a grey cat named Miso last week. [shares a photo of a grey cat]"
+    )
+    assert with_captions.needles["D2:4"] == "Bob: Not much."  # lines without a photo are unchanged
+
+
 def test_default_embedding_cache_is_outside_the_repository(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -434,6 +434,20 @@ def test_minilm_embeds_offline_normalized(minilm) -> None:  # type: ignore[no-un
     assert minilm.encode([]).shape == (0, 384)
 
 
+def test_minilm_one_query_matches_the_batched_vector(minilm) -> None:  # type: ignore[no-untyped-def]
+    # A single text takes the short path (straight through the modules); it must give the
+    # vector sentence-transformers' own encode gives, also past the 256-token truncation.
+    texts = ["Where did Maria go camping last summer?", " ".join(["word"] * 600)]
+    model = minilm._load()
+    for text in texts:
+        ours = minilm.encode([text])
+        theirs = model.encode([text], normalize_embeddings=True, convert_to_numpy=True)
+        assert ours.shape == (1, 384) and ours.dtype == np.float32
+        assert np.allclose(ours, theirs, atol=1e-5)
+    both = minilm.encode(texts)  # cached now; a batch of two still goes through encode
+    assert np.allclose(both[0], minilm.encode(texts[:1])[0])
+
+
 def test_minilm_memory_finds_paraphrase(minilm) -> None:  # type: ignore[no-untyped-def]
     memory = RetrievalMemory(minilm, config=RetrievalConfig(min_score=0.0))
     memory.remember_turns(

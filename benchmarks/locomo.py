@@ -33,6 +33,10 @@ Usage::
     python benchmarks/locomo.py --data /path/locomo-dev.json --budget 2048 [--json]
     python benchmarks/locomo.py --data ... --budget 2048 --model PATH [--answer]
 
+``--captions`` renders a line that shares a photo as ``"{text} [shares {blip_caption}]"``
+(LoCoMo's reference rendering); it is opt-in and reported apart: the headline input is
+the text alone.
+
 Token counts are cl100k (tiktoken) unless ``--model`` gives the model's own tokenizer.
 The data file is never copied; it is read from ``--data``.
 """

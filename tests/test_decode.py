@@ -129,7 +129,8 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
     assert (deq - w).abs().max() <= step.max() / 2 + 1e-5
     assert q.layout == "tinygemm"  # CPU: PyTorch's int4 kernel
     x = torch.randn(5, 256)
-    assert torch.allclose(q(x), x @ deq.t(), atol=1e-3, rtol=1e-4)
+    exact = x @ deq.t()  # the kernel runs float32 activations in bfloat16 on CPU
+    assert float((q(x) - exact).norm() / exact.norm()) < 5e-3
     assert q.nbytes < w.numel()  # under a byte per weight, scales included
     # The plain layout holds the same grid (its torch dequantization on CPU).
     plain = quantize_int4(w, group_size=64, layout="plain", bias=torch.ones(48))
@@ -287,15 +288,16 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
         "out = decode_attention(q, k, v, slots, lens, scale=0.3)\n"
         "print(float((out - ref).abs().max()))\n"
     )
-    assert _interpreted_error(code) < 1e-4
+    assert _interpreted_errors(code)[0] < 1e-4
 
 
-def _interpreted_error(code: str) -> float:
-    """Run ``code`` with Triton's interpreter (kernels on CPU); the last line it prints."""
+def _interpreted_errors(code: str) -> list[float]:
+    """Run ``code`` with Triton's interpreter (kernels on CPU); the numbers on the last
+    line it prints."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return float(done.stdout.strip().splitlines()[-1])
+    return [float(v) for v in done.stdout.strip().splitlines()[-1].split()]
 
 
 def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
@@ -329,12 +331,15 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "a.warmup(); b.warmup()\n"
         "assert set(b.kernel_choice.values()) == {'triton'}, b.kernel_choice\n"
         "ids = list(range(3, 40))\n"
-        "err = max(err, float((a.prefill(0, ids, 0)[0] - b.prefill(0, ids, 0)[0]).abs().max()))\n"
-        "for p in range(37, 42):\n"
-        "    err = max(err, float((a.step([p], [0], [p]) - b.step([p], [0], [p])).abs().max()))\n"
-        "print(err)\n"
+        "pairs = [(a.prefill(0, ids, 0)[0], b.prefill(0, ids, 0)[0])]\n"
+        "pairs += [(a.step([p], [0], [p]), b.step([p], [0], [p])) for p in range(37, 42)]\n"
+        "rel = max(float((u - v).norm() / v.norm()) for u, v in pairs)\n"
+        "print(err, rel)\n"
     )
-    assert _interpreted_error(code) < 1e-3
+    # The kernels hold tinygemm's grid to float32 precision; the tinygemm decoder runs its
+    # CPU kernel in bfloat16 (vectorized), so the decoders' logits agree to bfloat16's.
+    kernels, decoders = _interpreted_errors(code)
+    assert kernels < 1e-3 and decoders < 1e-2
 
 
 # -- the scheduler -------------------------------------------------------------------------------------

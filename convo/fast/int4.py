@@ -188,7 +188,9 @@ class Int4Linear(torch.nn.Module):
             return dequantize_plain_int4(self.qweight, self.scales_zeros).float()
         assert self.packed is not None and self.packed_scales_zeros is not None
         eye = torch.eye(self.in_features, dtype=self.packed_scales_zeros.dtype, device=self.packed.device)
-        return _tinygemm_mm(eye, self.packed, self.packed_scales_zeros, self.group_size).t().float()
+        return (
+            _tinygemm_mm(eye, self.packed, self.packed_scales_zeros, self.group_size, exact=True).t().float()
+        )
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +213,17 @@ def dequantize_int4(linear: Int4Linear) -> torch.Tensor:
     return linear.dequantize()
 
 
-def _tinygemm_mm(x: torch.Tensor, packed: Any, scales_zeros: Any, group_size: int) -> Any:
+def _tinygemm_mm(
+    x: torch.Tensor, packed: Any, scales_zeros: Any, group_size: int, *, exact: bool = False
+) -> Any:
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
+    if x.dtype != torch.float32 or exact:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
+    # PyTorch's CPU kernel is vectorized for bfloat16, not float32: float32 activations run
+    # in bfloat16, 20-75x faster (AVX-512, a 576 x 1,536 weight: 0.05 ms against 1.0 ms for
+    # one row, 4 ms against 302 ms for 290 rows) at a relative error of ~3e-3, far below
+    # int4's own. The scales stay float32 in the module (its grid, ``dequantize``).
+    bf16 = torch.bfloat16
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(bf16), packed, group_size, scales_zeros.to(bf16))
+    return y.float()

@@ -362,27 +362,19 @@ class Tally:
 
 #: Query-time variants of ``window+retrieval``: strategy ``window+retrieval:NAME`` uses
 #: ``RetrievalConfig(**overrides)`` on top of ``--fusion``.
+#: Messages as passages, packed under one label per day, none of the later scoring parts.
+_GROUPED: dict[str, Any] = {
+    "speaker_boost": 0.0,
+    "strip_names": False,
+    "second_hop": 0.0,
+    "episode_weight": 0.0,
+    "content_weight": 0.0,
+    "neighbour_weight": 0.0,
+}
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     # The first default: whole turns, one passage each.
-    "turns": {
-        "turn_lines": "all",
-        "group_passages": False,
-        "speaker_boost": 0.0,
-        "strip_names": False,
-        "second_hop": 0.0,
-        "episode_weight": 0.0,
-        "content_weight": 0.0,
-        "neighbour_weight": 0.0,
-    },
-    # Messages as passages, packed under one label per day.
-    "grouped": {
-        "speaker_boost": 0.0,
-        "strip_names": False,
-        "second_hop": 0.0,
-        "episode_weight": 0.0,
-        "content_weight": 0.0,
-        "neighbour_weight": 0.0,
-    },
+    "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
+    "grouped": _GROUPED,
     # ... plus the speaker named in the question.
     "speaker": {"second_hop": 0.0, "episode_weight": 0.0, "content_weight": 0.0, "neighbour_weight": 0.0},
     # The default two rounds ago (second hop 0.3, episode 0.1, no content prior, no

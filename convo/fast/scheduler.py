@@ -143,6 +143,10 @@ class DecodeRequest:
         request that was preempted, the reply so far."""
         return self.ids + self.new_ids if self.new_ids else self.ids
 
+    def held(self) -> list[int]:
+        """The tokens whose K/V its slot holds (kept for the session when it lets go)."""
+        return (self.ids + self.new_ids)[: self.kv_tokens]
+
     def _stop_reason(self, now: float) -> FinishReason | None:
         if self.cancel is not None and self.cancel.is_set():
             return FinishReason.CANCELLED
@@ -314,7 +318,7 @@ class DecodeScheduler:
         req.finish, req.error = reason, error
         req.finished_at = time.monotonic()
         if req.slot >= 0:
-            kept = (req.ids + req.new_ids)[: req.kv_tokens] if error is None else []
+            kept = req.held() if error is None else []
             self.decoder.pool.release(req.slot, kept)
         req.done.set()
 
@@ -376,7 +380,7 @@ class DecodeScheduler:
         victim = max(running, key=lambda r: (r.priority, r._order))
         self._active = [r for r in self._active if r is not victim]
         self._prefilling = [r for r in self._prefilling if r is not victim]
-        self.decoder.pool.release(victim.slot, (victim.ids + victim.new_ids)[: victim.kv_tokens])
+        self.decoder.pool.release(victim.slot, victim.held())
         victim.slot, victim.kv_tokens = -1, 0
         victim.preemptions += 1
         self.preemptions += 1

@@ -36,7 +36,7 @@ from convo.fast import (  # noqa: E402
     int4_group_size,
     quantize_int4,
 )
-from convo.fast.kernels import _attention_reference  # noqa: E402
+from convo.fast.kernels import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
 from convo.planner import model as memory  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -287,6 +287,31 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
         "ref = _attention_reference(q, k, v, slots, lens, 300, 0.3)\n"
         "out = decode_attention(q, k, v, slots, lens, scale=0.3)\n"
         "print(float((out - ref).abs().max()))\n"
+    )
+    assert _interpreted_errors(code)[0] < 1e-4
+
+
+def test_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
+    """The prefill chunk's flash-attention kernel (Triton's interpreter) against the keys
+    gathered and SDPA under a mask: grouped heads, chunks shorter than a block, cached
+    prefixes of any length, a chunk that ends at the slot's last token."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from convo.fast.kernels import chunk_attention, _chunk_attention_reference\n"
+        "torch.manual_seed(0)\n"
+        "err = 0.0\n"
+        "cases = [(4, 2, 64, 48, 0), (4, 4, 32, 16, 100), (8, 2, 64, 128, 37), (2, 1, 16, 64, 192),\n"
+        "         (2, 2, 16, 300, 200), (2, 1, 16, 200, 0)]  # every launch setting\n"
+        "for heads, kvh, dim, tokens, start in cases:\n"
+        "    k, v = torch.randn(3, kvh, 512, dim), torch.randn(3, kvh, 512, dim)\n"
+        "    q = torch.randn(tokens, heads, dim)\n"
+        "    slot, st = torch.tensor([2]), torch.tensor([start])\n"
+        "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2)\n"
+        "    out = chunk_attention(q, k, v, slot, st, scale=0.2)\n"
+        "    assert out.shape == ref.shape\n"
+        "    err = max(err, float((out - ref).abs().max()))\n"
+        "print(err)\n"
     )
     assert _interpreted_errors(code)[0] < 1e-4
 
@@ -550,6 +575,20 @@ def test_cuda_pool_is_taken_once_and_matches_the_prediction() -> None:
         dec.step([1, 2], [0, 1], [p, p - 200])
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20  # no KV growth: decode allocates nothing
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_chunk_attention_matches_reference() -> None:
+    torch.manual_seed(0)
+    k = torch.randn(4, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for heads, tokens, start in ((32, 256, 0), (32, 64, 1500), (8, 2048, 0), (32, 16, 2032)):  # 8 kv heads
+        q = torch.randn(tokens, heads, 128, device="cuda", dtype=torch.bfloat16)
+        slot, st = torch.tensor([3], device="cuda"), torch.tensor([start], device="cuda")
+        ref = _chunk_attention_reference(q.float(), k.float(), v.float(), slot, st, 0.088)
+        out = chunk_attention(q, k, v, slot, st, scale=0.088)
+        assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.gpu

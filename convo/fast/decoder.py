@@ -11,7 +11,7 @@ from typing import Any
 
 from convo.engines.base import INT4_KERNELS, empty_device_cache
 from convo.errors import ConfigError
-from convo.fast.kernels import _interpreting, _w4_op, decode_attention
+from convo.fast.kernels import _interpreting, _w4_op, chunk_attention, decode_attention
 from convo.fast.kv_pool import KVSlotPool
 
 #: Model types whose decoder layers :class:`StaticDecoder` knows how to run.
@@ -592,8 +592,9 @@ class StaticDecoder:
     def _prefill_static(self, inputs: Any, tokens: int) -> Any:
         """The static-shape prefill of one chunk: ``inputs`` is ``[tokens + 3]``, the chunk's
         token ids padded to ``tokens``, then its slot, start position and last real row.
-        Attention runs over the whole slot under a causal mask, so every shape depends on
-        ``tokens`` alone and the forward can be captured as a CUDA graph. Returns float32
+        Attention reads the slot causally from position 0 (the slot and start are device
+        values), so every shape depends on ``tokens`` alone and the forward can be captured
+        as a CUDA graph. Returns float32
         logits ``[vocab]`` after the chunk's last token."""
         return self._static_forward(None, inputs, tokens)[-1]
 
@@ -601,7 +602,8 @@ class StaticDecoder:
         """Decode rows (``decode``: ``[3, B]`` tokens, slots, positions, or ``None``) and one
         prefill chunk (``inputs`` as :meth:`_prefill_static`'s) in one static-shape forward:
         the matrix products once over the ``B + tokens`` rows, attention per decode row with
-        the split kernel and for the chunk over its slot under a mask.
+        the split kernel and for the chunk over its slot, causally
+        (:func:`~convo.fast.kernels.chunk_attention`).
 
         Returns:
             float32 logits ``[B + 1, vocab]``: each decode row's, then the chunk's last token's.
@@ -620,9 +622,7 @@ class StaticDecoder:
             lengths = (decode[2] + 1).to(torch.int32)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         slots = slot.expand(tokens)
-        mask = (self._positions[None, :] <= chunk_positions[:, None])[None, None]
         shape = (self.heads, self.kv_heads, self.head_dim)
-        group = self.heads // self.kv_heads
         pw = self._static_pw
         for i, layer in enumerate(self.layers):
             q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]), pw)
@@ -635,12 +635,8 @@ class StaticDecoder:
                 outs.append(a.reshape(rows, -1))
             k_cache[slots, :, chunk_positions] = k[rows:]
             v_cache[slots, :, chunk_positions] = v[rows:]
-            kc, vc = k_cache.index_select(0, slot), v_cache.index_select(0, slot)
-            if group > 1:
-                kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
-            qt = q[rows:].transpose(0, 1)[None]
-            a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, scale=layer.scale)
-            outs.append(a[0].transpose(0, 1).reshape(tokens, self.heads * self.head_dim))
+            a = chunk_attention(q[rows:], k_cache, v_cache, slot, start, scale=layer.scale)
+            outs.append(a.reshape(tokens, self.heads * self.head_dim))
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i], pw)
         pick = last + rows if decode is None else torch.cat([self._positions[:rows], last + rows])

@@ -1,4 +1,5 @@
-"""Triton kernels of the fast path: the W4A16 matmul and split (flash-decoding) attention."""
+"""Triton kernels of the fast path: the W4A16 matmul, split (flash-decoding) attention for
+decode rows and causal (flash) attention of a prefill chunk over its slot."""
 
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ from typing import Any
 ATTENTION_SPLIT_TOKENS = 256
 ATTENTION_BLOCK_TOKENS = 128
 ATTENTION_WARPS = 2
+
+#: Launch settings of the chunk-attention kernel (:func:`chunk_attention`) by chunk length:
+#: ``(up to tokens, BLOCK_M, BLOCK_N, warps, stages)``, the first row whose bound holds the
+#: chunk. Swept on the H200 (Llama-2-7B heads, 2,048-token slots), per layer: 16 tokens
+#: after 1,500 cached 0.032 ms, 256 tokens 0.043 ms, 2,048 tokens 0.10 ms, against 0.14,
+#: 0.21 and 0.31 ms for the keys gathered and SDPA under a mask.
+CHUNK_ATTENTION_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (16, 16, 64, 8, 3),
+    (32, 32, 64, 4, 2),
+    (64, 64, 64, 4, 2),
+    (128, 32, 128, 8, 2),
+    (256, 32, 64, 4, 3),
+    (512, 128, 64, 8, 3),
+    (1 << 30, 64, 64, 4, 3),
+)
 
 
 _W4: dict[str, Any] = {}
@@ -244,7 +260,8 @@ _TRITON: dict[str, Any] = {}
 
 
 def _triton_kernels() -> dict[str, Any] | None:
-    """The split decode-attention kernels (flash-decoding), or ``None`` without Triton."""
+    """The attention kernels (split decode attention, chunk attention), or ``None`` without
+    Triton."""
     if _TRITON:
         return None if "missing" in _TRITON else _TRITON
     try:
@@ -320,7 +337,59 @@ def _triton_kernels() -> dict[str, Any] | None:
         out = tl.sum(acc * w[:, None], 0) / tl.sum(lse * w, 0)
         tl.store(Out + bh * D + offs_d, out.to(Out.dtype.element_ty))
 
-    _TRITON.update(split=_split_kernel, combine=_combine_kernel)
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _chunk_kernel(  # type: ignore[no-untyped-def]
+        Q, K, V, Slot, Start, Out,
+        qk_scale, T,
+        stride_qt, stride_qh,
+        stride_ks, stride_kh, stride_kt,
+        stride_vs, stride_vh, stride_vt,
+        stride_ot, stride_oh,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        mb = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(Slot).to(tl.int64)
+        start = tl.load(Start).to(tl.int32)
+        kvh = h // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        m_valid = offs_m < T
+        q_ptr = Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr, mask=m_valid[:, None], other=0.0)
+        pos = start + offs_m  # each query's position in the slot
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # Keys up to the block's last query; blocks before ``lo`` are seen by every query of
+        # the block (no mask). Trip counts depend on the chunk's start (read on the
+        # device), the grid on the shapes only: the kernel can be captured in a graph.
+        lo = (start + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        hi = start + tl.minimum(mb * BLOCK_M + BLOCK_M, T)
+        for n0 in range(0, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < hi
+            k_ptr = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            k = tl.load(k_ptr, mask=n_valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
+            if n0 >= lo:  # the blocks on the diagonal
+                s = tl.where((offs_n[None, :] <= pos[:, None]) & n_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: nothing yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            v_ptr = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            v = tl.load(v_ptr, mask=n_valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptr = Out + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=m_valid[:, None])
+
+    _TRITON.update(split=_split_kernel, combine=_combine_kernel, chunk=_chunk_kernel)
     return _TRITON
 
 
@@ -365,6 +434,68 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, slots: Any, lengths: An
     kernels["combine"][(batch * heads,)](
         acc, m, lse, out, NSPLIT=nsplit, NSPLIT_P2=_next_power_of_2(nsplit), D=dim
     )
+    return out
+
+
+def _chunk_attention_reference(
+    q: Any, k_cache: Any, v_cache: Any, slot: Any, start: Any, scale: float
+) -> Any:
+    """:func:`chunk_attention` in plain torch: the slot's keys gathered, SDPA under a
+    causal mask over the whole slot (static shapes)."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens, heads = q.shape[0], q.shape[1]
+    kc, vc = k_cache.index_select(0, slot.reshape(1)), v_cache.index_select(0, slot.reshape(1))
+    group = heads // kc.shape[1]
+    if group > 1:
+        kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
+    keys = torch.arange(k_cache.shape[2], device=q.device)
+    mask = keys[None, :] <= (start + torch.arange(tokens, device=q.device))[:, None]
+    qt = q.transpose(0, 1)[None]
+    a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask[None, None], scale=scale)
+    return a[0].transpose(0, 1)
+
+
+def chunk_attention(q: Any, k_cache: Any, v_cache: Any, slot: Any, start: Any, *, scale: float) -> Any:
+    """Causal attention of a prefill chunk over its slot, whose K/V already hold the chunk.
+
+    Args:
+        q: ``[tokens, heads, head_dim]`` queries (rotated) at positions ``start ..
+            start + tokens - 1`` of the slot.
+        k_cache, v_cache: one layer of the pool, ``[slots, kv_heads, slot_tokens, head_dim]``.
+        slot, start: the chunk's slot and first position, as one-element device tensors
+            (so a captured graph replays for any slot and start).
+        scale: the softmax scale.
+
+    Returns:
+        ``[tokens, heads, head_dim]``.
+
+    On CUDA with Triton (or under Triton's interpreter) a flash-attention kernel reads the
+    slot's keys in place, up to each query block's last position, with the launch settings
+    of :data:`CHUNK_ATTENTION_CONFIGS`; elsewhere the keys are gathered and SDPA runs under
+    a mask over the whole slot.
+    """
+    tokens, heads, dim = q.shape
+    cfg = next((c for c in CHUNK_ATTENTION_CONFIGS if tokens <= c[0]), None)
+    kernels = _triton_kernels() if q.device.type == "cuda" or _interpreting() else None
+    if kernels is None or cfg is None or dim & (dim - 1) or dim < 16:
+        return _chunk_attention_reference(q, k_cache, v_cache, slot, start, scale)
+    import torch
+
+    _, block_m, block_n, warps, stages = cfg
+    kv_heads = k_cache.shape[1]
+    out = torch.empty_like(q)
+    extra = {} if _interpreting() else {"num_warps": warps, "num_stages": stages}
+    kernels["chunk"][(math.ceil(tokens / block_m), heads)](
+        q, k_cache, v_cache, slot, start, out,
+        scale * 1.4426950408889634, tokens,  # exp2 in the kernel: log2(e)
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, **extra,
+    )  # fmt: skip
     return out
 
 

@@ -184,11 +184,76 @@ class CharCounter(TokenCounter):
         return self.per_prompt + sum(self._message_cost(m) for m in messages)
 
 
+#: How a prompt is reshaped for a chat template that rejects its shape, mildest first:
+#: ``"as-is"``; ``"merge-system"`` (the system messages, the session's pinned part, summary
+#: and memory, joined into the first one; a later one goes in front of the next user
+#: message; consecutive user or assistant messages joined: Llama-2's and Mistral's strict
+#: alternation); ``"system-in-user"`` (as ``"merge-system"``, then the system text goes in
+#: front of the first user message: templates with no system role, such as Gemma's).
+TEMPLATE_FOLDS = ("as-is", "merge-system", "system-in-user")
+
+
+def fold_messages(messages: Sequence[Message], fold: str) -> list[Message]:
+    """``messages`` reshaped by ``fold`` (one of :data:`TEMPLATE_FOLDS`); texts are joined
+    with a blank line, tool calls and tool messages are kept as they are."""
+    import dataclasses
+
+    if fold == "as-is":
+        return list(messages)
+    if fold not in TEMPLATE_FOLDS:
+        raise ConfigError(f"unknown template fold {fold!r}; one of {TEMPLATE_FOLDS}")
+    out: list[Message] = []
+    pending: list[str] = []  # system text waiting for the next user message
+    for m in messages:
+        if m.role is Role.SYSTEM:
+            if out and out[-1].role is Role.SYSTEM and not pending:
+                out[-1] = dataclasses.replace(out[-1], content=f"{out[-1].content}\n\n{m.content}")
+            elif not out:
+                out.append(m)
+            else:
+                pending.append(m.content)
+            continue
+        if pending and m.role is Role.USER:
+            m = dataclasses.replace(m, content="\n\n".join([*pending, m.content]))
+            pending = []
+        last = out[-1] if out else None
+        mergeable = m.role in (Role.USER, Role.ASSISTANT) and not (m.tool_calls or m.tool_call_id)
+        if (
+            last is not None
+            and last.role is m.role
+            and mergeable
+            and not (last.tool_calls or last.tool_call_id)
+        ):
+            out[-1] = dataclasses.replace(last, content=f"{last.content}\n\n{m.content}")
+        else:
+            out.append(m)
+    if pending:  # system text after the last user message: a user message of its own
+        out.append(Message(role=Role.USER, content="\n\n".join(pending)))
+    if fold == "system-in-user" and out and out[0].role is Role.SYSTEM:
+        system, rest = out[0], out[1:]
+        if rest and rest[0].role is Role.USER:
+            rest[0] = dataclasses.replace(rest[0], content=f"{system.content}\n\n{rest[0].content}")
+        else:
+            rest.insert(0, Message(role=Role.USER, content=system.content))
+        out = rest
+    return out
+
+
+def _plain_turn(m: Message) -> bool:
+    """A user or assistant message without tool calls (one that may be joined)."""
+    return m.role in (Role.USER, Role.ASSISTANT) and not (m.tool_calls or m.tool_call_id)
+
+
 class HFTokenCounter(TokenCounter):
     """Exact counts with a Hugging Face tokenizer and its chat template.
 
     A message's cost is measured by rendering it after a fixed probe system message and
     subtracting the probe alone, so template tokens around each message are included.
+
+    A session's prompt starts with several system messages (pinned part, summary, memory).
+    Templates that accept only one, or none, or require strict user/assistant alternation
+    get the prompt folded to a shape they accept (:data:`TEMPLATE_FOLDS`, chosen once by
+    rendering a probe conversation; :attr:`fold`), for counting and for the engine alike.
 
     Args:
         tokenizer: a ``transformers`` tokenizer with a ``chat_template``.
@@ -208,6 +273,8 @@ class HFTokenCounter(TokenCounter):
         self.chat_template = chat_template
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("the tokenizer has no chat template; pass chat_template= explicitly")
+        #: How prompts are reshaped for this template (one of :data:`TEMPLATE_FOLDS`).
+        self.fold = self._choose_fold()
         self._probe_len = self._render_len([self._PROBE], generation_prompt=False)
         self.additive = self._check_additive()
 
@@ -233,8 +300,25 @@ class HFTokenCounter(TokenCounter):
         except Exception:
             return False
 
-    def render(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> str:
-        """The prompt text the model will see."""
+    def _choose_fold(self) -> str:
+        """The mildest fold under which the template renders a session-shaped probe: two
+        system messages, then user, assistant, user."""
+        probe = [
+            Message(role=Role.SYSTEM, content="a"),
+            Message(role=Role.SYSTEM, content="b"),
+            Message(role=Role.USER, content="c"),
+            Message(role=Role.ASSISTANT, content="d"),
+            Message(role=Role.USER, content="e"),
+        ]
+        for fold in TEMPLATE_FOLDS:
+            try:
+                self._apply(fold_messages(probe, fold), generation_prompt=True)
+            except Exception:  # the template's raise_exception (jinja2 TemplateError) or worse
+                continue
+            return fold
+        return "as-is"  # nothing renders: the first real prompt raises a ConfigError
+
+    def _apply(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
             [m.to_dict() for m in messages],
             chat_template=self.chat_template,
@@ -242,6 +326,19 @@ class HFTokenCounter(TokenCounter):
             tokenize=False,
         )
         return str(text)
+
+    def render(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> str:
+        """The prompt text the model will see (``messages`` folded by :attr:`fold`).
+
+        Raises:
+            ConfigError: the chat template rejects the conversation even so.
+        """
+        try:
+            return self._apply(fold_messages(messages, self.fold), generation_prompt=generation_prompt)
+        except Exception as exc:
+            if type(exc).__name__ != "TemplateError" and not isinstance(exc, ValueError):
+                raise
+            raise ConfigError(f"the chat template rejects this conversation: {exc}") from exc
 
     def render_ids(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt, exactly as the engine feeds them."""
@@ -258,6 +355,8 @@ class HFTokenCounter(TokenCounter):
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def _message_cost(self, message: Message) -> int:
+        if self.fold != "as-is":
+            return self._folded_cost(message)
         try:
             return self._render_len([self._PROBE, message], generation_prompt=False) - self._probe_len
         except Exception:
@@ -265,7 +364,24 @@ class HFTokenCounter(TokenCounter):
             # session's exact check of the whole prompt keeps the budget safe.
             return self.count_text(message.content) + 8
 
+    def _folded_cost(self, message: Message) -> int:
+        """A message's cost where a folded template accepts it: a system message before a
+        user message, an assistant message after one, a user message after a pair. Not
+        additive (the session counts every prompt whole), but close and never negative."""
+        u, a = Message(role=Role.USER, content="probe"), Message(role=Role.ASSISTANT, content="probe")
+        before, after = {Role.SYSTEM: ([], [u]), Role.ASSISTANT: ([u], []), Role.USER: ([u, a], [])}.get(
+            message.role, ([u], [])
+        )
+        try:
+            with_it = self._render_len([*before, message, *after], generation_prompt=False)
+            return max(with_it - self._render_len([*before, *after], generation_prompt=False), 0)
+        except Exception:
+            return self.count_text(message.content) + 8
+
     def _overhead_cost(self, starts_with_system: bool) -> int:
+        if self.fold != "as-is":  # system text is folded into the messages: one overhead
+            probe = Message(role=Role.USER, content="probe")
+            return max(self._render_len([probe], generation_prompt=True) - self.message_tokens(probe), 0)
         if starts_with_system:
             with_gen = self._render_len([self._PROBE], generation_prompt=True)
             return with_gen - self.message_tokens(self._PROBE)

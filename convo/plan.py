@@ -226,40 +226,60 @@ def _fit_messages(
     return None
 
 
-def _repeats_window(p: Passage, window: Sequence[Turn], shown: set[int]) -> bool:
-    """Whether passage ``p`` repeats a turn among ``shown`` (by key or by text)."""
-    if p.key and _whole_turn_key(p.key) in {turn_key(i) for i in shown}:
+class _Shown:
+    """The turns shown, for :func:`_repeats_window`: their keys and normalized texts,
+    computed once per set of shown turns (not once per candidate passage)."""
+
+    def __init__(self, window: Sequence[Turn], shown: set[int]) -> None:
+        self.keys = {turn_key(i) for i in shown}
+        self.texts = {_norm(m.content) for t in window if t.index in shown for m in t.messages if m.content}
+
+
+def _repeats_window(p: Passage, shown: _Shown) -> bool:
+    """Whether passage ``p`` repeats a turn among those ``shown`` (by key or by text)."""
+    if p.key and _whole_turn_key(p.key) in shown.keys:
         return True
-    norm = _norm(p.text)
-    return any(_norm(m.content) == norm for t in window if t.index in shown for m in t.messages if m.content)
+    return _norm(p.text) in shown.texts
 
 
 def _select_passages(
     passages: Sequence[Passage],
-    window: Sequence[Turn],
-    shown: set[int],
+    shown: _Shown,
     room: int,
     budget: Budget,
     counter: TokenCounter,
     min_score: float,
+    *,
+    first: Sequence[Passage] = (),
 ) -> tuple[list[tuple[Passage, int]], list[DroppedPassage]]:
     """Best-first passages within ``room`` tokens and top-k, skipping weak and repeated ones.
 
+    One that does not fit is skipped and smaller ones after it still fill the room.
+    ``first`` (passages an earlier pass chose) are taken before the others, so a pass
+    with more room keeps them and adds to them.
+
     A grouped passage costs what it adds to the one grouped message (its line, plus its
-    group's label when it opens the group, plus the message itself when it is the first);
-    the sum is checked against the exact count of that message at the end.
+    group's label when it opens the group, plus the message itself when it is the first).
+    Those pieces, counted apart, overstate the joined message a little, so before a
+    passage is refused for room the chosen ones are counted exactly; the result is held
+    to the exact count at the end.
     """
+    ordered = list(passages)
+    if first:
+        chosen = {id(p) for p in first}
+        ordered = [*first, *(p for p in passages if id(p) not in chosen)]
     used: list[tuple[Passage, int]] = []
     dropped: list[DroppedPassage] = []
     seen: set[str] = set()
     total = 0
+    synced = True  # total is the exact count of the messages chosen so far
     groups: dict[str, list[Passage]] = {}
-    for p in passages:
+    for p in ordered:
         norm = _norm(p.text)
         reason = None
         if p.score < min_score:
             reason = "min_score"
-        elif _repeats_window(p, window, shown):
+        elif _repeats_window(p, shown):
             reason = "in_window"
         elif (p.key and p.key in seen) or norm in seen:
             reason = "duplicate"
@@ -274,11 +294,17 @@ def _select_passages(
                 cost = counter.count_text("\n" + piece)
                 if not groups:
                     cost += counter.message_tokens(Message(role=Role.SYSTEM, content=MEMORY_HEADER))
+            if total + cost > room and not synced:
+                # The pieces' own counts overstate the joined message (a line's last token
+                # and the newline after it often merge): count it exactly before giving up.
+                total = sum(counter.message_tokens(m) for m in passage_messages([q for q, _ in used]))
+                synced = True
             if total + cost > room:
                 reason = "token_cap"
             else:
                 used.append((p, cost))
                 total += cost
+                synced = synced and g is None
                 seen.update(x for x in (p.key, norm) if x)
                 if g is not None:
                     groups.setdefault(g, []).append(p)
@@ -439,14 +465,15 @@ def plan_prompt(
         certain = _fit_recent(window, turn_costs, avail - summary_cost - cap, counter, budget)[1]
     except BudgetError:
         certain = []
-    used, dropped = _select_passages(passages, window, set(certain), cap, budget, counter, min_score)
+    used, dropped = _select_passages(passages, _Shown(window, set(certain)), cap, budget, counter, min_score)
     retrieved_msgs = passage_messages([p for p, _ in used])
     retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
     recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
         window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
     )
     for _ in range(3):
-        late = [(p, c) for p, c in used if _repeats_window(p, window, set(shown))]
+        on_show = _Shown(window, set(shown))
+        late = [(p, c) for p, c in used if _repeats_window(p, on_show)]
         if not late:
             break
         used = [(p, c) for p, c in used if (p, c) not in late]
@@ -456,6 +483,22 @@ def plan_prompt(
         recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
             window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
         )
+    # Recent turns are shown whole, so they rarely take all the room retrieval left them
+    # (their guaranteed share included): what they leave goes back to retrieval, within
+    # retrieval_tokens, keeping what it chose. The turns shown stay the same.
+    room = min(budget.retrieval_tokens, avail - summary_cost - recent_cost)
+    if room > retrieved_cost and any(d.reason == "token_cap" for d in dropped):
+        used, dropped = _select_passages(
+            passages,
+            _Shown(window, set(shown)),
+            room,
+            budget,
+            counter,
+            min_score,
+            first=[p for p, _ in used],
+        )
+        retrieved_msgs = passage_messages([p for p, _ in used])
+        retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
 
     messages = tuple(pinned + summary_msgs + retrieved_msgs + [m for t in recent for m in t])
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM

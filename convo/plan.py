@@ -15,6 +15,11 @@ turn, which always keeps its first message and its newest blocks (a block is an 
 tool call with all its results: it is never split). A message too large for the room left
 is shortened in the middle or refused, as the budget's ``oversize`` policy says.
 
+Retrieved passages are taken best first; one that does not fit is skipped and smaller ones
+after it still fill the room, counted exactly. The room the recent turns leave unused
+(whole turns rarely fill their share to the token) goes back to retrieval, within
+``retrieval_tokens``; the turns shown stay the same.
+
 :func:`plan_checked` re-checks a plan against the exact count of the rendered prompt;
 :func:`fit` applies it to a list of OpenAI message dicts that the caller owns (agent loops).
 """

@@ -75,7 +75,8 @@ from convo.tokens import TiktokenCounter, TokenCounter
 
 #: Tokens reserved for the reply (the question itself is in the prompt).
 REPLY_TOKENS = 64
-#: Passages the planner may use at most in ``window+retrieval`` (tokens bind first).
+#: Passages the planner may use at most in ``window+retrieval``. Tokens bind first in most
+#: questions; this cap binds in 14 % of the dev questions (48 gains one question: README).
 TOP_K = 40
 HEADLINE_CATEGORIES = (1, 2, 3, 4)
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -1247,8 +1248,9 @@ class MemoryModel:
         (the running turns' prompts, up to ``step_tokens`` tokens in one forward, with one
         dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
         >= slots: a cuBLAS workspace for its capture stream and the step's rows) + the
-        captured prefill's pool (one :data:`PREFILL_GRAPH_TOKENS`-token forward, its mask
-        and slot view, and a dequantized weight; the mixed steps' graphs share it and add
+        captured prefill's pool (one :data:`PREFILL_GRAPH_TOKENS`-token forward and a
+        dequantized weight; its attention reads the slot in place, or, without Triton,
+        from a gathered copy under a mask, counted then; the mixed steps' graphs share it and add
         their logits, per batch bucket and chunk bucket up to
         :data:`~convo.fast.decoder.MIXED_CHUNK_TOKENS`).
 
@@ -1274,9 +1276,11 @@ class MemoryModel:
         per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
         graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
         chunk = min(PREFILL_GRAPH_TOKENS, cell.context)
-        slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
-        mask = chunk * cell.context
-        graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + mask + slot_view)
+        gather = 0
+        if importlib.util.find_spec("triton") is None:  # no chunk-attention kernel: SDPA over a gathered slot
+            slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
+            gather = int(slot_view + chunk * cell.context)  # and its mask
+        graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + gather)
         mixed_buckets = sum(1 for i in range(16) if 16 << i <= min(MIXED_CHUNK_TOKENS, cell.context))
         graphs += mixed_buckets * (sum(buckets) + len(buckets)) * s.vocab_size * 4
         return self._prediction(

@@ -10,6 +10,12 @@ I/O and calls no model; the session summarizes, retrieves and stores around it.
       never evicted     <= cap    <= cap,     newest first, whole     max_new_tokens
                                   top-k       turns; >= recent_min
 
+The diagram shows the shares. In the prompt the memory message (the retrieved passages)
+sits between the earlier turns and the turn being answered: system, summary, earlier
+turns, memory, current turn. What comes before it changes only when the window slides, so
+the next turn's prompt extends this one and an engine that keeps the KV cache between
+turns reuses it, even though each turn retrieves different passages.
+
 The recent turns are fitted newest first and only whole turns are shown, except the newest
 turn, which always keeps its first message and its newest blocks (a block is an assistant
 tool call with all its results: it is never split). A message too large for the room left
@@ -505,7 +511,12 @@ def plan_prompt(
         retrieved_msgs = passage_messages([p for p, _ in used])
         retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
 
-    messages = tuple(pinned + summary_msgs + retrieved_msgs + [m for t in recent for m in t])
+    # Memory goes next to the turn being answered, after the earlier turns: what precedes it
+    # (system, summary, earlier turns) stays the prefix of the next turn's prompt, so its
+    # KV is reused instead of re-run whenever the retrieved passages change.
+    earlier = [m for t in recent[:-1] for m in t]
+    current = [m for m in recent[-1]] if recent else []
+    messages = tuple(pinned + summary_msgs + earlier + retrieved_msgs + current)
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM
     template = counter.overhead_tokens(starts_system)
     parts = {

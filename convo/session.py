@@ -1,9 +1,10 @@
 """A conversation that never exceeds its token budget.
 
 A :class:`Session` owns the history of one conversation. Each turn it plans the prompt
-(:func:`convo.plan.plan_prompt`: pinned system part, rolling summary, retrieved passages,
-recent turns, reply reserve), checks the plan against an exact count of the rendered
-prompt, calls the engine with a capped ``generate``, stores the reply, and returns. The
+(:func:`convo.plan.plan_prompt`: pinned system part, rolling summary, earlier recent
+turns, retrieved passages next to the turn being answered, reply reserve), checks the
+plan against an exact count of the rendered prompt, calls the engine with a capped
+``generate``, stores the reply, and returns. The
 turns that left the window are folded into the summary (in batches) in the background,
 by a :class:`~convo.summarize.SummaryWorker`, at lower priority than replies::
 

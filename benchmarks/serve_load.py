@@ -22,8 +22,11 @@ runs the local engine on CUDA: 16 sessions x 8 turns, ~300-token user turns, ``m
 32, budget 2,048, every turn streamed through the official ``openai`` client with
 ``X-Session-Id``. The JSON then adds ``reply_tokens_per_s``, ``ttft_p50_s`` / ``ttft_p95_s``,
 ``turn_latency_p50_s`` / ``turn_latency_p95_s``, the turn latency per turn index, the decode
-step's 16-row tok/s measured in the server process before the load, and (``--baseline-kv-slots-0``)
-the same load with ``--kv-slots 0`` side by side under ``baseline_kv_slots_0``::
+step's 16-row tok/s measured in the server process before the load, ``engine`` (the
+scheduler's steps and busy seconds by kind during the load, from ``convo_engine_*`` on
+``/metrics``: a busy share near 1 means the device is the bottleneck), and
+(``--baseline-kv-slots-0``) the same load with ``--kv-slots 0`` side by side under
+``baseline_kv_slots_0``::
 
     python benchmarks/serve_load.py --preset gpu-chat --model random:llama-2-7b --quant int4 \
         --kv-slots 16 --baseline-kv-slots-0 --baseline-quant nf4 --out benchmarks/results
@@ -341,6 +344,8 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         "rss_peak": 0,
     }
     rss_idle = psutil.Process(pid).memory_info().rss
+    async with httpx.AsyncClient() as c:
+        engine_before = parse_metrics((await c.get(f"{base}/metrics")).text)
     stop = asyncio.Event()
     sample_task = asyncio.create_task(sampler(base, pid, stop, samples))
     rng = random.Random(args.seed)
@@ -362,6 +367,7 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
             *(conversation(talker, base, s, args, r, t0, end) for s, r in zip(sids, rngs, strict=True))
         )
         wall = time.monotonic() - t0
+        engine_after = parse_metrics((await client.get(f"{base}/metrics")).text)
         stop.set()
         await sample_task
         # Nothing lost: every 200 turn's message and reply are stored, in order; refused ones not.
@@ -390,6 +396,30 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         "samples": samples,
         "rss_idle_bytes": rss_idle,
         "metrics": metrics,
+        "engine": engine_during(engine_before, engine_after, wall),
+    }
+
+
+def engine_during(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, Any] | None:
+    """The engine scheduler's counters (``convo_engine_*`` on /metrics) over the load: steps
+    and busy seconds by kind, tokens, preemptions, and the busy share of the wall time
+    (near 1: the device is the bottleneck). ``None`` for an engine without a scheduler."""
+    names = [k for k in after if k.startswith("convo_engine_")]
+    if not names:
+        return None
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    kinds = ("decode", "mixed", "prefill")
+    busy = {k: round(delta(f'convo_engine_busy_seconds_total{{kind="{k}"}}'), 3) for k in kinds}
+    return {
+        "steps": {k: int(delta(f'convo_engine_steps_total{{kind="{k}"}}')) for k in kinds},
+        "busy_s": busy,
+        "busy_share_of_wall": round(sum(busy.values()) / wall, 3) if wall > 0 else None,
+        "prompt_tokens": int(delta("convo_engine_prompt_tokens_total")),
+        "decode_rows": int(delta("convo_engine_decode_rows_total")),
+        "preemptions": int(delta("convo_engine_preemptions_total")),
     }
 
 
@@ -476,6 +506,7 @@ def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
             "growth": s["rss_peak"] - res["rss_idle_bytes"],
         },
         **chat,
+        "engine": res.get("engine"),
     }
 
 

@@ -193,6 +193,25 @@ def test_prefill_rides_in_the_decode_rows_forward() -> None:
     assert positions == list(range(5, 16))  # one token every step, mixed or not
 
 
+def test_stats_count_every_step_by_kind() -> None:
+    """SchedulerStats: decode, mixed and prefill steps, their time, rows and prompt tokens,
+    the same totals the scheduler's own counters keep."""
+    dec = MixedDecoder(slots=3)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, interleave_tokens=12)
+    assert sched.stats().steps == {"decode": 0, "mixed": 0, "prefill": 0}
+    running = sched.submit(request(5, max_new=12))
+    sched.run_step()  # prefill alone
+    sched.submit(request(10, first=100, max_new=3))
+    drain(sched)
+    stats = sched.stats()
+    kinds = [{"step": "decode"}.get(kind, kind) for kind, _ in dec.events]
+    assert stats.steps == {k: kinds.count(k) for k in ("decode", "mixed", "prefill")}
+    assert stats.steps["mixed"] >= 1 and stats.steps["decode"] >= 1 and stats.steps["prefill"] == 1
+    assert set(stats.busy_s) == set(stats.steps) and all(v >= 0 for v in stats.busy_s.values())
+    assert stats.decode_rows == sched.rows and stats.prompt_tokens == sched.prefill_tokens == 15
+    assert stats.preemptions == 0 and len(running.new_ids) == 12
+
+
 def test_waiting_prefills_run_together_in_one_forward() -> None:
     dec = FakeDecoder(slots=3)
     sched = DecodeScheduler(dec, background=False, step_tokens=64)

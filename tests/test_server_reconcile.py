@@ -239,6 +239,38 @@ def test_metrics_names_say_what_they_count(url: str) -> None:
     assert "process_cpu_seconds" in families  # the process collector comes with prometheus_client
 
 
+def test_metrics_export_the_engine_schedulers_counters(store: Store) -> None:
+    """An engine with a scheduler (``scheduler_stats``) gets ``convo_engine_*`` counters on
+    /metrics; one without (the echo engine above) gets none."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from convo.fast.scheduler import SchedulerStats
+    from convo.server import create_app
+    from convo.testing import EchoEngine
+
+    class Batching(EchoEngine):
+        scheduler_stats = SchedulerStats(
+            steps={"decode": 7, "mixed": 3, "prefill": 1},
+            busy_s={"decode": 0.05, "mixed": 0.06, "prefill": 0.02},
+            decode_rows=40,
+            prompt_tokens=900,
+            preemptions=2,
+        )
+
+    for engine, exported in ((Batching(), True), (EchoEngine(), False)):
+        with TestClient(create_app(engine, store=store), base_url="http://127.0.0.1") as client:
+            text = client.get("/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert ("convo_engine_steps" in families) is exported
+        if exported:
+            steps = {s.labels["kind"]: s.value for s in families["convo_engine_steps"].samples}
+            busy = {s.labels["kind"]: s.value for s in families["convo_engine_busy_seconds"].samples}
+            assert steps == {"decode": 7, "mixed": 3, "prefill": 1} and busy["mixed"] == 0.06
+            assert families["convo_engine_prompt_tokens"].samples[0].value == 900
+            assert families["convo_engine_preemptions"].type == "counter"
+
+
 def test_convo_serve_has_the_user_flag() -> None:
     from convo.cli import build_parser
 

@@ -50,7 +50,7 @@ from convo.errors import (
     MissingDependency,
     ModelLoadError,
 )
-from convo.fast.scheduler import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
+from convo.fast.scheduler import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, SchedulerStats
 from convo.messages import Message
 from convo.tokens import HFTokenCounter
 
@@ -400,6 +400,12 @@ class TransformersEngine:
         time)."""
         decoder = self.decoder
         return int(decoder.pool.slots) if decoder is not None else 1
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
+        """What the static decoder's scheduler has run (:class:`~convo.fast.scheduler.SchedulerStats`),
+        or ``None`` with plain ``generate``."""
+        return self._kv.scheduler.stats() if isinstance(self._kv, SlotKV) else None
 
     @property
     def decoder(self) -> Any:

@@ -62,6 +62,31 @@ DEFAULT_BACKGROUND_MAX_WAIT_S = 10.0
 #: How often the loop looks for a slot again while only work that waits for one is left.
 SLOT_POLL_S = 0.02
 
+#: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
+#: same forward, prefill alone.
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerStats:
+    """What a :class:`DecodeScheduler` has run since it started (``convo serve`` exports it
+    on ``/metrics`` as ``convo_engine_*``).
+
+    Attributes:
+        steps: steps run, by kind (:data:`STEP_KINDS`).
+        busy_s: seconds spent in steps, by kind, from launch until the step's tokens were
+            read back (so device time is included).
+        decode_rows: tokens decoded (the rows of decode and mixed steps).
+        prompt_tokens: prompt tokens prefilled.
+        preemptions: requests stopped to free a slot for a reply (they went on later).
+    """
+
+    steps: dict[str, int]
+    busy_s: dict[str, float]
+    decode_rows: int
+    prompt_tokens: int
+    preemptions: int
+
 
 class Priority(enum.IntEnum):
     """Order in which waiting work gets slots and prefill budget (lower first)."""
@@ -222,6 +247,8 @@ class DecodeScheduler:
         self.max_prefill_tokens = 0
         #: Requests stopped to free a slot for a reply (they went on later).
         self.preemptions = 0
+        self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
+        self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
         self._blocked = False  # the last admission left work waiting for a slot
 
     def submit(self, request: DecodeRequest) -> DecodeRequest:
@@ -259,6 +286,20 @@ class DecodeScheduler:
         with self._cv:
             return len(self._pending) + len(self._prefilling)
 
+    def stats(self) -> SchedulerStats:
+        """A snapshot of what the scheduler has run (:class:`SchedulerStats`)."""
+        return SchedulerStats(
+            steps=dict(self._kind_steps),
+            busy_s=dict(self._kind_busy),
+            decode_rows=self.rows,
+            prompt_tokens=self.prefill_tokens,
+            preemptions=self.preemptions,
+        )
+
+    def _count(self, kind: str, started: float) -> None:
+        self._kind_steps[kind] += 1
+        self._kind_busy[kind] += time.perf_counter() - started
+
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -288,6 +329,7 @@ class DecodeScheduler:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both
             rows = self._active
+            started = time.perf_counter()
             try:
                 logits, outs = self.decoder.mixed_step(*self._rows(rows), [c for _, c in batch])
             except BaseException as exc:  # a device error ends every request in it
@@ -297,16 +339,21 @@ class DecodeScheduler:
                 return
             self._decoded(rows, logits)
             self._prefilled(batch, outs)
+            self._count("mixed", started)
             return
         if self._active:
+            started = time.perf_counter()
             try:
                 self._step()
+                self._count("decode", started)
             except BaseException as exc:  # a device error ends every row in flight
                 self._fail(self._active, exc)
                 self._active = []
         if batch:
+            started = time.perf_counter()
             try:
                 self._prefill(batch)
+                self._count("prefill", started)
             except BaseException as exc:
                 failed = [r for r, _ in batch]
                 self._prefilling = [r for r in self._prefilling if r not in failed]

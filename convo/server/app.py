@@ -131,7 +131,7 @@ def create_app(
         hosts=frozenset(h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)),
         origins=frozenset(o.rstrip("/").lower() for o in allowed_origins),
         session_from_user=session_from_user,
-        scrape=metrics_registry(metrics),
+        scrape=metrics_registry(metrics, engine),
     )
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).

@@ -59,10 +59,42 @@ class ServingCollector(Collector):
             yield family
 
 
-def metrics_registry(metrics: ServingMetrics) -> CollectorRegistry:
-    """A registry of its own for one app: the serving metrics and the process's."""
+class EngineCollector(Collector):
+    """Reads the engine's scheduler counters at scrape time (``scheduler_stats``: a
+    :class:`~convo.fast.scheduler.SchedulerStats`, or ``None`` when it has no scheduler)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        stats = getattr(self.engine, "scheduler_stats", None)
+        if stats is None:
+            return
+        steps = CounterMetricFamily("convo_engine_steps", "scheduler steps run, by kind", labels=["kind"])
+        busy = CounterMetricFamily(
+            "convo_engine_busy_seconds",
+            "seconds in scheduler steps, by kind, until their tokens were read back (device time included)",
+            labels=["kind"],
+        )
+        for kind, n in stats.steps.items():
+            steps.add_metric([kind], n)
+            busy.add_metric([kind], stats.busy_s[kind])
+        yield steps
+        yield busy
+        for name, text, value in (
+            ("convo_engine_decode_rows", "tokens decoded by the scheduler", stats.decode_rows),
+            ("convo_engine_prompt_tokens", "prompt tokens prefilled by the scheduler", stats.prompt_tokens),
+            ("convo_engine_preemptions", "requests stopped to free a slot for a reply", stats.preemptions),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+
+
+def metrics_registry(metrics: ServingMetrics, engine: Any = None) -> CollectorRegistry:
+    """A registry of its own for one app: the serving metrics, the engine's scheduler
+    counters (when it has a scheduler) and the process's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServingCollector(metrics))
+    registry.register(EngineCollector(engine))
     ProcessCollector(registry=registry)
     return registry
 

@@ -57,6 +57,25 @@ def test_chat_script_json_lines_and_resume(tmp_path: Path) -> None:
     assert rows2[-1]["evicted_turns"] >= 3
 
 
+@pytest.mark.slow
+def test_chat_memory_brings_back_a_turn_that_left_the_window(tmp_path: Path) -> None:
+    """``convo chat --memory``: a fact from a turn that left the one-turn window (turns leave
+    it four at a time) comes back as retrieved memory when a later question asks for it."""
+    script = tmp_path / "turns.txt"
+    lines = ["My locker code is 4711.", "Nice weather.", "Soup for lunch.", "I like tea.", "It rained."]
+    lines += ["Busy day.", "What is my locker code?"]
+    script.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    done = run_cli(
+        "chat", "--script", str(script), "--json", "--db", str(tmp_path / "m.db"), "--memory",
+        "--budget", "1024", "--max-new-tokens", "8", "--window", "1", "--summary-tokens", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["turn"] for r in rows] == list(range(1, 8))
+    assert rows[0]["parts"]["retrieved"] == 0 and rows[-1]["parts"]["retrieved"] > 0
+    assert all(r["prompt_tokens"] + r["max_new_tokens"] <= r["budget"] for r in rows)
+
+
 def test_plan_json_contract() -> None:
     out = run_cli(
         "plan",

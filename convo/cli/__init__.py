@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
     )
+    chat.add_argument(
+        "--memory",
+        action="store_true",
+        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline)",
+    )
     chat.add_argument("--system", default=None, help="system prompt of a new session")
     chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
     chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")

@@ -144,6 +144,11 @@ def _build_session(args: argparse.Namespace) -> Any:
         with spinner("loading model") as update:
             engine = local_engine(args, (budget or Budget()).context_tokens, update)
         _check_system_prompt(args, budget, engine.counter)
+    retriever = None
+    if args.memory:  # a resumed session's stored turns are indexed at its first turn
+        from convo.retrieval import RetrievalMemory
+
+        retriever = RetrievalMemory()
     return Session(
         engine,
         budget=budget,
@@ -151,6 +156,7 @@ def _build_session(args: argparse.Namespace) -> Any:
         session_id=args.session,
         system_prompt=args.system,
         timeout_s=args.timeout,
+        retriever=retriever,
     )
 
 

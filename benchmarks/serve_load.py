@@ -31,6 +31,9 @@ scheduler's steps and busy seconds by kind during the load, from ``convo_engine_
     python benchmarks/serve_load.py --preset gpu-chat --model random:llama-2-7b --quant int4 \
         --kv-slots 16 --baseline-kv-slots-0 --baseline-quant nf4 --out benchmarks/results
 
+``--think-s S`` makes each session pause about ``S`` seconds between its turns (a person
+reading and typing); the default 0 sends the next turn as soon as the reply ends.
+
 Fake engine (seconds):   python benchmarks/serve_load.py --fake --out /tmp/bench
 Real default model, small (CPU, ~1-2 min):
     python benchmarks/serve_load.py --sessions 6 --turns 2 --max-new-tokens 16 \
@@ -283,6 +286,8 @@ async def conversation(
 ) -> list[Outcome]:
     outcomes = []
     for turn in range(args.turns):
+        if turn and args.think_s > 0:  # the person reads the reply and types the next message
+            await asyncio.sleep(args.think_s * rng.uniform(0.5, 1.5))
         if time.monotonic() > end:
             break
         if args.client == "openai":
@@ -607,6 +612,12 @@ def main() -> int:
     p.add_argument("--admission-tokens", type=int, default=16384, help="server: token ledger budget (16384)")
     p.add_argument("--duration-s", type=float, default=120.0, help="stop starting turns after this (120)")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request (300)")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="mean pause of a session between its turns, seconds, uniform in 0.5-1.5x (default 0: none)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

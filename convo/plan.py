@@ -253,6 +253,12 @@ def _repeats_window(p: Passage, shown: _Shown) -> bool:
     return _norm(p.text) in shown.texts
 
 
+def _memory(used: Sequence[tuple[Passage, int]], counter: TokenCounter) -> tuple[list[Message], int]:
+    """The memory message(s) of the chosen passages and their exact token count."""
+    msgs = passage_messages([p for p, _ in used])
+    return msgs, sum(counter.message_tokens(m) for m in msgs)
+
+
 def _select_passages(
     passages: Sequence[Passage],
     shown: _Shown,
@@ -308,7 +314,7 @@ def _select_passages(
             if total + cost > room and not synced:
                 # The pieces' own counts overstate the joined message (a line's last token
                 # and the newline after it often merge): count it exactly before giving up.
-                total = sum(counter.message_tokens(m) for m in passage_messages([q for q, _ in used]))
+                total = _memory(used, counter)[1]
                 synced = True
             if total + cost > room:
                 reason = "token_cap"
@@ -477,8 +483,7 @@ def plan_prompt(
     except BudgetError:
         certain = []
     used, dropped = _select_passages(passages, _Shown(window, set(certain)), cap, budget, counter, min_score)
-    retrieved_msgs = passage_messages([p for p, _ in used])
-    retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
+    retrieved_msgs, retrieved_cost = _memory(used, counter)
     recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
         window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
     )
@@ -489,8 +494,7 @@ def plan_prompt(
             break
         used = [(p, c) for p, c in used if (p, c) not in late]
         dropped += [DroppedPassage(passage=p, reason="in_window") for p, _ in late]
-        retrieved_msgs = passage_messages([p for p, _ in used])
-        retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
+        retrieved_msgs, retrieved_cost = _memory(used, counter)
         recent, shown, recent_cost, truncated, dropped_blocks = _fit_recent(
             window, turn_costs, avail - summary_cost - retrieved_cost, counter, budget
         )
@@ -508,14 +512,13 @@ def plan_prompt(
             min_score,
             first=[p for p, _ in used],
         )
-        retrieved_msgs = passage_messages([p for p, _ in used])
-        retrieved_cost = sum(counter.message_tokens(m) for m in retrieved_msgs)
+        retrieved_msgs, retrieved_cost = _memory(used, counter)
 
     # Memory goes next to the turn being answered, after the earlier turns: what precedes it
     # (system, summary, earlier turns) stays the prefix of the next turn's prompt, so its
     # KV is reused instead of re-run whenever the retrieved passages change.
     earlier = [m for t in recent[:-1] for m in t]
-    current = [m for m in recent[-1]] if recent else []
+    current = list(recent[-1]) if recent else []
     messages = tuple(pinned + summary_msgs + earlier + retrieved_msgs + current)
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM
     template = counter.overhead_tokens(starts_system)

@@ -18,6 +18,7 @@ and :class:`CharCounter` (a deterministic toy used by unit tests of pure logic).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -196,8 +197,6 @@ TEMPLATE_FOLDS = ("as-is", "merge-system", "system-in-user")
 def fold_messages(messages: Sequence[Message], fold: str) -> list[Message]:
     """``messages`` reshaped by ``fold`` (one of :data:`TEMPLATE_FOLDS`); texts are joined
     with a blank line, tool calls and tool messages are kept as they are."""
-    import dataclasses
-
     if fold == "as-is":
         return list(messages)
     if fold not in TEMPLATE_FOLDS:
@@ -275,6 +274,7 @@ class HFTokenCounter(TokenCounter):
             raise ModelLoadError("the tokenizer has no chat template; pass chat_template= explicitly")
         #: How prompts are reshaped for this template (one of :data:`TEMPLATE_FOLDS`).
         self.fold = self._choose_fold()
+        self._fold_context: dict[tuple[Role, int, int], int] = {}
         self._probe_len = self._render_len([self._PROBE], generation_prompt=False)
         self.additive = self._check_additive()
 
@@ -333,11 +333,11 @@ class HFTokenCounter(TokenCounter):
         Raises:
             ConfigError: the chat template rejects the conversation even so.
         """
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
         try:
             return self._apply(fold_messages(messages, self.fold), generation_prompt=generation_prompt)
-        except Exception as exc:
-            if type(exc).__name__ != "TemplateError" and not isinstance(exc, ValueError):
-                raise
+        except (TemplateError, ValueError) as exc:
             raise ConfigError(f"the chat template rejects this conversation: {exc}") from exc
 
     def render_ids(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> list[int]:
@@ -374,7 +374,10 @@ class HFTokenCounter(TokenCounter):
         )
         try:
             with_it = self._render_len([*before, message, *after], generation_prompt=False)
-            return max(with_it - self._render_len([*before, *after], generation_prompt=False), 0)
+            key = (message.role, len(before), len(after))
+            if key not in self._fold_context:  # the context alone: once per shape
+                self._fold_context[key] = self._render_len([*before, *after], generation_prompt=False)
+            return max(with_it - self._fold_context[key], 0)
         except Exception:
             return self.count_text(message.content) + 8
 

@@ -555,6 +555,12 @@ INT4_CUDA_LAYOUTS = 2
 PREFILL_GRAPH_TOKENS = 512
 
 
+@functools.cache
+def _has_triton() -> bool:
+    """Whether Triton is installed (the static decoder's kernels run), looked up once."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def quantized_linear_bytes(
     out_features: int, in_features: int, quant: Quant, *, double_quant: bool = True
 ) -> int:
@@ -1277,7 +1283,7 @@ class MemoryModel:
         graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
         chunk = min(PREFILL_GRAPH_TOKENS, cell.context)
         gather = 0
-        if importlib.util.find_spec("triton") is None:  # no chunk-attention kernel: SDPA over a gathered slot
+        if not _has_triton():  # no chunk-attention kernel: SDPA over a gathered slot
             slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
             gather = int(slot_view + chunk * cell.context)  # and its mask
         graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + gather)

@@ -26,6 +26,7 @@ over several turns (all :class:`RetrievalConfig` options, measured on LoCoMo by
     fused message scores
       + second hop: the first hits' rarest words (names, places) and mean vector
       + episode: the query against the mean vector of the message's day
+      + time: the query names days ("in June 2023"): messages of those days gain
       + neighbours: a share of the better adjacent message's score (a reply that
         matches lifts the line it answers, and the other way round)
       + content: a small prior for messages with more content words
@@ -57,11 +58,13 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
+from convo.dates import parse_day, time_spans
 from convo.embeddings import Embedder, TextEncoder
 from convo.errors import ConfigError, MissingDependency, StoreError
 from convo.messages import Message
@@ -582,6 +585,20 @@ class RetrievalConfig:
             after it in the conversation, so the line a matching reply answers ("Look at
             this!" before "What a lovely sunset painting!") is found with it; those
             neighbours become candidates too. Default 0.5; 0 turns it off.
+        time_weight: time-aware scoring. When the query names days (``"on 3 June,
+            2023"``, ``"in August 2023"``, ``"the first half of September 2022"``,
+            ``"between August 11 and August 15 2023"``, ``"as of December 2023"``: see
+            :func:`convo.dates.time_spans`), a message of a turn dated inside them gains
+            ``time_weight``, one dated within ``time_grace_days`` of them a share
+            falling linearly to 0. Turns are dated by ``Session.add(..., date=...)``
+            (:func:`convo.dates.parse_day` reads the common forms); undated turns and
+            queries without a calendar expression are scored as before. Default 0.25; 0
+            turns it off.
+        time_grace_days: days around the named ones over which the time gain fades out
+            (a turn often tells of the week before). Default 14.
+        time_candidates: when the named days hold at most this many messages, all of
+            them become candidates (a question "on 25 May, 2022" finds that day's
+            messages even when no word matches). Default 120; 0 never adds any.
 
     Raises:
         ConfigError: a value is out of range.
@@ -611,6 +628,9 @@ class RetrievalConfig:
     content_weight: float = 0.05
     content_terms: int = 20
     neighbour_weight: float = 0.5
+    time_weight: float = 0.25
+    time_grace_days: int = 14
+    time_candidates: int = 120
 
     def __post_init__(self) -> None:
         try:
@@ -629,17 +649,25 @@ class RetrievalConfig:
             "hop_seeds",
             "episode_turns",
             "content_terms",
+            "time_grace_days",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("context_lines", "hop_terms", "expand_lines"):
+        for name in ("context_lines", "hop_terms", "expand_lines", "time_candidates"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.turn_lines not in TURN_LINES:
             raise ConfigError(f"turn_lines must be one of {', '.join(TURN_LINES)}, got {self.turn_lines!r}")
-        for name in ("speaker_boost", "episode_weight", "mmr_lambda", "content_weight", "neighbour_weight"):
+        for name in (
+            "speaker_boost",
+            "episode_weight",
+            "mmr_lambda",
+            "content_weight",
+            "neighbour_weight",
+            "time_weight",
+        ):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.second_hop <= 1.0:
@@ -1291,6 +1319,7 @@ class RetrievalMemory:
         self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
         self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
         self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
+        self._day_cache: dict[int, tuple[int, tuple[np.ndarray, np.ndarray]]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1368,7 +1397,7 @@ class RetrievalMemory:
         for store in sources:
             named = self._named_speakers(store, query) if self.config.speaker_boost > 0 else set()
             text = _strip_names(query, named) if self.config.strip_names else query
-            found.extend(self._search_turns(store, vector(text), text, n, named))
+            found.extend(self._search_turns(store, vector(text), text, n, named, query))
         seen_colls: set[int] = set()
         for coll in colls:
             if id(coll) in seen_colls:
@@ -1421,7 +1450,7 @@ class RetrievalMemory:
         return store
 
     def _search_turns(
-        self, store: _Store, qvec: np.ndarray, query: str, n: int, named: set[str]
+        self, store: _Store, qvec: np.ndarray, query: str, n: int, named: set[str], asked: str = ""
     ) -> list[Passage]:
         """The best ``n`` passages of one session's turns (see :class:`RetrievalConfig`).
 
@@ -1463,6 +1492,8 @@ class RetrievalMemory:
             ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
             for u in fused:
                 fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
+        if cfg.time_weight > 0:
+            fused = self._time_scored(store, fused, asked or query)
         if cfg.neighbour_weight > 0:
             fused = _propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
         if cfg.content_weight > 0:
@@ -1602,6 +1633,52 @@ class RetrievalMemory:
         value = (keys, cents.astype(np.float32), of_unit)
         self._episode_cache[id(store)] = (store.version, value)
         return value
+
+    def _days(self, store: _Store) -> tuple[np.ndarray, np.ndarray]:
+        """Unit ids and their days (proleptic ordinals) for the units whose turn has a
+        readable date (cached until the store changes)."""
+        cached = self._day_cache.get(id(store))
+        if cached is not None and cached[0] == store.version:
+            return cached[1]
+        ids: list[int] = []
+        days: list[int] = []
+        for rec in store.records.values():
+            day = parse_day(str(rec.meta.get("date") or ""))
+            if day is not None:
+                ids.extend(rec.units)
+                days.extend([day.toordinal()] * len(rec.units))
+        value = (np.asarray(ids, dtype=np.int64), np.asarray(days, dtype=np.int64))
+        self._day_cache[id(store)] = (store.version, value)
+        return value
+
+    def _time_scored(self, store: _Store, fused: dict[int, float], question: str) -> dict[int, float]:
+        """``fused`` raised for the messages of the days ``question`` names (see
+        ``time_weight``); those days' messages join the candidates when they are few."""
+        cfg = self.config
+        ids, days = self._days(store)
+        if not len(ids) or not fused:
+            return fused
+        years = range(date.fromordinal(int(days.min())).year, date.fromordinal(int(days.max())).year + 1)
+        spans = time_spans(question, years)
+        if not spans:
+            return fused
+        near = np.zeros(len(ids))
+        for span in spans:
+            lo = span.first.toordinal() if span.first != date.min else -(10**9)
+            hi = span.last.toordinal() if span.last != date.max else 10**9
+            dist = np.maximum(lo - days, 0) + np.maximum(days - hi, 0)
+            near = np.maximum(near, np.clip(1.0 - dist / max(cfg.time_grace_days, 1), 0.0, 1.0))
+        floor = min(fused.values())
+        out = dict(fused)
+        inside = ids[near >= 1.0]
+        if 0 < len(inside) <= cfg.time_candidates:
+            for u in inside.tolist():
+                out.setdefault(u, floor)
+        lifted = near > 0
+        for u, w in zip(ids[lifted].tolist(), near[lifted].tolist(), strict=True):
+            if u in out:
+                out[u] += cfg.time_weight * w
+        return out
 
     @staticmethod
     def _adjacent(store: _Store, uid: int, width: int) -> list[int]:

@@ -294,6 +294,36 @@ def test_day_label_drops_the_time_of_day_only() -> None:
     assert {p.meta["date"] for p in hits} == {"9:00 am on 8 May, 2023", "6:30 pm on 8 May, 2023"}
 
 
+def test_time_aware_scoring_favours_the_days_the_question_names() -> None:
+    # Two turns say the same thing; only their dates tell them apart.
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    pairs = [("We went hiking by the lake.", "Sounds fun."), ("We went hiking by the lake.", "Again!")]
+    dated = {0: "10:00 am on 3 March, 2023", 1: "4:00 pm on 20 June, 2023"}
+    memory.remember_turns("s", turns_of([*pairs, *FILLER]), dates={**dated, 2: "1 July 2023"})
+    june = memory.retrieve("Where did Ann go hiking in June 2023?", session_id="s", top_k=3)
+    march = memory.retrieve("Where did Ann go hiking in early March 2023?", session_id="s", top_k=3)
+    assert june[0].key == turn_key(1, 0) and march[0].key == turn_key(0, 0)
+    assert june[0].score > march[1].score  # the named day's message gained, not the other
+    off = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, time_weight=0.0))
+    off.remember_turns("s", turns_of([*pairs, *FILLER]), dates=dated)
+    asked = ("Where did Ann go hiking in June 2023?", "Where did Ann go hiking in early March 2023?")
+    tops = {off.retrieve(q, session_id="s", top_k=3)[0].key for q in asked}
+    assert len(tops) == 1  # without it the dates change nothing
+
+
+def test_time_aware_scoring_adds_a_named_days_messages_as_candidates() -> None:
+    # No word of the question matches the message; its day does.
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    turns = turns_of([*FILLER, ("Surprise! I baked you a lemon cake.", "Thank you!")])
+    dates = {i: f"{i + 1} May 2022" for i in range(len(FILLER))} | {len(FILLER): "9:00 am on 25 May, 2022"}
+    memory.remember_turns("s", turns, dates=dates)
+    cake = {turn_key(len(FILLER), 0), turn_key(len(FILLER), 1)}
+    hits = memory.retrieve("What did Ann do for Bob on 25 May, 2022?", session_id="s", top_k=2)
+    assert hits[0].key in cake
+    undated = memory.retrieve("What did Ann do for Bob?", session_id="s", top_k=2)
+    assert undated[0].key not in cake
+
+
 def test_memory_forget_really_forgets() -> None:
     memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of([("The vault code is 9911.", "OK."), *FILLER]))

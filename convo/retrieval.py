@@ -563,6 +563,9 @@ class RetrievalConfig:
             True.
         hop_seeds: first hits the second query is built from. Default 3.
         hop_terms: words taken from the first hits into the second query. Default 12.
+        hop_distinct_days: take the first hits the second query is built from from
+            different episodes (days): the pieces of a multi-hop answer are spread over
+            days, and seeds from one day pull the second query back to it. Default True.
         episode_weight: weight of the score of the message's whole episode (the turns
             of one date; blocks of ``episode_turns`` turns without dates): its mean
             vector against the query, added to each message's score, so an episode about
@@ -620,6 +623,7 @@ class RetrievalConfig:
     second_hop: float = 0.5
     hop_seeds: int = 3
     hop_terms: int = 12
+    hop_distinct_days: bool = True
     episode_weight: float = 0.2
     episode_turns: int = 16
     strip_names: bool = True
@@ -1465,9 +1469,7 @@ class RetrievalMemory:
         if not fused:
             return []
         if cfg.second_hop > 0 and store.vectors is not None:
-            ranking = self._boosted_ranking(store, fused, named)
-            # Seeds: the best hits, not the also-rans (half the best score at least).
-            seeds = [u for u in ranking[: cfg.hop_seeds] if fused[u] >= 0.5 * fused[ranking[0]]]
+            seeds = self._hop_seeds(store, fused, self._boosted_ranking(store, fused, named))
             q2 = qvec + store.vectors.vectors(seeds).mean(axis=0)
             q2 = (q2 / (np.linalg.norm(q2) or 1.0)).astype(np.float32)
             extra = store.lexical.rare_terms(
@@ -1608,6 +1610,23 @@ class RetrievalMemory:
         speaker = self._speakers(store)
         score = {u: sc + (boost if named and speaker.get(u) in named else 0.0) for u, sc in fused.items()}
         return sorted(score, key=lambda u: (-score[u], u))
+
+    def _hop_seeds(self, store: _Store, fused: Mapping[int, float], ranking: Sequence[int]) -> list[int]:
+        """The first hits the second query is built from: the best ones, not the
+        also-rans (half the best score at least), one per episode with
+        ``hop_distinct_days``."""
+        cfg = self.config
+        good = [u for u in ranking[: 4 * cfg.hop_seeds] if fused[u] >= 0.5 * fused[ranking[0]]]
+        if not cfg.hop_distinct_days:
+            return good[: cfg.hop_seeds]
+        of_unit = self._episodes(store)[2]
+        seeds: list[int] = []
+        days: set[str] = set()
+        for u in good:
+            if of_unit[u] not in days:
+                days.add(of_unit[u])
+                seeds.append(u)
+        return seeds[: cfg.hop_seeds]
 
     def _episodes(self, store: _Store) -> tuple[list[str], np.ndarray, dict[int, str]]:
         """Episode keys, their normalized mean vectors and each unit's episode (cached)."""

@@ -324,6 +324,25 @@ def test_time_aware_scoring_adds_a_named_days_messages_as_candidates() -> None:
     assert undated[0].key not in cake
 
 
+def test_second_hop_seeds_come_from_different_days() -> None:
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, hop_seeds=2))
+    turns = turns_of(
+        [("Pottery class today.", "Fun!"), ("More pottery.", "Nice."), ("Camping trip.", "Cool.")]
+    )
+    memory.remember_turns("s", turns, dates={0: "1 May 2023", 1: "1 May 2023", 2: "9 May 2023"})
+    store = memory._sessions["s"]
+    units = [u for rec in sorted(store.records.values(), key=lambda r: r.meta["turn"]) for u in rec.units]
+    fused = {u: 1.0 - 0.01 * i for i, u in enumerate(units)}
+    ranking = sorted(fused, key=lambda u: -fused[u])
+    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[4]]  # one per day
+    memory.config = RetrievalConfig(min_score=0.0, hop_seeds=2, hop_distinct_days=False)
+    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[1]]
+    fused[units[4]] = fused[units[5]] = 0.4  # an also-ran is no seed, even from another day
+    assert RetrievalMemory(HashEncoder(), config=RetrievalConfig(hop_seeds=2))._hop_seeds(
+        store, fused, ranking
+    ) == [units[0]]
+
+
 def test_memory_forget_really_forgets() -> None:
     memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of([("The vault code is 9911.", "OK."), *FILLER]))

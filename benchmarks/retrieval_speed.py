@@ -107,11 +107,15 @@ def synthetic_turns(n: int, seed: int) -> tuple[list[Turn], dict[int, str]]:
 
 
 def questions(n: int, seed: int) -> list[str]:
+    """``n`` questions; one in three names a month and one in three a day (the time-aware
+    scoring path), in the years the synthetic turns span."""
     rng = np.random.default_rng(seed + 1)
     out = []
     for i in range(n):
         who, topic = rng.choice(SPEAKERS), rng.choice(TOPICS)
-        out.append(f"Question {i}: what did {who} say about the {topic} and w{int(rng.integers(0, 300))}?")
+        when = ["", f" in May {2020 + i % 18}", f" on {1 + i % 28} May, {2020 + i % 18}"][i % 3]
+        word = f"w{int(rng.integers(0, 300))}"
+        out.append(f"Question {i}: what did {who} say about the {topic} and {word}{when}?")
     return out
 
 

@@ -1323,7 +1323,7 @@ class RetrievalMemory:
         self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
         self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
         self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._day_cache: dict[int, tuple[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._day_cache: dict[int, tuple[int, np.ndarray]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1653,50 +1653,51 @@ class RetrievalMemory:
         self._episode_cache[id(store)] = (store.version, value)
         return value
 
-    def _days(self, store: _Store) -> tuple[np.ndarray, np.ndarray]:
-        """Unit ids and their days (proleptic ordinals) for the units whose turn has a
-        readable date (cached until the store changes)."""
+    def _days(self, store: _Store) -> np.ndarray:
+        """Each unit's day, indexed by unit id: a proleptic ordinal, ``-1`` where the
+        turn has no readable date (cached until the store changes)."""
         cached = self._day_cache.get(id(store))
         if cached is not None and cached[0] == store.version:
             return cached[1]
-        ids: list[int] = []
-        days: list[int] = []
+        size = max((u for rec in store.records.values() for u in rec.units), default=-1) + 1
+        days = np.full(size, -1, dtype=np.int64)
         for rec in store.records.values():
             day = parse_day(str(rec.meta.get("date") or ""))
-            if day is not None:
-                ids.extend(rec.units)
-                days.extend([day.toordinal()] * len(rec.units))
-        value = (np.asarray(ids, dtype=np.int64), np.asarray(days, dtype=np.int64))
-        self._day_cache[id(store)] = (store.version, value)
-        return value
+            if day is not None and rec.units:
+                days[rec.units] = day.toordinal()
+        self._day_cache[id(store)] = (store.version, days)
+        return days
 
     def _time_scored(self, store: _Store, fused: dict[int, float], question: str) -> dict[int, float]:
         """``fused`` raised for the messages of the days ``question`` names (see
         ``time_weight``); those days' messages join the candidates when they are few."""
         cfg = self.config
-        ids, days = self._days(store)
-        if not len(ids) or not fused:
+        days = self._days(store)
+        dated = days >= 0
+        if not fused or not dated.any():
             return fused
-        years = range(date.fromordinal(int(days.min())).year, date.fromordinal(int(days.max())).year + 1)
-        spans = time_spans(question, years)
+        first, last = date.fromordinal(int(days[dated].min())), date.fromordinal(int(days.max()))
+        spans = time_spans(question, range(first.year, last.year + 1))
         if not spans:
             return fused
-        near = np.zeros(len(ids))
+        near = np.zeros(len(days))
         for span in spans:
             lo = span.first.toordinal() if span.first != date.min else -(10**9)
             hi = span.last.toordinal() if span.last != date.max else 10**9
             dist = np.maximum(lo - days, 0) + np.maximum(days - hi, 0)
-            near = np.maximum(near, np.clip(1.0 - dist / max(cfg.time_grace_days, 1), 0.0, 1.0))
-        floor = min(fused.values())
+            near = np.maximum(near, np.clip(1.0 - dist / cfg.time_grace_days, 0.0, 1.0))
+        near[~dated] = 0.0
         out = dict(fused)
-        inside = ids[near >= 1.0]
+        inside = np.flatnonzero(near >= 1.0)
         if 0 < len(inside) <= cfg.time_candidates:
+            floor = min(fused.values())
             for u in inside.tolist():
                 out.setdefault(u, floor)
-        lifted = near > 0
-        for u, w in zip(ids[lifted].tolist(), near[lifted].tolist(), strict=True):
-            if u in out:
-                out[u] += cfg.time_weight * w
+        ids = np.fromiter(out.keys(), dtype=np.int64, count=len(out))
+        known = ids[(ids >= 0) & (ids < len(days))]
+        gain = cfg.time_weight * near[known]
+        for u, g in zip(known[gain > 0].tolist(), gain[gain > 0].tolist(), strict=True):
+            out[u] += g
         return out
 
     @staticmethod

@@ -379,16 +379,34 @@ _GROUPED: dict[str, Any] = {
     "episode_weight": 0.0,
     "content_weight": 0.0,
     "neighbour_weight": 0.0,
+    "time_weight": 0.0,
 }
+#: The parts added in the fifth round (issue 15): time-aware scoring, second-hop seeds
+#: from different days.
+_FIFTH: dict[str, Any] = {"time_weight": 0.0, "hop_distinct_days": False}
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     # The first default: whole turns, one passage each.
     "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
     "grouped": _GROUPED,
     # ... plus the speaker named in the question.
-    "speaker": {"second_hop": 0.0, "episode_weight": 0.0, "content_weight": 0.0, "neighbour_weight": 0.0},
+    "speaker": {
+        "second_hop": 0.0,
+        "episode_weight": 0.0,
+        "content_weight": 0.0,
+        "neighbour_weight": 0.0,
+        "time_weight": 0.0,
+    },
     # The default two rounds ago (second hop 0.3, episode 0.1, no content prior, no
     # neighbour share).
-    "previous": {"second_hop": 0.3, "episode_weight": 0.1, "content_weight": 0.0, "neighbour_weight": 0.0},
+    "previous": {
+        "second_hop": 0.3,
+        "episode_weight": 0.1,
+        "content_weight": 0.0,
+        "neighbour_weight": 0.0,
+        **_FIFTH,
+    },
+    # The default of the fourth round: no time-aware scoring, seeds from any day.
+    "fourth": _FIFTH,
     # The default without one of its parts, or with one more.
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
@@ -396,6 +414,8 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     # The default before the neighbour share (issue 15, third round).
     "no-neighbour": {"neighbour_weight": 0.0},
     "mmr": {"mmr_lambda": 0.1},
+    "no-time": {"time_weight": 0.0},
+    "same-day-seeds": {"hop_distinct_days": False},
 }
 
 

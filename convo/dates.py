@@ -171,7 +171,7 @@ def time_spans(query: str, years: Iterable[int] = ()) -> list[DaySpan]:
         (m1, a), (m2, b) = days[0], days[1]
         if re.fullmatch(r"\s*(?:and|to|-)\s*", query[m1.end() : m2.start()], re.I):
             first = a[0] if len(a) == 1 else _day(b[-1].year, a[0].month, a[0].day) or a[0]
-            spans.append(DaySpan(first, b[-1]))
+            spans.append(DaySpan(min(first, b[-1]), max(first, b[-1])))
             days = days[2:]
     for m, valid in days:
         spans.extend(_bounded(DaySpan(f, f), query, m.start()) for f in valid)

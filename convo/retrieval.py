@@ -1323,7 +1323,7 @@ class RetrievalMemory:
         self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
         self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
         self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._day_cache: dict[int, tuple[int, np.ndarray]] = {}
+        self._day_cache: dict[int, tuple[int, tuple[np.ndarray, tuple[int, ...]]]] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1653,31 +1653,34 @@ class RetrievalMemory:
         self._episode_cache[id(store)] = (store.version, value)
         return value
 
-    def _days(self, store: _Store) -> np.ndarray:
-        """Each unit's day, indexed by unit id: a proleptic ordinal, ``-1`` where the
-        turn has no readable date (cached until the store changes)."""
+    def _days(self, store: _Store) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Each unit's day, indexed by unit id (a proleptic ordinal, ``-1`` where the turn
+        has no readable date), and the years those days fall in (cached until the store
+        changes)."""
         cached = self._day_cache.get(id(store))
         if cached is not None and cached[0] == store.version:
             return cached[1]
         size = max((u for rec in store.records.values() for u in rec.units), default=-1) + 1
         days = np.full(size, -1, dtype=np.int64)
+        years: set[int] = set()
         for rec in store.records.values():
             day = parse_day(str(rec.meta.get("date") or ""))
             if day is not None and rec.units:
                 days[rec.units] = day.toordinal()
-        self._day_cache[id(store)] = (store.version, days)
-        return days
+                years.add(day.year)
+        value = (days, tuple(sorted(years)))
+        self._day_cache[id(store)] = (store.version, value)
+        return value
 
     def _time_scored(self, store: _Store, fused: dict[int, float], question: str) -> dict[int, float]:
         """``fused`` raised for the messages of the days ``question`` names (see
         ``time_weight``); those days' messages join the candidates when they are few."""
         cfg = self.config
-        days = self._days(store)
-        dated = days >= 0
-        if not fused or not dated.any():
+        days, years = self._days(store)
+        if not fused or not years:
             return fused
-        first, last = date.fromordinal(int(days[dated].min())), date.fromordinal(int(days.max()))
-        spans = time_spans(question, range(first.year, last.year + 1))
+        # A month or day named without a year: in the years the turns were dated in.
+        spans = time_spans(question, years)
         if not spans:
             return fused
         near = np.zeros(len(days))
@@ -1686,7 +1689,7 @@ class RetrievalMemory:
             hi = span.last.toordinal() if span.last != date.max else 10**9
             dist = np.maximum(lo - days, 0) + np.maximum(days - hi, 0)
             near = np.maximum(near, np.clip(1.0 - dist / cfg.time_grace_days, 0.0, 1.0))
-        near[~dated] = 0.0
+        near[days < 0] = 0.0
         out = dict(fused)
         inside = np.flatnonzero(near >= 1.0)
         if 0 < len(inside) <= cfg.time_candidates:

@@ -64,6 +64,7 @@ def test_seasons_years_and_ranges() -> None:
     assert spans("Where did they ski in winter 2022?") == [("2022-12-01", "2023-02-28")]
     assert spans("How many times did she go to the beach in 2023?") == [("2023-01-01", "2023-12-31")]
     assert spans("Where was John between August 11 and August 15 2023?") == [("2023-08-11", "2023-08-15")]
+    assert spans("What happened between 2023-08-15 and 2023-08-11?") == [("2023-08-11", "2023-08-15")]
 
 
 def test_bound_words_open_the_span() -> None:

@@ -2,9 +2,9 @@
 
 Retrieval uses both for time-aware scoring: a question that names a time ("in June 2023",
 "on 3 June, 2023", "the first half of September 2022", "between August 11 and August 15
-2023") favours the turns of those days. Only explicit calendar expressions are read;
-relative ones ("last week", "yesterday") are left to the text match, because what they
-count from is not known here.
+2023") favours the turns of those days. Relative phrases ("yesterday", "last week", "three
+days ago", "last Friday") are read only when the day they count from is known (``today``:
+the date of the turn that asks, see ``Session(clock=...)``).
 
 :func:`parse_day` reads the dates callers give turns (``Session.add(..., date=...)``):
 ``"1:56 pm on 8 May, 2023"``, ``"8 May 2023"``, ``"May 8, 2023"``, ``"2023-05-08"``,
@@ -18,7 +18,7 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, timedelta
 
 __all__ = ["DaySpan", "parse_day", "time_spans"]
 
@@ -57,6 +57,18 @@ _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}[:.]\d{2}(?:[:.]\d{2})?\s*(?:[ap]\.?m\.?)
 _AMBIGUOUS = frozenset({"may", "march"})
 _LEAD_RE = re.compile(
     r"\b(?:in|during|of|since|until|by|before|after|early|late|mid|this|last|next)\s+$", re.I
+)
+
+_COUNT = r"(?P<n>\d{1,3}|a|an|one|two|three|four|five|six|seven|eight|nine|ten|a\s+couple\s+of|a\s+few)"
+_NUMBERS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+_NUMBERS.update({"eight": 8, "nine": 9, "ten": 10})
+_WEEKDAYS = {name.lower(): i for i, name in enumerate(calendar.day_name)}
+_RELATIVE_RE = re.compile(
+    r"\b(?:(?P<dby>(?:the\s+)?day\s+before\s+yesterday)|(?P<yesterday>yesterday)|(?P<today>today|tonight)"
+    rf"|{_COUNT}\s+(?P<unit>day|week|month|year)s?\s+ago"
+    r"|(?P<which>last|this|past)\s+(?P<period>week(?:end)?|month|year)"
+    rf"|(?P<on>last|on|this\s+past)\s+(?P<wd>{'|'.join(_WEEKDAYS)})s?)\b",
+    re.I,
 )
 
 _SEASONS = {"spring": (3, 5), "summer": (6, 8), "fall": (9, 11), "autumn": (9, 11), "winter": (12, 14)}
@@ -125,13 +137,69 @@ def _bounded(span: DaySpan, query: str, start: int) -> DaySpan:
     return DaySpan(date.min, span.last)
 
 
-def time_spans(query: str, years: Iterable[int] = ()) -> list[DaySpan]:
+def _months_back(day: date, n: int) -> tuple[int, int]:
+    """The (year, month) ``n`` calendar months before ``day``'s."""
+    index = day.year * 12 + day.month - 1 - n
+    return index // 12, index % 12 + 1
+
+
+def _relative(m: re.Match[str], today: date) -> DaySpan:
+    """The span of one relative phrase, counted from ``today``."""
+    if m.group("dby"):
+        day = today - timedelta(days=2)
+        return DaySpan(day, day)
+    if m.group("yesterday"):
+        day = today - timedelta(days=1)
+        return DaySpan(day, day)
+    if m.group("today"):
+        return DaySpan(today, today)
+    if m.group("unit"):
+        word = re.sub(r"\s+", " ", m.group("n").lower())
+        n = 2 if word == "a couple of" else 3 if word == "a few" else _NUMBERS.get(word) or int(word)
+        unit = m.group("unit").lower()
+        if unit == "day":
+            day = today - timedelta(days=n)
+            return DaySpan(day, day)
+        if unit == "week":  # "two weeks ago": that week, give or take half of it
+            mid = today - timedelta(days=7 * n)
+            return DaySpan(mid - timedelta(days=3), mid + timedelta(days=3))
+        if unit == "month":
+            return _month_span(*_months_back(today, n), None)
+        return DaySpan(date(today.year - n, 1, 1), date(today.year - n, 12, 31))
+    if m.group("period"):
+        which, period = m.group("which").lower(), m.group("period").lower()
+        monday = today - timedelta(days=today.weekday())
+        if period == "weekend":  # the last Saturday and Sunday before today
+            sunday = today - timedelta(days=(today.weekday() + 1) % 7 or 7)
+            return DaySpan(sunday - timedelta(days=1), sunday)
+        if which == "past":  # "the past week": the days up to today
+            length = {"week": 7, "month": 30, "year": 365}[period]
+            return DaySpan(today - timedelta(days=length), today)
+        if period == "week":
+            if which == "last":
+                return DaySpan(monday - timedelta(days=7), monday - timedelta(days=1))
+            return DaySpan(monday, today)
+        if period == "month":
+            if which == "this":
+                return DaySpan(today.replace(day=1), today)
+            return _month_span(*_months_back(today, 1), None)
+        if which == "this":
+            return DaySpan(date(today.year, 1, 1), today)
+        return DaySpan(date(today.year - 1, 1, 1), date(today.year - 1, 12, 31))
+    # "last Friday", "on Friday": the latest such day before today.
+    back = (today.weekday() - _WEEKDAYS[m.group("wd").lower()]) % 7 or 7
+    day = today - timedelta(days=back)
+    return DaySpan(day, day)
+
+
+def time_spans(query: str, years: Iterable[int] = (), *, today: date | None = None) -> list[DaySpan]:
     """The spans of days ``query`` names, most specific expressions first.
 
     Args:
         query: a question, e.g. ``"What did Maria do in the first half of May 2023?"``.
         years: years a month or day named without one may fall in (the years of the
             stored turns); without them such a month or day is ignored.
+        today: the day relative phrases count from; ``None`` (default) ignores them.
 
     Returns:
         Day spans: a day (``"on 3 June, 2023"``), a month or part of one (``"in June
@@ -139,7 +207,11 @@ def time_spans(query: str, years: Iterable[int] = ()) -> list[DaySpan]:
         2021"``), a year (``"in 2023"``), or a range (``"between August 11 and August 15
         2023"``). A bound word opens the span on one side: ``"as of"``, ``"by"``,
         ``"before"``, ``"until"`` (everything up to it), ``"after"``, ``"since"``
-        (everything from it). ``[]`` when the question names no time.
+        (everything from it). With ``today``, also relative phrases: ``"today"``,
+        ``"yesterday"``, ``"the day before yesterday"``, ``"three days ago"`` (also weeks,
+        months, years), ``"last week"``, ``"this month"``, ``"the past year"``, ``"last
+        weekend"``, ``"last Friday"`` or ``"on Friday"`` (the latest Friday before today).
+        ``[]`` when the question names no time.
     """
     known = sorted(set(years))
     taken = [False] * len(query)
@@ -204,6 +276,11 @@ def time_spans(query: str, years: Iterable[int] = ()) -> list[DaySpan]:
             )
         )
         take(m)
+    if today is not None:
+        for m in _RELATIVE_RE.finditer(query):
+            if free(m):
+                spans.append(_bounded(_relative(m, today), query, m.start()))
+                take(m)
     for m in _YEAR_RE.finditer(query):
         if free(m):
             year = int(m.group("y"))

@@ -58,7 +58,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1273,6 +1273,17 @@ def day_label(date: str) -> str:
     return day or text
 
 
+def _as_day(value: date | str | None) -> date | None:
+    """A day from a ``date``, a ``datetime`` or a date string; ``None`` when it has none."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.date()
+    if isinstance(value, date):
+        return value
+    return parse_day(str(value))
+
+
 def _speaker_line(message: Message) -> str:
     name = message.name or message.role.value
     content = message.content.strip()
@@ -1370,7 +1381,9 @@ class RetrievalMemory:
             items.append((rec, dense, dense))
         store.add(items)
 
-    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+    def retrieve(
+        self, query: str, *, session_id: str, top_k: int, today: date | str | None = None
+    ) -> list[Passage]:
         """Candidate passages for ``query``: this session's turns and its collections.
 
         Args:
@@ -1378,6 +1391,11 @@ class RetrievalMemory:
             session_id: whose turns to search.
             top_k: how many the planner will use at most; up to ``candidates_factor *
                 top_k`` are returned so it can skip duplicates and turns in the window.
+            today: the day the question is asked (a ``date``, a ``datetime`` or a date
+                string :func:`convo.dates.parse_day` reads), from which relative phrases
+                ("yesterday", "last week") count; ``None`` (default): only calendar
+                dates in the question are read. A :class:`~convo.session.Session` with a
+                ``clock`` passes the date of the turn that asks.
 
         Returns:
             Passages, best first (``score`` is the fused score; ``meta`` holds the cosine,
@@ -1391,6 +1409,7 @@ class RetrievalMemory:
         if not sources and not any(len(c) for c in colls):
             return []
         vectors: dict[str, np.ndarray] = {}
+        asked_on = _as_day(today)
 
         def vector(text: str) -> np.ndarray:
             if text not in vectors:
@@ -1401,7 +1420,7 @@ class RetrievalMemory:
         for store in sources:
             named = self._named_speakers(store, query) if self.config.speaker_boost > 0 else set()
             text = _strip_names(query, named) if self.config.strip_names else query
-            found.extend(self._search_turns(store, vector(text), text, n, named, query))
+            found.extend(self._search_turns(store, vector(text), text, n, named, query, asked_on))
         seen_colls: set[int] = set()
         for coll in colls:
             if id(coll) in seen_colls:
@@ -1454,7 +1473,14 @@ class RetrievalMemory:
         return store
 
     def _search_turns(
-        self, store: _Store, qvec: np.ndarray, query: str, n: int, named: set[str], asked: str = ""
+        self,
+        store: _Store,
+        qvec: np.ndarray,
+        query: str,
+        n: int,
+        named: set[str],
+        asked: str = "",
+        today: date | None = None,
     ) -> list[Passage]:
         """The best ``n`` passages of one session's turns (see :class:`RetrievalConfig`).
 
@@ -1495,7 +1521,7 @@ class RetrievalMemory:
             for u in fused:
                 fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
         if cfg.time_weight > 0:
-            fused = self._time_scored(store, fused, asked or query)
+            fused = self._time_scored(store, fused, asked or query, today)
         if cfg.neighbour_weight > 0:
             fused = _propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
         if cfg.content_weight > 0:
@@ -1672,7 +1698,9 @@ class RetrievalMemory:
         self._day_cache[id(store)] = (store.version, value)
         return value
 
-    def _time_scored(self, store: _Store, fused: dict[int, float], question: str) -> dict[int, float]:
+    def _time_scored(
+        self, store: _Store, fused: dict[int, float], question: str, today: date | None
+    ) -> dict[int, float]:
         """``fused`` raised for the messages of the days ``question`` names (see
         ``time_weight``); those days' messages join the candidates when they are few."""
         cfg = self.config
@@ -1680,7 +1708,7 @@ class RetrievalMemory:
         if not fused or not years:
             return fused
         # A month or day named without a year: in the years the turns were dated in.
-        spans = time_spans(question, years)
+        spans = time_spans(question, years, today=today)
         if not spans:
             return fused
         near = np.zeros(len(days))

@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import date, datetime
 from typing import Any, Final, Literal, Protocol, TypedDict, Unpack, cast
 
 from convo.budget import Budget, OversizePolicy
@@ -133,6 +135,16 @@ class Retriever(Protocol):
     ) -> None: ...
 
     def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]: ...
+
+
+def _takes_today(retriever: Retriever) -> bool:
+    """Whether ``retriever.retrieve`` takes ``today`` (:class:`convo.RetrievalMemory` does;
+    a retriever written to the :class:`Retriever` protocol need not)."""
+    try:
+        params = inspect.signature(retriever.retrieve).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "today" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -355,6 +367,14 @@ class Session:
         lock_timeout_s: seconds a turn waits for another holder of the session's store
             lock (another thread or process) before :class:`~convo.errors.SessionBusy`.
             Default 60.
+        clock: dates new turns. Called when a turn starts without an explicit date
+            (:meth:`add`'s ``date``); a ``datetime`` is kept to the minute
+            (``"2026-12-01T09:30"``), a ``date`` as ``"2026-12-01"``, a string as it is.
+            The retriever indexes turns with their dates (memory shows one label per day,
+            and a question that names days favours theirs), and a question is asked on
+            its turn's date, so "yesterday" or "last week" count from it. E.g.
+            ``clock=datetime.now``. Default ``None``: turns are dated only by ``add(...,
+            date=...)``.
 
     Raises:
         ConfigError: a bad ``session_id``, or a budget the engine's context window cannot
@@ -385,6 +405,7 @@ class Session:
         summaries: SummaryWorker | None = None,
         summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO,
         lock_timeout_s: float = 60.0,
+        clock: Callable[[], date | datetime | str] | None = None,
     ) -> None:
         if engine is None and counter is None:
             raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
@@ -408,6 +429,9 @@ class Session:
             check_text(system_prompt, "system_prompt")
         if not lock_timeout_s > 0:
             raise ConfigError(f"lock_timeout_s must be > 0, got {lock_timeout_s!r}")
+        if clock is not None and not callable(clock):
+            raise ConfigError(f"clock must be a callable returning a date, got {type(clock).__name__}")
+        self.clock = clock
         self.lock_timeout_s = lock_timeout_s
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
@@ -641,7 +665,9 @@ class Session:
         else:
             self._pending_tool_ids = set()
 
-    def _commit(self, messages: Sequence[Message]) -> None:
+    def _commit(self, messages: Sequence[Message], *, dated: str | None = None) -> None:
+        """Check, store and index ``messages``; date the turns they start (``dated``, or
+        the clock's)."""
         pending = set(self._pending_tool_ids)
         for m in messages:
             self._check(m, pending)
@@ -652,8 +678,24 @@ class Session:
             elif not m.pinned:
                 pending = set()
         self._write(messages)
+        started = len(self._turn_starts)
         for m in messages:
             self._index(m)
+        stamp = dated if dated is not None else self._clock_date()
+        if stamp is not None:
+            for turn in range(started, len(self._turn_starts)):
+                self._dates.setdefault(turn, stamp)
+
+    def _clock_date(self) -> str | None:
+        """The clock's reading as a turn date (see ``clock``), or ``None`` without one."""
+        if self.clock is None:
+            return None
+        now = self.clock()
+        if isinstance(now, datetime):
+            return now.isoformat(timespec="minutes")
+        if isinstance(now, date):
+            return now.isoformat()
+        return str(now)
 
     def _write(self, messages: Sequence[Message] = ()) -> None:
         """Store the state (and append ``messages``) after picking up a background summary
@@ -680,7 +722,7 @@ class Session:
         """
         message = Message.from_openai(message)
         with self._held_turn():
-            self._commit([message])
+            self._commit([message], dated=date)
             if date is not None and self._turn_starts:
                 self._dates.setdefault(len(self._turn_starts) - 1, date)
             if not message.pinned:
@@ -1060,7 +1102,9 @@ class Session:
         if start < self.evicted_turns and budget.window_turns < len(turns):
             # The summary is late: the turns it does not cover yet stay candidates.
             budget = replace(budget, window_turns=len(turns))
-        last_user = next((m.content for t in reversed(turns) for m in t.messages if m.role is Role.USER), "")
+        asker, last_user = next(
+            ((t, m.content) for t in reversed(turns) for m in t.messages if m.role is Role.USER), (None, "")
+        )
         passages: list[Passage] = []
         min_score = float("-inf")
         if (
@@ -1069,7 +1113,13 @@ class Session:
             and budget.retrieval_top_k > 0
             and last_user
         ):
-            passages = self.retriever.retrieve(last_user, session_id=self.id, top_k=budget.retrieval_top_k)
+            asked_on = self._dates.get(asker.index) if asker is not None else None
+            if asked_on is None and query is not None:
+                asked_on = self._clock_date()  # a hypothetical question is asked now
+            extra = {"today": asked_on} if asked_on is not None and _takes_today(self.retriever) else {}
+            passages = self.retriever.retrieve(
+                last_user, session_id=self.id, top_k=budget.retrieval_top_k, **extra
+            )
             min_score = getattr(self.retriever, "min_score", min_score)
         return plan_checked(
             budget=budget,

@@ -89,3 +89,29 @@ def test_ambiguous_month_words_need_context() -> None:
     assert spans("We met in early March 2023.") == [("2023-03-01", "2023-03-10")]
     assert spans("Any plans for jun?") == []
     assert spans("What did he cook in jun 2023?") == [("2023-06-01", "2023-06-30")]
+
+
+def test_relative_phrases_count_from_today() -> None:
+    today = date(2026, 12, 1)  # a Tuesday
+
+    def rel(query: str) -> list[tuple[str, str]]:
+        return [(s.first.isoformat(), s.last.isoformat()) for s in time_spans(query, (2026,), today=today)]
+
+    assert rel("What did I say yesterday?") == [("2026-11-30", "2026-11-30")]
+    assert rel("and the day before yesterday?") == [("2026-11-29", "2026-11-29")]
+    assert rel("What did we decide today?") == [("2026-12-01", "2026-12-01")]
+    assert rel("three days ago") == [("2026-11-28", "2026-11-28")]
+    assert rel("two weeks ago") == [("2026-11-14", "2026-11-20")]  # that week, give or take
+    assert rel("a couple of months ago") == [("2026-10-01", "2026-10-31")]
+    assert rel("What did we discuss last week?") == [("2026-11-23", "2026-11-29")]  # Monday to Sunday
+    assert rel("this week") == [("2026-11-30", "2026-12-01")]
+    assert rel("last month") == [("2026-11-01", "2026-11-30")]
+    assert rel("last year") == [("2025-01-01", "2025-12-31")]
+    assert rel("the past week") == [("2026-11-24", "2026-12-01")]
+    assert rel("last weekend") == [("2026-11-28", "2026-11-29")]
+    assert rel("last Friday") == [("2026-11-27", "2026-11-27")]
+    assert rel("on Tuesday") == [("2026-11-24", "2026-11-24")]  # the latest one before today
+    (since,) = time_spans("since last week", today=today)
+    assert since == DaySpan(date(2026, 11, 23), date.max)
+    assert rel("in June 2025 and yesterday") == [("2025-06-01", "2025-06-30"), ("2026-11-30", "2026-11-30")]
+    assert time_spans("What did I say yesterday?") == []  # no today: not read

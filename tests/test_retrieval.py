@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import date, datetime
 from pathlib import Path
 
 import numpy as np
@@ -322,6 +323,21 @@ def test_time_aware_scoring_adds_a_named_days_messages_as_candidates() -> None:
     assert hits[0].key in cake
     undated = memory.retrieve("What did Ann do for Bob?", session_id="s", top_k=2)
     assert undated[0].key not in cake
+
+
+def test_relative_time_counts_from_the_day_the_question_is_asked() -> None:
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    pairs = [("We went hiking by the lake.", "Sounds fun."), ("We went hiking by the lake.", "Again!")]
+    memory.remember_turns(
+        "s", turns_of([*pairs, *FILLER]), dates={0: "2026-11-02T10:00", 1: "2026-11-30T18:30"}
+    )
+    q = "Where did we go hiking yesterday?"
+    assert memory.retrieve(q, session_id="s", top_k=3, today="2026-12-01")[0].key == turn_key(1, 0)
+    assert memory.retrieve(q, session_id="s", top_k=3, today=date(2026, 11, 3))[0].key == turn_key(0, 0)
+    last_week = memory.retrieve("hiking last week?", session_id="s", top_k=3, today=datetime(2026, 11, 10, 9))
+    assert last_week[0].key == turn_key(0, 0)
+    undated = memory.retrieve(q, session_id="s", top_k=3)  # no today: "yesterday" is just a word
+    assert undated[0].score < memory.retrieve(q, session_id="s", top_k=3, today="2026-12-01")[0].score
 
 
 def test_second_hop_seeds_come_from_different_days() -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from datetime import date, datetime
 
 import pytest
 from conftest import FakeEngine
 
 from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
-from convo.errors import DeviceOutOfMemory, MessageError
+from convo.errors import ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import assistant, tool
 from convo.plan import Passage, Turn, turn_key
 from convo.summarize import ModelSummarizer
@@ -260,3 +261,77 @@ def test_turn_keywords_are_checked_before_anything_is_stored() -> None:
     assert session.send("hello there", stop=[" there"]).text == "heard 1: hello"
     reply = asyncio.run(session.asend("hi again", stop=[" again"]))
     assert reply.text == "heard 3: hi"
+
+
+class DatedRetriever(FakeRetriever):
+    """A retriever that takes ``today`` and records the dates it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dates: dict[int, str] = {}
+        self.asked_on: list[object] = []
+
+    def remember_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> None:
+        super().remember_turns(session_id, turns, dates=dates)
+        self.dates.update(dates or {})
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int, today: object = None) -> list[Passage]:
+        self.asked_on.append(today)
+        return super().retrieve(query, session_id=session_id, top_k=top_k)
+
+
+def test_a_clock_dates_each_turn_and_the_question(fake_engine: FakeEngine) -> None:
+    now = [datetime(2026, 11, 30, 9, 0, 41)]
+    retriever = DatedRetriever()
+    budget = Budget(window_turns=1, summary_tokens=0)
+    session = Session(fake_engine, budget=budget, retriever=retriever, clock=lambda: now[0])
+    session.send("the secret code is 4711")
+    now[0] = datetime(2026, 12, 1, 10, 5)
+    session.add(Message(role=Role.USER, content="imported note"), date="8 May 2023")  # explicit wins
+    session.add(assistant("ok"))
+    session.send("what was the code yesterday?")
+    assert retriever.dates == {0: "2026-11-30T09:00", 1: "8 May 2023"}
+    assert retriever.asked_on[-1] == "2026-12-01T10:05"  # the asking turn's own date
+    session.plan("and now?")
+    assert retriever.asked_on[-1] == "2026-12-01T10:05"  # a hypothetical question is asked now
+    # A date or a string from the clock; a retriever without ``today`` is not given one.
+    plain = FakeRetriever()
+    other = Session(fake_engine, budget=budget, retriever=plain, clock=lambda: date(2026, 12, 1))
+    for text in ("the secret is here", "small talk", "what was the secret?"):
+        other.send(text)  # the retriever is asked without ``today`` (it would raise TypeError)
+    assert [t.index for t in plain.turns[other.id]] == [0, 1]
+    assert other._dates == {0: "2026-12-01", 1: "2026-12-01", 2: "2026-12-01"}
+    with pytest.raises(ConfigError):
+        Session(fake_engine, clock="today")  # type: ignore[arg-type]
+
+
+def test_yesterday_finds_yesterdays_turn_through_retrieval_memory() -> None:
+    from test_retrieval import HashEncoder
+
+    from convo.retrieval import RetrievalConfig, RetrievalMemory
+
+    def first_passage(time_weight: float) -> str:
+        now = [date(2026, 11, 20)]
+        session = Session(
+            counter=CharCounter(),
+            retriever=RetrievalMemory(
+                HashEncoder(), config=RetrievalConfig(min_score=0.0, time_weight=time_weight)
+            ),
+            budget=Budget(context_tokens=4096, window_turns=1, summary_tokens=0, retrieval_top_k=1),
+            clock=lambda: now[0],
+        )
+        for day, place in ((20, "lake"), (27, "mill"), (30, "ridge")):
+            now[0] = date(2026, 11, day)
+            session.add(Message(role=Role.USER, content=f"We hiked to the {place} today."))
+            session.add(assistant("Sounds lovely."))
+        now[0] = date(2026, 12, 1)
+        for i in range(2):  # the window moves on
+            session.add(Message(role=Role.USER, content=f"Small talk {i}."))
+            session.add(assistant("Sure."))
+        (passage,) = session.plan("Where did we hike yesterday?").passages_used  # asked on 1 December
+        return passage.text
+
+    assert first_passage(0.25) == "user: We hiked to the ridge today."
+    assert first_passage(0.0) != "user: We hiked to the ridge today."  # the words alone do not say

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--memory",
         action="store_true",
-        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline)",
+        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline); "
+        "turns are dated with the local clock, so 'yesterday' or 'last week' find theirs",
     )
     chat.add_argument("--system", default=None, help="system prompt of a new session")
     chat.add_argument("--session", default=None, help="resume (or create) the session with this id")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,7 @@ def _build_session(args: argparse.Namespace) -> Any:
         system_prompt=args.system,
         timeout_s=args.timeout,
         retriever=retriever,
+        clock=datetime.now if args.memory else None,  # "what did I say yesterday?"
     )
 
 

@@ -372,9 +372,10 @@ class Session:
             (``"2026-12-01T09:30"``), a ``date`` as ``"2026-12-01"``, a string as it is.
             The retriever indexes turns with their dates (memory shows one label per day,
             and a question that names days favours theirs), and a question is asked on
-            its turn's date, so "yesterday" or "last week" count from it. E.g.
-            ``clock=datetime.now``. Default ``None``: turns are dated only by ``add(...,
-            date=...)``.
+            its turn's date, so "yesterday" or "last week" count from it. Turns read from
+            the store (a resumed session) are dated by their first message's
+            ``created_at``. E.g. ``clock=datetime.now``. Default ``None``: turns are
+            dated only by ``add(..., date=...)``.
 
     Raises:
         ConfigError: a bad ``session_id``, or a budget the engine's context window cannot
@@ -460,6 +461,7 @@ class Session:
                 self._state = state
                 for m in messages:
                     self._index(m)
+                self._date_stored_turns()
                 if budget is not None and stored != budget.to_dict():
                     self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
                     self._write()
@@ -521,7 +523,18 @@ class Session:
         self._pending_tool_ids = set()
         for m in messages:
             self._index(m)
+        self._date_stored_turns()
         self._indexed_turns = min(self._indexed_turns, max(0, self.turn_count - 1))
+
+    def _date_stored_turns(self) -> None:
+        """With a clock, date the turns read from the store (a resumed session, or turns
+        another process added) by when their first message was created
+        (``Message.created_at``, local time); a date already known is kept."""
+        if self.clock is None:
+            return
+        for turn, start in enumerate(self._turn_starts):
+            created = datetime.fromtimestamp(self._log[start].created_at)
+            self._dates.setdefault(turn, created.isoformat(timespec="minutes"))
 
     # -- state -------------------------------------------------------------------------------
     @property

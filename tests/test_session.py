@@ -335,3 +335,15 @@ def test_yesterday_finds_yesterdays_turn_through_retrieval_memory() -> None:
 
     assert first_passage(0.25) == "user: We hiked to the ridge today."
     assert first_passage(0.0) != "user: We hiked to the ridge today."  # the words alone do not say
+
+
+def test_a_resumed_session_dates_its_stored_turns_by_when_they_were_written(fake_engine: FakeEngine) -> None:
+    from convo.store import MemoryStore
+
+    store = MemoryStore()
+    first = Session(fake_engine, store=store, session_id="s", clock=lambda: "2026-11-30")
+    first.add(Message(role=Role.USER, content="hello", created_at=datetime(2026, 11, 30, 8, 15).timestamp()))
+    first.add(assistant("hi"))
+    resumed = Session(fake_engine, store=store, session_id="s", clock=datetime.now)
+    assert resumed._dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
+    assert Session(fake_engine, store=store, session_id="s")._dates == {}  # no clock, no dates

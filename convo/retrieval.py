@@ -593,10 +593,12 @@ class RetrievalConfig:
             ``"between August 11 and August 15 2023"``, ``"as of December 2023"``: see
             :func:`convo.dates.time_spans`), a message of a turn dated inside them gains
             ``time_weight``, one dated within ``time_grace_days`` of them a share
-            falling linearly to 0. Turns are dated by ``Session.add(..., date=...)``
+            falling linearly to 0. Relative phrases ("yesterday", "last week") count
+            when :meth:`RetrievalMemory.retrieve` is told ``today``. Turns are dated by
+            ``Session.add(..., date=...)`` or ``Session(clock=...)``
             (:func:`convo.dates.parse_day` reads the common forms); undated turns and
-            queries without a calendar expression are scored as before. Default 0.25; 0
-            turns it off.
+            queries that name no time are scored as before. Default 0.25; 0 turns it
+            off.
         time_grace_days: days around the named ones over which the time gain fades out
             (a turn often tells of the week before). Default 14.
         time_candidates: when the named days hold at most this many messages, all of

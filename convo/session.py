@@ -373,9 +373,9 @@ class Session:
             The retriever indexes turns with their dates (memory shows one label per day,
             and a question that names days favours theirs), and a question is asked on
             its turn's date, so "yesterday" or "last week" count from it. Turns read from
-            the store (a resumed session) are dated by their first message's
-            ``created_at``. E.g. ``clock=datetime.now``. Default ``None``: turns are
-            dated only by ``add(..., date=...)``.
+            the store (a resumed session) or imported by :meth:`extend` are dated by
+            their first message's ``created_at``. E.g. ``clock=datetime.now``. Default
+            ``None``: turns are dated only by ``add(..., date=...)``.
 
     Raises:
         ConfigError: a bad ``session_id``, or a budget the engine's context window cannot
@@ -527,9 +527,9 @@ class Session:
         self._indexed_turns = min(self._indexed_turns, max(0, self.turn_count - 1))
 
     def _date_stored_turns(self) -> None:
-        """With a clock, date the turns read from the store (a resumed session, or turns
-        another process added) by when their first message was created
-        (``Message.created_at``, local time); a date already known is kept."""
+        """With a clock, date the turns read from the store (a resumed session, turns
+        another process added) or imported (:meth:`extend`) by when their first message
+        was created (``Message.created_at``, local time); a date already known is kept."""
         if self.clock is None:
             return
         for turn, start in enumerate(self._turn_starts):
@@ -678,9 +678,12 @@ class Session:
         else:
             self._pending_tool_ids = set()
 
-    def _commit(self, messages: Sequence[Message], *, dated: str | None = None) -> None:
-        """Check, store and index ``messages``; date the turns they start (``dated``, or
-        the clock's)."""
+    def _commit(
+        self, messages: Sequence[Message], *, dated: str | None = None, imported: bool = False
+    ) -> None:
+        """Check, store and index ``messages``; date the turns they start: ``dated``, or
+        with a clock its reading (``imported``: each turn's first message's
+        ``created_at``, for earlier turns a client hands over)."""
         pending = set(self._pending_tool_ids)
         for m in messages:
             self._check(m, pending)
@@ -694,6 +697,9 @@ class Session:
         started = len(self._turn_starts)
         for m in messages:
             self._index(m)
+        if imported and dated is None:
+            self._date_stored_turns()
+            return
         stamp = dated if dated is not None else self._clock_date()
         if stamp is not None:
             for turn in range(started, len(self._turn_starts)):
@@ -757,7 +763,9 @@ class Session:
         if not msgs:
             return
         with self._held_turn():
-            self._commit(msgs)  # each checked against the history as it will stand before it
+            # Each checked against the history as it will stand before it; dated by when
+            # they were written (``created_at``), not by the clock.
+            self._commit(msgs, imported=True)
             self._advance_window()
 
     def pin(self, text: str, *, role: Role = Role.SYSTEM) -> None:

@@ -347,3 +347,11 @@ def test_a_resumed_session_dates_its_stored_turns_by_when_they_were_written(fake
     resumed = Session(fake_engine, store=store, session_id="s", clock=datetime.now)
     assert resumed._dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
     assert Session(fake_engine, store=store, session_id="s")._dates == {}  # no clock, no dates
+
+
+def test_extended_history_is_dated_by_when_it_was_written(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, clock=lambda: date(2026, 12, 1))
+    old = datetime(2026, 10, 3, 7, 30).timestamp()
+    session.extend([{"role": "user", "content": "hi", "created_at": old}, assistant("yo")])
+    session.send("and now?")
+    assert session._dates == {0: "2026-10-03T07:30", 1: "2026-12-01"}

@@ -50,6 +50,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -94,6 +95,9 @@ DEFAULT_NPROBE = 16
 #: Document chunk size and overlap, in tokens of the collection's counter.
 DEFAULT_CHUNK_TOKENS = 200
 DEFAULT_OVERLAP_TOKENS = 40
+#: Nearest words each vocabulary word keeps for query expansion (at least
+#: ``RetrievalConfig.expand_terms``; the spare ones stand in for words grown too common).
+NEAR_KEPT = 8
 
 _FORMAT = 1
 
@@ -604,6 +608,16 @@ class RetrievalConfig:
         time_candidates: when the named days hold at most this many messages, all of
             them become candidates (a question "on 25 May, 2022" finds that day's
             messages even when no word matches). Default 120; 0 never adds any.
+        expand_terms: query expansion. Each word of the query that two or more of the
+            session's messages use brings up to ``expand_terms`` words of the session's
+            vocabulary whose embeddings (the same model, one word at a time) are nearest
+            to it, at cosine ``expand_min_cosine`` or more, into the second hop's word
+            search: "passionate" also finds "passion", "vacationed" "trip" and "travel",
+            "food" "meal". The vocabulary's vectors and nearest words are kept up to date
+            as turns are indexed, so a query only looks them up. Default 3; 0 turns it off.
+        expand_min_cosine: how near a word must be to expand a query word. Default 0.6.
+        expand_max_share: words used in more than this share of the session's messages
+            are too common to be added. Default 0.05.
 
     Raises:
         ConfigError: a value is out of range.
@@ -637,6 +651,9 @@ class RetrievalConfig:
     time_weight: float = 0.25
     time_grace_days: int = 14
     time_candidates: int = 120
+    expand_terms: int = 3
+    expand_min_cosine: float = 0.6
+    expand_max_share: float = 0.05
 
     def __post_init__(self) -> None:
         try:
@@ -660,7 +677,7 @@ class RetrievalConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("context_lines", "hop_terms", "expand_lines", "time_candidates"):
+        for name in ("context_lines", "hop_terms", "expand_lines", "time_candidates", "expand_terms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
@@ -678,6 +695,10 @@ class RetrievalConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.second_hop <= 1.0:
             raise ConfigError(f"second_hop must be in [0, 1], got {self.second_hop}")
+        if not -1.0 <= self.expand_min_cosine <= 1.0:
+            raise ConfigError(f"expand_min_cosine must be in [-1, 1], got {self.expand_min_cosine}")
+        if not 0.0 < self.expand_max_share <= 1.0:
+            raise ConfigError(f"expand_max_share must be in (0, 1], got {self.expand_max_share}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe settings."""
@@ -1294,6 +1315,118 @@ def _speaker_line(message: Message) -> str:
     return f"{name}: {content}"
 
 
+class _Vocabulary:
+    """A session's words that can expand a query, their vectors and nearest words.
+
+    Words are added as turns are indexed; each keeps its :data:`NEAR_KEPT` nearest words
+    (by cosine, best first), updated as new words arrive, so expanding a query costs a
+    lookup per query word. Saved with its session (``vocabulary.npz``, no pickle).
+    """
+
+    _CHUNK = 256  # new words compared with all others at a time (bounds the memory)
+
+    def __init__(self, dim: int) -> None:
+        self.terms: list[str] = []
+        self.index: dict[str, int] = {}
+        self.version = -1
+        self._vecs = np.zeros((0, dim), dtype=np.float32)
+        self._near = np.zeros((0, NEAR_KEPT), dtype=np.int64)  # word ids, -1: none
+        self._cos = np.zeros((0, NEAR_KEPT), dtype=np.float32)  # best first, -2: none
+
+    def __len__(self) -> int:
+        return len(self.terms)
+
+    def vectors(self) -> np.ndarray:
+        """The words' vectors, in :attr:`terms` order."""
+        return self._vecs[: len(self.terms)]
+
+    def nearest(self, word: str) -> list[tuple[str, float]]:
+        """``word``'s kept nearest words with their cosines, best first."""
+        i = self.index.get(word)
+        if i is None:
+            return []
+        return [(self.terms[j], float(c)) for j, c in zip(self._near[i], self._cos[i], strict=True) if j >= 0]
+
+    def _grow(self, size: int) -> None:
+        if size <= len(self._vecs):
+            return
+        cap = max(2 * len(self._vecs), size, 64)
+        n = len(self.terms)
+
+        def grown(a: np.ndarray, fill: float) -> np.ndarray:
+            out = np.full((cap, a.shape[1]), fill, dtype=a.dtype)
+            out[:n] = a[:n]
+            return out
+
+        self._vecs, self._near, self._cos = (
+            grown(self._vecs, 0.0),
+            grown(self._near, -1),
+            grown(self._cos, -2.0),
+        )
+
+    def add(self, words: Sequence[str], vectors: np.ndarray) -> None:
+        """Add ``words`` with their normalized vectors; update every word's nearest."""
+        for start in range(0, len(words), self._CHUNK):
+            self._add(words[start : start + self._CHUNK], vectors[start : start + self._CHUNK])
+
+    def _add(self, words: Sequence[str], vectors: np.ndarray) -> None:
+        n, m = len(self.terms), len(words)
+        if not m:
+            return
+        self._grow(n + m)
+        self._vecs[n : n + m] = vectors
+        for k, word in enumerate(words):
+            self.index[word] = n + k
+            self.terms.append(word)
+        sims = self._vecs[: n + m] @ self._vecs[n : n + m].T  # (all words, new words)
+        for k in range(m):
+            i = n + k
+            col = sims[:, k].copy()
+            col[i] = -2.0
+            # The new word's own nearest, among all words (the other new ones too) ...
+            top = np.arange(len(col))
+            if len(col) > NEAR_KEPT:
+                top = np.argpartition(-col, NEAR_KEPT)[:NEAR_KEPT]
+            top = top[np.argsort(-col[top], kind="stable")]
+            top = top[col[top] > -2.0]
+            self._near[i, : len(top)], self._cos[i, : len(top)] = top, col[top]
+            # ... and the earlier words it is now among the nearest of.
+            for j in np.flatnonzero(col[:n] > self._cos[:n, -1]).tolist():
+                pos = int(np.searchsorted(-self._cos[j], -col[j], side="right"))
+                self._near[j, pos + 1 :] = self._near[j, pos:-1].copy()
+                self._cos[j, pos + 1 :] = self._cos[j, pos:-1].copy()
+                self._near[j, pos], self._cos[j, pos] = i, col[j]
+
+    def save(self, path: Path) -> None:
+        n = len(self.terms)
+        buf = io.BytesIO()
+        np.savez(
+            buf,
+            terms=np.asarray(self.terms, dtype=str),
+            vectors=self.vectors(),
+            near=self._near[:n],
+            cosines=self._cos[:n],
+        )
+        _write_atomic(path, buf.getvalue())
+
+    @classmethod
+    def load(cls, path: Path, dim: int) -> _Vocabulary | None:
+        """The vocabulary saved at ``path``, or ``None`` when there is none that fits."""
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            terms, vecs, near, cos = data["terms"].tolist(), data["vectors"], data["near"], data["cosines"]
+        n = len(terms)
+        if vecs.shape != (n, dim) or near.shape != (n, NEAR_KEPT) or cos.shape != (n, NEAR_KEPT):
+            return None
+        out = cls(dim)
+        out._grow(n)
+        out.terms = [str(t) for t in terms]
+        out.index = {t: i for i, t in enumerate(out.terms)}
+        out._vecs[:n], out._near[:n], out._cos[:n] = vecs, near, cos
+        return out
+
+
 class RetrievalMemory:
     """Per-session turn memory plus shared document collections, for a Session.
 
@@ -1337,6 +1470,10 @@ class RetrievalMemory:
         self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
         self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
         self._day_cache: dict[int, tuple[int, tuple[np.ndarray, tuple[int, ...]]]] = {}
+        self._vocab: dict[int, _Vocabulary] = {}
+        #: Word vectors, shared by every session's vocabulary (a word's vector does not
+        #: depend on who said it).
+        self._word_vectors: dict[str, np.ndarray] = {}
 
     # -- the two calls a Session makes -----------------------------------------------------
     def remember_turns(
@@ -1382,6 +1519,8 @@ class RetrievalMemory:
             )
             items.append((rec, dense, dense))
         store.add(items)
+        if self.config.expand_terms > 0 and items:
+            self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])
 
     def retrieve(
         self, query: str, *, session_id: str, top_k: int, today: date | str | None = None
@@ -1441,8 +1580,18 @@ class RetrievalMemory:
 
     def forget_session(self, session_id: str) -> None:
         """Drop every turn of ``session_id`` (shared collections are kept)."""
-        self._sessions.pop(session_id, None)
+        store = self._sessions.pop(session_id, None)
         self._attached.pop(session_id, None)
+        if store is not None:  # a new store may get the old one's id: drop what was derived
+            for cache in (
+                self._vocab,
+                self._episode_cache,
+                self._speaker_cache,
+                self._size_cache,
+                self._order_cache,
+                self._day_cache,
+            ):
+                cache.pop(id(store), None)
 
     def forget_turns(self, session_id: str, indices: Iterable[int]) -> int:
         """Drop some turns of a session. Returns how many were indexed."""
@@ -1503,6 +1652,8 @@ class RetrievalMemory:
             extra = store.lexical.rare_terms(
                 (store.unit_lex[u] for u in seeds), cfg.hop_terms, exclude=terms(query)
             )
+            if cfg.expand_terms > 0:
+                extra += [t for t in self._expansion(store, query) if t not in extra]
             # The new words may find new units; the new vector only re-scores the units
             # found so far (a second full vector search would double the search time).
             lexical2 = dict(store.lexical.search(query, k, extra)) if cfg.fusion is not Fusion.DENSE else {}
@@ -1638,6 +1789,46 @@ class RetrievalMemory:
         speaker = self._speakers(store)
         score = {u: sc + (boost if named and speaker.get(u) in named else 0.0) for u, sc in fused.items()}
         return sorted(score, key=lambda u: (-score[u], u))
+
+    def _vocabulary(self, store: _Store, new_terms: Iterable[str] | None = None) -> _Vocabulary:
+        """The store's expansion vocabulary: words two or more of its messages use. Built
+        on first use from every indexed word, then extended by :meth:`remember_turns`
+        with the words it indexed (``new_terms``). Words of forgotten turns stay (the
+        expansion skips words no message uses any more)."""
+        vocab = self._vocab.get(id(store))
+        if vocab is None:
+            vocab = self._vocab[id(store)] = _Vocabulary(self.embedder.dim)
+            new_terms = list(store.lexical._postings)
+        postings = store.lexical._postings
+        fresh = [
+            t
+            for t in dict.fromkeys(new_terms or ())
+            if t not in vocab.index and not t.isdigit() and len(postings.get(t, ())) >= 2
+        ]
+        missing = [t for t in fresh if t not in self._word_vectors]
+        if missing:
+            self._word_vectors.update(zip(missing, self.embedder.encode(missing), strict=True))
+        if fresh:
+            vocab.add(fresh, np.stack([self._word_vectors[t] for t in fresh]))
+        return vocab
+
+    def _expansion(self, store: _Store, query: str) -> list[str]:
+        """Words of the session's vocabulary nearest to the query's (see ``expand_terms``)."""
+        cfg = self.config
+        vocab = self._vocabulary(store)
+        postings = store.lexical._postings
+        cap = max(2, int(cfg.expand_max_share * len(store.lexical)))
+        out: list[str] = []
+        for word in dict.fromkeys(terms(query)):
+            taken = 0
+            for near, cosine in vocab.nearest(word):
+                if taken >= cfg.expand_terms or cosine < cfg.expand_min_cosine:
+                    break
+                if 0 < len(postings.get(near, ())) <= cap:
+                    taken += 1
+                    if near not in out:
+                        out.append(near)
+        return out
 
     def _hop_seeds(self, store: _Store, fused: Mapping[int, float], ranking: Sequence[int]) -> list[int]:
         """The first hits the second query is built from: the best ones, not the
@@ -1792,6 +1983,9 @@ class RetrievalMemory:
         for sid, store in self._sessions.items():
             sub = "s-" + hashlib.sha1(sid.encode("utf-8")).hexdigest()[:16]
             store.save(folder / "sessions" / sub)
+            vocab = self._vocab.get(id(store))
+            if vocab is not None:
+                vocab.save(folder / "sessions" / sub / "vocabulary.npz")
             sessions[sid] = sub
         collections = {}
         for coll in self._shared:
@@ -1828,9 +2022,13 @@ class RetrievalMemory:
         out = cls(embedder, config=RetrievalConfig(**meta["config"]), exact_max=int(meta["exact_max"]))
         out.min_score = float(meta["min_score"])
         for sid, sub in meta["sessions"].items():
-            out._sessions[sid] = _Store.load(
+            store = out._sessions[sid] = _Store.load(
                 folder / "sessions" / sub, out.embedder, exact_max=out.exact_max, nprobe=DEFAULT_NPROBE
             )
+            vocab = _Vocabulary.load(folder / "sessions" / sub / "vocabulary.npz", out.embedder.dim)
+            if vocab is not None:  # else rebuilt on first use
+                out._vocab[id(store)] = vocab
+                out._word_vectors.update(zip(vocab.terms, vocab.vectors(), strict=True))
         for sub in meta["collections"].values():
             out._shared.append(
                 DocumentCollection.load(folder / "collections" / sub, embedder=out.embedder, counter=counter)

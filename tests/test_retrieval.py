@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import date, datetime
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -338,6 +339,69 @@ def test_relative_time_counts_from_the_day_the_question_is_asked() -> None:
     assert last_week[0].key == turn_key(0, 0)
     undated = memory.retrieve(q, session_id="s", top_k=3)  # no today: "yesterday" is just a word
     assert undated[0].score < memory.retrieve(q, session_id="s", top_k=3, today="2026-12-01")[0].score
+
+
+def test_vocabulary_keeps_each_words_nearest_as_words_arrive() -> None:
+    from convo.retrieval import NEAR_KEPT, _Vocabulary
+
+    words = [f"w{i}" for i in range(40)]
+    vecs = unit_vectors(40, 16, seed=3)
+    step = _Vocabulary(16)
+    for start in (0, 5, 6, 23):  # added in uneven batches
+        end = {0: 5, 5: 6, 6: 23, 23: 40}[start]
+        step.add(words[start:end], vecs[start:end])
+    whole = _Vocabulary(16)
+    whole._CHUNK = 7  # chunked comparison gives the same lists
+    whole.add(words, vecs)
+    sims = vecs @ vecs.T
+    np.fill_diagonal(sims, -2.0)
+    for i, word in enumerate(words):
+        expected = [words[j] for j in np.argsort(-sims[i], kind="stable")[:NEAR_KEPT]]
+        assert [w for w, _ in step.nearest(word)] == expected
+        assert [w for w, _ in whole.nearest(word)] == expected
+        assert [c for _, c in step.nearest(word)] == pytest.approx(sorted(sims[i], reverse=True)[:NEAR_KEPT])
+
+
+class WordEncoder(HashEncoder):
+    """HashEncoder, but a single word of a family has the family's vector: a stand-in for
+    an embedding model that puts "passion" next to "passionate" (sentences are hashed
+    as they are, so only the query expansion can join the two)."""
+
+    FAMILIES: ClassVar[dict[str, str]] = {"passionate": "passion"}
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        return super().encode([self.FAMILIES.get(t, t) for t in texts])
+
+
+def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> None:
+    pairs = [
+        ("I have a real passion for the animal shelter.", "That is lovely."),
+        ("My passion is the shelter, every weekend.", "Good for you."),
+        ("Such a passionate match last night!", "Passionate fans too."),
+        *FILLER,
+        *[(f"Lunch was fine, day {i}.", "Nice.") for i in range(100)],  # "passion" is not common
+    ]
+    memory = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns("s", turns_of(pairs))
+    store = memory._sessions["s"]
+    assert "passion" in memory._expansion(store, "What is Ann passionate about?")
+    off = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0, expand_terms=0))
+    off.remember_turns("s", turns_of(pairs))
+
+    def rank(mem: RetrievalMemory) -> int:
+        hits = mem.retrieve("What is she so passionate about?", session_id="s", top_k=20)
+        return next(i for i, p in enumerate(hits) if "shelter" in p.text)
+
+    assert rank(memory) < rank(off)
+    # Saved and loaded with the session; extended by later turns.
+    memory.save(tmp_path / "m")
+    again = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
+    vocab = again._vocab[id(again._sessions["s"])]
+    assert vocab.terms == memory._vocab[id(store)].terms
+    again.remember_turns("s", turns_of([("Passionate people again.", "Passionate!")], start=len(pairs)))
+    assert "passionate" in again._vocab[id(again._sessions["s"])].index
+    again.forget_session("s")
+    assert again._vocab == {}
 
 
 def test_second_hop_seeds_come_from_different_days() -> None:

@@ -380,10 +380,11 @@ _GROUPED: dict[str, Any] = {
     "content_weight": 0.0,
     "neighbour_weight": 0.0,
     "time_weight": 0.0,
+    "expand_terms": 0,
 }
 #: The parts added in the fifth round (issue 15): time-aware scoring, second-hop seeds
-#: from different days.
-_FIFTH: dict[str, Any] = {"time_weight": 0.0, "hop_distinct_days": False}
+#: from different days, query expansion.
+_FIFTH: dict[str, Any] = {"time_weight": 0.0, "hop_distinct_days": False, "expand_terms": 0}
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     # The first default: whole turns, one passage each.
     "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
@@ -395,6 +396,7 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
         "content_weight": 0.0,
         "neighbour_weight": 0.0,
         "time_weight": 0.0,
+        "expand_terms": 0,
     },
     # The default two rounds ago (second hop 0.3, episode 0.1, no content prior, no
     # neighbour share).
@@ -416,6 +418,7 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "mmr": {"mmr_lambda": 0.1},
     "no-time": {"time_weight": 0.0},
     "same-day-seeds": {"hop_distinct_days": False},
+    "no-expansion": {"expand_terms": 0},
 }
 
 

@@ -56,6 +56,7 @@ import math
 import os
 import re
 import tempfile
+import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1328,13 +1329,9 @@ class _Vocabulary:
     def __init__(self, dim: int) -> None:
         self.terms: list[str] = []
         self.index: dict[str, int] = {}
-        self.version = -1
         self._vecs = np.zeros((0, dim), dtype=np.float32)
         self._near = np.zeros((0, NEAR_KEPT), dtype=np.int64)  # word ids, -1: none
         self._cos = np.zeros((0, NEAR_KEPT), dtype=np.float32)  # best first, -2: none
-
-    def __len__(self) -> int:
-        return len(self.terms)
 
     def vectors(self) -> np.ndarray:
         """The words' vectors, in :attr:`terms` order."""
@@ -1411,17 +1408,22 @@ class _Vocabulary:
 
     @classmethod
     def load(cls, path: Path, dim: int) -> _Vocabulary | None:
-        """The vocabulary saved at ``path``, or ``None`` when there is none that fits."""
+        """The vocabulary saved at ``path``, or ``None`` when there is none that fits (it
+        is then rebuilt from the session's words on first use)."""
         if not path.exists():
             return None
-        with np.load(path, allow_pickle=False) as data:
-            terms, vecs, near, cos = data["terms"].tolist(), data["vectors"], data["near"], data["cosines"]
-        n = len(terms)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                words = data["terms"].tolist()
+                vecs, near, cos = data["vectors"], data["near"], data["cosines"]
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return None
+        n = len(words)
         if vecs.shape != (n, dim) or near.shape != (n, NEAR_KEPT) or cos.shape != (n, NEAR_KEPT):
             return None
         out = cls(dim)
         out._grow(n)
-        out.terms = [str(t) for t in terms]
+        out.terms = [str(t) for t in words]
         out.index = {t: i for i, t in enumerate(out.terms)}
         out._vecs[:n], out._near[:n], out._cos[:n] = vecs, near, cos
         return out

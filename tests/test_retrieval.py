@@ -402,6 +402,12 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
     assert "passionate" in again._vocab[id(again._sessions["s"])].index
     again.forget_session("s")
     assert again._vocab == {}
+    # A damaged vocabulary file is rebuilt from the session's words, not an error.
+    saved = next((tmp_path / "m" / "sessions").iterdir()) / "vocabulary.npz"
+    saved.write_bytes(b"not a zip")
+    rebuilt = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
+    assert rebuilt._vocab == {}
+    assert "passion" in rebuilt._expansion(rebuilt._sessions["s"], "What is Ann passionate about?")
 
 
 def test_second_hop_seeds_come_from_different_days() -> None:

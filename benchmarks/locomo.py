@@ -390,14 +390,7 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
     "grouped": _GROUPED,
     # ... plus the speaker named in the question.
-    "speaker": {
-        "second_hop": 0.0,
-        "episode_weight": 0.0,
-        "content_weight": 0.0,
-        "neighbour_weight": 0.0,
-        "time_weight": 0.0,
-        "expand_terms": 0,
-    },
+    "speaker": {k: v for k, v in _GROUPED.items() if k not in ("speaker_boost", "strip_names")},
     # The default two rounds ago (second hop 0.3, episode 0.1, no content prior, no
     # neighbour share).
     "previous": {
@@ -407,7 +400,8 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
         "neighbour_weight": 0.0,
         **_FIFTH,
     },
-    # The default of the fourth round: no time-aware scoring, seeds from any day.
+    # The default of the fourth round: no time-aware scoring, seeds from any day, no
+    # query expansion.
     "fourth": _FIFTH,
     # The default without one of its parts, or with one more.
     "no-hop": {"second_hop": 0.0},

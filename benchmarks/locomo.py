@@ -381,10 +381,16 @@ _GROUPED: dict[str, Any] = {
     "neighbour_weight": 0.0,
     "time_weight": 0.0,
     "expand_terms": 0,
+    "expand_query_words": 0,
 }
 #: The parts added in the fifth round (issue 15): time-aware scoring, second-hop seeds
 #: from different days, query expansion.
-_FIFTH: dict[str, Any] = {"time_weight": 0.0, "hop_distinct_days": False, "expand_terms": 0}
+_FIFTH: dict[str, Any] = {
+    "time_weight": 0.0,
+    "hop_distinct_days": False,
+    "expand_terms": 0,
+    "expand_query_words": 0,
+}
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     # The first default: whole turns, one passage each.
     "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
@@ -412,7 +418,8 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "mmr": {"mmr_lambda": 0.1},
     "no-time": {"time_weight": 0.0},
     "same-day-seeds": {"hop_distinct_days": False},
-    "no-expansion": {"expand_terms": 0},
+    "no-expansion": {"expand_terms": 0, "expand_query_words": 0},
+    "no-query-words": {"expand_query_words": 0},
 }
 
 

@@ -619,6 +619,12 @@ class RetrievalConfig:
         expand_min_cosine: how near a word must be to expand a query word. Default 0.6.
         expand_max_share: words used in more than this share of the session's messages
             are too common to be added. Default 0.05.
+        expand_query_words: also up to this many words of the session's vocabulary
+            nearest to the whole query's vector (at cosine ``expand_query_min_cosine``
+            or more) join the second hop's word search: "What instruments does she
+            play?" brings "music", "piano", "violin"; "What does she do to destress?"
+            "therapy" and "comfort". Default 4; 0 turns it off.
+        expand_query_min_cosine: how near a word must be to the query. Default 0.4.
 
     Raises:
         ConfigError: a value is out of range.
@@ -655,6 +661,8 @@ class RetrievalConfig:
     expand_terms: int = 3
     expand_min_cosine: float = 0.6
     expand_max_share: float = 0.05
+    expand_query_words: int = 4
+    expand_query_min_cosine: float = 0.4
 
     def __post_init__(self) -> None:
         try:
@@ -678,7 +686,14 @@ class RetrievalConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("context_lines", "hop_terms", "expand_lines", "time_candidates", "expand_terms"):
+        for name in (
+            "context_lines",
+            "hop_terms",
+            "expand_lines",
+            "time_candidates",
+            "expand_terms",
+            "expand_query_words",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
@@ -696,8 +711,9 @@ class RetrievalConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.second_hop <= 1.0:
             raise ConfigError(f"second_hop must be in [0, 1], got {self.second_hop}")
-        if not -1.0 <= self.expand_min_cosine <= 1.0:
-            raise ConfigError(f"expand_min_cosine must be in [-1, 1], got {self.expand_min_cosine}")
+        for name in ("expand_min_cosine", "expand_query_min_cosine"):
+            if not -1.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [-1, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.expand_max_share <= 1.0:
             raise ConfigError(f"expand_max_share must be in (0, 1], got {self.expand_max_share}")
 
@@ -1654,8 +1670,8 @@ class RetrievalMemory:
             extra = store.lexical.rare_terms(
                 (store.unit_lex[u] for u in seeds), cfg.hop_terms, exclude=terms(query)
             )
-            if cfg.expand_terms > 0:
-                extra += [t for t in self._expansion(store, query) if t not in extra]
+            if cfg.expand_terms > 0 or cfg.expand_query_words > 0:
+                extra += [t for t in self._expansion(store, query, qvec) if t not in extra]
             # The new words may find new units; the new vector only re-scores the units
             # found so far (a second full vector search would double the search time).
             lexical2 = dict(store.lexical.search(query, k, extra)) if cfg.fusion is not Fusion.DENSE else {}
@@ -1814,22 +1830,42 @@ class RetrievalMemory:
             vocab.add(fresh, np.stack([self._word_vectors[t] for t in fresh]))
         return vocab
 
-    def _expansion(self, store: _Store, query: str) -> list[str]:
-        """Words of the session's vocabulary nearest to the query's (see ``expand_terms``)."""
+    def _expansion(self, store: _Store, query: str, qvec: np.ndarray | None = None) -> list[str]:
+        """Words of the session's vocabulary nearest to the query's words, then to the
+        query's vector ``qvec`` (see ``expand_terms`` and ``expand_query_words``)."""
         cfg = self.config
         vocab = self._vocabulary(store)
         postings = store.lexical._postings
         cap = max(2, int(cfg.expand_max_share * len(store.lexical)))
+
+        def usable(word: str) -> bool:  # still used, and not too common
+            return 0 < len(postings.get(word, ())) <= cap
+
+        asked = list(dict.fromkeys(terms(query)))
         out: list[str] = []
-        for word in dict.fromkeys(terms(query)):
+        for word in asked if cfg.expand_terms > 0 else ():
             taken = 0
             for near, cosine in vocab.nearest(word):
                 if taken >= cfg.expand_terms or cosine < cfg.expand_min_cosine:
                     break
-                if 0 < len(postings.get(near, ())) <= cap:
+                if usable(near):
                     taken += 1
                     if near not in out:
                         out.append(near)
+        vecs = vocab.vectors()
+        if cfg.expand_query_words > 0 and qvec is not None and len(vecs):
+            sims = vecs @ qvec
+            look = min(len(sims), 8 * cfg.expand_query_words)
+            top = np.argpartition(-sims, look - 1)[:look]
+            taken = 0
+            for j in top[np.argsort(-sims[top], kind="stable")].tolist():
+                if taken >= cfg.expand_query_words or sims[j] < cfg.expand_query_min_cosine:
+                    break
+                word = vocab.terms[j]
+                if word not in asked and usable(word):
+                    taken += 1
+                    if word not in out:
+                        out.append(word)
         return out
 
     def _hop_seeds(self, store: _Store, fused: Mapping[int, float], ranking: Sequence[int]) -> list[int]:

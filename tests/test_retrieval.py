@@ -410,6 +410,39 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
     assert "passion" in rebuilt._expansion(rebuilt._sessions["s"], "What is Ann passionate about?")
 
 
+def test_query_expansion_by_the_whole_query_vector() -> None:
+    class InstrumentEncoder(HashEncoder):
+        """The single word "piano" sits next to "instruments" (its hashed vector)."""
+
+        def encode(self, texts: Sequence[str]) -> np.ndarray:
+            return super().encode(["instruments" if t == "piano" else t for t in texts])
+
+    pairs = [  # ties break by position: the piano turns come last
+        *[(f"Lunch was fine, day {i}.", "Nice.") for i in range(100)],
+        ("I practised the piano for an hour.", "Nice."),
+        ("My piano teacher is strict.", "Ha."),
+    ]
+    question = "What instruments does she play?"
+
+    def setup(words: int) -> tuple[RetrievalMemory, list[str]]:
+        config = RetrievalConfig(min_score=0.0, expand_terms=0, expand_query_words=words)
+        memory = RetrievalMemory(InstrumentEncoder(), config=config)
+        memory.remember_turns("s", turns_of(pairs))
+        store = memory._sessions["s"]
+        return memory, memory._expansion(store, question, memory.embedder.encode([question])[0])
+
+    memory, words = setup(4)
+    assert "piano" in words  # no word of the question, but near its meaning
+    off, none = setup(0)
+    assert none == []
+
+    def rank(mem: RetrievalMemory) -> int:
+        hits = mem.retrieve(question, session_id="s", top_k=20)
+        return next((i for i, p in enumerate(hits) if "piano" in p.text), len(hits))
+
+    assert rank(memory) < rank(off)
+
+
 def test_second_hop_seeds_come_from_different_days() -> None:
     memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, hop_seeds=2))
     turns = turns_of(

@@ -406,6 +406,14 @@ class BM25Index:
     def __len__(self) -> int:
         return len(self._lengths)
 
+    def document_frequency(self, term: str) -> int:
+        """How many indexed documents use ``term`` (a :func:`terms` form)."""
+        return len(self._postings.get(term, ()))
+
+    def indexed_terms(self) -> list[str]:
+        """Every term some indexed document uses."""
+        return list(self._postings)
+
     def add(self, doc_id: int, text: str) -> None:
         """Index ``text`` under ``doc_id`` (replacing what that id held)."""
         self.remove(doc_id)
@@ -499,7 +507,7 @@ class BM25Index:
         """
         skip = set(exclude)
         found = {t for text in texts for t in terms(text)} - skip
-        df = {t: len(self._postings.get(t, ())) for t in found}
+        df = {t: self.document_frequency(t) for t in found}
         ranked = sorted((t for t in found if df[t] > 1), key=lambda t: (df[t], t))
         return ranked[:n]
 
@@ -1816,12 +1824,12 @@ class RetrievalMemory:
         vocab = self._vocab.get(id(store))
         if vocab is None:
             vocab = self._vocab[id(store)] = _Vocabulary(self.embedder.dim)
-            new_terms = list(store.lexical._postings)
-        postings = store.lexical._postings
+            new_terms = store.lexical.indexed_terms()
+        df = store.lexical.document_frequency
         fresh = [
             t
             for t in dict.fromkeys(new_terms or ())
-            if t not in vocab.index and not t.isdigit() and len(postings.get(t, ())) >= 2
+            if t not in vocab.index and not t.isdigit() and df(t) >= 2
         ]
         missing = [t for t in fresh if t not in self._word_vectors]
         if missing:
@@ -1835,11 +1843,11 @@ class RetrievalMemory:
         query's vector ``qvec`` (see ``expand_terms`` and ``expand_query_words``)."""
         cfg = self.config
         vocab = self._vocabulary(store)
-        postings = store.lexical._postings
+        df = store.lexical.document_frequency
         cap = max(2, int(cfg.expand_max_share * len(store.lexical)))
 
         def usable(word: str) -> bool:  # still used, and not too common
-            return 0 < len(postings.get(word, ())) <= cap
+            return 0 < df(word) <= cap
 
         asked = list(dict.fromkeys(terms(query)))
         out: list[str] = []

@@ -6,8 +6,9 @@ BM25 posting lists look like real text), then times :meth:`RetrievalMemory.retri
 ``--queries`` distinct questions: each is embedded by the real model (the embedder's
 cache is off), searched in FAISS and BM25, fused and ranked with the given
 :class:`~convo.retrieval.RetrievalConfig`. Reported per ``top_k``: mean, median and p90
-milliseconds per query, the embedding alone, and the search alone (the same queries
-again with their vectors cached). The load average is recorded: on a
+milliseconds per query, the embedding alone, the search alone (the same queries
+again with their vectors cached), and as in a live chat (``retrieve_after_new_turn``: one
+more turn indexed before each query, its indexing timed apart). The load average is recorded: on a
 shared CPU the numbers measure the neighbours too.
 
 ``--store-encoder hash`` stores hashed bag-of-words vectors instead of model vectors (the
@@ -134,6 +135,30 @@ def measure(memory: RetrievalMemory, qs: Sequence[str], top_k: int) -> dict[str,
     }
 
 
+def measure_chat(
+    memory: RetrievalMemory, qs: Sequence[str], top_k: int, new_turns: Sequence[Turn], dates: dict[int, str]
+) -> dict[str, Any]:
+    """As in a live chat: before each query one more turn is indexed (the store changes,
+    so whatever the memory derives from it must keep up). Reports the retrieval as
+    :func:`measure` and the indexing of the new turn apart (``index_turn_ms``)."""
+    times, index = [], []
+    for q, turn in zip(qs, new_turns, strict=False):
+        t0 = time.perf_counter()
+        memory.remember_turns("s", [turn], dates={turn.index: dates[turn.index]})
+        t1 = time.perf_counter()
+        memory.retrieve(q, session_id="s", top_k=top_k)
+        times.append((time.perf_counter() - t1) * 1000)
+        index.append((t1 - t0) * 1000)
+    times.sort()
+    return {
+        "min_ms": round(times[0], 2),
+        "mean_ms": round(statistics.fmean(times), 2),
+        "median_ms": round(statistics.median(times), 2),
+        "p90_ms": round(times[int(0.9 * (len(times) - 1))], 2),
+        "index_turn_ms": {"median": round(statistics.median(index), 2), "max": round(max(index), 2)},
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=10_000, help="stored turns (default 10,000)")
@@ -173,9 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.store_encoder == "hash":
         encoder = SplitEncoder(HashEncoder(query_encoder.dim), query_encoder)
     memory = RetrievalMemory(encoder, config=config)
-    turns, dates = synthetic_turns(args.turns, args.seed)
+    ks = [int(k) for k in args.top_k.split(",")]
+    # The stored turns, then the ones a chat adds before each timed query.
+    turns, dates = synthetic_turns(args.turns + args.queries * len(ks), args.seed)
+    turns, later = turns[: args.turns], turns[args.turns :]
     t0 = time.perf_counter()
-    memory.remember_turns("s", turns, dates=dates)
+    memory.remember_turns("s", turns, dates={t.index: dates[t.index] for t in turns})
     index_s = time.perf_counter() - t0
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     qs = questions(args.queries + 20, args.seed)
@@ -195,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for q in qs:
         memory.retrieve(q, session_id="s", top_k=6)
     search_only = {f"top_k={k}": measure(memory, qs, int(k)) for k in args.top_k.split(",")}
+    query_encoder.cache_size = 0
+    chat_qs = questions(len(qs), args.seed + 100)  # not seen yet: embedded again
+    chat = {
+        f"top_k={k}": measure_chat(memory, chat_qs, k, later[i * len(qs) : (i + 1) * len(qs)], dates)
+        for i, k in enumerate(ks)
+    }
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = {
         "turns": args.turns,
@@ -207,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": args.threads,
         "retrieve": results,
         "search_only": search_only,
+        "retrieve_after_new_turn": chat,
         "retrieval": config.to_dict(),
         "environment": {
             "python": platform.python_version(),
@@ -224,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  retrieve {k}: min {r['min_ms']} ms, median {r['median_ms']} ms, "
                 f"mean {r['mean_ms']} ms, p90 {r['p90_ms']} ms; search alone median "
-                f"{search_only[k]['median_ms']} ms"
+                f"{search_only[k]['median_ms']} ms; after a new turn median {chat[k]['median_ms']} ms "
+                f"(indexing the turn {chat[k]['index_turn_ms']['median']} ms)"
             )
     return 0
 

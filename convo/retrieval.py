@@ -58,11 +58,11 @@ import re
 import tempfile
 import zipfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -85,8 +85,6 @@ __all__ = [
     "day_label",
 ]
 
-
-V = TypeVar("V")
 
 #: Above this many vectors a :class:`VectorIndex` becomes approximate (IVF). Exact search
 #: over 20,000 MiniLM vectors takes about a millisecond per query on one core.
@@ -1340,6 +1338,115 @@ def _speaker_line(message: Message) -> str:
     return f"{name}: {content}"
 
 
+class _Derived:
+    """What the ranking reads per unit of one session's store, kept up to date as turns
+    are indexed: each unit's speaker (and the speakers' names), content size, episode, day and
+    conversation neighbours, and each episode's mean vector.
+
+    In a chat the store changes before every question (the last turn is indexed), so
+    :meth:`update` reads only the records added since it last ran: record ids only grow
+    and a record never changes. When records were removed (``forget_turns``) or the
+    conversation order would change, it rebuilds from every record.
+    """
+
+    def __init__(self, episode_turns: int) -> None:
+        self.episode_turns = episode_turns
+        self.version = -1
+        self.last_pid = -1
+        self.records = 0
+        self.speaker: dict[int, str] = {}
+        self.speakers: set[str] = set()
+        self.size: dict[int, int] = {}
+        self.episode_of: dict[int, str] = {}
+        self.episode_keys: list[str] = []
+        self.centroids = np.zeros((0, 0), np.float32)  # normalized, in ``episode_keys`` order
+        self._episode_row: dict[str, int] = {}
+        self._sums = np.zeros((0, 0), np.float64)
+        self._counts = np.zeros(0, np.int64)
+        self.days = np.full(0, -1, np.int64)  # by unit id: a proleptic ordinal, -1: none
+        self.years: set[int] = set()
+        self.order = np.full((2, 0), -1, np.int64)  # by unit id: previous and next unit
+        self._last_unit = -1
+        self._last_turn = -1
+
+    def update(self, store: _Store) -> _Derived:
+        """Up to date with ``store``: this object, or a new one built from every record."""
+        if self.version == store.version:
+            return self
+        new: list[tuple[int, _Record]] = []
+        for pid in reversed(store.records):  # record ids grow with insertion
+            if pid <= self.last_pid:
+                break
+            new.append((pid, store.records[pid]))
+        new.reverse()
+        turn = [int(rec.meta.get("turn", 0)) for _, rec in new]
+        if self.records + len(new) != len(store.records) or (turn and min(turn) < self._last_turn):
+            return _Derived(self.episode_turns).update(store)  # from every record
+        self._add(store, new)
+        self.version = store.version
+        return self
+
+    def _add(self, store: _Store, new: list[tuple[int, _Record]]) -> None:
+        if not new:
+            return
+        self.last_pid = max(self.last_pid, max(pid for pid, _ in new))
+        self.records += len(new)
+        top = max((u for _, rec in new for u in rec.units), default=-1) + 1
+        if top > len(self.days):
+            cap = max(top, 2 * len(self.days))
+            days = np.full(cap, -1, np.int64)
+            days[: len(self.days)] = self.days
+            order = np.full((2, cap), -1, np.int64)
+            order[:, : self.order.shape[1]] = self.order
+            self.days, self.order = days, order
+        touched: dict[str, list[int]] = {}
+        # Conversation order: by turn, ties in insertion order (a stable sort).
+        for _, rec in sorted(new, key=lambda item: int(item[1].meta.get("turn", 0))):
+            self._last_turn = max(self._last_turn, int(rec.meta.get("turn", 0)))
+            for u in rec.units:
+                if self._last_unit >= 0:
+                    self.order[0, u], self.order[1, self._last_unit] = self._last_unit, u
+                self._last_unit = u
+        for _, rec in new:
+            named = rec.meta.get("_speakers") or []
+            self.speaker.update(zip(rec.units, named, strict=False))
+            self.speakers.update(named[: len(rec.units)])
+            lines = rec.meta.get("_lines") or [rec.text]
+            self.size.update(zip(rec.units, (len(terms(line)) for line in lines), strict=False))
+            date = rec.meta.get("date")
+            key = f"date:{date}" if date else f"block:{int(rec.meta.get('turn', 0)) // self.episode_turns}"
+            touched.setdefault(key, []).extend(rec.units)
+            for u in rec.units:
+                self.episode_of[u] = key
+            day = parse_day(str(date or ""))
+            if day is not None and rec.units:
+                self.days[rec.units] = day.toordinal()
+                self.years.add(day.year)
+        if store.vectors is None:
+            return
+        for key in touched:
+            if key not in self._episode_row:
+                self._episode_row[key] = len(self.episode_keys)
+                self.episode_keys.append(key)
+        k, dim = len(self.episode_keys), store.vectors.dim
+        if self._sums.shape != (k, dim):
+            sums = np.zeros((k, dim), np.float64)
+            sums[: len(self._sums)] = self._sums if self._sums.size else 0.0
+            counts = np.zeros(k, np.int64)
+            counts[: len(self._counts)] = self._counts
+            self._sums, self._counts = sums, counts
+        rows = [self._episode_row[key] for key in touched]
+        for row, units in zip(rows, touched.values(), strict=True):
+            self._sums[row] += store.vectors.vectors(units).sum(axis=0, dtype=np.float64)
+            self._counts[row] += len(units)
+        if self.centroids.shape != (k, dim):
+            cents = np.zeros((k, dim), np.float32)
+            cents[: len(self.centroids)] = self.centroids if self.centroids.size else 0.0
+            self.centroids = cents
+        means = self._sums[rows] / np.maximum(self._counts[rows], 1)[:, None]
+        self.centroids[rows] = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+
+
 class _Vocabulary:
     """A session's words that can expand a query, their vectors and nearest words.
 
@@ -1491,11 +1598,7 @@ class RetrievalMemory:
         self._shared: list[DocumentCollection] = list(collections)
         self._attached: dict[str, list[DocumentCollection]] = {}
         self._sessions: dict[str, _Store] = {}
-        self._episode_cache: dict[int, tuple[int, tuple[list[str], np.ndarray, dict[int, str]]]] = {}
-        self._speaker_cache: dict[int, tuple[int, dict[int, str]]] = {}
-        self._size_cache: dict[int, tuple[int, dict[int, int]]] = {}
-        self._order_cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._day_cache: dict[int, tuple[int, tuple[np.ndarray, tuple[int, ...]]]] = {}
+        self._derived_of: dict[int, _Derived] = {}
         self._vocab: dict[int, _Vocabulary] = {}
         #: Word vectors, shared by every session's vocabulary (a word's vector does not
         #: depend on who said it).
@@ -1519,17 +1622,20 @@ class RetrievalMemory:
         """
         store = self._store(session_id)
         items = []
+        last_lines: dict[int, str] = {}  # of this call's turns: not in the store yet
         for turn in turns:
             msgs = [m for m in turn.messages if m.content.strip()]
             if not msgs:
                 continue
             lines = [_speaker_line(m) for m in msgs]
+            last_lines[turn.index] = lines[-1]
             date = (dates or {}).get(turn.index)
             head = f"[{date}]\n" if date and self.config.date_in_text else ""
             dense = list(lines)
             if self.config.neighbours:
                 # A short reply ("Yes, last week!") is findable by what it answers.
-                prev = self._last_line(store, turn.index)
+                # The previous turn's last line: indexed with this one or before.
+                prev = last_lines.get(turn.index - 1) or self._last_line(store, turn.index)
                 ctx = [prev, *lines[:-1]]
                 dense = [f"{c}\n{line}" if c else line for c, line in zip(ctx, lines, strict=True)]
             meta: dict[str, Any] = {
@@ -1609,15 +1715,8 @@ class RetrievalMemory:
         store = self._sessions.pop(session_id, None)
         self._attached.pop(session_id, None)
         if store is not None:  # a new store may get the old one's id: drop what was derived
-            for cache in (
-                self._vocab,
-                self._episode_cache,
-                self._speaker_cache,
-                self._size_cache,
-                self._order_cache,
-                self._day_cache,
-            ):
-                cache.pop(id(store), None)
+            self._vocab.pop(id(store), None)
+            self._derived_of.pop(id(store), None)
 
     def forget_turns(self, session_id: str, indices: Iterable[int]) -> int:
         """Drop some turns of a session. Returns how many were indexed."""
@@ -1754,60 +1853,29 @@ class RetrievalMemory:
             text=text, score=float(score), source=f"turn {turn}", key=turn_key(turn, pos), meta=meta
         )
 
+    def _derived(self, store: _Store) -> _Derived:
+        """What the ranking reads per unit of ``store``, up to date (see :class:`_Derived`)."""
+        derived = self._derived_of.get(id(store)) or _Derived(self.config.episode_turns)
+        derived = self._derived_of[id(store)] = derived.update(store)
+        return derived
+
     def _order(self, store: _Store) -> np.ndarray:
-        """``(2, max uid + 1)`` int64: each unit's previous and next message in conversation
-        order, ``-1`` for none (cached until the store changes)."""
-        cached = self._order_cache.get(id(store))
-        if cached is not None and cached[0] == store.version:
-            return cached[1]
-        seq = np.asarray(
-            [
-                u
-                for rec in sorted(store.records.values(), key=lambda r: int(r.meta.get("turn", 0)))
-                for u in rec.units
-            ],
-            dtype=np.int64,
-        )
-        order = np.full((2, int(seq.max(initial=-1)) + 1), -1, dtype=np.int64)
-        order[0, seq[1:]] = seq[:-1]
-        order[1, seq[:-1]] = seq[1:]
-        self._order_cache[id(store)] = (store.version, order)
-        return order
+        """``(2, n)`` int64: each unit's previous and next message in conversation order,
+        by unit id, ``-1`` for none."""
+        return self._derived(store).order
 
     def _speakers(self, store: _Store) -> dict[int, str]:
-        """Each unit's speaker (cached until the store changes)."""
-
-        def speakers(rec: Any) -> Iterable[str]:
-            return rec.meta.get("_speakers") or []
-
-        return self._per_unit(self._speaker_cache, store, speakers)
+        """Each unit's speaker."""
+        return self._derived(store).speaker
 
     def _content_sizes(self, store: _Store) -> dict[int, int]:
-        """Each unit's count of content words (its own line, not the context line; cached)."""
-
-        def sizes(rec: Any) -> Iterable[int]:
-            return (len(terms(line)) for line in rec.meta.get("_lines") or [rec.text])
-
-        return self._per_unit(self._size_cache, store, sizes)
-
-    @staticmethod
-    def _per_unit(
-        cache: dict[int, tuple[int, dict[int, V]]], store: _Store, values: Callable[[Any], Iterable[V]]
-    ) -> dict[int, V]:
-        """``values(record)`` per unit of every record, cached per store until it changes."""
-        cached = cache.get(id(store))
-        if cached is not None and cached[0] == store.version:
-            return cached[1]
-        of_unit: dict[int, V] = {}
-        for rec in store.records.values():
-            of_unit.update(zip(rec.units, values(rec), strict=False))
-        cache[id(store)] = (store.version, of_unit)
-        return of_unit
+        """Each unit's count of content words (its own line, not the context line)."""
+        return self._derived(store).size
 
     def _named_speakers(self, store: _Store, query: str) -> set[str]:
         """Speakers of ``store`` whose name (any word of it) appears in ``query``."""
         words = set(_WORD.findall(query.lower()))
-        names = set(self._speakers(store).values())
+        names = self._derived(store).speakers
         return {sp for sp in names if set(_WORD.findall(sp.lower())) & words}
 
     def _boosted_ranking(self, store: _Store, fused: Mapping[int, float], named: set[str]) -> list[int]:
@@ -1894,48 +1962,15 @@ class RetrievalMemory:
         return seeds[: cfg.hop_seeds]
 
     def _episodes(self, store: _Store) -> tuple[list[str], np.ndarray, dict[int, str]]:
-        """Episode keys, their normalized mean vectors and each unit's episode (cached)."""
-        cached = self._episode_cache.get(id(store))
-        if cached is not None and cached[0] == store.version:
-            return cached[1]
-        members: dict[str, list[int]] = {}
-        of_unit: dict[int, str] = {}
-        for rec in store.records.values():
-            date = rec.meta.get("date")
-            key = (
-                f"date:{date}"
-                if date
-                else f"block:{int(rec.meta.get('turn', 0)) // self.config.episode_turns}"
-            )
-            members.setdefault(key, []).extend(rec.units)
-            for u in rec.units:
-                of_unit[u] = key
-        keys = list(members)
-        assert store.vectors is not None
-        cents = np.stack([store.vectors.vectors(members[k]).mean(axis=0) for k in keys])
-        cents /= np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
-        value = (keys, cents.astype(np.float32), of_unit)
-        self._episode_cache[id(store)] = (store.version, value)
-        return value
+        """Episode keys, their normalized mean vectors and each unit's episode."""
+        d = self._derived(store)
+        return d.episode_keys, d.centroids, d.episode_of
 
     def _days(self, store: _Store) -> tuple[np.ndarray, tuple[int, ...]]:
-        """Each unit's day, indexed by unit id (a proleptic ordinal, ``-1`` where the turn
-        has no readable date), and the years those days fall in (cached until the store
-        changes)."""
-        cached = self._day_cache.get(id(store))
-        if cached is not None and cached[0] == store.version:
-            return cached[1]
-        size = max((u for rec in store.records.values() for u in rec.units), default=-1) + 1
-        days = np.full(size, -1, dtype=np.int64)
-        years: set[int] = set()
-        for rec in store.records.values():
-            day = parse_day(str(rec.meta.get("date") or ""))
-            if day is not None and rec.units:
-                days[rec.units] = day.toordinal()
-                years.add(day.year)
-        value = (days, tuple(sorted(years)))
-        self._day_cache[id(store)] = (store.version, value)
-        return value
+        """Each unit's day, by unit id (a proleptic ordinal, ``-1`` where the turn has no
+        readable date), and the years those days fall in."""
+        d = self._derived(store)
+        return d.days, tuple(sorted(d.years))
 
     def _time_scored(
         self, store: _Store, fused: dict[int, float], question: str, today: date | None

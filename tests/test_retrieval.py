@@ -327,7 +327,8 @@ def test_time_aware_scoring_adds_a_named_days_messages_as_candidates() -> None:
 
 
 def test_relative_time_counts_from_the_day_the_question_is_asked() -> None:
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    # No context lines: the two turns' first lines stay alike (only their days differ).
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, neighbours=False))
     pairs = [("We went hiking by the lake.", "Sounds fun."), ("We went hiking by the lake.", "Again!")]
     memory.remember_turns(
         "s", turns_of([*pairs, *FILLER]), dates={0: "2026-11-02T10:00", 1: "2026-11-30T18:30"}
@@ -688,7 +689,9 @@ def test_content_prior_lifts_messages_that_say_something() -> None:
     )
     short, rich = turn_key(0, 0), turn_key(len(FILLER) + 1, 0)
     ranks = {}
-    for weight in (0.0, 0.3):
+    # (0.4: the rich line's first line is indexed with the previous turn's last line as
+    # context, which dilutes its match to "the garden")
+    for weight in (0.0, 0.4):
         cfg = RetrievalConfig(
             min_score=0.0, speaker_boost=0.0, second_hop=0.0, episode_weight=0.0, neighbour_weight=0.0
         )
@@ -697,7 +700,7 @@ def test_content_prior_lifts_messages_that_say_something() -> None:
         hits = memory.retrieve("the garden", session_id="s", top_k=3)
         ranks[weight] = (_rank(hits, short), _rank(hits, rich))
     assert ranks[0.0][0] < ranks[0.0][1]  # alone, the short line matches better
-    assert ranks[0.3][1] < ranks[0.3][0]  # the prior puts the news first
+    assert ranks[0.4][1] < ranks[0.4][0]  # the prior puts the news first
     with pytest.raises(ConfigError):
         RetrievalConfig(content_weight=-0.1)
     with pytest.raises(ConfigError):
@@ -836,7 +839,7 @@ def test_planner_packs_lines_of_one_date_under_one_header(cl100k: TiktokenCounte
 
 def test_line_passage_of_a_turn_in_the_window_is_dropped() -> None:
     counter = TiktokenCounter("cl100k_base")
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, neighbours=False))
     history = turns_of([*FILLER, ("My passport number is X123.", "Saved.")])
     memory.remember_turns("s", history)
     question = Turn(index=len(history), messages=(Message(role=Role.USER, content="passport number?"),))
@@ -900,6 +903,41 @@ def test_neighbour_order_runs_across_turns() -> None:
     order = memory._order(store)
     assert order[0, units].tolist() == [-1, *units[:-1]]  # previous message
     assert order[1, units].tolist() == [*units[1:], -1]  # next message, across the turn boundary
+
+
+def test_chat_indexing_one_turn_at_a_time_ranks_as_indexing_all_at_once() -> None:
+    """A turn's first line is indexed with the previous turn's last line as context
+    whether the two are indexed together or one at a time (a resumed session indexes its
+    history at once, a chat a turn at a time), and what the ranking derives per unit
+    (speakers, sizes, episodes, days, conversation order) is kept up to date a turn at a
+    time: both rank as if built from scratch, also after a turn is forgotten and another
+    indexed again."""
+    pairs = [*FILLER, ("I adopted a cat named Miso.", "Lovely!"), ("Miso hid under the bed.", "Cats do.")]
+    pairs += [(f"Day {i}: the garden again.", f"Bob: the roses, part {i}.") for i in range(12)]
+    turns = turns_of(pairs)
+    dates = {t.index: f"{1 + t.index // 3} May, 2023" for t in turns}
+    queries = ["What did Ann say about Miso on 3 May, 2023?", "roses in the garden", "Bob weekend book"]
+
+    def ranked(memory: RetrievalMemory) -> list[list[tuple[str, float]]]:
+        return [
+            [(p.key, round(p.score, 5)) for p in memory.retrieve(q, session_id="s", top_k=8)] for q in queries
+        ]
+
+    chat = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    for turn in turns:  # a question between turns, as in a chat: the derived state is read each time
+        chat.remember_turns("s", [turn], dates={turn.index: dates[turn.index]})
+        chat.retrieve("cat", session_id="s", top_k=3)
+    batch = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    batch.remember_turns("s", turns, dates=dates)
+    assert ranked(chat) == ranked(batch)
+
+    # A forgotten turn and one indexed again (its record replaced): rebuilt from scratch.
+    for memory in (chat, batch):
+        memory.forget_turns("s", [5])
+        memory.remember_turns("s", [turns[6]], dates={6: dates[6]})
+    fresh = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    fresh.remember_turns("s", [t for t in turns if t.index != 5], dates=dates)
+    assert ranked(chat) == ranked(fresh) == ranked(batch)
 
 
 def test_propagate_lifts_neighbours_of_the_best_candidates_only() -> None:

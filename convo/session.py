@@ -915,11 +915,13 @@ class Session:
         while True:
             self._sync_summary()
             job = self._live_job() or self._submit_summary()
+            if job is None or not job.live or not self._owes_summary():
+                return waited  # nothing to wait for: no plan needed (the turn plans next)
             _, start = self._plan_now()
             # The prompt is the window, and the summary misses turns before it: wait for it.
-            hides = start == self.evicted_turns and self._owes_summary()
+            hides = start == self.evicted_turns
             left = None if deadline is None else deadline - time.monotonic()
-            if not hides or job is None or not job.live or (left is not None and left <= 0):
+            if not hides or (left is not None and left <= 0):
                 return waited
             self.summaries.promote(job)
             t_wait = time.monotonic()

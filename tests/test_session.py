@@ -171,6 +171,25 @@ def test_evicted_facts_come_back_through_the_retriever(fake_engine: FakeEngine) 
     assert other.send("what was the code?").plan.passages_used == ()
 
 
+def test_a_turn_retrieves_once(fake_engine: FakeEngine) -> None:
+    """A turn plans (and so retrieves) once: the check for a late summary plans only when
+    a summary is owed."""
+    calls: list[str] = []
+
+    class Counting(FakeRetriever):
+        def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+            calls.append(query)
+            return super().retrieve(query, session_id=session_id, top_k=top_k)
+
+    for budget in (Budget(window_turns=2, summary_tokens=0), Budget()):
+        calls.clear()
+        session = Session(fake_engine, budget=budget, retriever=Counting())
+        texts = ["the secret code is 4711", *(f"small talk {i}" for i in range(4)), "what was the code?"]
+        for text in texts:
+            session.send(text)
+        assert calls == texts
+
+
 def test_model_summarizer_never_overflows_the_model_context() -> None:
     engine = FakeEngine(context_window=220)
     engine.reply_fn = lambda msgs: "short summary"

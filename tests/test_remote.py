@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ import pytest
 
 from convo import Session
 from convo.engines.base import FinishReason
-from convo.engines.openai import OpenAIEngine, RetryPolicy, parse_retry_after
+from convo.engines.openai import OpenAIEngine, RetryPolicy, Timeouts, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
 from convo.testing import wait_until_serving
@@ -226,6 +227,114 @@ def test_retry_policy_and_retry_after_parsing() -> None:
         RetryPolicy(jitter=2)
 
 
+def test_async_calls_retry_and_stream_like_sync_ones() -> None:
+    """agenerate runs the same core: retries with Retry-After, SSE split anywhere, typed errors."""
+    statuses = iter([503, 200, 401])
+    events = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in ("a", "é")]
+    raw = (
+        "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n"
+    ).encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = next(statuses)
+        if status != 200:
+            return httpx.Response(status, headers={"Retry-After": "0.05"}, json={"error": {"message": "x"}})
+        # One byte at a time: a UTF-8 character and every line split across chunks.
+        chunks = [raw[i : i + 1] for i in range(len(raw))]
+        return httpx.Response(200, stream=_Chunks(chunks), headers={"content-type": "text/event-stream"})
+
+    engine = mock_engine(handler)
+    pieces: list[str] = []
+    gen = asyncio.run(engine.agenerate(USER, max_new_tokens=8, on_text=pieces.append))
+    assert pieces == ["a", "é"] and gen.text == "aé" and engine.retries == 1
+    with pytest.raises(RemoteEngineError, match="API key") as info:
+        asyncio.run(engine.agenerate(USER, max_new_tokens=8))
+    assert info.value.status == 401
+
+
+class _Chunks(httpx.AsyncByteStream, httpx.SyncByteStream):
+    """A response body delivered in the given chunks (sync and async)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
+
+    async def __aiter__(self) -> Any:
+        for chunk in self.chunks:
+            yield chunk
+
+
+# -- a scripted server on loopback (stdlib http.server) -----------------------------------------
+
+
+Answer = Callable[[str, str, dict[str, str], Any], tuple[int, Any]]
+
+
+@contextmanager
+def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A keep-alive HTTP/1.1 server on 127.0.0.1 whose replies ``answer(method, path,
+    headers, json_body)`` gives as ``(status, json-able body)``; yields its URL and the
+    requests it saw (client port, path, headers)."""
+    seen: list[dict[str, Any]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            seen.append({"port": self.client_address[1], "path": self.path, "headers": headers})
+            status, payload = answer(self.command, self.path, headers, body)
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _serve
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_one_client_per_engine_keeps_its_connection_sync_and_async() -> None:
+    """Calls reuse the engine's client (one keep-alive connection), sync and on an event
+    loop; a new event loop gets its own client, closed when that loop ends."""
+    with loopback(lambda *a: (200, ok_body())) as (host, seen):
+        with OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine:
+            for _ in range(3):
+                assert engine.generate(USER, max_new_tokens=4).text == "hi!"
+            sync_ports = {r["port"] for r in seen}
+            seen.clear()
+
+            async def three() -> None:
+                for _ in range(3):
+                    assert (await engine.agenerate(USER, max_new_tokens=4)).text == "hi!"
+
+            asyncio.run(three())
+            first_loop = {r["port"] for r in seen}
+            seen.clear()
+            asyncio.run(three())
+            second_loop = {r["port"] for r in seen}
+    assert len(sync_ports) == len(first_loop) == len(second_loop) == 1
+    assert first_loop != second_loop  # each loop has its own connection
+
+
 # -- a real OpenAI-compatible server: `convo serve` with its test engine -------------------------
 
 
@@ -347,7 +456,7 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> None:
-    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, timeout_s=120)
+    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, timeouts=Timeouts(call_s=120))
     budget = engine.budget(max_new_tokens=32, window_turns=2, summary_tokens=48, summarize_batch_turns=1)
     assert budget.context_tokens == LLAMA_CTX and budget.margin_tokens > 0
     session = Session(engine, budget=budget, system_prompt="You are a terse assistant.")
@@ -373,7 +482,9 @@ def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> No
 def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: str) -> None:
     from convo.engines.transformers import default_model_path
 
-    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeout_s=120)
+    engine = OpenAIEngine(
+        llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeouts=Timeouts(call_s=120)
+    )
     assert engine.exact_counter and engine.margin_tokens == 0
     msgs = [Message(role=Role.USER, content="Name three colours.")]
     other = [Message(role=Role.SYSTEM, content="Be brief."), *msgs]

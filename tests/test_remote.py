@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.server
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +30,7 @@ from convo.engines.base import FinishReason
 from convo.engines.openai import OpenAIEngine, RetryPolicy, Timeouts, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
+from convo.summarize import SummaryStatus, SummaryWorker
 from convo.testing import wait_until_serving
 
 USER = [Message(role=Role.USER, content="hello there")]
@@ -333,6 +337,93 @@ def test_one_client_per_engine_keeps_its_connection_sync_and_async() -> None:
             second_loop = {r["port"] for r in seen}
     assert len(sync_ports) == len(first_loop) == len(second_loop) == 1
     assert first_loop != second_loop  # each loop has its own connection
+
+
+PASSWORD, API_KEY = "pa55-Wd_zq", "sk-test-KEY-9931"
+
+
+BASIC_TOKEN = base64.b64encode(f"ada:{PASSWORD}".encode()).decode()
+
+
+def secret_free(text: str) -> bool:
+    return PASSWORD not in text and API_KEY not in text and BASIC_TOKEN not in text
+
+
+def full_text(exc: BaseException) -> str:
+    """An exception as a log line with its traceback would show it (chained causes too)."""
+    return "".join(traceback.format_exception(exc))
+
+
+def test_credentials_never_appear_in_errors_logs_or_reprs(caplog: pytest.LogCaptureFixture) -> None:
+    """Defect 13: an engine URL's credentials appeared in the server log when a summary
+    failed. The URL's user:password is sent as basic auth, and no error, log line (convo's
+    or httpx's) or repr shows it or the API key."""
+    caplog.set_level(logging.DEBUG)
+
+    def answer(method: str, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        if path.endswith("/models"):
+            return 500, {"error": {"message": f"no listing for {headers.get('authorization')}"}}
+        last = body["messages"][-1]["content"]
+        if "Summarize" in last or last == "fail":  # echoes the credentials it got
+            return 503, {"error": {"message": f"crashed for {headers.get('authorization')} {API_KEY}"}}
+        if last == "refuse":
+            return 401, {"error": {"message": f"bad key {API_KEY}"}}
+        return 200, ok_body("fine")
+
+    retry = RetryPolicy(max_retries=1, backoff_s=0, jitter=0)
+    with loopback(answer) as (host, seen):
+        url = f"http://ada:{PASSWORD}@{host}"
+        engine = OpenAIEngine(url, "m", api_key=API_KEY, context_window=4096, retry=retry)
+        assert secret_free(repr(engine)) and secret_free(engine.base_url) and "ada:***@" in engine.base_url
+        assert engine.generate(USER, max_new_tokens=4).text == "fine"
+        sent = seen[-1]["headers"]["authorization"]
+        assert sent == f"Basic {BASIC_TOKEN}"  # still sent, as basic auth
+
+        errors: list[BaseException] = []
+        for content in ("fail", "refuse"):
+            with pytest.raises(RemoteEngineError) as info:
+                engine.generate([Message(role=Role.USER, content=content)], max_new_tokens=4)
+            errors.append(info.value)
+        with pytest.raises(RemoteEngineError) as info:
+            asyncio.run(engine.agenerate([Message(role=Role.USER, content="fail")], max_new_tokens=4))
+        errors.append(info.value)
+        with pytest.raises(RemoteEngineError) as info:
+            _ = OpenAIEngine(url, api_key=API_KEY, context_window=4096).model  # /v1/models fails
+        errors.append(info.value)
+
+        # The reported path: a background summary on the remote engine fails, the worker logs it.
+        worker = SummaryWorker(threads=1, max_defer_s=0.0)
+        try:
+            budget = engine.budget(
+                max_new_tokens=16, window_turns=1, summarize_batch_turns=1, summary_tokens=40
+            )
+            session = Session(engine, budget=budget, summaries=worker)
+            session.send("first turn")
+            session.send("second turn")
+            state = session.wait_summary(timeout_s=30)
+        finally:
+            worker.close(wait=False)
+        assert state.status is SummaryStatus.FAILED and "ada:***@" in state.error
+        assert secret_free(state.error)
+    unreachable_engine = OpenAIEngine(
+        f"http://ada:{PASSWORD}@127.0.0.1:{free_port()}",
+        "m",
+        api_key=API_KEY,
+        context_window=512,
+        retry=retry,
+    )
+    with pytest.raises(RemoteEngineError) as info:
+        unreachable_engine.generate(USER, max_new_tokens=4)
+    errors.append(info.value)
+
+    for exc in errors:
+        assert secret_free(full_text(exc)), full_text(exc)
+    assert "failed after 2 attempts" in str(errors[0]) and errors[1].status == 401  # type: ignore[attr-defined]
+    logged = caplog.text + "".join(
+        full_text(r.exc_info[1]) for r in caplog.records if r.exc_info and r.exc_info[1]
+    )
+    assert "retry 1 of 1" in logged and "summary of session" in logged and "HTTP Request" in logged
+    assert secret_free(logged)
 
 
 # -- a real OpenAI-compatible server: `convo serve` with its test engine -------------------------

@@ -37,6 +37,7 @@ No message built here carries the credentials of the base URL or the API key
 
 from __future__ import annotations
 
+import base64
 import codecs
 import json
 import re
@@ -95,7 +96,7 @@ class Endpoint:
     auth: tuple[str, str] | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     #: The strings that must never appear in a message (longest first): the API key, the
-    #: password (as written in the URL and decoded), a lone user name.
+    #: password (as written in the URL and decoded), a lone user name, the basic-auth token.
     secrets: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
@@ -124,6 +125,8 @@ class Endpoint:
         found = {api_key} if api_key else set()
         if parts.username is not None or parts.password is not None:
             auth = (unquote(parts.username or ""), unquote(parts.password or ""))
+            # (and the basic-auth token, should a server echo the header back)
+            found.add(base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
             if parts.password:
                 found.update((parts.password, auth[1]))
             elif parts.username:

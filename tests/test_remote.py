@@ -273,15 +273,24 @@ class _Chunks(httpx.AsyncByteStream, httpx.SyncByteStream):
 # -- a scripted server on loopback (stdlib http.server) -----------------------------------------
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 Answer = Callable[[str, str, dict[str, str], Any], tuple[int, Any]]
 
 
 @contextmanager
-def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]], list[int]]]:
     """A keep-alive HTTP/1.1 server on 127.0.0.1 whose replies ``answer(method, path,
-    headers, json_body)`` gives as ``(status, json-able body)``; yields its URL and the
-    requests it saw (client port, path, headers)."""
+    headers, json_body)`` gives as ``(status, json-able body)``; yields its host:port, the
+    requests it saw (client port, path, headers) and the client ports whose connection
+    the client closed."""
     seen: list[dict[str, Any]] = []
+    closed: list[int] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -301,6 +310,10 @@ def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
         do_GET = do_POST = _serve
 
+        def finish(self) -> None:
+            super().finish()
+            closed.append(self.client_address[1])
+
         def log_message(self, *args: Any) -> None:
             pass
 
@@ -309,7 +322,7 @@ def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"127.0.0.1:{server.server_address[1]}", seen
+        yield f"127.0.0.1:{server.server_address[1]}", seen, closed
     finally:
         server.shutdown()
         server.server_close()
@@ -319,7 +332,7 @@ def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
 def test_one_client_per_engine_keeps_its_connection_sync_and_async() -> None:
     """Calls reuse the engine's client (one keep-alive connection), sync and on an event
     loop; a new event loop gets its own client, closed when that loop ends."""
-    with loopback(lambda *a: (200, ok_body())) as (host, seen):
+    with loopback(lambda *a: (200, ok_body())) as (host, seen, closed):
         with OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine:
             for _ in range(3):
                 assert engine.generate(USER, max_new_tokens=4).text == "hi!"
@@ -335,8 +348,19 @@ def test_one_client_per_engine_keeps_its_connection_sync_and_async() -> None:
             seen.clear()
             asyncio.run(three())
             second_loop = {r["port"] for r in seen}
+
+            async def then_close() -> None:
+                async with engine:  # aclose() closes the loop's client and its connection
+                    await engine.agenerate(USER, max_new_tokens=4)
+                    port = seen[-1]["port"]
+                    assert port not in closed
+
+                assert wait_for(lambda: port in closed)
+
+            asyncio.run(then_close())
     assert len(sync_ports) == len(first_loop) == len(second_loop) == 1
     assert first_loop != second_loop  # each loop has its own connection
+    assert wait_for(lambda: sync_ports | first_loop | second_loop <= set(closed))  # all closed
 
 
 PASSWORD, API_KEY = "pa55-Wd_zq", "sk-test-KEY-9931"
@@ -371,7 +395,7 @@ def test_credentials_never_appear_in_errors_logs_or_reprs(caplog: pytest.LogCapt
         return 200, ok_body("fine")
 
     retry = RetryPolicy(max_retries=1, backoff_s=0, jitter=0)
-    with loopback(answer) as (host, seen):
+    with loopback(answer) as (host, seen, _):
         url = f"http://ada:{PASSWORD}@{host}"
         engine = OpenAIEngine(url, "m", api_key=API_KEY, context_window=4096, retry=retry)
         assert secret_free(repr(engine)) and secret_free(engine.base_url) and "ada:***@" in engine.base_url

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import http.server
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -12,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,9 +27,10 @@ import pytest
 
 from convo import Session
 from convo.engines.base import FinishReason
-from convo.engines.openai import OpenAIEngine, RetryPolicy, parse_retry_after
+from convo.engines.openai import OpenAIEngine, RetryPolicy, Timeouts, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
+from convo.summarize import SummaryStatus, SummaryWorker
 from convo.testing import wait_until_serving
 
 USER = [Message(role=Role.USER, content="hello there")]
@@ -226,6 +231,225 @@ def test_retry_policy_and_retry_after_parsing() -> None:
         RetryPolicy(jitter=2)
 
 
+def test_async_calls_retry_and_stream_like_sync_ones() -> None:
+    """agenerate runs the same core: retries with Retry-After, SSE split anywhere, typed errors."""
+    statuses = iter([503, 200, 401])
+    events = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in ("a", "é")]
+    raw = (
+        "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events) + "data: [DONE]\n\n"
+    ).encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = next(statuses)
+        if status != 200:
+            return httpx.Response(status, headers={"Retry-After": "0.05"}, json={"error": {"message": "x"}})
+        # One byte at a time: a UTF-8 character and every line split across chunks.
+        chunks = [raw[i : i + 1] for i in range(len(raw))]
+        return httpx.Response(200, stream=_Chunks(chunks), headers={"content-type": "text/event-stream"})
+
+    engine = mock_engine(handler)
+    pieces: list[str] = []
+    gen = asyncio.run(engine.agenerate(USER, max_new_tokens=8, on_text=pieces.append))
+    assert pieces == ["a", "é"] and gen.text == "aé" and engine.retries == 1
+    with pytest.raises(RemoteEngineError, match="API key") as info:
+        asyncio.run(engine.agenerate(USER, max_new_tokens=8))
+    assert info.value.status == 401
+
+
+class _Chunks(httpx.AsyncByteStream, httpx.SyncByteStream):
+    """A response body delivered in the given chunks (sync and async)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
+
+    async def __aiter__(self) -> Any:
+        for chunk in self.chunks:
+            yield chunk
+
+
+# -- a scripted server on loopback (stdlib http.server) -----------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+Answer = Callable[[str, str, dict[str, str], Any], tuple[int, Any]]
+
+
+@contextmanager
+def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]], list[int]]]:
+    """A keep-alive HTTP/1.1 server on 127.0.0.1 whose replies ``answer(method, path,
+    headers, json_body)`` gives as ``(status, json-able body)``; yields its host:port, the
+    requests it saw (client port, path, headers) and the client ports whose connection
+    the client closed."""
+    seen: list[dict[str, Any]] = []
+    closed: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            seen.append({"port": self.client_address[1], "path": self.path, "headers": headers})
+            status, payload = answer(self.command, self.path, headers, body)
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _serve
+
+        def finish(self) -> None:
+            super().finish()
+            closed.append(self.client_address[1])
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", seen, closed
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_one_client_per_engine_keeps_its_connection_sync_and_async() -> None:
+    """Calls reuse the engine's client (one keep-alive connection), sync and on an event
+    loop; a new event loop gets its own client, closed when that loop ends."""
+    with loopback(lambda *a: (200, ok_body())) as (host, seen, closed):
+        with OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine:
+            for _ in range(3):
+                assert engine.generate(USER, max_new_tokens=4).text == "hi!"
+            sync_ports = {r["port"] for r in seen}
+            seen.clear()
+
+            async def three() -> None:
+                for _ in range(3):
+                    assert (await engine.agenerate(USER, max_new_tokens=4)).text == "hi!"
+
+            asyncio.run(three())
+            first_loop = {r["port"] for r in seen}
+            seen.clear()
+            asyncio.run(three())
+            second_loop = {r["port"] for r in seen}
+
+            async def then_close() -> None:
+                async with engine:  # aclose() closes the loop's client and its connection
+                    await engine.agenerate(USER, max_new_tokens=4)
+                    port = seen[-1]["port"]
+                    assert port not in closed
+
+                assert wait_for(lambda: port in closed)
+
+            asyncio.run(then_close())
+    assert len(sync_ports) == len(first_loop) == len(second_loop) == 1
+    assert first_loop != second_loop  # each loop has its own connection
+    assert wait_for(lambda: sync_ports | first_loop | second_loop <= set(closed))  # all closed
+
+
+PASSWORD, API_KEY = "pa55-Wd_zq", "sk-test-KEY-9931"
+
+
+BASIC_TOKEN = base64.b64encode(f"ada:{PASSWORD}".encode()).decode()
+
+
+def secret_free(text: str) -> bool:
+    return PASSWORD not in text and API_KEY not in text and BASIC_TOKEN not in text
+
+
+def full_text(exc: BaseException) -> str:
+    """An exception as a log line with its traceback would show it (chained causes too)."""
+    return "".join(traceback.format_exception(exc))
+
+
+def test_credentials_never_appear_in_errors_logs_or_reprs(caplog: pytest.LogCaptureFixture) -> None:
+    """Defect 13: an engine URL's credentials appeared in the server log when a summary
+    failed. The URL's user:password is sent as basic auth, and no error, log line (convo's
+    or httpx's) or repr shows it or the API key."""
+    caplog.set_level(logging.DEBUG)
+
+    def answer(method: str, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        if path.endswith("/models"):
+            return 500, {"error": {"message": f"no listing for {headers.get('authorization')}"}}
+        last = body["messages"][-1]["content"]
+        if "Summarize" in last or last == "fail":  # echoes the credentials it got
+            return 503, {"error": {"message": f"crashed for {headers.get('authorization')} {API_KEY}"}}
+        if last == "refuse":
+            return 401, {"error": {"message": f"bad key {API_KEY}"}}
+        return 200, ok_body("fine")
+
+    retry = RetryPolicy(max_retries=1, backoff_s=0, jitter=0)
+    with loopback(answer) as (host, seen, _):
+        url = f"http://ada:{PASSWORD}@{host}"
+        engine = OpenAIEngine(url, "m", api_key=API_KEY, context_window=4096, retry=retry)
+        assert secret_free(repr(engine)) and secret_free(engine.base_url) and "ada:***@" in engine.base_url
+        assert engine.generate(USER, max_new_tokens=4).text == "fine"
+        sent = seen[-1]["headers"]["authorization"]
+        assert sent == f"Basic {BASIC_TOKEN}"  # still sent, as basic auth
+
+        errors: list[BaseException] = []
+        for content in ("fail", "refuse"):
+            with pytest.raises(RemoteEngineError) as info:
+                engine.generate([Message(role=Role.USER, content=content)], max_new_tokens=4)
+            errors.append(info.value)
+        with pytest.raises(RemoteEngineError) as info:
+            asyncio.run(engine.agenerate([Message(role=Role.USER, content="fail")], max_new_tokens=4))
+        errors.append(info.value)
+        with pytest.raises(RemoteEngineError) as info:
+            _ = OpenAIEngine(url, api_key=API_KEY, context_window=4096).model  # /v1/models fails
+        errors.append(info.value)
+
+        # The reported path: a background summary on the remote engine fails, the worker logs it.
+        worker = SummaryWorker(threads=1, max_defer_s=0.0)
+        try:
+            budget = engine.budget(
+                max_new_tokens=16, window_turns=1, summarize_batch_turns=1, summary_tokens=40
+            )
+            session = Session(engine, budget=budget, summaries=worker)
+            session.send("first turn")
+            session.send("second turn")
+            state = session.wait_summary(timeout_s=30)
+        finally:
+            worker.close(wait=False)
+        assert state.status is SummaryStatus.FAILED and "ada:***@" in state.error
+        assert secret_free(state.error)
+    unreachable_engine = OpenAIEngine(
+        f"http://ada:{PASSWORD}@127.0.0.1:{free_port()}",
+        "m",
+        api_key=API_KEY,
+        context_window=512,
+        retry=retry,
+    )
+    with pytest.raises(RemoteEngineError) as info:
+        unreachable_engine.generate(USER, max_new_tokens=4)
+    errors.append(info.value)
+
+    for exc in errors:
+        assert secret_free(full_text(exc)), full_text(exc)
+    assert "failed after 2 attempts" in str(errors[0]) and errors[1].status == 401  # type: ignore[attr-defined]
+    logged = caplog.text + "".join(
+        full_text(r.exc_info[1]) for r in caplog.records if r.exc_info and r.exc_info[1]
+    )
+    assert "retry 1 of 1" in logged and "summary of session" in logged and "HTTP Request" in logged
+    assert secret_free(logged)
+
+
 # -- a real OpenAI-compatible server: `convo serve` with its test engine -------------------------
 
 
@@ -347,7 +571,7 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> None:
-    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, timeout_s=120)
+    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, timeouts=Timeouts(call_s=120))
     budget = engine.budget(max_new_tokens=32, window_turns=2, summary_tokens=48, summarize_batch_turns=1)
     assert budget.context_tokens == LLAMA_CTX and budget.margin_tokens > 0
     session = Session(engine, budget=budget, system_prompt="You are a terse assistant.")
@@ -373,7 +597,9 @@ def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> No
 def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: str) -> None:
     from convo.engines.transformers import default_model_path
 
-    engine = OpenAIEngine(llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeout_s=120)
+    engine = OpenAIEngine(
+        llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeouts=Timeouts(call_s=120)
+    )
     assert engine.exact_counter and engine.margin_tokens == 0
     msgs = [Message(role=Role.USER, content="Name three colours.")]
     other = [Message(role=Role.SYSTEM, content="Be brief."), *msgs]

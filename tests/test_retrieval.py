@@ -343,15 +343,16 @@ def test_relative_time_counts_from_the_day_the_question_is_asked() -> None:
 
 
 def test_vocabulary_keeps_each_words_nearest_as_words_arrive() -> None:
-    from convo.retrieval import NEAR_KEPT, _Vocabulary
+    from convo.retrieval import NEAR_KEPT
+    from convo.retrieval.expansion import Vocabulary
 
     words = [f"w{i}" for i in range(40)]
     vecs = unit_vectors(40, 16, seed=3)
-    step = _Vocabulary(16)
+    step = Vocabulary(16)
     for start in (0, 5, 6, 23):  # added in uneven batches
         end = {0: 5, 5: 6, 6: 23, 23: 40}[start]
         step.add(words[start:end], vecs[start:end])
-    whole = _Vocabulary(16)
+    whole = Vocabulary(16)
     whole._CHUNK = 7  # chunked comparison gives the same lists
     whole.add(words, vecs)
     sims = vecs @ vecs.T
@@ -445,22 +446,19 @@ def test_query_expansion_by_the_whole_query_vector() -> None:
 
 
 def test_second_hop_seeds_come_from_different_days() -> None:
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, hop_seeds=2))
-    turns = turns_of(
-        [("Pottery class today.", "Fun!"), ("More pottery.", "Nice."), ("Camping trip.", "Cool.")]
-    )
-    memory.remember_turns("s", turns, dates={0: "1 May 2023", 1: "1 May 2023", 2: "9 May 2023"})
-    store = memory._sessions["s"]
-    units = [u for rec in sorted(store.records.values(), key=lambda r: r.meta["turn"]) for u in rec.units]
+    from convo.retrieval.ranking import hop_seeds
+
+    # Three turns of two messages: units 0-3 on 1 May, 4-5 on 9 May.
+    units = list(range(6))
+    episode_of = {u: "date:1 May 2023" if u < 4 else "date:9 May 2023" for u in units}
     fused = {u: 1.0 - 0.01 * i for i, u in enumerate(units)}
     ranking = sorted(fused, key=lambda u: -fused[u])
-    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[4]]  # one per day
-    memory.config = RetrievalConfig(min_score=0.0, hop_seeds=2, hop_distinct_days=False)
-    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[1]]
+    config = RetrievalConfig(min_score=0.0, hop_seeds=2)
+    assert hop_seeds(fused, ranking, episode_of, config) == [units[0], units[4]]  # one per day
+    same_day = RetrievalConfig(min_score=0.0, hop_seeds=2, hop_distinct_days=False)
+    assert hop_seeds(fused, ranking, episode_of, same_day) == [units[0], units[1]]
     fused[units[4]] = fused[units[5]] = 0.4  # an also-ran is no seed, even from another day
-    assert RetrievalMemory(HashEncoder(), config=RetrievalConfig(hop_seeds=2))._hop_seeds(
-        store, fused, ranking
-    ) == [units[0]]
+    assert hop_seeds(fused, ranking, episode_of, RetrievalConfig(hop_seeds=2)) == [units[0]]
 
 
 def test_memory_forget_really_forgets() -> None:
@@ -941,30 +939,30 @@ def test_chat_indexing_one_turn_at_a_time_ranks_as_indexing_all_at_once() -> Non
 
 
 def test_propagate_lifts_neighbours_of_the_best_candidates_only() -> None:
-    from convo.retrieval import _propagate
+    from convo.retrieval.ranking import propagate
 
     seq = np.arange(6)
     order = np.stack([np.concatenate([[-1], seq[:-1]]), np.concatenate([seq[1:], [-1]])])
-    out = _propagate(order, {1: 1.0, 4: 0.2}, 0.5, 1)
+    out = propagate(order, {1: 1.0, 4: 0.2}, 0.5, 1)
     floor = 0.2
     assert out[1] == pytest.approx(1.0)  # its neighbours score the floor: no gain
     assert out[0] == out[2] == pytest.approx(floor + 0.5 * (1.0 - floor))  # new candidates
     assert out[4] == pytest.approx(floor)
     assert 3 not in out and 5 not in out  # neighbours of a candidate outside the best `grow`
-    assert set(_propagate(order, {1: 1.0, 4: 0.2}, 0.5, 2)) == set(range(6))
-    assert _propagate(order, {}, 0.5, 4) == {}
-    assert _propagate(order, {99: 0.3}, 0.5, 4) == {99: 0.3}  # a unit it does not know keeps its score
+    assert set(propagate(order, {1: 1.0, 4: 0.2}, 0.5, 2)) == set(range(6))
+    assert propagate(order, {}, 0.5, 4) == {}
+    assert propagate(order, {99: 0.3}, 0.5, 4) == {99: 0.3}  # a unit it does not know keeps its score
 
 
 def test_top_matches_a_full_sort_with_ties_by_key() -> None:
-    from convo.retrieval import _top
+    from convo.retrieval.ranking import top_keys
 
     rng = np.random.default_rng(0)
     for _ in range(50):
         keys = rng.permutation(200)[: int(rng.integers(1, 60))].tolist()
         score = {k: float(rng.integers(0, 5)) for k in keys}  # many ties
         k = int(rng.integers(0, 70))
-        assert _top(score, k) == sorted(score, key=lambda u: (-score[u], u))[:k]
+        assert top_keys(score, k) == sorted(score, key=lambda u: (-score[u], u))[:k]
 
 
 def test_vector_index_hands_back_vectors_after_ivf_save_load(tmp_path: Path) -> None:

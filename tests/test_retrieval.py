@@ -385,8 +385,8 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
     ]
     memory = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of(pairs))
-    store = memory._sessions["s"]
-    assert "passion" in memory._expansion(store, "What is Ann passionate about?")
+    assert "passion" in memory.expansion("What is Ann passionate about?", session_id="s")
+    assert memory.expansion("What is Ann passionate about?", session_id="nobody") == []
     off = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0, expand_terms=0))
     off.remember_turns("s", turns_of(pairs))
 
@@ -396,20 +396,26 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
 
     assert rank(memory) < rank(off)
     # Saved and loaded with the session; extended by later turns.
+    words = memory.vocabulary("s")
+    assert "passion" in words and "zumba" not in words
     memory.save(tmp_path / "m")
     again = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
-    vocab = again._vocab[id(again._sessions["s"])]
-    assert vocab.terms == memory._vocab[id(store)].terms
-    again.remember_turns("s", turns_of([("Passionate people again.", "Passionate!")], start=len(pairs)))
-    assert "passionate" in again._vocab[id(again._sessions["s"])].index
+    calls = again.embedder.calls
+    assert again.vocabulary("s") == words
+    assert again.embedder.calls == calls  # loaded with its vectors: no word embedded again
+    again.remember_turns("s", turns_of([("Zumba people again.", "Zumba!")], start=len(pairs)))
+    extended = again.vocabulary("s")
+    assert extended[: len(words)] == words and "zumba" in extended  # the new turn's words join
     again.forget_session("s")
-    assert again._vocab == {}
+    assert again.vocabulary("s") == [] and again.expansion("passionate", session_id="s") == []
     # A damaged vocabulary file is rebuilt from the session's words, not an error.
     saved = next((tmp_path / "m" / "sessions").iterdir()) / "vocabulary.npz"
     saved.write_bytes(b"not a zip")
     rebuilt = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
-    assert rebuilt._vocab == {}
-    assert "passion" in rebuilt._expansion(rebuilt._sessions["s"], "What is Ann passionate about?")
+    calls = rebuilt.embedder.calls
+    assert sorted(rebuilt.vocabulary("s")) == sorted(words)
+    assert rebuilt.embedder.calls > calls  # rebuilt: the words were embedded again
+    assert "passion" in rebuilt.expansion("What is Ann passionate about?", session_id="s")
 
 
 def test_query_expansion_by_the_whole_query_vector() -> None:
@@ -430,8 +436,7 @@ def test_query_expansion_by_the_whole_query_vector() -> None:
         config = RetrievalConfig(min_score=0.0, expand_terms=0, expand_query_words=words)
         memory = RetrievalMemory(InstrumentEncoder(), config=config)
         memory.remember_turns("s", turns_of(pairs))
-        store = memory._sessions["s"]
-        return memory, memory._expansion(store, question, memory.embedder.encode([question])[0])
+        return memory, memory.expansion(question, session_id="s")
 
     memory, words = setup(4)
     assert "piano" in words  # no word of the question, but near its meaning
@@ -580,6 +585,50 @@ def test_importing_does_not_load_heavy_modules() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_old_import_paths_still_work() -> None:
+    """convo.retrieval was one module; as a package it serves the same public names, and
+    ``convo`` serves the same objects (the moved names with a DeprecationWarning)."""
+    import warnings
+
+    import convo
+    import convo.retrieval as retrieval
+    from convo import dates
+
+    public = {
+        "BM25Index",
+        "Chunk",
+        "DEFAULT_CHUNK_TOKENS",
+        "DEFAULT_EXACT_MAX",
+        "DEFAULT_NPROBE",
+        "DEFAULT_OVERLAP_TOKENS",
+        "DocumentCollection",
+        "Fusion",
+        "NEAR_KEPT",
+        "RetrievalConfig",
+        "RetrievalMemory",
+        "TURN_LINES",
+        "VectorIndex",
+        "chunk_text",
+        "day_label",
+        "terms",
+    }
+    assert set(retrieval.__all__) == public
+    assert all(hasattr(retrieval, name) for name in public)
+    assert retrieval.DEFAULT_EXACT_MAX == 20_000 and retrieval.NEAR_KEPT == 8
+    assert retrieval.day_label is dates.day_label
+    assert convo.RetrievalMemory is RetrievalMemory and convo.DocumentCollection is DocumentCollection
+    for name in ("BM25Index", "Chunk", "RetrievalConfig", "VectorIndex", "chunk_text"):
+        with pytest.warns(DeprecationWarning):
+            assert getattr(convo, name) is getattr(retrieval, name)
+    with pytest.warns(DeprecationWarning, match="RetrievalMemory"):
+        assert retrieval.Memory is RetrievalMemory  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from convo.retrieval import BM25Index as again  # noqa: F401  (no warning)
+    with pytest.raises(AttributeError):
+        _ = retrieval.NoSuchName  # type: ignore[attr-defined]
+
+
 def test_missing_faiss_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "faiss", None)
     with pytest.raises(MissingDependency, match=r"convo\[retrieval\]"):
@@ -605,7 +654,9 @@ def test_minilm_one_query_matches_the_batched_vector(minilm) -> None:  # type: i
     # A single text takes the short path (straight through the modules); it must give the
     # vector sentence-transformers' own encode gives, also past the 256-token truncation.
     texts = ["Where did Maria go camping last summer?", " ".join(["word"] * 600)]
-    model = minilm._load()
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm.model_path, device="cpu", local_files_only=True)
     for text in texts:
         ours = minilm.encode([text])
         theirs = model.encode([text], normalize_embeddings=True, convert_to_numpy=True)
@@ -894,13 +945,23 @@ PINNED_NB = {k: v for k, v in PINNED.items() if k != "neighbour_weight"}
 
 
 def test_neighbour_order_runs_across_turns() -> None:
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig())
-    memory.remember_turns("s", turns_of([("a one", "b one"), ("a two", "b two")]))
-    store = memory._sessions["s"]
-    units = [u for i in range(2) for u in store.records[store.by_key[turn_key(i)]].units]
-    order = memory._order(store)
-    assert order[0, units].tolist() == [-1, *units[:-1]]  # previous message
-    assert order[1, units].tolist() == [*units[1:], -1]  # next message, across the turn boundary
+    # A line gains a share of the better of the lines right before and after it, across
+    # the boundary between turns too. No context line and no second hop, so only that
+    # share and the content prior (the long last line has the most words) move scores.
+    config = RetrievalConfig(min_score=0.0, neighbours=False, second_hop=0.0, episode_weight=0.0)
+    memory = RetrievalMemory(HashEncoder(), config=config)
+    pairs = [("alpha one", "bravo one"), ("charlie two", "delta two echo foxtrot golf")]
+    memory.remember_turns("s", turns_of(pairs))
+
+    def keys(query: str) -> list[str]:
+        return [p.key for p in memory.retrieve(query, session_id="s", top_k=4)]
+
+    # "bravo" (the last line of turn 0) lifts the next line, the first of turn 1, above
+    # the long last line.
+    assert keys("bravo") == [turn_key(0, 1), turn_key(0, 0), turn_key(1, 0), turn_key(1, 1)]
+    # "charlie" (the first line of turn 1) lifts the previous line, the last of turn 0,
+    # above the first line of turn 0.
+    assert keys("charlie") == [turn_key(1, 0), turn_key(1, 1), turn_key(0, 1), turn_key(0, 0)]
 
 
 def test_chat_indexing_one_turn_at_a_time_ranks_as_indexing_all_at_once() -> None:

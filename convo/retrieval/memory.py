@@ -235,6 +235,23 @@ class RetrievalMemory:
         store = self._sessions.get(session_id)
         return len(store) if store is not None else 0
 
+    def vocabulary(self, session_id: str) -> list[str]:
+        """The words of ``session_id``'s expansion vocabulary (words two or more of its
+        messages use; built on first use, saved with the session), in the order they were
+        added; ``[]`` for a session with no turns."""
+        store = self._sessions.get(session_id)
+        return list(self._vocabulary(store).terms) if store is not None else []
+
+    def expansion(self, query: str, *, session_id: str) -> list[str]:
+        """The words query expansion adds to the second hop's word search for ``query`` in
+        ``session_id``'s turns (see ``expand_terms`` and ``expand_query_words`` of
+        :class:`RetrievalConfig`): what :meth:`retrieve` looks for besides the query's own
+        words. ``[]`` for a session with no turns."""
+        store = self._sessions.get(session_id)
+        if store is None or not query.strip():
+            return []
+        return self._expansion(store, query, self.embedder.encode([query])[0])
+
     def _store(self, session_id: str) -> UnitStore:
         if not isinstance(session_id, str) or not session_id:
             raise ConfigError("session_id must be a non-empty string")

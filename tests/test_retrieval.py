@@ -522,6 +522,199 @@ def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) ->
     assert loaded.retrieve("parking level", session_id="s1", top_k=1)[0].key == turn_key(50, 0)
 
 
+# ---------------------------------------------------------------------------------------
+# Files on disk are checked, not trusted (issue 27)
+# ---------------------------------------------------------------------------------------
+
+SECRETS = {"a": "The vault code of Ann is 1234.", "b": "The vault code of Bea is 9876."}
+
+
+def saved_pair(folder: Path) -> Path:
+    """Two sessions of as many turns (so their unit ids match), each with a secret, saved."""
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    for sid, secret in SECRETS.items():
+        memory.remember_turns(sid, turns_of([(secret, "Noted."), *FILLER]))
+    memory.save(folder)
+    return folder
+
+
+def session_folder(folder: Path, sid: str) -> Path:
+    return folder / "sessions" / json.loads((folder / "memory.json").read_text())["sessions"][sid]
+
+
+def assert_never_crosses(folder: Path) -> None:
+    """Loading ``folder`` fails with a StoreError, or each session finds only its own secret."""
+    try:
+        loaded = RetrievalMemory.load(folder, embedder=HashEncoder())
+    except StoreError as exc:
+        assert "restore" in str(exc) or "delete" in str(exc)  # says what to do
+        return
+    for sid in SECRETS:
+        texts = [p.text for p in loaded.retrieve("vault code", session_id=sid, top_k=10)]
+        others = [s for other, s in SECRETS.items() if other != sid]
+        assert not any(o.split()[-1] in t for o in others for t in texts), (sid, texts)
+
+
+def test_saved_files_record_their_owner(tmp_path: Path) -> None:
+    folder = saved_pair(tmp_path / "m")
+    for sid in SECRETS:
+        data = json.loads((session_folder(folder, sid) / "passages.json").read_text())
+        assert data["owner"] == f"session:{sid}"
+    # A folder saved before owners were recorded still loads.
+    for sid in SECRETS:
+        path = session_folder(folder, sid) / "passages.json"
+        data = json.loads(path.read_text())
+        del data["owner"]
+        path.write_text(json.dumps(data))
+    loaded = RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert "1234" in loaded.retrieve("vault code", session_id="a", top_k=1)[0].text
+
+
+def test_swapped_passages_file_never_crosses_sessions(tmp_path: Path) -> None:
+    folder = saved_pair(tmp_path / "m")
+    a, b = session_folder(folder, "a"), session_folder(folder, "b")
+    (a / "passages.json").write_bytes((b / "passages.json").read_bytes())
+    with pytest.raises(StoreError, match="session"):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    # Also with the owner field gone (a file of an older save), and with the vectors too.
+    data = json.loads((a / "passages.json").read_text())
+    del data["owner"]
+    (a / "passages.json").write_text(json.dumps(data))
+    for name in ("vectors.faiss", "vectors.faiss.json"):
+        (a / name).write_bytes((b / name).read_bytes())
+    with pytest.raises(StoreError, match="session"):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert_never_crosses(folder)
+
+
+@pytest.mark.parametrize("escape", ["parent", "absolute", "other-session"])
+def test_memory_file_cannot_point_outside_or_at_another_session(tmp_path: Path, escape: str) -> None:
+    victim = saved_pair(tmp_path / "victim")
+    folder = saved_pair(tmp_path / "m")
+    meta = json.loads((folder / "memory.json").read_text())
+    target = session_folder(victim, "b")
+    meta["sessions"]["a"] = {
+        "parent": f"../../victim/sessions/{target.name}",
+        "absolute": str(target),
+        "other-session": meta["sessions"]["b"],
+    }[escape]
+    (folder / "memory.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert_never_crosses(folder)
+
+
+def test_collection_folder_cannot_escape(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    docs = DocumentCollection("kb", embedder=HashEncoder(), counter=cl100k)
+    docs.add_text("Invoices are paid within 30 days.", source="kb.md")
+    memory = RetrievalMemory(HashEncoder(), collections=[docs])
+    memory.save(tmp_path / "m")
+    docs.save(tmp_path / "outside")
+    meta = json.loads((tmp_path / "m" / "memory.json").read_text())
+    meta["collections"]["kb"] = "../../outside"
+    (tmp_path / "m" / "memory.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError):
+        RetrievalMemory.load(tmp_path / "m", embedder=HashEncoder(), counter=cl100k)
+
+
+def damage(data: dict, how: str) -> object:
+    if how == "not-an-object":
+        return [data]
+    if how == "missing-key":
+        return {k: v for k, v in data.items() if k not in ("records", "sessions", "dim")}
+    if how == "wrong-type":
+        return {**data, **{k: "x" for k in ("next_pid", "records", "sessions", "config", "dim")}}
+    if how == "bad-unit":  # a unit without its lexical text / a session folder that is a number
+        out = json.loads(json.dumps(data))
+        for rec in out.get("records", []):
+            rec["units"] = [u[:2] for u in rec["units"]]
+        for sid in out.get("sessions", {}):
+            out["sessions"][sid] = 7
+        return out
+    if how == "id-clash":  # two units with one id / an unknown setting
+        out = json.loads(json.dumps(data))
+        recs = out.get("records", [])
+        if len(recs) > 1:
+            recs[1]["units"][0][0] = recs[0]["units"][0][0]
+        if "config" in out:
+            out["config"]["no_such_option"] = 1
+        return out
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    ("which", "how"),
+    [
+        *itertools.product(
+            ["passages.json", "memory.json"],
+            ["not-an-object", "missing-key", "wrong-type", "bad-unit", "id-clash"],
+        ),
+        *itertools.product(["vectors.faiss.json"], ["not-an-object", "missing-key", "wrong-type"]),
+    ],
+)
+def test_damaged_files_raise_store_error(tmp_path: Path, which: str, how: str) -> None:
+    folder = saved_pair(tmp_path / "m")
+    path = folder / "memory.json" if which == "memory.json" else session_folder(folder, "a") / which
+    path.write_text(json.dumps(damage(json.loads(path.read_text()), how)))
+    with pytest.raises(StoreError) as info:
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert "restore" in str(info.value) or "delete" in str(info.value)
+
+
+def test_damaged_collection_file_raises_store_error(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    docs = DocumentCollection("kb", embedder=HashEncoder(), counter=cl100k)
+    docs.add_text("Invoices are paid within 30 days.", source="kb.md")
+    docs.save(tmp_path / "kb")
+    (tmp_path / "kb" / "collection.json").write_text(json.dumps({"format": 1, "name": "kb"}))
+    with pytest.raises(StoreError):
+        DocumentCollection.load(tmp_path / "kb", embedder=HashEncoder(), counter=cl100k)
+
+
+def vocabulary_memory() -> RetrievalMemory:
+    pairs = [
+        ("I have a real passion for the animal shelter.", "That is lovely."),
+        ("My passion is the shelter, every weekend.", "Good for you."),
+        ("Such a passionate match last night!", "Passionate fans too."),
+        *FILLER,
+    ]
+    memory = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns("s", turns_of(pairs))
+    memory.remember_turns("t", turns_of(FILLER))
+    return memory
+
+
+@pytest.mark.parametrize("field", ["near-too-high", "near-too-low", "not-finite", "owner"])
+def test_vocabulary_that_does_not_fit_is_rebuilt(tmp_path: Path, field: str) -> None:
+    memory = vocabulary_memory()
+    question = "What is Ann passionate about?"
+    before = memory.retrieve(question, session_id="s", top_k=5)
+    words = memory.vocabulary("s")
+    memory.save(tmp_path / "m")
+    path = session_folder(tmp_path / "m", "s") / "vocabulary.npz"
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    n = len(arrays["terms"])
+    if field == "near-too-high":
+        arrays["near"][:, 0] = n + 5  # ids past the words it holds
+    elif field == "near-too-low":
+        arrays["near"][:, 0] = -7
+    elif field == "not-finite":
+        arrays["vectors"][0, 0] = np.nan
+    else:  # the vocabulary of another session copied in
+        arrays = {k: v for k, v in arrays.items() if k != "owner"}
+        with np.load(session_folder(tmp_path / "m", "t") / "vocabulary.npz") as other:
+            arrays = {k: other[k] for k in other.files} if "owner" in other.files else arrays
+            if "owner" not in other.files:
+                pytest.fail("vocabulary.npz records no owner")
+    np.savez(path, **arrays)
+    loaded = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
+    calls = loaded.embedder.calls
+    again = loaded.retrieve(question, session_id="s", top_k=5)  # today: IndexError
+    assert loaded.embedder.calls > calls + 1  # rebuilt: words embedded, not only the query
+    assert [(p.key, round(p.score, 6)) for p in again] == [(p.key, round(p.score, 6)) for p in before]
+    assert sorted(loaded.vocabulary("s")) == sorted(words)
+
+
 def test_passages_feed_the_planner_inside_the_budget() -> None:
     counter = TiktokenCounter("cl100k_base")
     memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.05))

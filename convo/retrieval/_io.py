@@ -49,4 +49,34 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise StoreError(f"cannot read {path}: {exc}") from exc
+        raise StoreError(f"cannot read {path}: {exc}; check the path, or {DAMAGED_HINT}") from exc
+
+
+#: What a :class:`~convo.errors.StoreError` about a damaged saved file tells the caller to do.
+DAMAGED_HINT = "restore the folder from a backup, or delete it and index the turns again"
+
+
+def damaged(path: Path, problem: str) -> StoreError:
+    """The error for a saved file that cannot be used: where, what, and what to do."""
+    return StoreError(f"{path}: {problem}; {DAMAGED_HINT}")
+
+
+def child_folder(parent: Path, name: object) -> Path:
+    """``parent / name`` for a folder name read from a saved file, checked to stay inside
+    ``parent``: a plain name (no ``/``, ``..`` or absolute path), and no link that leads out.
+
+    Raises:
+        StoreError: ``name`` is not such a name.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or Path(name).name != name
+        or "\\" in name
+    ):
+        raise damaged(parent, f"folder name {name!r} is not a plain name inside it")
+    child = parent / name
+    if not child.resolve().is_relative_to(parent.resolve()):
+        raise damaged(parent, f"folder {name!r} leads outside it")
+    return child

@@ -20,7 +20,7 @@ from convo.embeddings import Embedder, TextEncoder
 from convo.errors import ConfigError, StoreError
 from convo.messages import Message
 from convo.plan import Passage
-from convo.retrieval._io import FORMAT, read_json, write_json
+from convo.retrieval._io import FORMAT, damaged, read_json, write_json
 from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.indexes.vector import DEFAULT_EXACT_MAX, DEFAULT_NPROBE
 from convo.retrieval.units import Record, UnitStore, passage_of
@@ -239,7 +239,7 @@ class DocumentCollection:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the collection to folder ``path`` (FAISS + JSON, atomically per file)."""
         folder = Path(path)
-        self._store.save(folder)
+        self._store.save(folder, owner=f"collection:{self.name}")
         write_json(
             folder / "collection.json",
             {
@@ -260,20 +260,37 @@ class DocumentCollection:
         embedder: TextEncoder | None = None,
         counter: TokenCounter | None = None,
     ) -> DocumentCollection:
-        """Read a collection written by :meth:`save`."""
+        """Read a collection written by :meth:`save`.
+
+        Raises:
+            StoreError: a file is missing or damaged, or its chunks are another
+                collection's.
+        """
         folder = Path(path)
-        meta = read_json(folder / "collection.json")
-        out = cls(
-            meta["name"],
-            embedder=embedder,
-            counter=counter,
-            chunk_tokens=int(meta["chunk_tokens"]),
-            overlap_tokens=int(meta["overlap_tokens"]),
-            exact_max=int(meta["exact_max"]),
-            config=RetrievalConfig(**meta["config"]),
-        )
+        meta_path = folder / "collection.json"
+        meta = read_json(meta_path)
+        try:
+            if not isinstance(meta, dict):
+                raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
+            if not isinstance(meta["name"], str):
+                raise TypeError("the name is not a string")
+            out = cls(
+                meta["name"],
+                embedder=embedder,
+                counter=counter,
+                chunk_tokens=int(meta["chunk_tokens"]),
+                overlap_tokens=int(meta["overlap_tokens"]),
+                exact_max=int(meta["exact_max"]),
+                config=RetrievalConfig(**meta["config"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+            raise damaged(meta_path, f"the file is damaged ({exc!r})") from exc
         out._store = UnitStore.load(
-            folder, out.embedder, exact_max=out._store.exact_max, nprobe=DEFAULT_NPROBE
+            folder,
+            out.embedder,
+            exact_max=out._store.exact_max,
+            nprobe=DEFAULT_NPROBE,
+            owner=f"collection:{out.name}",
         )
         return out
 

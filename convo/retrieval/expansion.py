@@ -10,6 +10,7 @@ play?" -> "piano"); the second hop searches them too.
 from __future__ import annotations
 
 import io
+import logging
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from convo.retrieval.indexes.bm25 import BM25Index, terms
 #: Nearest words each vocabulary word keeps for query expansion (at least
 #: ``RetrievalConfig.expand_terms``; the spare ones stand in for words grown too common).
 NEAR_KEPT = 8
+
+logger = logging.getLogger(__name__)
 
 
 class Vocabulary:
@@ -103,7 +106,8 @@ class Vocabulary:
                 self._cos[j, pos + 1 :] = self._cos[j, pos:-1].copy()
                 self._near[j, pos], self._cos[j, pos] = i, col[j]
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, *, owner: str) -> None:
+        """Write the vocabulary to ``path`` (``.npz``, no pickle), recording ``owner``."""
         n = len(self.terms)
         buf = io.BytesIO()
         np.savez(
@@ -112,30 +116,59 @@ class Vocabulary:
             vectors=self.vectors(),
             near=self._near[:n],
             cosines=self._cos[:n],
+            owner=np.asarray(owner, dtype=str),
         )
         write_atomic(path, buf.getvalue())
 
     @classmethod
-    def load(cls, path: Path, dim: int) -> Vocabulary | None:
-        """The vocabulary saved at ``path``, or ``None`` when there is none that fits (it
-        is then rebuilt from the session's words on first use)."""
+    def load(cls, path: Path, dim: int, *, owner: str) -> Vocabulary | None:
+        """The vocabulary saved at ``path`` for ``owner``, or ``None`` when there is none
+        that fits (it is then rebuilt from the session's words on first use): a file that
+        is damaged, of another owner, of vectors of another length, with nearest-word ids
+        outside its words or values that are not finite."""
         if not path.exists():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
-                words = data["terms"].tolist()
+                words = data["terms"]
                 vecs, near, cos = data["vectors"], data["near"], data["cosines"]
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+                saved_owner = str(data["owner"]) if "owner" in data.files else owner
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            logger.warning("%s cannot be read (%s); the vocabulary will be rebuilt", path, exc)
+            return None
+        problem = _misfit(words, vecs, near, cos, dim)
+        if saved_owner != owner:
+            problem = f"it belongs to {saved_owner!r}, not {owner!r}"
+        if problem:
+            logger.warning("%s does not fit: %s; the vocabulary will be rebuilt", path, problem)
             return None
         n = len(words)
-        if vecs.shape != (n, dim) or near.shape != (n, NEAR_KEPT) or cos.shape != (n, NEAR_KEPT):
-            return None
         out = cls(dim)
         out._grow(n)
-        out.terms = [str(t) for t in words]
+        out.terms = [str(t) for t in words.tolist()]
         out.index = {t: i for i, t in enumerate(out.terms)}
         out._vecs[:n], out._near[:n], out._cos[:n] = vecs, near, cos
         return out
+
+
+def _misfit(words: np.ndarray, vecs: np.ndarray, near: np.ndarray, cos: np.ndarray, dim: int) -> str:
+    """Why saved vocabulary arrays cannot be used (``""``: they can)."""
+    n = len(words)
+    if words.ndim != 1 or words.dtype.kind != "U":
+        return "the words are not a list of strings"
+    if vecs.shape != (n, dim) or near.shape != (n, NEAR_KEPT) or cos.shape != (n, NEAR_KEPT):
+        return f"the arrays' shapes do not fit {n} words of {dim} dimensions"
+    if len(set(words.tolist())) != n:
+        return "a word is listed twice"
+    if near.dtype.kind not in "iu" or vecs.dtype.kind != "f" or cos.dtype.kind != "f":
+        return "an array has the wrong type"
+    if near.size and (near.min() < -1 or near.max() >= n):
+        return f"a nearest-word id is outside [-1, {n})"
+    if not (np.isfinite(vecs).all() and np.isfinite(cos).all()):
+        return "a value is not finite"
+    if not np.array_equal(near < 0, cos == -2.0):
+        return "the nearest words and their cosines disagree"
+    return ""
 
 
 def expansion_words(

@@ -24,7 +24,7 @@ from convo.embeddings import Embedder, TextEncoder
 from convo.errors import ConfigError
 from convo.messages import Message
 from convo.plan import Passage, Turn, turn_key
-from convo.retrieval._io import FORMAT, read_json, write_json
+from convo.retrieval._io import FORMAT, child_folder, damaged, read_json, write_json
 from convo.retrieval.config import Fusion, RetrievalConfig
 from convo.retrieval.documents import DocumentCollection
 from convo.retrieval.expansion import Vocabulary, expansion_words
@@ -45,6 +45,11 @@ from convo.retrieval.units import Hit, Record, UnitStore, passage_of
 from convo.tokens import TokenCounter
 
 __all__ = ["RetrievalMemory"]
+
+
+def _owner(session_id: str) -> str:
+    """The owner recorded in a session's saved files."""
+    return f"session:{session_id}"
 
 
 def _speaker_line(message: Message) -> str:
@@ -487,10 +492,10 @@ class RetrievalMemory:
         sessions = {}
         for sid, store in self._sessions.items():
             sub = "s-" + hashlib.sha1(sid.encode("utf-8")).hexdigest()[:16]
-            store.save(folder / "sessions" / sub)
+            store.save(folder / "sessions" / sub, owner=_owner(sid))
             vocab = self._vocab.get(id(store))
             if vocab is not None:
-                vocab.save(folder / "sessions" / sub / "vocabulary.npz")
+                vocab.save(folder / "sessions" / sub / "vocabulary.npz", owner=_owner(sid))
             sessions[sid] = sub
         collections = {}
         for coll in self._shared:
@@ -519,23 +524,52 @@ class RetrievalMemory:
     ) -> RetrievalMemory:
         """Read a memory written by :meth:`save` (the embedder must be the same model).
 
+        What is read is checked, not trusted: the folders ``memory.json`` names must be
+        plain names inside ``path``; each session's files must be that session's (its
+        recorded owner, and the session id of every turn); ids must not clash. A
+        vocabulary that does not fit is rebuilt from the session's words on first use.
+
         Raises:
-            StoreError: a file is missing or inconsistent.
+            StoreError: a file is missing, damaged or another session's; the message
+                says what to do.
         """
         folder = Path(path)
-        meta = read_json(folder / "memory.json")
-        out = cls(embedder, config=RetrievalConfig(**meta["config"]), exact_max=int(meta["exact_max"]))
-        out.min_score = float(meta["min_score"])
-        for sid, sub in meta["sessions"].items():
-            store = out._sessions[sid] = UnitStore.load(
-                folder / "sessions" / sub, out.embedder, exact_max=out.exact_max, nprobe=DEFAULT_NPROBE
+        meta_path = folder / "memory.json"
+        meta = read_json(meta_path)
+        try:
+            if not isinstance(meta, dict):
+                raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
+            if meta["format"] != FORMAT:
+                raise ValueError(f"unknown format {meta['format']!r}")
+            config = RetrievalConfig(**meta["config"])
+            exact_max, min_score = int(meta["exact_max"]), float(meta["min_score"])
+            sessions, collections = dict(meta["sessions"]), dict(meta["collections"])
+            if not all(isinstance(k, str) and k for k in [*sessions, *collections]):
+                raise TypeError("a session id or collection name is not a non-empty string")
+        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+            raise damaged(meta_path, f"the file is damaged ({exc!r})") from exc
+        out = cls(embedder, config=config, exact_max=exact_max)
+        out.min_score = min_score
+        for sid, sub in sessions.items():
+            sub_folder = child_folder(folder / "sessions", sub)
+            store = UnitStore.load(
+                sub_folder, out.embedder, exact_max=out.exact_max, nprobe=DEFAULT_NPROBE, owner=_owner(sid)
             )
-            vocab = Vocabulary.load(folder / "sessions" / sub / "vocabulary.npz", out.embedder.dim)
+            strangers = {rec.meta.get("session_id") for rec in store.records.values()} - {sid}
+            if strangers:
+                raise damaged(
+                    sub_folder / "passages.json",
+                    f"it holds turns of session {sorted(map(str, strangers))[0]!r}, not of session {sid!r}",
+                )
+            out._sessions[sid] = store
+            vocab = Vocabulary.load(sub_folder / "vocabulary.npz", out.embedder.dim, owner=_owner(sid))
             if vocab is not None:  # else rebuilt on first use
                 out._vocab[id(store)] = vocab
                 out._word_vectors.update(zip(vocab.terms, vocab.vectors(), strict=True))
-        for sub in meta["collections"].values():
-            out._shared.append(
-                DocumentCollection.load(folder / "collections" / sub, embedder=out.embedder, counter=counter)
-            )
+        for name, sub in collections.items():
+            sub_folder = child_folder(folder / "collections", sub)
+            coll = DocumentCollection.load(sub_folder, embedder=out.embedder, counter=counter)
+            if coll.name != name:
+                raise damaged(sub_folder, f"it holds collection {coll.name!r}, not {name!r}")
+            out._shared.append(coll)
         return out

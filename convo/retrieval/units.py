@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 
 from convo.embeddings import TextEncoder
-from convo.errors import StoreError
 from convo.plan import Passage
-from convo.retrieval._io import FORMAT, read_json, write_json
+from convo.retrieval._io import FORMAT, damaged, read_json, write_json
 from convo.retrieval.config import Fusion, RetrievalConfig
 from convo.retrieval.indexes.bm25 import BM25Index
 from convo.retrieval.indexes.vector import VectorIndex
@@ -169,12 +168,16 @@ class UnitStore:
         return self.hits(fused, dense, lexical, n)
 
     # -- persistence ------------------------------------------------------------------------
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, *, owner: str) -> None:
+        """Write the store to ``folder`` (``passages.json``, ``vectors.faiss``), recording
+        ``owner`` (``"session:<id>"``, ``"collection:<name>"``) so that :meth:`load` can
+        tell a file copied in from another store."""
         folder.mkdir(parents=True, exist_ok=True)
         if self.vectors is not None:
             self.vectors.save(folder / "vectors.faiss")
         data = {
             "format": FORMAT,
+            "owner": owner,
             "next_pid": self._next_pid,
             "next_uid": self._next_uid,
             "has_vectors": self.vectors is not None,
@@ -193,28 +196,89 @@ class UnitStore:
         write_json(folder / "passages.json", data)
 
     @classmethod
-    def load(cls, folder: Path, encoder: TextEncoder, *, exact_max: int, nprobe: int) -> UnitStore:
-        data = read_json(folder / "passages.json")
+    def load(
+        cls, folder: Path, encoder: TextEncoder, *, exact_max: int, nprobe: int, owner: str
+    ) -> UnitStore:
+        """Read the store :meth:`save` wrote to ``folder`` for ``owner``.
+
+        Checked, not trusted: ids are ints that grow through the file and stay below the
+        next ids (a new turn never takes an id in use), keys are unique, every unit has
+        its vector, and a recorded owner must be ``owner`` (files saved before owners were
+        recorded have none).
+
+        Raises:
+            StoreError: a file is missing or damaged, or belongs to another owner.
+        """
+        path = folder / "passages.json"
+        data = read_json(path)
+        if isinstance(data, dict) and data.get("owner", owner) != owner:
+            raise damaged(path, f"it belongs to {data['owner']!r}, not {owner!r} (copied in from another)")
         store = cls(encoder, exact_max=exact_max, nprobe=nprobe)
-        store._next_pid = int(data["next_pid"])
-        store._next_uid = int(data["next_uid"])
-        for item in data["records"]:
-            rec = Record(text=item["text"], source=item["source"], key=item["key"], meta=item["meta"])
-            pid = int(item["pid"])
-            store.records[pid] = rec
-            if rec.key:
-                store.by_key[rec.key] = pid
-            for uid, text, lx in item["units"]:
-                rec.units.append(int(uid))
-                store.unit_owner[int(uid)] = pid
-                store.unit_text[int(uid)] = text
-                store.unit_lex[int(uid)] = lx
-                store.lexical.add(int(uid), lx)
-        if data["has_vectors"]:
+        try:
+            has_vectors = store._read_records(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise damaged(path, f"the file is damaged ({exc!r})") from exc
+        if has_vectors:
             store.vectors = VectorIndex.load(folder / "vectors.faiss")
             if set(store.unit_owner) != store.vectors.ids:
-                raise StoreError(f"{folder}: vectors and passages disagree; the save was partial")
+                raise damaged(
+                    folder, "its vectors and passages disagree (a partial save, or a file copied in)"
+                )
         return store
+
+    def _read_records(self, data: Any) -> bool:
+        """Fill this empty store from ``passages.json``'s content; returns ``has_vectors``.
+
+        Raises:
+            KeyError, TypeError, ValueError: the content is not what :meth:`save` writes.
+        """
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+        if data["format"] != FORMAT:
+            raise ValueError(f"unknown format {data['format']!r}")
+        self._next_pid, self._next_uid = _id(data["next_pid"]), _id(data["next_uid"])
+        if not isinstance(data["has_vectors"], bool):
+            raise TypeError("has_vectors is not a boolean")
+        last_pid = last_uid = -1
+        for item in data["records"]:
+            rec = Record(
+                text=_text(item["text"]),
+                source=_text(item["source"]),
+                key=_text(item["key"]),
+                meta=item["meta"],
+            )
+            if not isinstance(rec.meta, dict):
+                raise TypeError(f"the meta of record {item['pid']!r} is not an object")
+            pid = last_pid = _id(item["pid"], after=last_pid, below=self._next_pid)
+            if rec.key and rec.key in self.by_key:
+                raise ValueError(f"two records are keyed {rec.key!r}")
+            self.records[pid] = rec
+            if rec.key:
+                self.by_key[rec.key] = pid
+            for uid, text, lx in item["units"]:
+                uid = last_uid = _id(uid, after=last_uid, below=self._next_uid)
+                rec.units.append(uid)
+                self.unit_owner[uid] = pid
+                self.unit_text[uid] = _text(text)
+                self.unit_lex[uid] = _text(lx)
+                self.lexical.add(uid, lx)
+        return bool(data["has_vectors"])
+
+
+def _id(value: Any, *, after: int = -1, below: int | None = None) -> int:
+    """``value`` as a saved id: an int above ``after`` (ids grow through the file) and
+    below ``below``; else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"id {value!r} is not an int")
+    if value <= after or (below is not None and value >= below):
+        raise ValueError(f"id {value} is out of order or past the next id ({after} < id < {below})")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def passage_of(rec: Record, hit: Hit, text: str | None = None) -> Passage:

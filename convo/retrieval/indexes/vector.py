@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from convo.errors import ConfigError, MissingDependency, StoreError
-from convo.retrieval._io import FORMAT, read_json, write_json
+from convo.errors import ConfigError, MissingDependency
+from convo.retrieval._io import FORMAT, damaged, read_json, write_json
 
 #: Above this many vectors a :class:`VectorIndex` becomes approximate (IVF). Exact search
 #: over 20,000 MiniLM vectors takes about a millisecond per query on one core.
@@ -213,15 +213,24 @@ class VectorIndex:
         """
         faiss = faiss_module()
         target = Path(path)
-        meta = read_json(target.with_name(target.name + ".json"))
+        meta_path = target.with_name(target.name + ".json")
+        meta = read_json(meta_path)
+        try:
+            dim, exact_max, nprobe, count = (int(meta[k]) for k in ("dim", "exact_max", "nprobe", "count"))
+            kind = meta["kind"]
+            out = cls(dim, exact_max=exact_max, nprobe=nprobe)
+        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+            raise damaged(meta_path, f"damaged index settings ({exc!r})") from exc
         try:
             raw = faiss.read_index(str(target))
         except Exception as exc:
-            raise StoreError(f"cannot read FAISS index {target}: {exc}") from exc
-        out = cls(int(meta["dim"]), exact_max=int(meta["exact_max"]), nprobe=int(meta["nprobe"]))
+            raise damaged(target, f"cannot read the FAISS index ({exc})") from exc
+        want = {"flat": faiss.IndexIDMap2, "ivf": faiss.IndexIVFFlat}.get(kind)
+        if want is None or not isinstance(raw, want):
+            raise damaged(target, f"the index is not of the kind its settings name ({kind!r})")
         # read_index returns the concrete, owning type; a downcast view would dangle.
         out._index = raw
-        if meta["kind"] == "flat":
+        if kind == "flat":
             ids, vecs = out._dump()
         else:
             raw.nprobe = min(out.nprobe, raw.nlist)
@@ -240,6 +249,6 @@ class VectorIndex:
             vecs = np.concatenate(codes) if codes else np.zeros((0, out.dim), np.float32)
         out._ids = {int(i) for i in ids}
         out._vecs = dict(zip((int(i) for i in ids), vecs, strict=True))
-        if out._index.d != out.dim or len(out._ids) != int(meta["count"]):
-            raise StoreError(f"{target}: index and metadata disagree; the save was partial")
+        if out._index.d != out.dim or len(out._ids) != count:
+            raise damaged(target, "the index and its settings disagree (a partial save)")
         return out

@@ -251,7 +251,9 @@ class RetrievalMemory:
         """The words query expansion adds to the second hop's word search for ``query`` in
         ``session_id``'s turns (see ``expand_terms`` and ``expand_query_words`` of
         :class:`RetrievalConfig`): what :meth:`retrieve` looks for besides the query's own
-        words. ``[]`` for a session with no turns."""
+        words (it asks with the names of the speakers the query names taken out, see
+        ``strip_names``; here ``query`` is used as given). ``[]`` for a session with no
+        turns."""
         store = self._sessions.get(session_id)
         if store is None or not query.strip():
             return []

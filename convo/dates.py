@@ -18,9 +18,9 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 
-__all__ = ["DaySpan", "parse_day", "time_spans"]
+__all__ = ["DaySpan", "as_day", "day_label", "parse_day", "time_spans"]
 
 _MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_name) if name}
 _MONTHS.update({name.lower(): i for i, name in enumerate(calendar.month_abbr) if name})
@@ -287,3 +287,32 @@ def time_spans(query: str, years: Iterable[int] = (), *, today: date | None = No
             spans.append(_bounded(DaySpan(date(year, 1, 1), date(year, 12, 31)), query, m.start()))
             take(m)
     return spans
+
+
+_ISO_DAY = re.compile(r"^(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}\S*$")
+
+
+@functools.lru_cache(maxsize=4096)
+def day_label(date: str) -> str:
+    """The day of a turn's date, as a short group label: the time of day is dropped
+    (``"1:56 pm on 8 May, 2023"`` -> ``"8 May 2023"``, ``"2023-05-08T13:56"`` ->
+    ``"2023-05-08"``); a date in another form is kept as it is."""
+    text = date.strip()
+    m = _ISO_DAY.match(text)
+    if m:
+        return m.group(1)
+    day = _TIME_OF_DAY.sub("", text, count=1)
+    day = re.sub(r",\s*(\d{4})\b", r" \1", day).strip()
+    return day or text
+
+
+def as_day(value: date | str | None) -> date | None:
+    """A day from a ``date``, a ``datetime`` or a date string (read by :func:`parse_day`);
+    ``None`` when it has none."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.date()
+    if isinstance(value, date):
+        return value
+    return parse_day(str(value))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import date
+from datetime import date, datetime
 
 import pytest
 
-from convo.dates import DaySpan, parse_day, time_spans
+from convo.dates import DaySpan, as_day, day_label, parse_day, time_spans
 
 
 @pytest.mark.parametrize(
@@ -115,3 +115,17 @@ def test_relative_phrases_count_from_today() -> None:
     assert since == DaySpan(date(2026, 11, 23), date.max)
     assert rel("in June 2025 and yesterday") == [("2025-06-01", "2025-06-30"), ("2026-11-30", "2026-11-30")]
     assert time_spans("What did I say yesterday?") == []  # no today: not read
+
+
+def test_as_day_reads_dates_datetimes_and_strings() -> None:
+    assert as_day(None) is None
+    assert as_day(date(2023, 5, 8)) == date(2023, 5, 8)
+    assert as_day(datetime(2023, 5, 8, 13, 56)) == date(2023, 5, 8)
+    assert as_day("1:56 pm on 8 May, 2023") == date(2023, 5, 8)
+    assert as_day("someday") is None
+
+
+def test_day_label_keeps_the_day_of_a_turn_date() -> None:
+    assert day_label("10:37 am on 27 June, 2023") == "27 June 2023"
+    assert day_label("2023-06-27 10:37") == "2023-06-27"
+    assert day_label("last spring") == "last spring"

@@ -343,15 +343,16 @@ def test_relative_time_counts_from_the_day_the_question_is_asked() -> None:
 
 
 def test_vocabulary_keeps_each_words_nearest_as_words_arrive() -> None:
-    from convo.retrieval import NEAR_KEPT, _Vocabulary
+    from convo.retrieval import NEAR_KEPT
+    from convo.retrieval.expansion import Vocabulary
 
     words = [f"w{i}" for i in range(40)]
     vecs = unit_vectors(40, 16, seed=3)
-    step = _Vocabulary(16)
+    step = Vocabulary(16)
     for start in (0, 5, 6, 23):  # added in uneven batches
         end = {0: 5, 5: 6, 6: 23, 23: 40}[start]
         step.add(words[start:end], vecs[start:end])
-    whole = _Vocabulary(16)
+    whole = Vocabulary(16)
     whole._CHUNK = 7  # chunked comparison gives the same lists
     whole.add(words, vecs)
     sims = vecs @ vecs.T
@@ -384,8 +385,8 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
     ]
     memory = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0))
     memory.remember_turns("s", turns_of(pairs))
-    store = memory._sessions["s"]
-    assert "passion" in memory._expansion(store, "What is Ann passionate about?")
+    assert "passion" in memory.expansion("What is Ann passionate about?", session_id="s")
+    assert memory.expansion("What is Ann passionate about?", session_id="nobody") == []
     off = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0, expand_terms=0))
     off.remember_turns("s", turns_of(pairs))
 
@@ -395,20 +396,26 @@ def test_query_expansion_finds_messages_through_nearby_words(tmp_path: Path) -> 
 
     assert rank(memory) < rank(off)
     # Saved and loaded with the session; extended by later turns.
+    words = memory.vocabulary("s")
+    assert "passion" in words and "zumba" not in words
     memory.save(tmp_path / "m")
     again = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
-    vocab = again._vocab[id(again._sessions["s"])]
-    assert vocab.terms == memory._vocab[id(store)].terms
-    again.remember_turns("s", turns_of([("Passionate people again.", "Passionate!")], start=len(pairs)))
-    assert "passionate" in again._vocab[id(again._sessions["s"])].index
+    calls = again.embedder.calls
+    assert again.vocabulary("s") == words
+    assert again.embedder.calls == calls  # loaded with its vectors: no word embedded again
+    again.remember_turns("s", turns_of([("Zumba people again.", "Zumba!")], start=len(pairs)))
+    extended = again.vocabulary("s")
+    assert extended[: len(words)] == words and "zumba" in extended  # the new turn's words join
     again.forget_session("s")
-    assert again._vocab == {}
+    assert again.vocabulary("s") == [] and again.expansion("passionate", session_id="s") == []
     # A damaged vocabulary file is rebuilt from the session's words, not an error.
     saved = next((tmp_path / "m" / "sessions").iterdir()) / "vocabulary.npz"
     saved.write_bytes(b"not a zip")
     rebuilt = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
-    assert rebuilt._vocab == {}
-    assert "passion" in rebuilt._expansion(rebuilt._sessions["s"], "What is Ann passionate about?")
+    calls = rebuilt.embedder.calls
+    assert sorted(rebuilt.vocabulary("s")) == sorted(words)
+    assert rebuilt.embedder.calls > calls  # rebuilt: the words were embedded again
+    assert "passion" in rebuilt.expansion("What is Ann passionate about?", session_id="s")
 
 
 def test_query_expansion_by_the_whole_query_vector() -> None:
@@ -429,8 +436,7 @@ def test_query_expansion_by_the_whole_query_vector() -> None:
         config = RetrievalConfig(min_score=0.0, expand_terms=0, expand_query_words=words)
         memory = RetrievalMemory(InstrumentEncoder(), config=config)
         memory.remember_turns("s", turns_of(pairs))
-        store = memory._sessions["s"]
-        return memory, memory._expansion(store, question, memory.embedder.encode([question])[0])
+        return memory, memory.expansion(question, session_id="s")
 
     memory, words = setup(4)
     assert "piano" in words  # no word of the question, but near its meaning
@@ -445,22 +451,19 @@ def test_query_expansion_by_the_whole_query_vector() -> None:
 
 
 def test_second_hop_seeds_come_from_different_days() -> None:
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0, hop_seeds=2))
-    turns = turns_of(
-        [("Pottery class today.", "Fun!"), ("More pottery.", "Nice."), ("Camping trip.", "Cool.")]
-    )
-    memory.remember_turns("s", turns, dates={0: "1 May 2023", 1: "1 May 2023", 2: "9 May 2023"})
-    store = memory._sessions["s"]
-    units = [u for rec in sorted(store.records.values(), key=lambda r: r.meta["turn"]) for u in rec.units]
+    from convo.retrieval.ranking import hop_seeds
+
+    # Three turns of two messages: units 0-3 on 1 May, 4-5 on 9 May.
+    units = list(range(6))
+    episode_of = {u: "date:1 May 2023" if u < 4 else "date:9 May 2023" for u in units}
     fused = {u: 1.0 - 0.01 * i for i, u in enumerate(units)}
     ranking = sorted(fused, key=lambda u: -fused[u])
-    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[4]]  # one per day
-    memory.config = RetrievalConfig(min_score=0.0, hop_seeds=2, hop_distinct_days=False)
-    assert memory._hop_seeds(store, fused, ranking) == [units[0], units[1]]
+    config = RetrievalConfig(min_score=0.0, hop_seeds=2)
+    assert hop_seeds(fused, ranking, episode_of, config) == [units[0], units[4]]  # one per day
+    same_day = RetrievalConfig(min_score=0.0, hop_seeds=2, hop_distinct_days=False)
+    assert hop_seeds(fused, ranking, episode_of, same_day) == [units[0], units[1]]
     fused[units[4]] = fused[units[5]] = 0.4  # an also-ran is no seed, even from another day
-    assert RetrievalMemory(HashEncoder(), config=RetrievalConfig(hop_seeds=2))._hop_seeds(
-        store, fused, ranking
-    ) == [units[0]]
+    assert hop_seeds(fused, ranking, episode_of, RetrievalConfig(hop_seeds=2)) == [units[0]]
 
 
 def test_memory_forget_really_forgets() -> None:
@@ -517,6 +520,199 @@ def test_memory_save_load_round_trip(tmp_path: Path, cl100k: TiktokenCounter) ->
     # Turns indexed after a load keep distinct ids.
     loaded.remember_turns("s1", turns_of([("Parking is on level 3.", "OK.")], start=50))
     assert loaded.retrieve("parking level", session_id="s1", top_k=1)[0].key == turn_key(50, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Files on disk are checked, not trusted (issue 27)
+# ---------------------------------------------------------------------------------------
+
+SECRETS = {"a": "The vault code of Ann is 1234.", "b": "The vault code of Bea is 9876."}
+
+
+def saved_pair(folder: Path) -> Path:
+    """Two sessions of as many turns (so their unit ids match), each with a secret, saved."""
+    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig(min_score=0.0))
+    for sid, secret in SECRETS.items():
+        memory.remember_turns(sid, turns_of([(secret, "Noted."), *FILLER]))
+    memory.save(folder)
+    return folder
+
+
+def session_folder(folder: Path, sid: str) -> Path:
+    return folder / "sessions" / json.loads((folder / "memory.json").read_text())["sessions"][sid]
+
+
+def assert_never_crosses(folder: Path) -> None:
+    """Loading ``folder`` fails with a StoreError, or each session finds only its own secret."""
+    try:
+        loaded = RetrievalMemory.load(folder, embedder=HashEncoder())
+    except StoreError as exc:
+        assert "restore" in str(exc) or "delete" in str(exc)  # says what to do
+        return
+    for sid in SECRETS:
+        texts = [p.text for p in loaded.retrieve("vault code", session_id=sid, top_k=10)]
+        others = [s for other, s in SECRETS.items() if other != sid]
+        assert not any(o.split()[-1] in t for o in others for t in texts), (sid, texts)
+
+
+def test_saved_files_record_their_owner(tmp_path: Path) -> None:
+    folder = saved_pair(tmp_path / "m")
+    for sid in SECRETS:
+        data = json.loads((session_folder(folder, sid) / "passages.json").read_text())
+        assert data["owner"] == f"session:{sid}"
+    # A folder saved before owners were recorded still loads.
+    for sid in SECRETS:
+        path = session_folder(folder, sid) / "passages.json"
+        data = json.loads(path.read_text())
+        del data["owner"]
+        path.write_text(json.dumps(data))
+    loaded = RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert "1234" in loaded.retrieve("vault code", session_id="a", top_k=1)[0].text
+
+
+def test_swapped_passages_file_never_crosses_sessions(tmp_path: Path) -> None:
+    folder = saved_pair(tmp_path / "m")
+    a, b = session_folder(folder, "a"), session_folder(folder, "b")
+    (a / "passages.json").write_bytes((b / "passages.json").read_bytes())
+    with pytest.raises(StoreError, match="session"):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    # Also with the owner field gone (a file of an older save), and with the vectors too.
+    data = json.loads((a / "passages.json").read_text())
+    del data["owner"]
+    (a / "passages.json").write_text(json.dumps(data))
+    for name in ("vectors.faiss", "vectors.faiss.json"):
+        (a / name).write_bytes((b / name).read_bytes())
+    with pytest.raises(StoreError, match="session"):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert_never_crosses(folder)
+
+
+@pytest.mark.parametrize("escape", ["parent", "absolute", "other-session"])
+def test_memory_file_cannot_point_outside_or_at_another_session(tmp_path: Path, escape: str) -> None:
+    victim = saved_pair(tmp_path / "victim")
+    folder = saved_pair(tmp_path / "m")
+    meta = json.loads((folder / "memory.json").read_text())
+    target = session_folder(victim, "b")
+    meta["sessions"]["a"] = {
+        "parent": f"../../victim/sessions/{target.name}",
+        "absolute": str(target),
+        "other-session": meta["sessions"]["b"],
+    }[escape]
+    (folder / "memory.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError):
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert_never_crosses(folder)
+
+
+def test_collection_folder_cannot_escape(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    docs = DocumentCollection("kb", embedder=HashEncoder(), counter=cl100k)
+    docs.add_text("Invoices are paid within 30 days.", source="kb.md")
+    memory = RetrievalMemory(HashEncoder(), collections=[docs])
+    memory.save(tmp_path / "m")
+    docs.save(tmp_path / "outside")
+    meta = json.loads((tmp_path / "m" / "memory.json").read_text())
+    meta["collections"]["kb"] = "../../outside"
+    (tmp_path / "m" / "memory.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError):
+        RetrievalMemory.load(tmp_path / "m", embedder=HashEncoder(), counter=cl100k)
+
+
+def damage(data: dict, how: str) -> object:
+    if how == "not-an-object":
+        return [data]
+    if how == "missing-key":
+        return {k: v for k, v in data.items() if k not in ("records", "sessions", "dim")}
+    if how == "wrong-type":
+        return {**data, **{k: "x" for k in ("next_pid", "records", "sessions", "config", "dim")}}
+    if how == "bad-unit":  # a unit without its lexical text / a session folder that is a number
+        out = json.loads(json.dumps(data))
+        for rec in out.get("records", []):
+            rec["units"] = [u[:2] for u in rec["units"]]
+        for sid in out.get("sessions", {}):
+            out["sessions"][sid] = 7
+        return out
+    if how == "id-clash":  # two units with one id / an unknown setting
+        out = json.loads(json.dumps(data))
+        recs = out.get("records", [])
+        if len(recs) > 1:
+            recs[1]["units"][0][0] = recs[0]["units"][0][0]
+        if "config" in out:
+            out["config"]["no_such_option"] = 1
+        return out
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    ("which", "how"),
+    [
+        *itertools.product(
+            ["passages.json", "memory.json"],
+            ["not-an-object", "missing-key", "wrong-type", "bad-unit", "id-clash"],
+        ),
+        *itertools.product(["vectors.faiss.json"], ["not-an-object", "missing-key", "wrong-type"]),
+    ],
+)
+def test_damaged_files_raise_store_error(tmp_path: Path, which: str, how: str) -> None:
+    folder = saved_pair(tmp_path / "m")
+    path = folder / "memory.json" if which == "memory.json" else session_folder(folder, "a") / which
+    path.write_text(json.dumps(damage(json.loads(path.read_text()), how)))
+    with pytest.raises(StoreError) as info:
+        RetrievalMemory.load(folder, embedder=HashEncoder())
+    assert "restore" in str(info.value) or "delete" in str(info.value)
+
+
+def test_damaged_collection_file_raises_store_error(tmp_path: Path, cl100k: TiktokenCounter) -> None:
+    docs = DocumentCollection("kb", embedder=HashEncoder(), counter=cl100k)
+    docs.add_text("Invoices are paid within 30 days.", source="kb.md")
+    docs.save(tmp_path / "kb")
+    (tmp_path / "kb" / "collection.json").write_text(json.dumps({"format": 1, "name": "kb"}))
+    with pytest.raises(StoreError):
+        DocumentCollection.load(tmp_path / "kb", embedder=HashEncoder(), counter=cl100k)
+
+
+def vocabulary_memory() -> RetrievalMemory:
+    pairs = [
+        ("I have a real passion for the animal shelter.", "That is lovely."),
+        ("My passion is the shelter, every weekend.", "Good for you."),
+        ("Such a passionate match last night!", "Passionate fans too."),
+        *FILLER,
+    ]
+    memory = RetrievalMemory(WordEncoder(), config=RetrievalConfig(min_score=0.0))
+    memory.remember_turns("s", turns_of(pairs))
+    memory.remember_turns("t", turns_of(FILLER))
+    return memory
+
+
+@pytest.mark.parametrize("field", ["near-too-high", "near-too-low", "not-finite", "owner"])
+def test_vocabulary_that_does_not_fit_is_rebuilt(tmp_path: Path, field: str) -> None:
+    memory = vocabulary_memory()
+    question = "What is Ann passionate about?"
+    before = memory.retrieve(question, session_id="s", top_k=5)
+    words = memory.vocabulary("s")
+    memory.save(tmp_path / "m")
+    path = session_folder(tmp_path / "m", "s") / "vocabulary.npz"
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    n = len(arrays["terms"])
+    if field == "near-too-high":
+        arrays["near"][:, 0] = n + 5  # ids past the words it holds
+    elif field == "near-too-low":
+        arrays["near"][:, 0] = -7
+    elif field == "not-finite":
+        arrays["vectors"][0, 0] = np.nan
+    else:  # the vocabulary of another session copied in
+        arrays = {k: v for k, v in arrays.items() if k != "owner"}
+        with np.load(session_folder(tmp_path / "m", "t") / "vocabulary.npz") as other:
+            arrays = {k: other[k] for k in other.files} if "owner" in other.files else arrays
+            if "owner" not in other.files:
+                pytest.fail("vocabulary.npz records no owner")
+    np.savez(path, **arrays)
+    loaded = RetrievalMemory.load(tmp_path / "m", embedder=WordEncoder())
+    calls = loaded.embedder.calls
+    again = loaded.retrieve(question, session_id="s", top_k=5)  # today: IndexError
+    assert loaded.embedder.calls > calls + 1  # rebuilt: words embedded, not only the query
+    assert [(p.key, round(p.score, 6)) for p in again] == [(p.key, round(p.score, 6)) for p in before]
+    assert sorted(loaded.vocabulary("s")) == sorted(words)
 
 
 def test_passages_feed_the_planner_inside_the_budget() -> None:
@@ -582,6 +778,50 @@ def test_importing_does_not_load_heavy_modules() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_old_import_paths_still_work() -> None:
+    """convo.retrieval was one module; as a package it serves the same public names, and
+    ``convo`` serves the same objects (the moved names with a DeprecationWarning)."""
+    import warnings
+
+    import convo
+    import convo.retrieval as retrieval
+    from convo import dates
+
+    public = {
+        "BM25Index",
+        "Chunk",
+        "DEFAULT_CHUNK_TOKENS",
+        "DEFAULT_EXACT_MAX",
+        "DEFAULT_NPROBE",
+        "DEFAULT_OVERLAP_TOKENS",
+        "DocumentCollection",
+        "Fusion",
+        "NEAR_KEPT",
+        "RetrievalConfig",
+        "RetrievalMemory",
+        "TURN_LINES",
+        "VectorIndex",
+        "chunk_text",
+        "day_label",
+        "terms",
+    }
+    assert set(retrieval.__all__) == public
+    assert all(hasattr(retrieval, name) for name in public)
+    assert retrieval.DEFAULT_EXACT_MAX == 20_000 and retrieval.NEAR_KEPT == 8
+    assert retrieval.day_label is dates.day_label
+    assert convo.RetrievalMemory is RetrievalMemory and convo.DocumentCollection is DocumentCollection
+    for name in ("BM25Index", "Chunk", "RetrievalConfig", "VectorIndex", "chunk_text"):
+        with pytest.warns(DeprecationWarning):
+            assert getattr(convo, name) is getattr(retrieval, name)
+    with pytest.warns(DeprecationWarning, match="RetrievalMemory"):
+        assert retrieval.Memory is RetrievalMemory  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from convo.retrieval import BM25Index as again  # noqa: F401  (no warning)
+    with pytest.raises(AttributeError):
+        _ = retrieval.NoSuchName  # type: ignore[attr-defined]
+
+
 def test_missing_faiss_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "faiss", None)
     with pytest.raises(MissingDependency, match=r"convo\[retrieval\]"):
@@ -607,7 +847,9 @@ def test_minilm_one_query_matches_the_batched_vector(minilm) -> None:  # type: i
     # A single text takes the short path (straight through the modules); it must give the
     # vector sentence-transformers' own encode gives, also past the 256-token truncation.
     texts = ["Where did Maria go camping last summer?", " ".join(["word"] * 600)]
-    model = minilm._load()
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm.model_path, device="cpu", local_files_only=True)
     for text in texts:
         ours = minilm.encode([text])
         theirs = model.encode([text], normalize_embeddings=True, convert_to_numpy=True)
@@ -896,13 +1138,23 @@ PINNED_NB = {k: v for k, v in PINNED.items() if k != "neighbour_weight"}
 
 
 def test_neighbour_order_runs_across_turns() -> None:
-    memory = RetrievalMemory(HashEncoder(), config=RetrievalConfig())
-    memory.remember_turns("s", turns_of([("a one", "b one"), ("a two", "b two")]))
-    store = memory._sessions["s"]
-    units = [u for i in range(2) for u in store.records[store.by_key[turn_key(i)]].units]
-    order = memory._order(store)
-    assert order[0, units].tolist() == [-1, *units[:-1]]  # previous message
-    assert order[1, units].tolist() == [*units[1:], -1]  # next message, across the turn boundary
+    # A line gains a share of the better of the lines right before and after it, across
+    # the boundary between turns too. No context line and no second hop, so only that
+    # share and the content prior (the long last line has the most words) move scores.
+    config = RetrievalConfig(min_score=0.0, neighbours=False, second_hop=0.0, episode_weight=0.0)
+    memory = RetrievalMemory(HashEncoder(), config=config)
+    pairs = [("alpha one", "bravo one"), ("charlie two", "delta two echo foxtrot golf")]
+    memory.remember_turns("s", turns_of(pairs))
+
+    def keys(query: str) -> list[str]:
+        return [p.key for p in memory.retrieve(query, session_id="s", top_k=4)]
+
+    # "bravo" (the last line of turn 0) lifts the next line, the first of turn 1, above
+    # the long last line.
+    assert keys("bravo") == [turn_key(0, 1), turn_key(0, 0), turn_key(1, 0), turn_key(1, 1)]
+    # "charlie" (the first line of turn 1) lifts the previous line, the last of turn 0,
+    # above the first line of turn 0.
+    assert keys("charlie") == [turn_key(1, 0), turn_key(1, 1), turn_key(0, 1), turn_key(0, 0)]
 
 
 def test_chat_indexing_one_turn_at_a_time_ranks_as_indexing_all_at_once() -> None:
@@ -941,30 +1193,30 @@ def test_chat_indexing_one_turn_at_a_time_ranks_as_indexing_all_at_once() -> Non
 
 
 def test_propagate_lifts_neighbours_of_the_best_candidates_only() -> None:
-    from convo.retrieval import _propagate
+    from convo.retrieval.ranking import propagate
 
     seq = np.arange(6)
     order = np.stack([np.concatenate([[-1], seq[:-1]]), np.concatenate([seq[1:], [-1]])])
-    out = _propagate(order, {1: 1.0, 4: 0.2}, 0.5, 1)
+    out = propagate(order, {1: 1.0, 4: 0.2}, 0.5, 1)
     floor = 0.2
     assert out[1] == pytest.approx(1.0)  # its neighbours score the floor: no gain
     assert out[0] == out[2] == pytest.approx(floor + 0.5 * (1.0 - floor))  # new candidates
     assert out[4] == pytest.approx(floor)
     assert 3 not in out and 5 not in out  # neighbours of a candidate outside the best `grow`
-    assert set(_propagate(order, {1: 1.0, 4: 0.2}, 0.5, 2)) == set(range(6))
-    assert _propagate(order, {}, 0.5, 4) == {}
-    assert _propagate(order, {99: 0.3}, 0.5, 4) == {99: 0.3}  # a unit it does not know keeps its score
+    assert set(propagate(order, {1: 1.0, 4: 0.2}, 0.5, 2)) == set(range(6))
+    assert propagate(order, {}, 0.5, 4) == {}
+    assert propagate(order, {99: 0.3}, 0.5, 4) == {99: 0.3}  # a unit it does not know keeps its score
 
 
 def test_top_matches_a_full_sort_with_ties_by_key() -> None:
-    from convo.retrieval import _top
+    from convo.retrieval.ranking import top_keys
 
     rng = np.random.default_rng(0)
     for _ in range(50):
         keys = rng.permutation(200)[: int(rng.integers(1, 60))].tolist()
         score = {k: float(rng.integers(0, 5)) for k in keys}  # many ties
         k = int(rng.integers(0, 70))
-        assert _top(score, k) == sorted(score, key=lambda u: (-score[u], u))[:k]
+        assert top_keys(score, k) == sorted(score, key=lambda u: (-score[u], u))[:k]
 
 
 def test_vector_index_hands_back_vectors_after_ivf_save_load(tmp_path: Path) -> None:

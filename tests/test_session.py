@@ -321,7 +321,7 @@ def test_a_clock_dates_each_turn_and_the_question(fake_engine: FakeEngine) -> No
     for text in ("the secret is here", "small talk", "what was the secret?"):
         other.send(text)  # the retriever is asked without ``today`` (it would raise TypeError)
     assert [t.index for t in plain.turns[other.id]] == [0, 1]
-    assert other._dates == {0: "2026-12-01", 1: "2026-12-01", 2: "2026-12-01"}
+    assert other.turn_dates == {0: "2026-12-01", 1: "2026-12-01", 2: "2026-12-01"}
     with pytest.raises(ConfigError):
         Session(fake_engine, clock="today")  # type: ignore[arg-type]
 
@@ -364,8 +364,8 @@ def test_a_resumed_session_dates_its_stored_turns_by_when_they_were_written(fake
     first.add(Message(role=Role.USER, content="hello", created_at=datetime(2026, 11, 30, 8, 15).timestamp()))
     first.add(assistant("hi"))
     resumed = Session(fake_engine, store=store, session_id="s", clock=datetime.now)
-    assert resumed._dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
-    assert Session(fake_engine, store=store, session_id="s")._dates == {}  # no clock, no dates
+    assert resumed.turn_dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
+    assert Session(fake_engine, store=store, session_id="s").turn_dates == {}  # no clock, no dates
 
 
 def test_extended_history_is_dated_by_when_it_was_written(fake_engine: FakeEngine) -> None:
@@ -373,4 +373,4 @@ def test_extended_history_is_dated_by_when_it_was_written(fake_engine: FakeEngin
     old = datetime(2026, 10, 3, 7, 30).timestamp()
     session.extend([{"role": "user", "content": "hi", "created_at": old}, assistant("yo")])
     session.send("and now?")
-    assert session._dates == {0: "2026-10-03T07:30", 1: "2026-12-01"}
+    assert session.turn_dates == {0: "2026-10-03T07:30", 1: "2026-12-01"}

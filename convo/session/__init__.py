@@ -28,14 +28,18 @@ The package's parts:
 * :mod:`convo.session.window`: how the window of recent turns slides (pure functions);
 * :mod:`convo.session.summaries`: the session's side of its rolling summary (the job, the
   provisional summary, how long a turn waits);
+* :mod:`convo.session.config`: settings that travel together (:class:`SummaryConfig`,
+  :class:`ReplyConfig`);
 * :mod:`convo.session.reply`: what a turn returns (:class:`Reply`, :class:`TurnStats`).
 """
 
 from __future__ import annotations
 
+from convo.plan import Retriever
+from convo.session.config import ReplyConfig, SummaryConfig
 from convo.session.history import MAX_SESSION_ID_CHARS, incoming_messages
 from convo.session.reply import Reply, TurnStats
-from convo.session.session import TURN_LOCK_POLL_S, Retriever, Session
+from convo.session.session import TURN_LOCK_POLL_S, Session
 from convo.session.summaries import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, check_summary_wait
 from convo.session.turn import TurnOptions
 
@@ -45,8 +49,10 @@ __all__ = [
     "SUMMARY_WAIT_AUTO",
     "TURN_LOCK_POLL_S",
     "Reply",
+    "ReplyConfig",
     "Retriever",
     "Session",
+    "SummaryConfig",
     "TurnOptions",
     "TurnStats",
     "check_summary_wait",

@@ -33,28 +33,31 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal, Protocol, Unpack, cast
+from typing import Any, Unpack, cast
 
 from convo.budget import Budget
 from convo.engines.base import (
-    GREEDY,
     AsyncTextStream,
     Engine,
     GenerateOptions,
     Generation,
-    Sampling,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, ConvoError, DeviceOutOfMemory, MessageError
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
-from convo.plan import Passage, PromptPlan, Turn, plan_checked
+from convo.plan import Passage, PromptPlan, Retriever, Turn, plan_checked
 from convo.session import window
+from convo.session.config import (
+    LegacyKwargs,
+    ReplyConfig,
+    SummaryConfig,
+    check_budget_fits,
+    from_legacy_kwargs,
+)
 from convo.session.history import Clock, History, check_session_id, clock_date, incoming_messages
 from convo.session.reply import Reply, TurnStats
 from convo.session.summaries import (
-    SUMMARY_WAIT_AUTO,
     SessionSummary,
-    check_summary_wait,
     summary_wait_limit,
 )
 from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, drive
@@ -66,18 +69,6 @@ logger = logging.getLogger(__package__)
 
 #: How often an async turn checks whether a thread's turn on the same session has ended.
 TURN_LOCK_POLL_S = 0.005
-
-
-class Retriever(Protocol):
-    """What a session needs from a retrieval memory (see :mod:`convo.retrieval`)."""
-
-    min_score: float
-
-    def remember_turns(
-        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
-    ) -> None: ...
-
-    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]: ...
 
 
 def _takes_today(retriever: Retriever) -> bool:
@@ -100,28 +91,15 @@ class Session:
         system_prompt: a pinned system message, set when the session is created.
         store: where history lives (default: a new :class:`~convo.store.MemoryStore`).
         session_id: resume this session if the store has it, else create it with this id.
-        summarizer: folds evicted turns into the summary; default: the engine itself
-            through :class:`~convo.summarize.ModelSummarizer` (none without an engine or
-            with ``budget.summary_tokens == 0``).
-        summaries: the background worker that runs the summarizer (default: the
-            process-wide :meth:`SummaryWorker.shared`).
-        summary_wait_s: how long a turn waits for this session's summary while it is
-            still running. A turn waits only when the turns the summary does not cover yet
-            cannot all be shown beside the window (while they can, the prompt shows them
-            and extends the previous one). Default ``"auto"``
-            (:data:`SUMMARY_WAIT_AUTO`): :data:`DEFAULT_SUMMARY_WAIT_S` on an engine that
-            runs one call at a time, 0 on one that runs calls together (the reply then
-            runs beside the summary instead of after it); 0 never waits; ``None`` waits as
-            long as it takes. Past the bound the turn shows a provisional summary
-            (:func:`~convo.summarize.provisional_summary`: the previous summary and
-            excerpts of the turns it misses) and the window. Those turns
-            (``TurnStats.hidden_turns``) stay stored and are folded in when the job ends;
-            the budget holds either way.
         retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
-        sampling: decoding settings (default greedy).
-        timeout_s: wall-clock limit of one generate call (default: the engine's).
         owner: recorded with a new session (the server stores the API key's hash).
+        summarizing: how the rolling summary is written and waited for: the summarizer,
+            the background worker, the wait (:class:`~convo.session.SummaryConfig`;
+            default ``SummaryConfig()``: the engine summarizes, on the shared worker, and a
+            turn waits ``"auto"``).
+        replies: the defaults of every reply's generate call, sampling and timeout
+            (:class:`~convo.session.ReplyConfig`; default greedy, the engine's timeout).
         lock_timeout_s: seconds a turn waits for another holder of the session's store
             lock (another thread or process) before :class:`~convo.errors.SessionBusy`.
             Default 60.
@@ -134,6 +112,10 @@ class Session:
             the store (a resumed session) or imported by :meth:`extend` are dated by
             their first message's ``created_at``. E.g. ``clock=datetime.now``. Default
             ``None``: turns are dated only by ``add(..., date=...)``.
+
+    The keywords ``summarizer``, ``summaries``, ``summary_wait_s`` (now in
+    ``summarizing``) and ``sampling``, ``timeout_s`` (now in ``replies``) still work for one
+    release, with a ``DeprecationWarning``.
 
     Raises:
         ConfigError: a bad ``session_id``, or a budget the engine's context window cannot
@@ -155,20 +137,18 @@ class Session:
         system_prompt: str | None = None,
         store: Store | None = None,
         session_id: str | None = None,
-        summarizer: Summarizer | None = None,
         retriever: Retriever | None = None,
         counter: TokenCounter | None = None,
-        sampling: Sampling = GREEDY,
-        timeout_s: float | None = None,
         owner: str = "",
-        summaries: SummaryWorker | None = None,
-        summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO,
+        summarizing: SummaryConfig | None = None,
+        replies: ReplyConfig | None = None,
         lock_timeout_s: float = 60.0,
         clock: Clock | None = None,
+        **deprecated: Unpack[LegacyKwargs],
     ) -> None:
         if engine is None and counter is None:
             raise ConfigError("a Session needs an engine or, to only plan prompts, a counter")
-        check_summary_wait(summary_wait_s)
+        summarizing, replies = from_legacy_kwargs(deprecated, summarizing=summarizing, replies=replies)
         if session_id is not None:
             check_session_id(session_id)
         if budget is not None and not isinstance(budget, Budget):
@@ -179,32 +159,33 @@ class Session:
             raise ConfigError(f"lock_timeout_s must be > 0, got {lock_timeout_s!r}")
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be a callable returning a date, got {type(clock).__name__}")
-        self.summary_wait_s = summary_wait_s
+        self.summarizing = summarizing
+        self.replies = replies
+        self.summary_wait_s = summarizing.wait_s
+        self.sampling = replies.sampling
+        self.timeout_s = replies.timeout_s
         self.clock = clock
         self.lock_timeout_s = lock_timeout_s
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
         self.store: Store = store if store is not None else MemoryStore()
         self.retriever = retriever
-        self.sampling = sampling
-        self.timeout_s = timeout_s
         self.id = session_id or uuid.uuid4().hex
         self._lock = threading.RLock()
         self._alock: asyncio.Lock | None = None
         self._history = History()
         self._indexed_turns = 0  # turns handed to the retriever
+        worker = summarizing.worker or SummaryWorker.shared()
         # The summarizer is set below, once the budget is known.
         self._summary = SessionSummary(
-            worker=summaries or SummaryWorker.shared(),
-            store=self.store,
-            session_id=self.id,
-            counter=self.counter,
+            worker=worker, store=self.store, session_id=self.id, counter=self.counter
         )
         with self.store.lock(self.id, self.lock_timeout_s):  # two creators: one creates, one resumes
             if self.store.exists(self.id):
                 self._resume(budget)
             else:
                 self._create(budget, system_prompt, owner)
+        summarizer = summarizing.summarizer
         if summarizer is None and engine is not None and self.budget.summary_tokens > 0:
             summarizer = ModelSummarizer(engine=engine)
         self._summary.summarizer = summarizer
@@ -214,7 +195,7 @@ class Session:
         state, messages = self.store.load(self.id)
         stored = state.settings.get("budget")
         self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
-        self._check_budget()
+        check_budget_fits(self.budget, self.engine)
         self._state = state
         self._history.load(messages)
         self._date_stored_turns()
@@ -224,7 +205,7 @@ class Session:
 
     def _create(self, budget: Budget | None, system_prompt: str | None, owner: str) -> None:
         self.budget = budget or Budget()
-        self._check_budget()
+        check_budget_fits(self.budget, self.engine)
         self._state = SessionState(
             session_id=self.id, settings={"budget": self.budget.to_dict()}, owner=owner
         )
@@ -235,23 +216,6 @@ class Session:
         self.store.create(self._state, first)  # the session and its system prompt at once
         for m in first:
             self._history.index(m)
-
-    def _check_budget(self) -> None:
-        """Refuse a budget the engine's context window cannot hold (before anything is stored)."""
-        if self.engine is None:
-            return
-        try:
-            window_tokens = int(self.engine.context_window)
-        except ConvoError:  # e.g. a remote engine that cannot be asked now: it checks each call
-            return
-        # A remote engine's window is the server's less the margin it holds back for an
-        # inexact counter; a budget may span the server's whole window (it holds its own margin).
-        window_tokens += int(getattr(self.engine, "margin_tokens", 0) or 0)
-        if self.budget.context_tokens > window_tokens:
-            raise ConfigError(
-                f"Budget.context_tokens={self.budget.context_tokens} is larger than the model's "
-                f"context window ({window_tokens} tokens); use context_tokens <= {window_tokens}"
-            )
 
     @property
     def summarizer(self) -> Summarizer | None:

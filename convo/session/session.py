@@ -43,7 +43,7 @@ from convo.engines.base import (
     Generation,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError, SessionBusy
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Retriever, Turn, plan_checked
 from convo.session import window
@@ -69,6 +69,13 @@ logger = logging.getLogger(__package__)
 
 #: How often an async turn checks whether a thread's turn on the same session has ended.
 TURN_LOCK_POLL_S = 0.005
+#: How often an async turn tries the store's lock on its session while another turn
+#: (another process, thread or task) holds it, in seconds.
+STORE_LOCK_POLL_S = 0.01
+
+#: The async turns of this process that hold a store's lock on a session:
+#: (id(store), session id) -> the task.
+_ASYNC_TURNS: dict[tuple[int, str], asyncio.Task[Any]] = {}
 
 
 def _takes_today(retriever: Retriever) -> bool:
@@ -238,17 +245,54 @@ class Session:
                 yield
 
     @contextlib.asynccontextmanager
-    async def _turn_lock(self) -> AsyncIterator[None]:
-        """The session's turn lock, taken without blocking the event loop."""
+    async def _aheld_turn(self) -> AsyncIterator[None]:
+        """:meth:`_held_turn` on the event loop: the same locks, taken without blocking it.
+
+        Tasks of this session run one at a time (an ``asyncio.Lock``), then wait for a
+        thread mid-turn (the session's ``RLock``, polled), then for the store's lock, tried
+        without waiting (``store.lock(id, 0)``) every :data:`STORE_LOCK_POLL_S` seconds, up
+        to ``lock_timeout_s``, so another process's turn (``send``, ``asend``, the CLI) ends
+        first. The store's lock is reentrant per thread, and every task of a loop runs on
+        its thread: a task also waits while another task of the process holds the lock for
+        this store and session (another :class:`Session` object on it).
+        """
         if self._alock is None:
             self._alock = asyncio.Lock()
-        async with self._alock:  # tasks of this loop, one at a time
-            while not self._lock.acquire(blocking=False):  # and no thread mid-turn
+        async with self._alock:
+            while not self._lock.acquire(blocking=False):
                 await asyncio.sleep(TURN_LOCK_POLL_S)
             try:
-                yield
+                with contextlib.ExitStack() as held:
+                    await self._take_store_lock(held)
+                    yield
             finally:
                 self._lock.release()
+
+    async def _take_store_lock(self, held: contextlib.ExitStack) -> None:
+        """Enter the store's lock on the session into ``held`` (see :meth:`_aheld_turn`);
+        on a fresh hold, catch up with the store. Raises :class:`SessionBusy` after
+        ``lock_timeout_s``."""
+        key, me = (id(self.store), self.id), asyncio.current_task()
+        deadline = time.monotonic() + self.lock_timeout_s
+        while True:
+            holder = _ASYNC_TURNS.get(key)
+            if holder is None or holder is me:
+                fresh = not self.store.holds_lock(self.id)
+                try:
+                    held.enter_context(self.store.lock(self.id, 0))
+                    break
+                except SessionBusy:
+                    pass
+            if time.monotonic() >= deadline:
+                raise SessionBusy(
+                    f"session {self.id!r} is busy with another turn (waited {self.lock_timeout_s:.0f} s)"
+                )
+            await asyncio.sleep(STORE_LOCK_POLL_S)
+        if holder is None and me is not None:
+            _ASYNC_TURNS[key] = me
+            held.callback(_ASYNC_TURNS.pop, key, None)
+        if fresh:
+            self._sync()
 
     def _sync(self) -> None:
         """Reload history and state if another process wrote to the session since (a
@@ -461,10 +505,12 @@ class Session:
         is awaited through the engine's ``agenerate`` when it has one (``OpenAIEngine``:
         an ``httpx.AsyncClient``, no thread), else the engine's ``generate`` runs in a worker
         thread (a local model computes on its own device anyway). Turns of one session run
-        one at a time, across threads and tasks.
+        one at a time, across tasks, threads and processes: the turn holds the store's lock
+        on the session as :meth:`send` does, waited for without blocking the event loop
+        (:class:`~convo.errors.SessionBusy` after ``lock_timeout_s``).
         """
         args = TurnArgs(**options)
-        async with self._turn_lock():
+        async with self._aheld_turn():
             started = self._accept(content)
             return await adrive(self._turn(started), lambda step: self._ado_step(step, args))
 

@@ -23,6 +23,7 @@ The package's parts:
 * :mod:`convo.session.session`: the :class:`Session` and its turn;
 * :mod:`convo.session.turn`: the turn's steps and the blocking and awaited drivers that
   answer them (one core for :meth:`Session.send` and :meth:`Session.asend`);
+* :mod:`convo.session.locking`: the turn lock (tasks, threads and processes take turns);
 * :mod:`convo.session.history`: the stored messages in memory, cut into turns, and the
   checks a message passes before it is stored;
 * :mod:`convo.session.window`: how the window of recent turns slides (pure functions);
@@ -38,8 +39,9 @@ from __future__ import annotations
 from convo.plan import Retriever
 from convo.session.config import ReplyConfig, SummaryConfig
 from convo.session.history import MAX_SESSION_ID_CHARS, incoming_messages
+from convo.session.locking import TURN_LOCK_POLL_S
 from convo.session.reply import Reply, TurnStats
-from convo.session.session import TURN_LOCK_POLL_S, Session
+from convo.session.session import Session
 from convo.session.summaries import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, check_summary_wait
 from convo.session.turn import TurnOptions
 

@@ -25,13 +25,11 @@ stored before it adds anything.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Unpack, cast
 
@@ -43,7 +41,7 @@ from convo.engines.base import (
     Generation,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError, SessionBusy
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Retriever, Turn, plan_checked
 from convo.session import window
@@ -55,6 +53,7 @@ from convo.session.config import (
     from_legacy_kwargs,
 )
 from convo.session.history import Clock, History, check_session_id, clock_date, incoming_messages
+from convo.session.locking import TurnLock
 from convo.session.reply import Reply, TurnStats
 from convo.session.summaries import (
     SessionSummary,
@@ -66,16 +65,6 @@ from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWo
 from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__package__)
-
-#: How often an async turn checks whether a thread's turn on the same session has ended.
-TURN_LOCK_POLL_S = 0.005
-#: How often an async turn tries the store's lock on its session while another turn
-#: (another process, thread or task) holds it, in seconds.
-STORE_LOCK_POLL_S = 0.01
-
-#: The async turns of this process that hold a store's lock on a session:
-#: (id(store), session id) -> the task.
-_ASYNC_TURNS: dict[tuple[int, str], asyncio.Task[Any]] = {}
 
 
 def _takes_today(retriever: Retriever) -> bool:
@@ -178,8 +167,7 @@ class Session:
         self.store: Store = store if store is not None else MemoryStore()
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
-        self._lock = threading.RLock()
-        self._alock: asyncio.Lock | None = None
+        self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync)
         self._history = History()
         self._indexed_turns = 0  # turns handed to the retriever
         worker = summarizing.worker or SummaryWorker.shared()
@@ -234,66 +222,6 @@ class Session:
         """The background worker that runs this session's summaries."""
         return self._summary.worker
 
-    @contextlib.contextmanager
-    def _held_turn(self) -> Iterator[None]:
-        """Hold the session's store lock; on a fresh hold, catch up with the store."""
-        with self._lock:
-            fresh = not self.store.holds_lock(self.id)
-            with self.store.lock(self.id, self.lock_timeout_s):
-                if fresh:
-                    self._sync()
-                yield
-
-    @contextlib.asynccontextmanager
-    async def _aheld_turn(self) -> AsyncIterator[None]:
-        """:meth:`_held_turn` on the event loop: the same locks, taken without blocking it.
-
-        Tasks of this session run one at a time (an ``asyncio.Lock``), then wait for a
-        thread mid-turn (the session's ``RLock``, polled), then for the store's lock, tried
-        without waiting (``store.lock(id, 0)``) every :data:`STORE_LOCK_POLL_S` seconds, up
-        to ``lock_timeout_s``, so another process's turn (``send``, ``asend``, the CLI) ends
-        first. The store's lock is reentrant per thread, and every task of a loop runs on
-        its thread: a task also waits while another task of the process holds the lock for
-        this store and session (another :class:`Session` object on it).
-        """
-        if self._alock is None:
-            self._alock = asyncio.Lock()
-        async with self._alock:
-            while not self._lock.acquire(blocking=False):
-                await asyncio.sleep(TURN_LOCK_POLL_S)
-            try:
-                with contextlib.ExitStack() as held:
-                    await self._take_store_lock(held)
-                    yield
-            finally:
-                self._lock.release()
-
-    async def _take_store_lock(self, held: contextlib.ExitStack) -> None:
-        """Enter the store's lock on the session into ``held`` (see :meth:`_aheld_turn`);
-        on a fresh hold, catch up with the store. Raises :class:`SessionBusy` after
-        ``lock_timeout_s``."""
-        key, me = (id(self.store), self.id), asyncio.current_task()
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            holder = _ASYNC_TURNS.get(key)
-            if holder is None or holder is me:
-                fresh = not self.store.holds_lock(self.id)
-                try:
-                    held.enter_context(self.store.lock(self.id, 0))
-                    break
-                except SessionBusy:
-                    pass
-            if time.monotonic() >= deadline:
-                raise SessionBusy(
-                    f"session {self.id!r} is busy with another turn (waited {self.lock_timeout_s:.0f} s)"
-                )
-            await asyncio.sleep(STORE_LOCK_POLL_S)
-        if holder is None and me is not None:
-            _ASYNC_TURNS[key] = me
-            held.callback(_ASYNC_TURNS.pop, key, None)
-        if fresh:
-            self._sync()
-
     def _sync(self) -> None:
         """Reload history and state if another process wrote to the session since (a
         cheap :meth:`~convo.store.Store.peek` first: no messages are read when nothing changed)."""
@@ -338,7 +266,7 @@ class Session:
         in all (``None``: without limit). Turns never call this (they wait only as
         ``summary_wait_s`` says); it is for callers that want the summary now (tests,
         exports, shutdown)."""
-        with self._lock:
+        with self._turn_lock.local:
             self._summary.catch_up(timeout_s, sync=self._synced_state, history=self._history)
         return self.summary_state
 
@@ -425,7 +353,7 @@ class Session:
             MessageError / BudgetError: invalid message; nothing is stored.
         """
         message = Message.from_openai(message)
-        with self._held_turn():
+        with self._turn_lock.hold(self.lock_timeout_s):
             self._commit([message], dated=date)
             if date is not None and self.turn_count:
                 self._history.dates.setdefault(self.turn_count - 1, date)
@@ -447,7 +375,7 @@ class Session:
             raise MessageError("extend() takes conversation messages; pin() system prompts")
         if not msgs:
             return
-        with self._held_turn():
+        with self._turn_lock.hold(self.lock_timeout_s):
             # Each checked against the history as it will stand before it; dated by when
             # they were written (``created_at``), not by the clock.
             self._commit(msgs, imported=True)
@@ -485,7 +413,7 @@ class Session:
                 (the message stays stored; call :meth:`reply` to try again).
         """
         args = TurnArgs(**options)
-        with self._held_turn():
+        with self._turn_lock.hold(self.lock_timeout_s):
             started = self._accept(content)
             return drive(self._turn(started), lambda step: self._do_step(step, args))
 
@@ -510,7 +438,7 @@ class Session:
         (:class:`~convo.errors.SessionBusy` after ``lock_timeout_s``).
         """
         args = TurnArgs(**options)
-        async with self._aheld_turn():
+        async with self._turn_lock.ahold(self.lock_timeout_s):
             started = self._accept(content)
             return await adrive(self._turn(started), lambda step: self._ado_step(step, args))
 
@@ -531,7 +459,7 @@ class Session:
         ``options``: :class:`TurnOptions`, as for :meth:`send`.
         """
         args = TurnArgs(**options)
-        with self._held_turn():
+        with self._turn_lock.hold(self.lock_timeout_s):
             return drive(self._turn(time.monotonic()), lambda step: self._do_step(step, args))
 
     def _accept(self, content: str | MessageLike | Sequence[MessageLike]) -> float:

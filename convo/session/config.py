@@ -1,7 +1,7 @@
 """A session's settings that travel together: :class:`SummaryConfig` (how the rolling
 summary is written and waited for) and :class:`ReplyConfig` (the defaults of every reply's
 generate call), and the checks a budget passes against the engine before a session stores
-anything.
+anything (:func:`check_budget_fits`, :func:`summary_cap`).
 
 ``Session(summarizer=..., summaries=..., summary_wait_s=..., sampling=..., timeout_s=...)``,
 the keywords these objects replace, still work for one release: :func:`from_legacy_kwargs`
@@ -10,6 +10,7 @@ maps them, with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from convo.budget import Budget
 from convo.engines.base import GREEDY, Engine, Sampling
 from convo.errors import ConfigError, ConvoError
 from convo.session.summaries import SUMMARY_WAIT_AUTO, check_summary_wait
-from convo.summarize import Summarizer, SummaryWorker
+from convo.summarize import ModelSummarizer, Summarizer, SummaryWorker
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,3 +175,32 @@ def check_budget_fits(budget: Budget, engine: Engine | None) -> None:
             f"Budget.context_tokens={budget.context_tokens} is larger than the model's "
             f"context window ({window} tokens); use context_tokens <= {window}"
         )
+
+
+def summary_cap(summarizer: Summarizer | None, summary_tokens: int) -> int:
+    """The cap a session's summaries get: ``Budget.summary_tokens``, lowered for a
+    :class:`~convo.summarize.ModelSummarizer` to what one summary call holds in its
+    model's context (:meth:`~convo.summarize.ModelSummarizer.summary_cap`:
+    ``(context - instructions) // 3``, e.g. ~150 tokens in a 512-token context).
+
+    Raises:
+        ConfigError: the model's context holds no summary; the message says to set
+            ``Budget(summary_tokens=0)`` or how large a context would.
+    """
+    if summary_tokens <= 0 or not isinstance(summarizer, ModelSummarizer):
+        return summary_tokens
+    try:
+        cap = summarizer.check_cap(summary_tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"Budget.summary_tokens={summary_tokens}: {exc}") from None
+    except ConvoError:  # e.g. a remote engine that cannot be asked now: each summary checks
+        return summary_tokens
+    if cap < summary_tokens:
+        logger.info(
+            "summaries capped at %d tokens: Budget.summary_tokens=%d leaves a summary call no room "
+            "in the model's %d-token context",
+            cap,
+            summary_tokens,
+            summarizer.context_tokens,
+        )
+    return cap

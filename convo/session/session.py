@@ -51,6 +51,7 @@ from convo.session.config import (
     SummaryConfig,
     check_budget_fits,
     from_legacy_kwargs,
+    summary_cap,
 )
 from convo.session.history import Clock, History, check_session_id, clock_date, incoming_messages
 from convo.session.locking import TurnLock
@@ -171,7 +172,7 @@ class Session:
         self._history = History()
         self._indexed_turns = 0  # turns handed to the retriever
         worker = summarizing.worker or SummaryWorker.shared()
-        # The summarizer is set below, once the budget is known.
+        # The summarizer is set once the budget is known (_check_budget).
         self._summary = SessionSummary(
             worker=worker, store=self.store, session_id=self.id, counter=self.counter
         )
@@ -180,17 +181,12 @@ class Session:
                 self._resume(budget)
             else:
                 self._create(budget, system_prompt, owner)
-        summarizer = summarizing.summarizer
-        if summarizer is None and engine is not None and self.budget.summary_tokens > 0:
-            summarizer = ModelSummarizer(engine=engine)
-        self._summary.summarizer = summarizer
-        self._summary.max_tokens = self.budget.summary_tokens
 
     def _resume(self, budget: Budget | None) -> None:
         state, messages = self.store.load(self.id)
         stored = state.settings.get("budget")
         self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
-        check_budget_fits(self.budget, self.engine)
+        self._check_budget()
         self._state = state
         self._history.load(messages)
         self._date_stored_turns()
@@ -200,7 +196,7 @@ class Session:
 
     def _create(self, budget: Budget | None, system_prompt: str | None, owner: str) -> None:
         self.budget = budget or Budget()
-        check_budget_fits(self.budget, self.engine)
+        self._check_budget()
         self._state = SessionState(
             session_id=self.id, settings={"budget": self.budget.to_dict()}, owner=owner
         )
@@ -211,6 +207,23 @@ class Session:
         self.store.create(self._state, first)  # the session and its system prompt at once
         for m in first:
             self._history.index(m)
+
+    def _check_budget(self) -> None:
+        """Refuse a budget the engine cannot hold, and set the summarizer and the summary's
+        cap for it (:func:`~convo.session.config.summary_cap`), before anything is stored."""
+        check_budget_fits(self.budget, self.engine)
+        summarizer = self.summarizing.summarizer
+        if summarizer is None and self.engine is not None and self.budget.summary_tokens > 0:
+            summarizer = ModelSummarizer(engine=self.engine)
+        self._summary.max_tokens = summary_cap(summarizer, self.budget.summary_tokens)
+        self._summary.summarizer = summarizer
+
+    @property
+    def summary_cap(self) -> int:
+        """The cap of this session's summary, in tokens: ``budget.summary_tokens``, lowered
+        to what one summary call holds in the model's context (see
+        :class:`~convo.summarize.ModelSummarizer`); 0: no summary."""
+        return self._summary.max_tokens if self._summary.active else 0
 
     @property
     def summarizer(self) -> Summarizer | None:

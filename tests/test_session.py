@@ -383,7 +383,7 @@ class RecordingEngine(FakeEngine):
         super().__init__()
         self.options: list[dict[str, object]] = []
 
-    def generate(self, messages: Sequence[Message], **options: object):  # type: ignore[no-untyped-def,override]
+    def generate(self, messages: Sequence[Message], **options: object):  # type: ignore[no-untyped-def]
         self.options.append(options)
         return super().generate(messages, **options)  # type: ignore[arg-type]
 
@@ -439,5 +439,5 @@ def test_passage_source_is_a_deprecated_name_of_the_retriever_protocol() -> None
     import convo.session
 
     with pytest.warns(DeprecationWarning, match=r"convo\.plan\.Retriever"):
-        assert convo.plan.PassageSource is convo.plan.Retriever  # type: ignore[attr-defined]
+        assert convo.plan.PassageSource is convo.plan.Retriever
     assert convo.session.Retriever is convo.plan.Retriever

@@ -584,7 +584,7 @@ class SummaryCallsEngine(FakeEngine):
         super().__init__(context_window=context_window)
         self.calls: list[tuple[int, int]] = []  # (prompt tokens, max_new_tokens)
 
-    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: object):  # type: ignore[no-untyped-def,override]
+    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: object):  # type: ignore[no-untyped-def]
         self.calls.append((self.counter.count_prompt(messages), max_new_tokens))
         return super().generate(messages, max_new_tokens=max_new_tokens, **options)  # type: ignore[arg-type]
 

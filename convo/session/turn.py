@@ -100,7 +100,7 @@ def drive(turn: Generator[Step, Any, R], do: Callable[[Step], Any]) -> R:
         except Exception as exc:
             outcome = _Raised(exc)
         driver.resume(outcome)
-    return driver.result  # type: ignore[no-any-return]
+    return driver.result
 
 
 async def adrive(turn: Generator[Step, Any, R], do: Callable[[Step], Awaitable[Any]]) -> R:
@@ -112,4 +112,4 @@ async def adrive(turn: Generator[Step, Any, R], do: Callable[[Step], Awaitable[A
         except Exception as exc:
             outcome = _Raised(exc)
         driver.resume(outcome)
-    return driver.result  # type: ignore[no-any-return]
+    return driver.result

@@ -42,7 +42,11 @@ class Budget:
         window_turns: the most recent turns shown verbatim (a turn is a user message and
             everything that answered it). Default 8.
         summary_tokens: hard cap on the rolling summary of older turns. Default 256;
-            0 disables summarizing.
+            0 disables summarizing. The model summarizer lowers it to what one summary
+            call holds in the model's context (``(context - instructions) // 3``, ~150
+            in a 512-token context; see
+            :class:`~convo.summarize.ModelSummarizer` and ``Session.summary_cap``); a
+            context that holds no summary is refused when the session is made.
         summarize_batch_turns: fold evicted turns into the summary only once this many
             are waiting, so the model is not asked to re-summarize every turn. Default 4.
         retrieval_tokens: cap on retrieved passages. Default 384; 0 disables retrieval.

@@ -33,6 +33,7 @@ after it still fill the room, counted exactly. The room the recent turns leave u
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack
@@ -671,10 +672,29 @@ def _starts_turn(message: MessageLike) -> bool:
     return isinstance(message, Message) and message.role is Role.USER
 
 
-class PassageSource(Protocol):
-    """Anything that retrieves passages for a query (e.g. :class:`convo.RetrievalMemory`)."""
+class Retriever(Protocol):
+    """A retrieval memory: passages about a question, from turns handed to it (e.g.
+    :class:`convo.RetrievalMemory`).
 
-    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]: ...
+    :func:`fit` and :class:`~convo.session.Session` ask :meth:`retrieve` for passages about
+    the newest user message and let the planner drop those scoring below
+    :attr:`min_score` (``-inf`` when the object has none). A session also hands it each
+    completed turn, once, through :meth:`remember_turns`; :func:`fit` never does (it owns no
+    history), so an object given only to :func:`fit` needs only :meth:`retrieve`.
+    (``PassageSource``, this protocol's former name in this module, is a deprecated alias.)
+    """
+
+    min_score: float
+
+    def remember_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> None:
+        """Index ``turns`` of ``session_id`` (``dates``: turn index -> its date)."""
+        ...
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+        """At most ``top_k`` passages about ``query``, best first."""
+        ...
 
 
 class Fitted(NamedTuple):
@@ -706,7 +726,7 @@ def fit(
     budget: Budget,
     counter: TokenCounter,
     summary: str | None = None,
-    retriever: PassageSource | None = None,
+    retriever: Retriever | None = None,
     session_id: str = "",
 ) -> Fitted:
     """The messages to send the model now, within ``budget``: for agent loops that own
@@ -790,7 +810,7 @@ class FitArgs(TypedDict, total=False):
     budget: Required[Budget]
     counter: Required[TokenCounter]
     summary: str | None
-    retriever: PassageSource | None
+    retriever: Retriever | None
     session_id: str
 
 
@@ -832,3 +852,14 @@ def _fit(
         exact=bool(messages),  # count through the template (which refuses an empty list)
     )
     return plan, originals
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PassageSource":  # the same protocol's former name, kept for one release
+        warnings.warn(
+            "convo.plan.PassageSource is deprecated; use convo.plan.Retriever",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Retriever
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,9 +73,22 @@ def format_messages(messages: Sequence[Message]) -> str:
     return "\n".join(lines)
 
 
+#: Smallest summary cap worth writing, in tokens: a model context that leaves less (see
+#: :meth:`ModelSummarizer.summary_cap`) cannot summarize, and a session refuses it.
+MIN_SUMMARY_TOKENS = 32
+
+
 @dataclass(kw_only=True)
 class ModelSummarizer:
     """Summarizes with an engine (the same model that chats, typically 4-bit).
+
+    The summary's cap follows the model's context (:meth:`summary_cap`): one summary call
+    holds its instructions, then the previous summary, the conversation to fold and the new
+    summary, which share what is left in three; so a summary asked for ``max_tokens`` gets
+    at most ``(context - instructions) // 3`` tokens, and each call folds at least as much
+    conversation. With a 512-token context (a local engine with KV slots of a 512-token
+    budget) the default 256-token cap becomes about 150; a context that leaves less than
+    :data:`MIN_SUMMARY_TOKENS` is refused.
 
     Args:
         engine: anything with ``counter``, ``context_window`` and ``generate(...)``.
@@ -97,6 +110,39 @@ class ModelSummarizer:
             if "{" + field_name + "}" not in self.template:
                 raise ConfigError(f"summary template must contain {{{field_name}}}")
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens one summary call may hold (prompt + new summary): the engine's context
+        window, or ``max_input_tokens`` when smaller."""
+        window = self.engine.context_window
+        return min(self.max_input_tokens or window, window)
+
+    def summary_cap(self, max_tokens: int) -> int:
+        """The cap a summary asked for ``max_tokens`` gets in this model's context (see the
+        class docstring); 0 when it must be lowered below :data:`MIN_SUMMARY_TOKENS`."""
+        instructions = self.engine.counter.count_prompt(self._prompt("", [], max_tokens))
+        room = (self.context_tokens - instructions) // 3
+        if max_tokens <= room:
+            return max_tokens
+        return room if room >= MIN_SUMMARY_TOKENS else 0
+
+    def check_cap(self, max_tokens: int) -> int:
+        """:meth:`summary_cap`, or :class:`~convo.errors.ConfigError` saying what to change
+        when the model's context holds no summary."""
+        cap = self.summary_cap(max_tokens)
+        if cap == 0:
+            limit = self.context_tokens
+            instructions = self.engine.counter.count_prompt(self._prompt("", [], max_tokens))
+            need = instructions + 3 * MIN_SUMMARY_TOKENS
+            raise ConfigError(
+                f"a summary does not fit the model's {limit}-token context (a summary call holds "
+                f"{instructions} tokens of instructions, then the previous summary, the "
+                f"conversation and the new summary, at least {MIN_SUMMARY_TOKENS} each); use "
+                f"Budget(summary_tokens=0) to summarize nothing, or a model context of at least "
+                f"{need} tokens"
+            )
+        return cap
+
     def _prompt(self, previous: str, messages: Sequence[Message], max_tokens: int) -> list[Message]:
         text = self.template.format(
             previous=previous or "(none)",
@@ -116,7 +162,8 @@ class ModelSummarizer:
         """The new summary (see :class:`Summarizer`). ``cancel`` stops the model call in
         progress (the worker discards the result of a cancelled job)."""
         counter = self.engine.counter
-        limit = min(self.max_input_tokens or self.engine.context_window, self.engine.context_window)
+        limit = self.context_tokens
+        max_tokens = self.check_cap(max_tokens)  # the cap follows the model's context
         room = limit - max_tokens  # prompt tokens a single summary call may use
         fixed = counter.count_prompt(self._prompt(previous, [], max_tokens)) + max_tokens  # previous <= cap
         if room - fixed <= 16:

@@ -321,7 +321,7 @@ def test_a_clock_dates_each_turn_and_the_question(fake_engine: FakeEngine) -> No
     for text in ("the secret is here", "small talk", "what was the secret?"):
         other.send(text)  # the retriever is asked without ``today`` (it would raise TypeError)
     assert [t.index for t in plain.turns[other.id]] == [0, 1]
-    assert other._dates == {0: "2026-12-01", 1: "2026-12-01", 2: "2026-12-01"}
+    assert other.turn_dates == {0: "2026-12-01", 1: "2026-12-01", 2: "2026-12-01"}
     with pytest.raises(ConfigError):
         Session(fake_engine, clock="today")  # type: ignore[arg-type]
 
@@ -364,8 +364,8 @@ def test_a_resumed_session_dates_its_stored_turns_by_when_they_were_written(fake
     first.add(Message(role=Role.USER, content="hello", created_at=datetime(2026, 11, 30, 8, 15).timestamp()))
     first.add(assistant("hi"))
     resumed = Session(fake_engine, store=store, session_id="s", clock=datetime.now)
-    assert resumed._dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
-    assert Session(fake_engine, store=store, session_id="s")._dates == {}  # no clock, no dates
+    assert resumed.turn_dates == {0: "2026-11-30T08:15"}  # from the message, not the clock
+    assert Session(fake_engine, store=store, session_id="s").turn_dates == {}  # no clock, no dates
 
 
 def test_extended_history_is_dated_by_when_it_was_written(fake_engine: FakeEngine) -> None:
@@ -373,4 +373,71 @@ def test_extended_history_is_dated_by_when_it_was_written(fake_engine: FakeEngin
     old = datetime(2026, 10, 3, 7, 30).timestamp()
     session.extend([{"role": "user", "content": "hi", "created_at": old}, assistant("yo")])
     session.send("and now?")
-    assert session._dates == {0: "2026-10-03T07:30", 1: "2026-12-01"}
+    assert session.turn_dates == {0: "2026-10-03T07:30", 1: "2026-12-01"}
+
+
+class RecordingEngine(FakeEngine):
+    """Records the options of every generate call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options: list[dict[str, object]] = []
+
+    def generate(self, messages: Sequence[Message], **options: object):  # type: ignore[no-untyped-def]
+        self.options.append(options)
+        return super().generate(messages, **options)  # type: ignore[arg-type]
+
+
+def test_grouped_settings_and_the_old_keywords_make_the_same_session() -> None:
+    from convo.engines.base import Sampling
+    from convo.session import ReplyConfig, SummaryConfig
+    from convo.summarize import SummaryWorker
+
+    summarizer, worker, sampling = CountingSummarizer(), SummaryWorker(), Sampling(temperature=0.5, seed=1)
+    grouped_engine, old_engine = RecordingEngine(), RecordingEngine()
+    grouped = Session(
+        grouped_engine,
+        summarizing=SummaryConfig(summarizer=summarizer, worker=worker, wait_s=0),
+        replies=ReplyConfig(sampling=sampling, timeout_s=7.0),
+    )
+    with pytest.warns(DeprecationWarning) as warned:
+        old = Session(
+            old_engine,
+            summarizer=summarizer,
+            summaries=worker,
+            summary_wait_s=0,
+            sampling=sampling,
+            timeout_s=7.0,
+        )
+    assert len(warned) == 5
+    assert "use Session(replies=ReplyConfig(timeout_s=...))" in str(warned[-1].message)
+    assert warned[-1].filename == __file__  # the warning points at the caller
+    for session, engine in ((grouped, grouped_engine), (old, old_engine)):
+        session.send("hi")
+        assert session.summarizer is summarizer and session.summaries is worker
+        assert session.summary_wait_limit == 0
+        assert engine.options[-1]["timeout_s"] == 7.0 and engine.options[-1]["sampling"] == sampling
+    worker.close()
+
+
+def test_grouped_settings_are_validated_and_not_given_twice(fake_engine: FakeEngine) -> None:
+    from convo.session import ReplyConfig, SummaryConfig
+
+    for bad in (lambda: ReplyConfig(timeout_s=0), lambda: ReplyConfig(sampling="greedy")):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="ReplyConfig"):
+            bad()
+    with pytest.raises(ConfigError, match="summary_wait_s"):
+        SummaryConfig(wait_s=-1)
+    with pytest.raises(ConfigError, match="both given"):
+        Session(fake_engine, replies=ReplyConfig(), timeout_s=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):
+        Session(fake_engine, nonsense=1)  # type: ignore[call-arg]
+
+
+def test_passage_source_is_a_deprecated_name_of_the_retriever_protocol() -> None:
+    import convo.plan
+    import convo.session
+
+    with pytest.warns(DeprecationWarning, match=r"convo\.plan\.Retriever"):
+        assert convo.plan.PassageSource is convo.plan.Retriever
+    assert convo.session.Retriever is convo.plan.Retriever

@@ -18,6 +18,7 @@ import pytest
 from conftest import FakeEngine
 
 from convo import Budget, Session
+from convo.errors import ConfigError
 from convo.messages import Message, Role
 from convo.session import DEFAULT_SUMMARY_WAIT_S
 from convo.store import MemoryStore, SessionState, SQLiteStore
@@ -574,3 +575,75 @@ def test_a_server_sizes_the_shared_worker_to_its_engine_batch() -> None:
     defer = worker.max_defer_s
     assert SummaryWorker.shared(max_defer_s=0.0).max_defer_s == 0.0
     worker.threads, worker.max_defer_s = before, defer
+
+
+class SummaryCallsEngine(FakeEngine):
+    """A fake engine with a small context that records each call's prompt and reply cap."""
+
+    def __init__(self, context_window: int) -> None:
+        super().__init__(context_window=context_window)
+        self.calls: list[tuple[int, int]] = []  # (prompt tokens, max_new_tokens)
+
+    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: object):  # type: ignore[no-untyped-def]
+        self.calls.append((self.counter.count_prompt(messages), max_new_tokens))
+        return super().generate(messages, max_new_tokens=max_new_tokens, **options)  # type: ignore[arg-type]
+
+
+def test_the_summary_cap_follows_a_512_token_context(worker: SummaryWorker) -> None:
+    """Defect 19: with a 512-token model context (KV slots of a 512-token budget) the
+    default 256-token summary cap left a summary call no room, and every summary failed,
+    turn after turn. The cap now follows the context: every summary is written, and each
+    summary call (prompt + summary) fits the 512 tokens."""
+    from convo.session import SummaryConfig
+
+    engine = SummaryCallsEngine(context_window=512)
+    budget = Budget(context_tokens=512, max_new_tokens=64, window_turns=1, summarize_batch_turns=1)
+    session = Session(engine, budget=budget, summarizing=SummaryConfig(worker=worker, wait_s=None))
+    assert 32 <= session.summary_cap < budget.summary_tokens == 256
+    for i in range(4):
+        session.send(f"fact {i}: " + "the shed by the long fence " * 8)
+    state = session.wait_summary(WAIT)
+    assert state.status is SummaryStatus.DONE and state.failures == 0 and session.summarized_turns == 4
+    assert len(engine.calls) > 4  # the 4 replies and the summaries
+    assert all(prompt + cap <= 512 for prompt, cap in engine.calls)
+    assert {cap for _, cap in engine.calls} == {64, session.summary_cap}  # replies, summaries
+    assert session.counter.count_text(session.summary) <= session.summary_cap
+
+
+def test_a_context_too_small_for_any_summary_is_refused_at_construction() -> None:
+    store = MemoryStore()
+    engine = FakeEngine(context_window=120)
+    with pytest.raises(
+        ConfigError, match=r"summary_tokens=256.*Budget\(summary_tokens=0\).*at least \d+ tokens"
+    ):
+        Session(engine, budget=Budget(context_tokens=120, max_new_tokens=32), store=store)
+    assert store.list_sessions() == []  # nothing stored for the refused session
+    session = Session(engine, budget=Budget(context_tokens=120, max_new_tokens=32, summary_tokens=0))
+    assert session.summary_cap == 0 and session.send("hi").text
+
+
+@pytest.mark.slow
+def test_real_model_summarizes_within_a_512_token_context(real_engine: object) -> None:
+    """The default model, its summary calls held to 512 tokens: the default 256-token cap
+    follows that context, and the summary is written (it failed on every turn before)."""
+    from convo.session import SummaryConfig
+    from convo.summarize import ModelSummarizer
+
+    worker = SummaryWorker(max_defer_s=0.0)
+    summarizer = ModelSummarizer(engine=real_engine, max_input_tokens=512, timeout_s=300)  # type: ignore[arg-type]
+    budget = Budget(context_tokens=512, max_new_tokens=16, window_turns=1, summarize_batch_turns=1)
+    try:
+        session = Session(
+            real_engine,  # type: ignore[arg-type]
+            budget=budget,
+            summarizing=SummaryConfig(summarizer=summarizer, worker=worker, wait_s=0),
+        )
+        assert session.summary_cap < 256
+        session.send("My boat is called Nautilus and it is moored in Brest.")
+        session.send("I also keep bees.")
+        state = session.wait_summary(300)
+        assert state.status is SummaryStatus.DONE and state.failures == 0
+        assert session.summary.strip()
+        assert session.counter.count_text(session.summary) <= session.summary_cap
+    finally:
+        worker.close()

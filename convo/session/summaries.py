@@ -1,0 +1,325 @@
+"""A session's side of its rolling summary: which turns it owes, the job that folds them
+(run by the shared :class:`~convo.summarize.SummaryWorker`), the provisional summary a
+prompt shows while that job is late, and how long a turn waits for it.
+
+::
+
+    turn n:   plan ── generate ── store reply, slide window ── return ─┐
+                                                                       └─ summary job (background)
+    turn n+1: [wait for the job only if the turns it folds do not fit beside the window,
+               at most summary_wait_s] ── plan ── generate ── ...
+
+The stored turns are the source of truth: a job lost to a crash, a failure or a cancel is
+submitted again from them on the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
+from typing import Final
+
+from convo.engines.base import Engine, concurrent_calls
+from convo.errors import ConfigError
+from convo.plan import PromptPlan
+from convo.session.history import History
+from convo.session.turn import SummaryWait
+from convo.store import SessionState, Store
+from convo.summarize import (
+    JobStatus,
+    Summarizer,
+    SummaryJob,
+    SummaryState,
+    SummaryStatus,
+    SummaryWorker,
+    provisional_summary,
+)
+from convo.tokens import TokenCounter
+
+logger = logging.getLogger(__package__)
+
+#: Seconds a turn waits for its session's background summary, when the turns it folds do
+#: not fit beside the window, on an engine that runs one call at a time (``summary_wait_s``
+#: ``"auto"``, the default): the reply would queue behind the summary's model call anyway.
+#: A summary takes 5-60 s with the default model on a small shared CPU.
+DEFAULT_SUMMARY_WAIT_S = 30.0
+#: ``Session(summary_wait_s="auto")``: :data:`DEFAULT_SUMMARY_WAIT_S` on an engine that runs
+#: one call at a time, 0 on one that runs calls together
+#: (:func:`~convo.engines.base.concurrent_calls` > 1: a batching local engine, a server).
+SUMMARY_WAIT_AUTO: Final = "auto"
+
+
+def check_summary_wait(value: object) -> None:
+    """Raise :class:`~convo.errors.ConfigError` unless ``value`` is a valid
+    ``summary_wait_s``: seconds >= 0, ``"auto"`` or ``None``."""
+    if value is None or value == SUMMARY_WAIT_AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"summary_wait_s must be seconds >= 0, 'auto' or None, got {value!r}")
+
+
+def summary_wait_limit(wait_s: float | str | None, engine: Engine | None) -> float | None:
+    """Seconds a turn waits for a late summary: ``wait_s``, with ``"auto"`` resolved for
+    ``engine``; ``None``: no limit."""
+    if wait_s != SUMMARY_WAIT_AUTO:
+        return wait_s  # type: ignore[return-value]
+    return 0.0 if concurrent_calls(engine) > 1 else DEFAULT_SUMMARY_WAIT_S
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The summary a turn's prompt was planned with."""
+
+    summary: str  # the stored summary, or the provisional one the prompt showed
+    summarized_turns: int
+    summarizing: bool  # False: turns that leave the window are meant to go (no summary)
+    start: int  # the first turn the planner could show
+    provisional: bool = False
+
+    def hidden_turns(self, plan: PromptPlan) -> int:
+        """Turns neither in that summary nor in the prompt."""
+        return max(plan.first_shown_turn - self.summarized_turns, 0) if self.summarizing else 0
+
+
+class SessionSummary:
+    """One session's rolling summary, coordinated with the background worker.
+
+    The session's :class:`~convo.store.SessionState` stays the session's: methods take
+    the state and return the new one.
+
+    Args:
+        worker: runs the summary jobs (shared by sessions).
+        store / session_id: the session whose turns are folded.
+        counter: counts the provisional summary.
+        summarizer: folds turns; ``None`` (and ``max_tokens`` 0): turns that leave the
+            window are not summarized. Set once the session knows its budget.
+        max_tokens: the summary's cap, in tokens.
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: SummaryWorker,
+        store: Store,
+        session_id: str,
+        counter: TokenCounter,
+        summarizer: Summarizer | None = None,
+        max_tokens: int = 0,
+    ) -> None:
+        self.worker = worker
+        self.store = store
+        self.session_id = session_id
+        self.counter = counter
+        self.summarizer = summarizer
+        self.max_tokens = max_tokens
+        #: (start, text, covered turns) of the provisional summary the last prompt showed.
+        self._provisional: tuple[int, str, int] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether turns that leave the window are folded into the summary."""
+        return self.summarizer is not None and self.max_tokens > 0
+
+    def key_lock(self) -> threading.Lock:
+        """Held while the session's state is written (a finished job writes it too)."""
+        return self.worker.key_lock(self.store, self.session_id)
+
+    def job(self) -> SummaryJob | None:
+        """The session's last job (any status)."""
+        return self.worker.job(self.store, self.session_id)
+
+    def live_job(self) -> SummaryJob | None:
+        """The session's queued or running job."""
+        job = self.job()
+        return job if job is not None and job.live else None
+
+    def owes(self, state: SessionState) -> bool:
+        """Whether turns left the window that the summary does not cover yet."""
+        return self.active and state.evicted_turns > state.summarized_turns
+
+    def first_candidate_turn(self, state: SessionState) -> int:
+        """The oldest turn the planner may show: the window's first, or the first turn the
+        summary does not cover yet when the summary is behind (a turn is never dropped
+        from both)."""
+        if self.active:
+            return min(state.evicted_turns, state.summarized_turns)
+        return state.evicted_turns
+
+    def picked_up(self, state: SessionState, *, locked: bool = False) -> SessionState:
+        """``state`` with a background summary that finished (the worker has already
+        stored it). ``locked``: the caller holds :meth:`key_lock`."""
+        job = self.job()
+        if job is None or job.status is not JobStatus.DONE or job.start != state.summarized_turns:
+            return state
+        if not locked:
+            with self.key_lock():
+                return self.picked_up(state, locked=True)
+        if job.end > state.summarized_turns:
+            return replace(state, summary=job.result, summarized_turns=job.end)
+        return state
+
+    def submit(self, state: SessionState, history: History) -> SummaryJob | None:
+        """Queue a background job for every turn that left the window and is not
+        summarized (or return the live one: the next job folds into its result)."""
+        if not self.owes(state):
+            return None
+        assert self.summarizer is not None
+        start, end = state.summarized_turns, state.evicted_turns
+        return self.worker.submit(
+            store=self.store,
+            session_id=self.session_id,
+            summarizer=self.summarizer,
+            previous=state.summary,
+            messages=history.messages_of(start, end),
+            start=start,
+            end=end,
+            max_tokens=self.max_tokens,
+        )
+
+    def maybe_submit(
+        self, state: SessionState, history: History, *, batch_turns: int, window_moved: bool = False
+    ) -> None:
+        """Fold evicted turns into the summary once ``batch_turns`` are waiting, or
+        whenever the window has just moved (the prompt's start changes anyway, so changing
+        the summary on the same turn costs no extra re-prefill)."""
+        pending = state.evicted_turns - state.summarized_turns
+        if not self.active or pending <= 0:
+            return
+        if pending < batch_turns and not window_moved:
+            return
+        self.submit(state, history)
+
+    def text(self, start: int, state: SessionState, history: History) -> tuple[str, bool, int]:
+        """The summary a prompt that starts at turn ``start`` shows, whether it is
+        provisional, and the turns its model-written part covers: the stored summary, or,
+        when that misses turns before ``start``, the provisional summary that adds
+        excerpts of them. A provisional summary stays until the window moves, even when
+        the model's lands meanwhile: the prompt keeps extending the previous one (its KV
+        is reused), and the summary changes with the window, one re-prefill per move."""
+        done = state.summarized_turns
+        if self._provisional is not None and self._provisional[0] == start:
+            return self._provisional[1], True, self._provisional[2]
+        if not self.active or start <= done:
+            return state.summary, False, done
+        text = provisional_summary(
+            previous=state.summary,
+            messages=history.messages_of(done, start),
+            counter=self.counter,
+            max_tokens=self.max_tokens,
+        )
+        return text, True, done
+
+    def planned(self, start: int, state: SessionState, history: History) -> Planned:
+        """What a turn's prompt, planned from ``start``, showed as its summary; a
+        provisional one is kept for the next prompts from the same start."""
+        summary, provisional, covered = self.text(start, state, history)
+        self._provisional = (start, summary, covered) if provisional else None
+        return Planned(
+            summary=summary,
+            summarized_turns=covered,
+            summarizing=self.active,
+            start=start,
+            provisional=provisional,
+        )
+
+    def status(self, state: SessionState) -> SummaryState:
+        """Where the summary stands for ``state`` (picked up already): done, pending,
+        running or failed, and which turns it covers."""
+        job = self.job()
+        if job is not None and job.end <= state.summarized_turns:
+            job = None  # an older job that this session already picked up
+        if state.evicted_turns <= state.summarized_turns or not self.active:
+            status = SummaryStatus.DONE
+        elif job is None or job.status in (JobStatus.CANCELLED, JobStatus.DONE):
+            status = SummaryStatus.PENDING
+        elif job.status is JobStatus.FAILED:
+            status = SummaryStatus.FAILED
+        elif job.status is JobStatus.RUNNING:
+            status = SummaryStatus.RUNNING
+        else:
+            status = SummaryStatus.PENDING
+        failed = job is not None and job.status is JobStatus.FAILED
+        return SummaryState(
+            status=status,
+            summarized_turns=state.summarized_turns,
+            evicted_turns=state.evicted_turns,
+            job_turns=(job.start, job.end) if job is not None else None,
+            failures=(job.failures + int(failed)) if job is not None else 0,
+            error=job.error if failed and job is not None else "",
+        )
+
+    def catch_up(
+        self, timeout_s: float | None, *, sync: Callable[[], SessionState], history: History
+    ) -> None:
+        """Start jobs for the turns the summary owes (also after a failure, once per call)
+        and wait for them, up to ``timeout_s`` in all (``None``: without limit).
+        ``sync`` picks up a finished job and returns the session's state."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        submitted: set[int] = set()
+        while True:
+            state = sync()
+            if not self.owes(state):
+                return
+            job = self.live_job()
+            if job is None:
+                last = self.job()
+                if last is not None and id(last) in submitted and last.status is not JobStatus.DONE:
+                    return  # a job of this call failed or was cancelled: report it
+                job = self.submit(state, history)
+                if job is None:
+                    return
+                submitted.add(id(job))
+            self.worker.promote(job)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not job.wait(left):
+                return
+
+    def waits(
+        self,
+        limit: float | None,
+        *,
+        sync: Callable[[], SessionState],
+        history: History,
+        plan_start: Callable[[], int],
+    ) -> Generator[SummaryWait, bool, float]:
+        """The background summary a turn waits for, before it plans: it yields each job to
+        wait for, with the seconds left (``None``: no limit), is sent whether the job
+        ended, and returns the seconds it waited.
+
+        ``sync`` picks up a finished summary and returns the session's state;
+        ``plan_start`` is the first turn the turn's prompt would start at now. Turns the
+        summary owes get a job (after a crash, a failure or a cancel: the stored turns are
+        the source of truth). While the turns the summary misses cannot all be shown beside
+        the window (the prompt would start at the window), the turn waits for the job (and
+        the next one), at most ``limit`` seconds in all.
+        """
+        t0 = time.monotonic()
+        deadline = None if limit is None else t0 + limit
+        waited = 0.0
+        while True:
+            state = sync()
+            job = self.live_job() or self.submit(state, history)
+            if job is None or not job.live or not self.owes(state):
+                return waited  # nothing to wait for: no plan needed (the turn plans next)
+            # The prompt is the window, and the summary misses turns before it: wait for it.
+            hides = plan_start() == state.evicted_turns
+            left = None if deadline is None else deadline - time.monotonic()
+            if not hides or (left is not None and left <= 0):
+                return waited
+            self.worker.promote(job)
+            t_wait = time.monotonic()
+            finished = yield SummaryWait(job, left)
+            waited += time.monotonic() - t_wait
+            if not finished or job.status is not JobStatus.DONE:
+                logger.info(
+                    "session %s: summary of turns %d-%d not in after %.1f s (%s); planning without it",
+                    self.session_id, job.start, job.end, time.monotonic() - t0, job.status.value,
+                )  # fmt: skip
+                return waited
+
+    def forget(self) -> None:
+        """Cancel the session's queued or running job."""
+        self.worker.forget(self.store, self.session_id)

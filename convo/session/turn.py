@@ -1,0 +1,115 @@
+"""A turn as a sans-I/O core driven by two transports.
+
+:meth:`Session._turn <convo.session.Session>` is a generator that plans, stores and
+reports, and *yields* the two things a turn waits on::
+
+    SummaryWait(job, left)  ->  sent back: whether the job ended in time
+    PromptPlan              ->  sent back: the engine's Generation (or thrown its error)
+
+:func:`drive` answers those steps with blocking calls (``Session.send``), :func:`adrive`
+with awaited ones (``Session.asend``). Nothing else differs between the two front ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict, TypeVar
+
+from convo.engines.base import Sampling
+from convo.plan import PromptPlan
+from convo.summarize import SummaryJob
+
+R = TypeVar("R")
+
+
+class TurnOptions(TypedDict, total=False):
+    """The keyword arguments of a turn (:meth:`Session.send`, :meth:`Session.reply`,
+    :meth:`Session.asend`, and the streams):
+
+    * ``sampling``: decoding settings (default: the session's);
+    * ``timeout_s``: wall-clock limit of the generate call (default: the session's);
+    * ``on_text``: called with each new piece of the reply;
+    * ``cancel``: a ``threading.Event``; set it to stop generation early;
+    * ``stop``: strings that end the reply where they first appear (not part of it).
+    """
+
+    sampling: Sampling | None
+    timeout_s: float | None
+    on_text: Any
+    cancel: threading.Event | None
+    stop: Sequence[str]
+
+
+@dataclass(frozen=True)
+class TurnArgs:
+    """:class:`TurnOptions` with their defaults (an unknown keyword is a ``TypeError``)."""
+
+    sampling: Sampling | None = None
+    timeout_s: float | None = None
+    on_text: Any = None
+    cancel: threading.Event | None = None
+    stop: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class SummaryWait:
+    """A step of a turn: wait up to ``left`` seconds (``None``: no limit) for ``job``."""
+
+    job: SummaryJob
+    left: float | None
+
+
+#: What a turn yields: a summary to wait for, or a prompt to generate.
+Step = SummaryWait | PromptPlan
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """A step's outcome that is an exception (thrown into the turn)."""
+
+    error: Exception
+
+
+class _Driver:
+    """Feeds each step's outcome, its value or its exception, back into a turn."""
+
+    def __init__(self, turn: Generator[Step, Any, Any]) -> None:
+        self._turn = turn
+        self.step: Step | None = None
+        self.result: Any = None
+        self.resume(None)
+
+    def resume(self, outcome: Any) -> None:
+        try:
+            if isinstance(outcome, _Raised):
+                self.step = self._turn.throw(outcome.error)
+            else:
+                self.step = self._turn.send(outcome)
+        except StopIteration as done:
+            self.step, self.result = None, done.value
+
+
+def drive(turn: Generator[Step, Any, R], do: Callable[[Step], Any]) -> R:
+    """Run ``turn`` to its end, answering each step with ``do(step)`` (blocking)."""
+    driver = _Driver(turn)
+    while (step := driver.step) is not None:
+        try:
+            outcome = do(step)
+        except Exception as exc:
+            outcome = _Raised(exc)
+        driver.resume(outcome)
+    return driver.result
+
+
+async def adrive(turn: Generator[Step, Any, R], do: Callable[[Step], Awaitable[Any]]) -> R:
+    """:func:`drive`, awaiting ``do(step)`` for each step (the same turn)."""
+    driver = _Driver(turn)
+    while (step := driver.step) is not None:
+        try:
+            outcome = await do(step)
+        except Exception as exc:
+            outcome = _Raised(exc)
+        driver.resume(outcome)
+    return driver.result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -240,7 +241,7 @@ def check_plan_invariants(session: Session, counter: TokenCounter) -> None:
             pending.discard(m.tool_call_id)
         elif m.role is Role.ASSISTANT:
             pending = {c.id for c in m.tool_calls}
-    for p in session._pinned:
+    for p in (m for m in session.messages if m.pinned):
         assert p in plan.messages
     newest_user = [m for m in session.messages if m.role is Role.USER][-1]
     shown_users = [m for m in plan.messages if m.role is Role.USER]
@@ -261,10 +262,17 @@ def build_session(counter: TokenCounter, budget: Budget, history: list[Message],
     session = Session(counter=counter, budget=budget, system_prompt="You are terse.")
     for m in history:
         session.add(m)
-    if summary:
-        from dataclasses import replace
-
-        session._state = replace(session._state, summary=summary)
+    if summary:  # a summary already in the store, as a resumed session finds it
+        state, _ = session.store.load(session.id)
+        session.store.save_state(replace(state, summary=summary))
+        session = Session(
+            counter=counter,
+            budget=budget,
+            store=session.store,
+            session_id=session.id,
+            system_prompt="You are terse.",
+        )
+        assert session.summary == summary
     return session
 
 

@@ -19,7 +19,7 @@ from convo.integrations.langchain import (
     fit_messages,
     from_langchain,
 )
-from convo.store import SQLiteStore
+from convo.stores import SQLiteStore
 from convo.tokens import TokenCounter
 
 

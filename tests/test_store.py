@@ -18,7 +18,7 @@ import pytest
 from convo import MemoryStore, SQLiteStore
 from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message, Role, ToolCall, assistant, tool, user
-from convo.store import SessionState, Store
+from convo.stores import SessionState, Store
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -26,7 +26,7 @@ REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def redis_store() -> Iterator[Store]:
     """A RedisStore under a fresh key prefix (deleted after). Skips without a Redis server,
     except with CONVO_REQUIRE_REDIS=1 (CI), where a missing server fails the test."""
-    from convo.store import RedisStore
+    from convo.stores import RedisStore
 
     try:
         store = RedisStore(REDIS_URL, prefix=f"convo-test:{uuid.uuid4().hex}:")

@@ -38,7 +38,7 @@ from langchain_core.runnables import Runnable, RunnableLambda  # noqa: E402
 from convo.budget import Budget  # noqa: E402
 from convo.messages import Message  # noqa: E402
 from convo.plan import PassageSource, PromptPlan, fit  # noqa: E402
-from convo.store import MemoryStore, SessionState, Store  # noqa: E402
+from convo.stores import MemoryStore, SessionState, Store  # noqa: E402
 from convo.tokens import TokenCounter  # noqa: E402
 
 __all__ = [
@@ -73,7 +73,7 @@ class ConvoChatMessageHistory(BaseChatMessageHistory):
 
     Args:
         session_id: the convo session id.
-        store: a :class:`~convo.store.Store` (``SQLiteStore``, ``RedisStore``...);
+        store: a :class:`~convo.stores.Store` (``SQLiteStore``, ``RedisStore``...);
             default: a new in-memory store.
 
     Example:

@@ -1,6 +1,6 @@
 """Deprecated: ``convo.store`` became the package :mod:`convo.stores` (``base``, ``memory``,
 ``sqlite``, ``redis``); this alias forwards every name it had and goes away in the next
-release.
+release. Its ``MemoryStore`` is :class:`convo.stores.InMemoryStore` now.
 
 A user's ``from convo.store import X`` warns (a :class:`DeprecationWarning`). convo's own
 modules that still import this path until they move to :mod:`convo.stores` do not: they
@@ -14,6 +14,7 @@ import warnings
 from types import FrameType
 from typing import Any
 
+from convo import stores as _stores
 from convo._deprecated import moved
 
 #: Where the names of the old module live now, searched in order.
@@ -50,6 +51,15 @@ else:
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):  # e.g. __path__: this module is no package, whatever it forwards to
         raise AttributeError(f"module 'convo.store' has no attribute {name!r}")
+    new = _stores._RENAMED.get(name)  # MemoryStore: InMemoryStore now
+    if new is not None:
+        if not _called_from_convo(sys._getframe(1)):
+            warnings.warn(
+                f"convo.store.{name} is deprecated; use convo.stores.{new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(_stores, new)
     value = _forward(name)
     if not _warned_on_import and not _called_from_convo(sys._getframe(1)):
         warnings.warn(

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from convo import MemoryStore, SQLiteStore
+import convo
+import convo.store
+import convo.stores
 from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message, Role, ToolCall, assistant, tool, user
-from convo.stores import SessionState, Store
+from convo.stores import InMemoryStore, SessionState, SQLiteStore, Store
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -45,7 +47,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "redis":
         yield from redis_store()
     else:
-        yield SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else MemoryStore()
+        yield SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else InMemoryStore()
 
 
 def test_lock_serializes_holders_and_times_out(store: Store) -> None:
@@ -230,3 +232,46 @@ def test_save_summary_is_a_compare_and_set_on_the_covered_turns(store: Store) ->
     assert state.settings == {"k": 1} and len(messages) == 1  # nothing else touched
     with pytest.raises(SessionNotFound):
         store.save_summary("nope", summary="x", covered_from=0, summarized_turns=1)
+
+
+# -- the old names: convo.store (a module then) and MemoryStore ---------------------------
+
+#: What users imported from ``convo.store`` before it became the package ``convo.stores``.
+OLD_STORE_NAMES = ["EXPORT_FORMAT", "RedisStore", "SQLiteStore", "SessionState", "Store", "redact_url"]
+
+
+def test_memory_store_is_a_deprecated_alias_of_in_memory_store() -> None:
+    with pytest.warns(DeprecationWarning, match=r"convo\.stores\.MemoryStore is deprecated.*InMemoryStore"):
+        from convo.stores import MemoryStore
+    assert MemoryStore is InMemoryStore
+    with pytest.warns(DeprecationWarning, match=r"convo\.store\.MemoryStore is deprecated.*InMemoryStore"):
+        assert convo.store.MemoryStore is InMemoryStore
+    assert convo.MemoryStore is InMemoryStore  # the top-level export table still serves it
+
+
+@pytest.mark.parametrize("name", OLD_STORE_NAMES)
+def test_old_store_module_forwards_its_names_with_a_warning(name: str) -> None:
+    with pytest.warns(
+        DeprecationWarning, match=rf"convo\.store is deprecated; import {name} from convo\.stores"
+    ):
+        value = getattr(convo.store, name)
+    assert value is getattr(convo.stores, name)
+    with pytest.raises(AttributeError):
+        convo.store.NoSuchStore  # noqa: B018
+
+
+def test_import_convo_stays_quiet_while_its_modules_use_the_old_path() -> None:
+    """convo's own modules still import convo.store: that must not warn (or fail under -W
+    error); a user's import of it does."""
+    quiet = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import convo, convo.session, convo.store"],
+        capture_output=True,
+        text=True,
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    loud = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "from convo.store import SQLiteStore"],
+        capture_output=True,
+        text=True,
+    )
+    assert loud.returncode != 0 and "DeprecationWarning: convo.store is deprecated" in loud.stderr

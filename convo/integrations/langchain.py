@@ -38,7 +38,7 @@ from langchain_core.runnables import Runnable, RunnableLambda  # noqa: E402
 from convo.budget import Budget  # noqa: E402
 from convo.messages import Message  # noqa: E402
 from convo.plan import PassageSource, PromptPlan, fit  # noqa: E402
-from convo.stores import MemoryStore, SessionState, Store  # noqa: E402
+from convo.stores import InMemoryStore, SessionState, Store  # noqa: E402
 from convo.tokens import TokenCounter  # noqa: E402
 
 __all__ = [
@@ -85,7 +85,7 @@ class ConvoChatMessageHistory(BaseChatMessageHistory):
 
     def __init__(self, session_id: str, *, store: Store | None = None) -> None:
         self.session_id = session_id
-        self.store: Store = store if store is not None else MemoryStore()
+        self.store: Store = store if store is not None else InMemoryStore()
 
     @property
     def messages(self) -> list[BaseMessage]:  # type: ignore[override]

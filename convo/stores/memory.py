@@ -11,8 +11,17 @@ from convo.messages import Message
 from convo.stores.base import SessionState, Store
 
 
-class MemoryStore(Store):
-    """A store in a dict, for tests and throw-away sessions (thread-safe)."""
+class InMemoryStore(Store):
+    """A store in a dict, for tests and throw-away sessions (thread-safe), gone with the
+    process. Named as LangGraph names its own; formerly ``MemoryStore`` (in convo "memory"
+    means GPU memory, :class:`~convo.MemoryModel`, or :class:`~convo.RetrievalMemory`).
+
+    Example:
+        >>> store = InMemoryStore()
+        >>> store.create(SessionState(session_id="s1"))
+        >>> store.list_sessions()
+        ['s1']
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

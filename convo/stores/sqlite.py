@@ -47,7 +47,7 @@ class SQLiteStore(Store):
 
     Args:
         path: the database file (created with its folder). ``":memory:"`` is refused
-            because each thread would see a different database; use MemoryStore.
+            because each thread would see a different database; use InMemoryStore.
         busy_timeout_s: how long a writer waits for another's lock before failing.
             Default 30 s.
 
@@ -57,7 +57,7 @@ class SQLiteStore(Store):
 
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 30.0) -> None:
         if str(path) == ":memory:":
-            raise ConfigError("SQLiteStore needs a file; use MemoryStore for an in-memory store")
+            raise ConfigError("SQLiteStore needs a file; use InMemoryStore for an in-memory store")
         if busy_timeout_s <= 0:
             raise ConfigError("busy_timeout_s must be > 0")
         self.path = os.fspath(path)

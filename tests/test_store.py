@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -104,6 +105,76 @@ def test_sqlite_lock_holds_across_processes(tmp_path: Path) -> None:
         p.join(60)
     assert all(p.exitcode == 0 for p in procs)
     assert [m.content for m in SQLiteStore(path).load("shared")[1]] == [str(i) for i in range(75)]
+
+
+#: A process that takes a session's lock in a SQLite store and holds it until killed.
+HOLD_A_LOCK = """
+import sys, time
+from convo.stores import SQLiteStore
+with SQLiteStore(sys.argv[1]).lock(sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _lock_in_a_process(path: str, session_id: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_LOCK, path, session_id], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_sqlite_open_removes_the_lock_files_of_killed_holders_only(tmp_path: Path) -> None:
+    """A holder killed with SIGKILL cannot remove its lock file; the next open of the store
+    does, and leaves a live holder's file (and lock) alone."""
+    path = str(tmp_path / "k.db")
+    locks = path + ".locks"
+    killed, alive = _lock_in_a_process(path, "killed"), _lock_in_a_process(path, "alive")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert len(os.listdir(locks)) == 2  # the dead holder left its file behind
+        store = SQLiteStore(path)
+        assert len(os.listdir(locks)) == 1  # the live holder's file stays
+        with pytest.raises(SessionBusy), store.lock("alive", timeout_s=0.2):
+            pass
+        with store.lock("killed", timeout_s=1):  # the dead holder's lock is free
+            pass
+        assert len(os.listdir(locks)) == 1
+    finally:
+        for proc in (killed, alive):
+            proc.kill()
+            proc.wait(30)
+            assert proc.stdout is not None
+            proc.stdout.close()
+    SQLiteStore(path)
+    assert os.listdir(locks) == []
+
+
+def _open_and_bump(path: str, rounds: int) -> None:
+    for _ in range(rounds):  # every open removes stale lock files while others hold or wait
+        with SQLiteStore(path).lock("hot", timeout_s=30):
+            counter = Path(path + ".counter")
+            n = int(counter.read_text())
+            time.sleep(0.001)
+            counter.write_text(str(n + 1))
+
+
+def test_sqlite_lock_still_excludes_while_opens_remove_stale_files(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.db")
+    SQLiteStore(path)
+    Path(path + ".counter").write_text("0")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_open_and_bump, args=(path, 30)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    _open_and_bump(path, 30)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert Path(path + ".counter").read_text() == "120"  # no lost update
+    assert os.listdir(path + ".locks") == []
 
 
 def test_create_append_load_round_trip(store: Store) -> None:

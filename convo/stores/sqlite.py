@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -21,6 +22,8 @@ from typing import Any
 from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
 from convo.stores.base import SessionState, Store
+
+logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -66,6 +69,12 @@ class SQLiteStore(Store):
         os.makedirs(folder, exist_ok=True)
         self._local = threading.local()
         self._conn().executescript(_SCHEMA)  # executescript manages its own transaction
+        remove_stale_lock_files(self.locks_folder)
+
+    @property
+    def locks_folder(self) -> str:
+        """The folder of the turn locks' files: ``<path>.locks``."""
+        return self.path + ".locks"
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -230,13 +239,14 @@ class SQLiteStore(Store):
 
         The holder removes the file before it lets go, so locks of deleted or never-made
         sessions leave nothing behind. A waiter that then wins the lock on the removed
-        file sees that the path no longer names it, and starts again on the new file.
+        file sees that the path no longer names it, and starts again on the new file. A
+        holder killed before it could remove its file leaves it; the next open of the
+        store removes it (see :func:`remove_stale_lock_files`).
         """
         import fcntl  # POSIX only: imported where a lock is taken
 
-        folder = self.path + ".locks"
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, hashlib.sha256(session_id.encode()).hexdigest()[:32])
+        os.makedirs(self.locks_folder, exist_ok=True)
+        path = os.path.join(self.locks_folder, _lock_file_name(session_id))
         deadline = time.monotonic() + timeout_s
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -251,12 +261,7 @@ class SQLiteStore(Store):
                                 f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
                             ) from None
                         time.sleep(0.01)
-                mine = os.fstat(fd)
-                try:
-                    now = os.stat(path)
-                    current = (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-                except FileNotFoundError:
-                    current = False
+                current = _names(path, fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -277,3 +282,61 @@ class SQLiteStore(Store):
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+#: Hex characters of a session id's hash that name its lock file.
+_LOCK_NAME_CHARS = 32
+
+
+def _lock_file_name(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()[:_LOCK_NAME_CHARS]
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
+    mine = os.fstat(fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def remove_stale_lock_files(folder: str) -> int:
+    """Remove the lock files in ``folder`` that no live process holds; returns how many.
+
+    A holder killed with SIGKILL (or a crash) cannot remove its file; the OS drops its
+    ``flock`` though. So a file whose lock can be taken without waiting has no holder:
+    it is taken, removed while held, and let go, exactly as a holder lets go, so a
+    process waiting on it at that moment sees the path no longer names it and starts
+    again on a new file. A file whose lock is held (a live holder) is left alone.
+    :class:`SQLiteStore` calls this when it opens.
+    """
+    import fcntl  # POSIX only, as the locks are
+
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        if len(name) != _LOCK_NAME_CHARS or not all(c in "0123456789abcdef" for c in name):
+            continue  # not a lock file of ours
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # removed meanwhile by its holder, or not a file
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live holder
+            if _names(path, fd):
+                os.unlink(path)
+                removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d lock file(s) left by killed holders in %s", removed, folder)
+    return removed

@@ -206,6 +206,44 @@ def test_unknown_and_duplicate_sessions(store: Store) -> None:
         store.create(SessionState(session_id="a"))
 
 
+class _DefaultCreateIfMissing(InMemoryStore):
+    """A store that inherits :meth:`Store.create_if_missing` (as a third-party one would)."""
+
+    create_if_missing = Store.create_if_missing
+
+
+def test_create_if_missing_creates_once_among_racing_threads(store: Store) -> None:
+    _race_create_if_missing(store)
+
+
+def test_default_create_if_missing_creates_once_among_racing_threads() -> None:
+    _race_create_if_missing(_DefaultCreateIfMissing())
+
+
+def _race_create_if_missing(store: Store) -> None:
+    created: list[bool] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def create() -> None:
+        start.wait(10)
+        try:
+            created.append(store.create_if_missing(SessionState(session_id="new"), [user("first")]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(created) == [False] * 7 + [True]
+    store.append("new", [user("second")])
+    assert not store.create_if_missing(SessionState(session_id="new", summary="other"), [user("x")])
+    state, messages = store.load("new")  # an existing session is left as it is
+    assert [m.content for m in messages] == ["first", "second"] and state.summary == ""
+
+
 def test_export_import_and_delete(store: Store) -> None:
     store.create(SessionState(session_id="a", summary="sum", settings={"k": 1}))
     store.append("a", [user("one"), assistant("two")])

@@ -61,6 +61,27 @@ class Store(abc.ABC):
         """Create a session with its first ``messages`` (e.g. the system prompt), in one
         transaction: a session is never seen half-made. Raises StoreError if the id exists."""
 
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
+        """Create the session as :meth:`create` does unless it exists already; returns
+        whether this call created it. Idempotent: of several writers (threads, processes)
+        creating one new session at once, exactly one creates it and the others see it
+        made, none fails with "already exists".
+
+        The stores here do it in one atomic step (a dict lock, a SQLite transaction, a
+        Redis script); this default (for other stores) checks and creates under
+        :meth:`lock`, so it is atomic among callers of ``create_if_missing``.
+        """
+        with self.lock(state.session_id):
+            if self.exists(state.session_id):
+                return False
+            try:
+                self.create(state, messages)
+            except StoreError:
+                if self.exists(state.session_id):  # a plain create() won the race
+                    return False
+                raise
+            return True
+
     @abc.abstractmethod
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
         """State and full history. Raises SessionNotFound."""

@@ -33,6 +33,13 @@ class InMemoryStore(Store):
                 raise StoreError(f"session {state.session_id!r} already exists")
             self._data[state.session_id] = (state, list(messages))
 
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
+        with self._lock:
+            if state.session_id in self._data:
+                return False
+            self._data[state.session_id] = (state, list(messages))
+            return True
+
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
         with self._lock:
             if session_id not in self._data:

@@ -193,13 +193,17 @@ class RedisStore(Store):
         return [*fields, "created_at", repr(state.created_at)] if created else fields
 
     def create(self, state: SessionState, messages: Sequence[Message] = ()) -> None:
+        if not self.create_if_missing(state, messages):
+            raise StoreError(f"session {state.session_id!r} already exists")
+
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
         now = time.time()
         state = replace(state, created_at=state.created_at or now, updated_at=now)
         skey, mkey = self._keys(state.session_id)
         records = [json.dumps(m.to_record()) for m in messages]
         args = [state.session_id, len(records), *records, *self._fields(state, created=True)]
-        if not self._run(self._create, state.session_id, [skey, f"{self.prefix}sessions", mkey], args):
-            raise StoreError(f"session {state.session_id!r} already exists")
+        keys = [skey, f"{self.prefix}sessions", mkey]
+        return bool(self._run(self._create, state.session_id, keys, args))  # one script: atomic
 
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
         skey, mkey = self._keys(session_id)

@@ -119,21 +119,33 @@ class SQLiteStore(Store):
         )
 
     def create(self, state: SessionState, messages: Sequence[Message] = ()) -> None:
-        now = time.time()
-        state = replace(state, created_at=state.created_at or now, updated_at=now)
         try:
-            with self._tx() as db:
-                db.execute(
-                    "INSERT INTO sessions (settings, summary, summarized_turns, evicted_turns, owner,"
-                    " updated_at, id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (*self._state_row(state), state.created_at),
-                )
-                db.executemany(
-                    "INSERT INTO messages (session_id, seq, record) VALUES (?, ?, ?)",
-                    [(state.session_id, i, json.dumps(m.to_record())) for i, m in enumerate(messages)],
-                )
+            self._insert(state, messages, if_missing=False)
         except sqlite3.IntegrityError:
             raise StoreError(f"session {state.session_id!r} already exists") from None
+
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
+        return self._insert(state, messages, if_missing=True)
+
+    def _insert(self, state: SessionState, messages: Sequence[Message], *, if_missing: bool) -> bool:
+        """Insert the session and its messages in one write transaction; with ``if_missing``
+        an existing id is left as it is (``False``) instead of an IntegrityError."""
+        now = time.time()
+        state = replace(state, created_at=state.created_at or now, updated_at=now)
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO sessions (settings, summary, summarized_turns, evicted_turns, owner,"
+                " updated_at, id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                + (" ON CONFLICT (id) DO NOTHING" if if_missing else ""),
+                (*self._state_row(state), state.created_at),
+            )
+            if cur.rowcount == 0:
+                return False
+            db.executemany(
+                "INSERT INTO messages (session_id, seq, record) VALUES (?, ?, ?)",
+                [(state.session_id, i, json.dumps(m.to_record())) for i, m in enumerate(messages)],
+            )
+        return True
 
     def peek(self, session_id: str) -> tuple[SessionState, int]:
         db = self._conn()

@@ -14,7 +14,7 @@ refuse; :class:`Batcher` groups admitted requests into one ``generate``::
       └─ waited > queue_timeout_s ──> QueueTimeoutError
 
 A request's cost is its KV bytes for ``prompt + max_new_tokens`` plus its share of the
-activations (:meth:`convo.memory.MemoryModel.request_bytes`); inject any ``cost_fn``.
+activations (:meth:`convo.planner.model.MemoryModel.request_bytes`); inject any ``cost_fn``.
 
 The core is thread-based; :meth:`AdmissionController.acquire` blocks the calling thread,
 :meth:`AdmissionController.acquire_async` awaits the same core without blocking the event
@@ -31,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -110,8 +111,18 @@ class Ledger:
             self._in_use -= amount
 
 
-#: The old name of :class:`Ledger` (a byte ledger), kept for one release.
-MemoryLedger = Ledger
+#: Old names in this module, with their name now: served for one release with a
+#: DeprecationWarning. ``MemoryLedger`` was :class:`Ledger` when it counted bytes only;
+#: it counts tokens too now, so the name says what it is: a ledger of a budget.
+_RENAMED = {"MemoryLedger": "Ledger"}
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'convo.admission' has no attribute {name!r}")
+    warnings.warn(f"convo.admission.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
 
 
 # --------------------------------------------------------------------------------------

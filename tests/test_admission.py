@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import convo.admission
 from convo.admission import (
     AdmissionController,
     AdmissionLimits,
@@ -36,6 +37,14 @@ def controller(**kw: object) -> AdmissionController:
 
 
 # -- accounting ---------------------------------------------------------------------------
+
+
+def test_memory_ledger_is_a_deprecated_alias_of_ledger() -> None:
+    with pytest.warns(DeprecationWarning, match=r"MemoryLedger is deprecated; use Ledger"):
+        from convo.admission import MemoryLedger
+    assert MemoryLedger is Ledger
+    with pytest.raises(AttributeError):
+        convo.admission.NoSuchLedger  # noqa: B018
 
 
 def test_ledger_answers_without_raising() -> None:

@@ -3,8 +3,13 @@ reaches it: the prompt it receives never exceeds the budget."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import time
+import uuid
 from typing import Any
 
+import pytest
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
@@ -13,13 +18,14 @@ from langchain_core.runnables.history import RunnableWithMessageHistory
 from pydantic import Field
 
 from convo import Budget
+from convo.errors import StoreError
 from convo.integrations.langchain import (
     ConvoChatMessageHistory,
     fit_langchain_messages,
     fit_messages,
     from_langchain,
 )
-from convo.store import SQLiteStore
+from convo.stores import RedisStore, SQLiteStore, Store
 from convo.tokens import TokenCounter
 
 
@@ -124,3 +130,87 @@ def test_tool_calls_round_trip_and_stay_whole(smol_counter: TokenCounter) -> Non
     assert prompt_tokens(smol_counter, kept) + budget.max_new_tokens <= budget.context_tokens
     history.clear()
     assert history.messages == []
+
+
+# -- two writers of one new session (issue 27, defect 7) ----------------------------------
+
+REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+#: Sessions each pair of writers starts together, and messages each writer adds to each.
+RACED_SESSIONS, MESSAGES_EACH = 6, 5
+
+#: How long a writer's store takes to answer ``exists``: the time between checking for a
+#: session and creating it in which the other writer may create it (a busy host, a store
+#: across a network). It makes the race of two first writes happen on every run.
+EXISTS_DELAY_S = 0.05
+
+
+class _SlowExists(Store):
+    def exists(self, session_id: str) -> bool:
+        found = super().exists(session_id)
+        time.sleep(EXISTS_DELAY_S)
+        return found
+
+
+class _SlowSQLiteStore(_SlowExists, SQLiteStore):
+    pass
+
+
+class _SlowRedisStore(_SlowExists, RedisStore):
+    pass
+
+
+def _open(kind: str, where: str, *, slow: bool = False) -> Store:
+    if kind == "sqlite":
+        return (_SlowSQLiteStore if slow else SQLiteStore)(where)
+    return (_SlowRedisStore if slow else RedisStore)(REDIS_URL, prefix=where)
+
+
+def _history_writer(kind: str, where: str, worker: int, barrier: Any) -> None:
+    store = _open(kind, where, slow=True)
+    for s in range(RACED_SESSIONS):
+        history = ConvoChatMessageHistory(f"new-{s}", store=store)
+        barrier.wait(60)  # both writers' first write to the new session at once
+        try:
+            for k in range(MESSAGES_EACH):
+                history.add_messages([HumanMessage(f"{worker}-{k}")])
+        except BaseException:
+            barrier.abort()  # the other writer stops at its next wait instead of timing out
+            raise
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_two_processes_writing_a_new_session_lose_nothing(kind: str, tmp_path: Any) -> None:
+    """Two processes write the same new session at once: both create it on their first
+    write, neither fails with "already exists", and every message of both is stored."""
+    if kind == "sqlite":
+        where = str(tmp_path / "race.db")
+    else:
+        where = f"convo-test:{uuid.uuid4().hex}:"
+        try:
+            _open(kind, where).ping()
+        except (ImportError, StoreError) as exc:
+            if os.environ.get("CONVO_REQUIRE_REDIS") == "1":
+                pytest.fail(f"CONVO_REQUIRE_REDIS=1 but there is no Redis at {REDIS_URL}: {exc}")
+            pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_history_writer, args=(kind, where, w, barrier)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    store = _open(kind, where)
+    try:
+        assert [p.exitcode for p in procs] == [0, 0]
+        for s in range(RACED_SESSIONS):
+            stored = [m.content for m in ConvoChatMessageHistory(f"new-{s}", store=store).messages]
+            for w in range(2):
+                assert [c for c in stored if c.startswith(f"{w}-")] == [
+                    f"{w}-{k}" for k in range(MESSAGES_EACH)
+                ]
+    finally:
+        if isinstance(store, RedisStore):
+            for key in store._r.scan_iter(match=where + "*"):
+                store._r.delete(key)
+        store.close()

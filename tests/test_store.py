@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from convo import MemoryStore, SQLiteStore
+import convo
+import convo.store
+import convo.stores
 from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message, Role, ToolCall, assistant, tool, user
-from convo.store import SessionState, Store
+from convo.stores import InMemoryStore, SessionState, SQLiteStore, Store
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -26,7 +29,7 @@ REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def redis_store() -> Iterator[Store]:
     """A RedisStore under a fresh key prefix (deleted after). Skips without a Redis server,
     except with CONVO_REQUIRE_REDIS=1 (CI), where a missing server fails the test."""
-    from convo.store import RedisStore
+    from convo.stores import RedisStore
 
     try:
         store = RedisStore(REDIS_URL, prefix=f"convo-test:{uuid.uuid4().hex}:")
@@ -45,7 +48,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "redis":
         yield from redis_store()
     else:
-        yield SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else MemoryStore()
+        yield SQLiteStore(tmp_path / "s.db") if request.param == "sqlite" else InMemoryStore()
 
 
 def test_lock_serializes_holders_and_times_out(store: Store) -> None:
@@ -104,6 +107,76 @@ def test_sqlite_lock_holds_across_processes(tmp_path: Path) -> None:
     assert [m.content for m in SQLiteStore(path).load("shared")[1]] == [str(i) for i in range(75)]
 
 
+#: A process that takes a session's lock in a SQLite store and holds it until killed.
+HOLD_A_LOCK = """
+import sys, time
+from convo.stores import SQLiteStore
+with SQLiteStore(sys.argv[1]).lock(sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _lock_in_a_process(path: str, session_id: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_LOCK, path, session_id], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_sqlite_open_removes_the_lock_files_of_killed_holders_only(tmp_path: Path) -> None:
+    """A holder killed with SIGKILL cannot remove its lock file; the next open of the store
+    does, and leaves a live holder's file (and lock) alone."""
+    path = str(tmp_path / "k.db")
+    locks = path + ".locks"
+    killed, alive = _lock_in_a_process(path, "killed"), _lock_in_a_process(path, "alive")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert len(os.listdir(locks)) == 2  # the dead holder left its file behind
+        store = SQLiteStore(path)
+        assert len(os.listdir(locks)) == 1  # the live holder's file stays
+        with pytest.raises(SessionBusy), store.lock("alive", timeout_s=0.2):
+            pass
+        with store.lock("killed", timeout_s=1):  # the dead holder's lock is free
+            pass
+        assert len(os.listdir(locks)) == 1
+    finally:
+        for proc in (killed, alive):
+            proc.kill()
+            proc.wait(30)
+            assert proc.stdout is not None
+            proc.stdout.close()
+    SQLiteStore(path)
+    assert os.listdir(locks) == []
+
+
+def _open_and_bump(path: str, rounds: int) -> None:
+    for _ in range(rounds):  # every open removes stale lock files while others hold or wait
+        with SQLiteStore(path).lock("hot", timeout_s=30):
+            counter = Path(path + ".counter")
+            n = int(counter.read_text())
+            time.sleep(0.001)
+            counter.write_text(str(n + 1))
+
+
+def test_sqlite_lock_still_excludes_while_opens_remove_stale_files(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.db")
+    SQLiteStore(path)
+    Path(path + ".counter").write_text("0")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_open_and_bump, args=(path, 30)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    _open_and_bump(path, 30)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert Path(path + ".counter").read_text() == "120"  # no lost update
+    assert os.listdir(path + ".locks") == []
+
+
 def test_create_append_load_round_trip(store: Store) -> None:
     store.create(SessionState(session_id="a", settings={"budget": {"context_tokens": 99}}))
     msgs = [
@@ -131,6 +204,44 @@ def test_unknown_and_duplicate_sessions(store: Store) -> None:
     store.create(SessionState(session_id="a"))
     with pytest.raises(StoreError):
         store.create(SessionState(session_id="a"))
+
+
+class _DefaultCreateIfMissing(InMemoryStore):
+    """A store that inherits :meth:`Store.create_if_missing` (as a third-party one would)."""
+
+    create_if_missing = Store.create_if_missing
+
+
+def test_create_if_missing_creates_once_among_racing_threads(store: Store) -> None:
+    _race_create_if_missing(store)
+
+
+def test_default_create_if_missing_creates_once_among_racing_threads() -> None:
+    _race_create_if_missing(_DefaultCreateIfMissing())
+
+
+def _race_create_if_missing(store: Store) -> None:
+    created: list[bool] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def create() -> None:
+        start.wait(10)
+        try:
+            created.append(store.create_if_missing(SessionState(session_id="new"), [user("first")]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(created) == [False] * 7 + [True]
+    store.append("new", [user("second")])
+    assert not store.create_if_missing(SessionState(session_id="new", summary="other"), [user("x")])
+    state, messages = store.load("new")  # an existing session is left as it is
+    assert [m.content for m in messages] == ["first", "second"] and state.summary == ""
 
 
 def test_export_import_and_delete(store: Store) -> None:
@@ -230,3 +341,46 @@ def test_save_summary_is_a_compare_and_set_on_the_covered_turns(store: Store) ->
     assert state.settings == {"k": 1} and len(messages) == 1  # nothing else touched
     with pytest.raises(SessionNotFound):
         store.save_summary("nope", summary="x", covered_from=0, summarized_turns=1)
+
+
+# -- the old names: convo.store (a module then) and MemoryStore ---------------------------
+
+#: What users imported from ``convo.store`` before it became the package ``convo.stores``.
+OLD_STORE_NAMES = ["EXPORT_FORMAT", "RedisStore", "SQLiteStore", "SessionState", "Store", "redact_url"]
+
+
+def test_memory_store_is_a_deprecated_alias_of_in_memory_store() -> None:
+    with pytest.warns(DeprecationWarning, match=r"convo\.stores\.MemoryStore is deprecated.*InMemoryStore"):
+        from convo.stores import MemoryStore
+    assert MemoryStore is InMemoryStore
+    with pytest.warns(DeprecationWarning, match=r"convo\.store\.MemoryStore is deprecated.*InMemoryStore"):
+        assert convo.store.MemoryStore is InMemoryStore
+    assert convo.MemoryStore is InMemoryStore  # the top-level export table still serves it
+
+
+@pytest.mark.parametrize("name", OLD_STORE_NAMES)
+def test_old_store_module_forwards_its_names_with_a_warning(name: str) -> None:
+    with pytest.warns(
+        DeprecationWarning, match=rf"convo\.store is deprecated; import {name} from convo\.stores"
+    ):
+        value = getattr(convo.store, name)
+    assert value is getattr(convo.stores, name)
+    with pytest.raises(AttributeError):
+        convo.store.NoSuchStore  # noqa: B018
+
+
+def test_import_convo_stays_quiet_while_its_modules_use_the_old_path() -> None:
+    """convo's own modules still import convo.store: that must not warn (or fail under -W
+    error); a user's import of it does."""
+    quiet = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import convo, convo.session, convo.store"],
+        capture_output=True,
+        text=True,
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    loud = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "from convo.store import SQLiteStore"],
+        capture_output=True,
+        text=True,
+    )
+    assert loud.returncode != 0 and "DeprecationWarning: convo.store is deprecated" in loud.stderr

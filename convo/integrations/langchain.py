@@ -36,9 +36,10 @@ from langchain_core.prompt_values import PromptValue  # noqa: E402
 from langchain_core.runnables import Runnable, RunnableLambda  # noqa: E402
 
 from convo.budget import Budget  # noqa: E402
+from convo.errors import SessionNotFound  # noqa: E402
 from convo.messages import Message  # noqa: E402
 from convo.plan import PassageSource, PromptPlan, fit  # noqa: E402
-from convo.store import MemoryStore, SessionState, Store  # noqa: E402
+from convo.stores import InMemoryStore, SessionState, Store  # noqa: E402
 from convo.tokens import TokenCounter  # noqa: E402
 
 __all__ = [
@@ -73,7 +74,7 @@ class ConvoChatMessageHistory(BaseChatMessageHistory):
 
     Args:
         session_id: the convo session id.
-        store: a :class:`~convo.store.Store` (``SQLiteStore``, ``RedisStore``...);
+        store: a :class:`~convo.stores.Store` (``SQLiteStore``, ``RedisStore``...);
             default: a new in-memory store.
 
     Example:
@@ -85,7 +86,7 @@ class ConvoChatMessageHistory(BaseChatMessageHistory):
 
     def __init__(self, session_id: str, *, store: Store | None = None) -> None:
         self.session_id = session_id
-        self.store: Store = store if store is not None else MemoryStore()
+        self.store: Store = store if store is not None else InMemoryStore()
 
     @property
     def messages(self) -> list[BaseMessage]:  # type: ignore[override]
@@ -98,14 +99,17 @@ class ConvoChatMessageHistory(BaseChatMessageHistory):
         """Store ``messages`` in one append (raises :class:`~convo.errors.MessageError`
         for a message convo cannot represent, before anything is stored)."""
         converted = from_langchain(messages)
-        if not self.store.exists(self.session_id):
-            self.store.create(SessionState(session_id=self.session_id))
+        # Create-if-missing is one atomic step of the store: of two writers (threads or
+        # processes) making the session at once, one creates it and both append.
+        self.store.create_if_missing(SessionState(session_id=self.session_id))
         self.store.append(self.session_id, converted)
 
     def clear(self) -> None:
-        """Delete the session and its history."""
-        if self.store.exists(self.session_id):
+        """Delete the session and its history (nothing to do if it does not exist)."""
+        try:
             self.store.delete(self.session_id)
+        except SessionNotFound:  # never made, or another writer cleared it first
+            pass
 
 
 def fit_langchain_messages(

@@ -1,0 +1,263 @@
+"""What every session store shares: :class:`Store` (the interface), :class:`SessionState`
+(a session's state without its messages), the per-thread reentrant turn lock, and
+:func:`redact_url`.
+
+A store keeps *everything*: every message ever sent, even those the prompt no longer
+shows. A session's state is small and append-only, so each turn is one transaction. The
+implementations live next to this file: :mod:`convo.stores.memory`,
+:mod:`convo.stores.sqlite`, :mod:`convo.stores.redis`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from convo.errors import SessionBusy, StoreError
+from convo.messages import Message
+
+logger = logging.getLogger(__name__)
+
+#: Version of the export format written by :meth:`Store.export_session`.
+EXPORT_FORMAT = "convo.session/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionState:
+    """Everything a session needs to resume, except its messages.
+
+    Attributes:
+        session_id: the id.
+        settings: JSON-safe settings (budget, system prompt...), as the session wrote them.
+        summary: the rolling summary text.
+        summarized_turns: turns ``[0, summarized_turns)`` are folded into the summary.
+        evicted_turns: turns ``[0, evicted_turns)`` have left the prompt window.
+        owner: who created the session (e.g. an API-key hash), or ``""``.
+        created_at / updated_at: UNIX seconds.
+    """
+
+    session_id: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    summary: str = ""
+    summarized_turns: int = 0
+    evicted_turns: int = 0
+    owner: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class Store(abc.ABC):
+    """The interface every store implements (in-memory, SQLite, Redis...)."""
+
+    @abc.abstractmethod
+    def create(self, state: SessionState, messages: Sequence[Message] = ()) -> None:
+        """Create a session with its first ``messages`` (e.g. the system prompt), in one
+        transaction: a session is never seen half-made. Raises StoreError if the id exists."""
+
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
+        """Create the session as :meth:`create` does unless it exists already; returns
+        whether this call created it. Idempotent: of several writers (threads, processes)
+        creating one new session at once, exactly one creates it and the others see it
+        made, none fails with "already exists".
+
+        The stores here do it in one atomic step (a dict lock, a SQLite transaction, a
+        Redis script); this default (for other stores) checks and creates under
+        :meth:`lock`, so it is atomic among callers of ``create_if_missing``.
+        """
+        with self.lock(state.session_id):
+            if self.exists(state.session_id):
+                return False
+            try:
+                self.create(state, messages)
+            except StoreError:
+                if self.exists(state.session_id):  # a plain create() won the race
+                    return False
+                raise
+            return True
+
+    @abc.abstractmethod
+    def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
+        """State and full history. Raises SessionNotFound."""
+
+    @abc.abstractmethod
+    def exists(self, session_id: str) -> bool:
+        """Whether the session exists."""
+
+    @abc.abstractmethod
+    def append(
+        self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None
+    ) -> None:
+        """Append messages (and optionally replace the state) in one transaction."""
+
+    @abc.abstractmethod
+    def save_state(self, state: SessionState) -> None:
+        """Replace the state (summary, counters, settings) of an existing session."""
+
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        """Store a summary that folds turns ``[covered_from, summarized_turns)`` into the one
+        that covered ``[0, covered_from)``, only if the stored state still says
+        ``summarized_turns == covered_from`` (a compare-and-set: a late or repeated background
+        job never overwrites a newer summary). Returns whether it was stored.
+
+        The stores here do it atomically; this default (for other stores) reads and writes
+        the state without a transaction.
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        state, _ = self.load(session_id)
+        if state.summarized_turns != covered_from:
+            return False
+        self.save_state(replace(state, summary=summary, summarized_turns=summarized_turns))
+        return True
+
+    @abc.abstractmethod
+    def delete(self, session_id: str) -> None:
+        """Delete a session and its history. Raises SessionNotFound."""
+
+    @abc.abstractmethod
+    def list_sessions(self) -> list[str]:
+        """All session ids."""
+
+    def peek(self, session_id: str) -> tuple[SessionState, int]:
+        """The state and the number of stored messages, without reading the messages
+        (a session checks with it whether another process wrote since it last looked).
+        Raises SessionNotFound."""
+        state, messages = self.load(session_id)
+        return state, len(messages)
+
+    def export_session(self, session_id: str) -> dict[str, Any]:
+        """A JSON-safe dict with the whole session (state and every message)."""
+        state, messages = self.load(session_id)
+        return {
+            "format": EXPORT_FORMAT,
+            "session_id": state.session_id,
+            "settings": dict(state.settings),
+            "summary": state.summary,
+            "summarized_turns": state.summarized_turns,
+            "evicted_turns": state.evicted_turns,
+            "owner": state.owner,
+            "created_at": state.created_at,
+            "updated_at": state.updated_at,
+            "messages": [m.to_record() for m in messages],
+        }
+
+    def import_session(self, data: Mapping[str, Any], *, session_id: str | None = None) -> str:
+        """Create a session from :meth:`export_session` output; returns its id.
+
+        Raises:
+            StoreError: the data is not a convo export, or the id already exists.
+        """
+        if data.get("format") != EXPORT_FORMAT:
+            raise StoreError(f"not a convo session export (format {data.get('format')!r})")
+        sid = session_id or str(data["session_id"])
+        messages = [Message.from_record(r) for r in data.get("messages", [])]
+        now = time.time()
+        state = SessionState(
+            session_id=sid,
+            settings=dict(data.get("settings", {})),
+            summary=str(data.get("summary", "")),
+            summarized_turns=int(data.get("summarized_turns", 0)),
+            evicted_turns=int(data.get("evicted_turns", 0)),
+            owner=str(data.get("owner", "")),
+            created_at=float(data.get("created_at", now)),
+            updated_at=now,
+        )
+        self.create(state, messages)
+        return sid
+
+    def lock(self, session_id: str, timeout_s: float = 60.0) -> AbstractContextManager[None]:
+        """Hold ``session_id`` for one turn: other holders of the same store wait.
+
+        The default is an in-process lock; :class:`~convo.stores.SQLiteStore` locks a
+        file and :class:`~convo.stores.RedisStore` a key, so turns of one session never
+        interleave across processes either. The lock is reentrant within a thread: a :class:`~convo.Session`
+        used inside ``with store.lock(id):`` does not wait for itself.
+
+        Args:
+            session_id: the session (it need not exist yet).
+            timeout_s: seconds to wait for another holder before :class:`SessionBusy`.
+        """
+        return self._reentrant(session_id, timeout_s)
+
+    def ping(self) -> None:
+        """Raise :class:`StoreError` unless the store answers (for health checks)."""
+        try:
+            self.exists("convo-ping")
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"the session store does not answer: {type(exc).__name__}") from exc
+
+    def holds_lock(self, session_id: str) -> bool:
+        """Whether the calling thread holds ``session_id``'s lock (see :meth:`lock`)."""
+        return self._held().get(session_id, 0) > 0
+
+    def _held(self) -> dict[str, int]:
+        with _LOCKS_GUARD:
+            local: threading.local = self.__dict__.setdefault("_held_locks", threading.local())
+        held: dict[str, int] | None = getattr(local, "depth", None)
+        if held is None:
+            held = local.depth = {}
+        return held
+
+    @contextmanager
+    def _reentrant(self, session_id: str, timeout_s: float) -> Iterator[None]:
+        held = self._held()
+        if held.get(session_id, 0) > 0:
+            held[session_id] += 1
+            try:
+                yield
+            finally:
+                held[session_id] -= 1
+            return
+        with self._acquire(session_id, timeout_s):
+            held[session_id] = 1
+            try:
+                yield
+            finally:
+                del held[session_id]
+
+    def _acquire(self, session_id: str, timeout_s: float) -> AbstractContextManager[None]:
+        """Take the lock for a thread that does not hold it yet (stores override this)."""
+        with _LOCKS_GUARD:
+            locks: dict[str, threading.Lock] = self.__dict__.setdefault("_session_locks", {})
+            held = locks.setdefault(session_id, threading.Lock())
+        return _hold(held, session_id, timeout_s)
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release connections."""
+
+
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextmanager
+def _hold(lock: threading.Lock, session_id: str, timeout_s: float) -> Iterator[None]:
+    if not lock.acquire(timeout=timeout_s):
+        raise SessionBusy(f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def redact_url(url: str) -> str:
+    """A store URL fit to print or log: the password, if any, replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<unparsable URL>"
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,354 @@
+"""The embedded default store: one SQLite file shared by threads and processes.
+
+WAL journal, a busy timeout, one connection per thread, ``BEGIN IMMEDIATE`` writes, so
+sessions in many threads and processes share one file without "database is locked". A
+turn's lock is an ``flock`` on a file in ``<path>.locks/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
+from convo.messages import Message
+from convo.stores.base import SessionState, Store
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    settings TEXT NOT NULL,
+    summary TEXT NOT NULL DEFAULT '',
+    summarized_turns INTEGER NOT NULL DEFAULT 0,
+    evicted_turns INTEGER NOT NULL DEFAULT 0,
+    owner TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+"""
+
+
+class SQLiteStore(Store):
+    """A SQLite file shared by threads and processes.
+
+    Args:
+        path: the database file (created with its folder). ``":memory:"`` is refused
+            because each thread would see a different database; use InMemoryStore.
+        busy_timeout_s: how long a writer waits for another's lock before failing.
+            Default 30 s.
+
+    Example:
+        >>> store = SQLiteStore("/tmp/convo-example.db")   # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 30.0) -> None:
+        if str(path) == ":memory:":
+            raise ConfigError("SQLiteStore needs a file; use InMemoryStore for an in-memory store")
+        if busy_timeout_s <= 0:
+            raise ConfigError("busy_timeout_s must be > 0")
+        self.path = os.fspath(path)
+        self.busy_timeout_s = busy_timeout_s
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        self._local = threading.local()
+        self._conn().executescript(_SCHEMA)  # executescript manages its own transaction
+        remove_stale_lock_files(self.locks_folder)
+
+    @property
+    def locks_folder(self) -> str:
+        """The folder of the turn locks' files: ``<path>.locks``."""
+        return self.path + ".locks"
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None or getattr(self._local, "pid", None) != os.getpid():
+            conn = sqlite3.connect(
+                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._local.conn = conn
+            self._local.pid = os.getpid()
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._conn()
+        try:
+            # IMMEDIATE takes the write lock up front: no deadlock-prone lock upgrades.
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot start a SQLite transaction: {exc}") from exc
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        else:
+            db.execute("COMMIT")
+
+    @staticmethod
+    def _state_row(state: SessionState) -> tuple[Any, ...]:
+        return (
+            json.dumps(dict(state.settings)),
+            state.summary,
+            state.summarized_turns,
+            state.evicted_turns,
+            state.owner,
+            state.updated_at or time.time(),
+            state.session_id,
+        )
+
+    def create(self, state: SessionState, messages: Sequence[Message] = ()) -> None:
+        try:
+            self._insert(state, messages, if_missing=False)
+        except sqlite3.IntegrityError:
+            raise StoreError(f"session {state.session_id!r} already exists") from None
+
+    def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
+        return self._insert(state, messages, if_missing=True)
+
+    def _insert(self, state: SessionState, messages: Sequence[Message], *, if_missing: bool) -> bool:
+        """Insert the session and its messages in one write transaction; with ``if_missing``
+        an existing id is left as it is (``False``) instead of an IntegrityError."""
+        now = time.time()
+        state = replace(state, created_at=state.created_at or now, updated_at=now)
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO sessions (settings, summary, summarized_turns, evicted_turns, owner,"
+                " updated_at, id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                + (" ON CONFLICT (id) DO NOTHING" if if_missing else ""),
+                (*self._state_row(state), state.created_at),
+            )
+            if cur.rowcount == 0:
+                return False
+            db.executemany(
+                "INSERT INTO messages (session_id, seq, record) VALUES (?, ?, ?)",
+                [(state.session_id, i, json.dumps(m.to_record())) for i, m in enumerate(messages)],
+            )
+        return True
+
+    def peek(self, session_id: str) -> tuple[SessionState, int]:
+        db = self._conn()
+        state = self._state_of(db, session_id)
+        row = db.execute("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
+        return state, int(row[0])
+
+    def _state_of(self, db: sqlite3.Connection, session_id: str) -> SessionState:
+        row = db.execute(
+            "SELECT settings, summary, summarized_turns, evicted_turns, owner, created_at,"
+            " updated_at FROM sessions WHERE id = ?",
+            (session_id,),
+        ).fetchone()
+        if row is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return SessionState(
+            session_id=session_id,
+            settings=json.loads(row[0]),
+            summary=row[1],
+            summarized_turns=row[2],
+            evicted_turns=row[3],
+            owner=row[4],
+            created_at=row[5],
+            updated_at=row[6],
+        )
+
+    def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
+        db = self._conn()
+        state = self._state_of(db, session_id)
+        records = db.execute(
+            "SELECT record FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
+        ).fetchall()
+        return state, [Message.from_record(json.loads(r[0])) for r in records]
+
+    def exists(self, session_id: str) -> bool:
+        row = self._conn().execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return row is not None
+
+    def append(
+        self, session_id: str, messages: Sequence[Message], *, state: SessionState | None = None
+    ) -> None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT COALESCE(MAX(seq), -1) FROM messages WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            if not self._exists_in(db, session_id):
+                raise SessionNotFound(f"no session {session_id!r}")
+            seq = row[0] + 1
+            db.executemany(
+                "INSERT INTO messages (session_id, seq, record) VALUES (?, ?, ?)",
+                [(session_id, seq + i, json.dumps(m.to_record())) for i, m in enumerate(messages)],
+            )
+            if state is not None:
+                self._update_state(db, state)
+            else:
+                db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (time.time(), session_id))
+
+    @staticmethod
+    def _exists_in(db: sqlite3.Connection, session_id: str) -> bool:
+        return db.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is not None
+
+    def _update_state(self, db: sqlite3.Connection, state: SessionState) -> None:
+        state = replace(state, updated_at=time.time())
+        cur = db.execute(
+            "UPDATE sessions SET settings = ?, summary = ?, summarized_turns = ?, evicted_turns = ?,"
+            " owner = ?, updated_at = ? WHERE id = ?",
+            self._state_row(state),
+        )
+        if cur.rowcount == 0:
+            raise SessionNotFound(f"no session {state.session_id!r}")
+
+    def save_state(self, state: SessionState) -> None:
+        with self._tx() as db:
+            self._update_state(db, state)
+
+    def save_summary(
+        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+    ) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE sessions SET summary = ?, summarized_turns = ?, updated_at = ?"
+                " WHERE id = ? AND summarized_turns = ?",
+                (summary, summarized_turns, time.time(), session_id, covered_from),
+            )
+            if cur.rowcount == 0 and not self._exists_in(db, session_id):
+                raise SessionNotFound(f"no session {session_id!r} in {self.path}")
+            return cur.rowcount > 0
+
+    def delete(self, session_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+            cur = db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            if cur.rowcount == 0:
+                raise SessionNotFound(f"no session {session_id!r}")
+
+    def list_sessions(self) -> list[str]:
+        return [r[0] for r in self._conn().execute("SELECT id FROM sessions ORDER BY id")]
+
+    @contextmanager
+    def _acquire(self, session_id: str, timeout_s: float) -> Iterator[None]:
+        """Hold ``session_id`` across threads and processes: an ``flock`` on a file in
+        ``<path>.locks/`` (the OS drops it if the holder dies).
+
+        The holder removes the file before it lets go, so locks of deleted or never-made
+        sessions leave nothing behind. A waiter that then wins the lock on the removed
+        file sees that the path no longer names it, and starts again on the new file. A
+        holder killed before it could remove its file leaves it; the next open of the
+        store removes it (see :func:`remove_stale_lock_files`).
+        """
+        import fcntl  # POSIX only: imported where a lock is taken
+
+        os.makedirs(self.locks_folder, exist_ok=True)
+        path = os.path.join(self.locks_folder, _lock_file_name(session_id))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise SessionBusy(
+                                f"session {session_id!r} is busy with another turn (waited {timeout_s:.0f} s)"
+                            ) from None
+                        time.sleep(0.01)
+                current = _names(path, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if current:
+                break
+            os.close(fd)  # we locked a file its last holder removed: take the new one
+        try:
+            yield
+        finally:
+            try:
+                os.unlink(path)  # still holding: waiters on this file will start again
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # closing the descriptor drops the lock
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
+#: Hex characters of a session id's hash that name its lock file.
+_LOCK_NAME_CHARS = 32
+
+
+def _lock_file_name(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()[:_LOCK_NAME_CHARS]
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
+    mine = os.fstat(fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def remove_stale_lock_files(folder: str) -> int:
+    """Remove the lock files in ``folder`` that no live process holds; returns how many.
+
+    A holder killed with SIGKILL (or a crash) cannot remove its file; the OS drops its
+    ``flock`` though. So a file whose lock can be taken without waiting has no holder:
+    it is taken, removed while held, and let go, exactly as a holder lets go, so a
+    process waiting on it at that moment sees the path no longer names it and starts
+    again on a new file. A file whose lock is held (a live holder) is left alone.
+    :class:`SQLiteStore` calls this when it opens.
+    """
+    import fcntl  # POSIX only, as the locks are
+
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        if len(name) != _LOCK_NAME_CHARS or not all(c in "0123456789abcdef" for c in name):
+            continue  # not a lock file of ours
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # removed meanwhile by its holder, or not a file
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live holder
+            if _names(path, fd):
+                os.unlink(path)
+                removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d lock file(s) left by killed holders in %s", removed, folder)
+    return removed

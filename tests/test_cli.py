@@ -297,3 +297,14 @@ def test_int4_kernel_flag_is_one_choice_for_serve_chat_and_plan(capsys: pytest.C
         assert main(["plan", *args, "--int4-kernel", kernel]) == 0
         weights[kernel] = json.loads(capsys.readouterr().out)["weights_bytes"]
     assert 1.8 < weights["auto"] / weights["triton"] < 2.0  # the int4 layers twice, the rest once
+
+
+def test_version_and_a_subcommands_own_usage_for_an_unknown_flag() -> None:
+    from convo import __version__
+
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"convo {__version__}"
+    bogus = run_cli("chat", "--bogus")
+    assert bogus.returncode == 2
+    assert bogus.stderr.startswith("usage: convo chat ")  # chat's usage, not the top level's
+    assert "convo chat: error: unrecognized arguments: --bogus" in bogus.stderr

@@ -9,8 +9,61 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
+from convo.budget import Budget
+from convo.cli.common import (
+    add_engine_arguments,
+    add_local_engine_arguments,
+    default_db_path,
+    engine_from_args,
+    local_engine,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+    spinner,
+)
+from convo.engines.base import FinishReason
+from convo.engines.models import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, ConvoError
+from convo.messages import system
+from convo.paths import cache_dir
+from convo.retrieval import RetrievalMemory
+from convo.session import Session
+from convo.store import SQLiteStore
+from convo.tokens import HFTokenCounter
+
+
+def add_chat_arguments(chat: argparse.ArgumentParser) -> None:
+    """The flags of ``convo chat`` (its body is :func:`run_chat`)."""
+    chat.add_argument(
+        "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
+    )
+    chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    chat.add_argument(
+        "--budget", type=positive_int, default=None, help="context_tokens of the session (default 2048)"
+    )
+    chat.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
+    chat.add_argument(
+        "--window", type=positive_int, default=None, help="recent turns kept verbatim (default 8)"
+    )
+    chat.add_argument(
+        "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
+    )
+    chat.add_argument(
+        "--memory",
+        action="store_true",
+        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline); "
+        "turns are dated with the local clock, so 'yesterday' or 'last week' find theirs",
+    )
+    chat.add_argument("--system", default=None, help="system prompt of a new session")
+    chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
+    chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    chat.add_argument(
+        "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one reply, seconds"
+    )
+    chat.add_argument("--script", default=None, help="file with one user turn per line")
+    chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    add_local_engine_arguments(chat)
+    add_engine_arguments(chat)
 
 
 def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
@@ -67,8 +120,6 @@ Ctrl-C cancels the reply being written."""
 def _budget(args: argparse.Namespace, store: Any) -> Any:
     """The session's budget from the flags (unset flags: the stored session's, else
     :class:`Budget`'s own defaults), checked before any model loads."""
-    from convo.budget import Budget
-
     given = {
         k: v
         for k, v in {
@@ -91,7 +142,6 @@ def _check_system_prompt(args: argparse.Namespace, budget: Any, counter: Any) ->
     """A ``--system`` prompt over the pinned cap is a flag error, named as such."""
     if not args.system or budget is None or counter is None:
         return
-    from convo.messages import system
 
     cost = counter.message_tokens(system(args.system))
     if cost > budget.pinned_cap:
@@ -105,9 +155,6 @@ def _check_system_prompt(args: argparse.Namespace, budget: Any, counter: Any) ->
 def _local_counter(model: str | None) -> Any:
     """The local model's token counter from its tokenizer alone (no weights), or ``None``
     when that cannot be had cheaply (a hub id, a GGUF not converted yet)."""
-    from convo.engines.models import DEFAULT_MODEL_NAME
-    from convo.paths import cache_dir
-
     if model is None or model == "default" or str(model).startswith("random:"):
         folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
     else:
@@ -116,22 +163,14 @@ def _local_counter(model: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    from convo.tokens import HFTokenCounter
-
     return HFTokenCounter(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
 def _build_session(args: argparse.Namespace) -> Any:
-    from convo.engines.models import check_model
-    from convo.session import Session
-    from convo.store import SQLiteStore
-
     store = SQLiteStore(args.db or default_db_path())
     budget = _budget(args, store)  # bad flags fail here, in a second, before the model loads
     engine: Any
     if args.engine_url:  # a remote OpenAI-compatible server generates and summarizes
-        from convo.budget import Budget
-
         engine = engine_from_args(args, default_context_tokens=(budget or Budget()).context_tokens)
         if budget is not None and budget.margin_tokens == 0:  # the engine adds its counting margin
             budget = engine.budget(**{k: v for k, v in budget.to_dict().items() if k != "margin_tokens"})
@@ -140,15 +179,12 @@ def _build_session(args: argparse.Namespace) -> Any:
         check_model(args.model)
         if args.system and budget is not None:
             _check_system_prompt(args, budget, _local_counter(args.model))
-        from convo.budget import Budget
 
         with spinner("loading model") as update:
             engine = local_engine(args, (budget or Budget()).context_tokens, update)
         _check_system_prompt(args, budget, engine.counter)
     retriever = None
     if args.memory:  # a resumed session's stored turns are indexed at its first turn
-        from convo.retrieval import RetrievalMemory
-
         retriever = RetrievalMemory()
     return Session(
         engine,
@@ -164,8 +200,6 @@ def _build_session(args: argparse.Namespace) -> Any:
 
 def _notes(reply: Any, args: argparse.Namespace) -> list[str]:
     """What a person should know about a reply beyond its text."""
-    from convo.engines.base import FinishReason
-
     notes = []
     if reply.finish_reason is FinishReason.TIMEOUT:
         limit = f"the --timeout of {args.timeout:g} s" if args.timeout else "the engine's time limit"
@@ -195,7 +229,8 @@ def _stats(reply: Any) -> str:
     )
 
 
-def _chat(args: argparse.Namespace) -> int:
+def run_chat(args: argparse.Namespace) -> int:
+    """``convo chat``: a scripted chat (``--script``) or an interactive one; the exit status."""
     if args.script and not Path(args.script).is_file():
         raise ConfigError(f"--script {args.script}: no such file")
     session = _build_session(args)
@@ -209,7 +244,6 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _script(session: Any, args: argparse.Namespace) -> int:
-    from convo.engines.base import FinishReason
 
     out, status = sys.stdout, 0
     for line in Path(args.script).read_text(encoding="utf-8").splitlines():

@@ -14,12 +14,18 @@ from typing import Any, TextIO
 
 from convo.engines.base import INT4_KERNELS, Quant
 from convo.engines.openai import OpenAIEngine
+from convo.engines.transformers import TransformersEngine
 from convo.errors import ConfigError
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
 #: (``fp4`` is priced by ``convo plan`` only; ``none``, the checkpoint's own dtype, is the
 #: planner's spelling).
 ENGINE_QUANTS = tuple(q.value for q in Quant if q not in (Quant.FP4, Quant.NONE))
+
+#: Exit status of a bad flag or a :class:`~convo.errors.ConvoError` (argparse's own, too).
+EXIT_ERROR = 2
+#: Exit status when Ctrl-C ends ``convo`` (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 
 def default_db_path() -> Path:
@@ -114,8 +120,6 @@ def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
 def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
     """The local :class:`TransformersEngine` the flags ask for; a KV slot holds one session's
     whole budget (``context_tokens``)."""
-    from convo.engines.transformers import TransformersEngine
-
     return TransformersEngine(
         args.model,
         quant=args.quant,

@@ -308,3 +308,29 @@ def test_version_and_a_subcommands_own_usage_for_an_unknown_flag() -> None:
     assert bogus.returncode == 2
     assert bogus.stderr.startswith("usage: convo chat ")  # chat's usage, not the top level's
     assert "convo chat: error: unrecognized arguments: --bogus" in bogus.stderr
+
+
+def _unreachable_engine() -> list[str]:
+    """Flags for a remote engine nobody listens on: the CLI fails before it is ever called."""
+    return ["--engine-url", "http://127.0.0.1:9/v1", "--engine-context", "2048"]
+
+
+def test_unusable_script_and_db_files_are_flag_errors_not_tracebacks(tmp_path: Path) -> None:
+    bad_utf8 = tmp_path / "latin1.txt"
+    bad_utf8.write_bytes("café\n".encode("latin-1"))
+    turns = tmp_path / "turns.txt"
+    turns.write_text("hi\n", encoding="utf-8")
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a database\n")
+    cases = {
+        "--script": ["--script", str(bad_utf8), "--db", str(tmp_path / "ok.db")],
+        "--db": ["--script", str(turns), "--db", str(text_file)],
+        "--db ": ["--script", str(turns), "--db", str(tmp_path)],  # a folder
+        "--script ": ["--script", str(tmp_path), "--db", str(tmp_path / "ok.db")],  # a folder
+    }
+    for flag, argv in cases.items():
+        out = run_cli("chat", *argv, *_unreachable_engine())
+        assert out.returncode == 2, (flag, out.stderr[-1500:])
+        assert "Traceback" not in out.stderr, out.stderr[-1500:]
+        assert out.stderr.startswith(f"convo: error: {flag.strip()} "), out.stderr
+    assert text_file.read_text() == "not a database\n"  # left as it was

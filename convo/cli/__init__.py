@@ -189,5 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConvoError as exc:
         print(f"convo: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except OSError as exc:  # a file or folder a flag names that cannot be used
+        print(f"convo: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

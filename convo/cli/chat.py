@@ -17,6 +17,7 @@ from convo.cli.common import (
     engine_from_args,
     local_engine,
     non_negative_int,
+    open_sqlite_store,
     positive_int,
     positive_seconds,
     spinner,
@@ -28,7 +29,6 @@ from convo.messages import system
 from convo.paths import cache_dir
 from convo.retrieval import RetrievalMemory
 from convo.session import Session
-from convo.store import SQLiteStore
 from convo.tokens import HFTokenCounter
 
 
@@ -167,7 +167,7 @@ def _local_counter(model: str | None) -> Any:
 
 
 def _build_session(args: argparse.Namespace) -> Any:
-    store = SQLiteStore(args.db or default_db_path())
+    store = open_sqlite_store(args.db or default_db_path())
     budget = _budget(args, store)  # bad flags fail here, in a second, before the model loads
     engine: Any
     if args.engine_url:  # a remote OpenAI-compatible server generates and summarizes
@@ -231,8 +231,8 @@ def _stats(reply: Any) -> str:
 
 def run_chat(args: argparse.Namespace) -> int:
     """``convo chat``: a scripted chat (``--script``) or an interactive one; the exit status."""
-    if args.script and not Path(args.script).is_file():
-        raise ConfigError(f"--script {args.script}: no such file")
+    if args.script:
+        read_script(args.script)  # a missing or unreadable file fails before the model loads
     session = _build_session(args)
     try:
         return _script(session, args) if args.script else _interactive(session, args)
@@ -243,12 +243,33 @@ def run_chat(args: argparse.Namespace) -> int:
             close()
 
 
+def read_script(path: str) -> list[str]:
+    """The user turns of ``--script``: its non-blank lines, decoded as UTF-8.
+
+    Raises:
+        ConfigError: no such file, a folder, not UTF-8 text, or unreadable; the message
+            names ``--script``.
+    """
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"--script {path}: no such file")
+    if where.is_dir():
+        raise ConfigError(f"--script {path}: a folder, not a file of turns")
+    try:
+        text = where.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--script {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--script {path}: cannot read it ({exc.strerror or exc})") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def _script(session: Any, args: argparse.Namespace) -> int:
 
     out, status = sys.stdout, 0
-    for line in Path(args.script).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
+    for line in read_script(args.script):
         reply = session.send(line)
         if args.json:
             out.write(json.dumps(_turn_json(session, reply), ensure_ascii=False) + "\n")

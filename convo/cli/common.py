@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from convo.engines.base import INT4_KERNELS, Quant
 from convo.engines.openai import OpenAIEngine
 from convo.engines.transformers import TransformersEngine
 from convo.errors import ConfigError
+from convo.store import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
 #: (``fp4`` is priced by ``convo plan`` only; ``none``, the checkpoint's own dtype, is the
@@ -36,6 +38,24 @@ def default_db_path() -> Path:
         return Path(home) / "sessions.db"
     data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(data) / "convo" / "sessions.db"
+
+
+def open_sqlite_store(path: str | os.PathLike[str], flag: str = "--db") -> SQLiteStore:
+    """The :class:`SQLiteStore` at ``path``, the value of ``flag``.
+
+    Raises:
+        ConfigError: ``path`` is a folder, a file that is not a SQLite database, or cannot
+            be opened or created; the message names ``flag``.
+    """
+    where = Path(path)
+    if where.is_dir():
+        raise ConfigError(f"{flag} {path}: a folder; give a file, e.g. {where / 'sessions.db'}")
+    try:
+        return SQLiteStore(where)
+    except sqlite3.DatabaseError as exc:  # "file is not a database", "unable to open database file"
+        raise ConfigError(f"{flag} {path}: not a usable SQLite session database ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
 
 
 @contextmanager

@@ -334,3 +334,54 @@ def test_unusable_script_and_db_files_are_flag_errors_not_tracebacks(tmp_path: P
         assert "Traceback" not in out.stderr, out.stderr[-1500:]
         assert out.stderr.startswith(f"convo: error: {flag.strip()} "), out.stderr
     assert text_file.read_text() == "not a database\n"  # left as it was
+
+
+# -- flags checked against the model's context before it loads (issue 27 #20) -------------
+
+
+def _config_only_model(tmp_path: Path, context: int) -> Path:
+    folder = tmp_path / "small-context-model"
+    folder.mkdir()
+    config = {"model_type": "llama", "max_position_embeddings": context}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_budget_over_the_models_context_is_refused_before_loading_naming_the_flag(tmp_path: Path) -> None:
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    common = ["chat", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    big = run_cli(*common, "--budget", "100000")  # the embedded model: 8192 tokens
+    assert big.returncode == 2, big.stderr[-1500:]
+    assert "--budget 100000 is over the 8192-token context" in big.stderr
+    assert "Budget.context_tokens" not in big.stderr and "loading model" not in big.stderr
+    small = _config_only_model(tmp_path, 1024)
+    default = run_cli(*common, "--model", str(small))  # the default --budget, 2048
+    assert default.returncode == 2
+    assert f"--budget (default) 2048 is over the 1024-token context of {small}" in default.stderr
+    assert "pass --budget 1024 or less" in default.stderr and "loading model" not in default.stderr
+
+
+def test_model_context_tokens_reads_configs_and_gguf_headers(tmp_path: Path) -> None:
+    import struct
+
+    from convo.cli.common import check_context_flags, model_context_tokens
+
+    assert model_context_tokens(_config_only_model(tmp_path, 1024)) == 1024
+    assert model_context_tokens("random:llama-2-7b") == 4096
+    assert model_context_tokens(tmp_path / "nothing-here") is None
+
+    def gguf_string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 3)
+    header += gguf_string("general.architecture") + struct.pack("<I", 8) + gguf_string("qwen2")
+    header += gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2)
+    header += gguf_string("a") + gguf_string("b")  # an array, skipped
+    header += gguf_string("qwen2.context_length") + struct.pack("<II", 4, 32768)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(header)
+    assert model_context_tokens(gguf) == 32768
+    assert check_context_flags(gguf, {"--budget": 32768, "--max-new-tokens": None}) == 32768
+    with pytest.raises(Exception, match=r"--budget 40000 is over the 32768-token context"):
+        check_context_flags(gguf, {"--budget": 40000})

@@ -13,6 +13,7 @@ from convo.budget import Budget
 from convo.cli.common import (
     add_engine_arguments,
     add_local_engine_arguments,
+    check_context_flags,
     default_db_path,
     engine_from_args,
     local_engine,
@@ -138,6 +139,18 @@ def _budget(args: argparse.Namespace, store: Any) -> Any:
     return Budget(**given)
 
 
+def _context_flags(args: argparse.Namespace, store: Any, budget: Any) -> dict[str, int | None]:
+    """The token counts the flags set (or left at their defaults), named as a person would
+    fix them, for :func:`~convo.cli.common.check_context_flags`."""
+    if budget is None and args.session and store.exists(args.session):
+        state, _ = store.load(args.session)
+        stored = Budget.from_dict(dict(state.settings.get("budget", {})))
+        return {f"--budget (session {args.session}'s stored budget)": stored.context_tokens}
+    effective = budget or Budget()
+    label = "--budget" if args.budget is not None else "--budget (default)"
+    return {label: effective.context_tokens, "--max-new-tokens": args.max_new_tokens}
+
+
 def _check_system_prompt(args: argparse.Namespace, budget: Any, counter: Any) -> None:
     """A ``--system`` prompt over the pinned cap is a flag error, named as such."""
     if not args.system or budget is None or counter is None:
@@ -177,6 +190,7 @@ def _build_session(args: argparse.Namespace) -> Any:
         _check_system_prompt(args, budget, engine.counter)
     else:
         check_model(args.model)
+        check_context_flags(args.model, _context_flags(args, store, budget))
         if args.system and budget is not None:
             _check_system_prompt(args, budget, _local_counter(args.model))
 

@@ -4,19 +4,24 @@ engine flags (local ``--quant``/``--kv-slots``, remote ``--engine-*``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sqlite3
+import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 from convo.engines.base import INT4_KERNELS, Quant
+from convo.engines.models import DEFAULT_MODEL_NAME, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
 from convo.engines.transformers import TransformersEngine
-from convo.errors import ConfigError
+from convo.errors import ConfigError, ConvoError
+from convo.paths import cache_dir
+from convo.planner.model import BUILTIN_CONFIGS
 from convo.store import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
@@ -209,3 +214,154 @@ def engine_from_args(args: Any, *, default_context_tokens: int) -> OpenAIEngine:
 def _missing(what: str) -> int:
     print(f"convo: {what} is not available in this installation", file=sys.stderr)
     return 2
+
+
+# -- flags checked against the model's context, before any weight loads -------------------
+
+#: Config keys that state a model's context length, read in this order (transformers'
+#: ``max_position_embeddings`` first; GPT-2 style ``n_positions``; others').
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+#: How many metadata entries of a GGUF header :func:`model_context_tokens` reads looking for
+#: ``<arch>.context_length`` (it comes in the first few; the tokenizer's arrays come later).
+GGUF_MAX_HEADER_ENTRIES = 64
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    """``<general.architecture>.context_length`` from a GGUF file's header, or ``None``."""
+
+    def read(fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def string() -> str:
+        return f.read(read("Q")).decode("utf-8", "replace")
+
+    def value(kind: int) -> Any:
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            inner, n = read("I"), read("Q")
+            for _ in range(n):
+                value(inner)
+            return None
+        return read(_GGUF_SCALARS[kind])
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            read("I")  # version
+            read("Q")  # tensor count
+            entries = read("Q")
+            arch = None
+            for _ in range(min(entries, GGUF_MAX_HEADER_ENTRIES)):
+                key, kind = string(), read("I")
+                got = value(kind)
+                if key == "general.architecture":
+                    arch = got
+                elif arch is not None and key == f"{arch}.context_length":
+                    return int(got)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return None
+
+
+def _config_context_length(config: Mapping[str, Any]) -> int | None:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in CONTEXT_LENGTH_KEYS:
+            value = cfg.get(key) if isinstance(cfg, Mapping) else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _read_config(path: Path) -> Mapping[str, Any] | None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, Mapping) else None
+
+
+def _hub_config(model: str) -> Path | None:
+    """The cached ``config.json`` of hub id ``model``, or ``None`` (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # an id the hub library refuses (not a repo id): not cached
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_context_tokens(model: str | os.PathLike[str] | None) -> int | None:
+    """The context length ``model`` declares, from its config alone: no weights, no network.
+
+    ``None`` or ``"default"``: the embedded model (its converted folder, else its GGUF);
+    ``random:NAME``: :data:`~convo.planner.model.BUILTIN_CONFIGS`; a folder: its
+    ``config.json`` (:data:`CONTEXT_LENGTH_KEYS`, also under ``text_config``); a ``.gguf``
+    file: ``<arch>.context_length`` in its header; a hub id: its cached ``config.json``.
+    ``None`` when it cannot be known that cheaply (a hub id not downloaded yet).
+    """
+    name = "default" if model is None else os.fspath(model)
+    if name == "default":
+        folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
+        if (folder / "config.json").is_file():
+            return model_context_tokens(folder)
+        try:
+            return _gguf_context_length(default_gguf_path())
+        except ConvoError:  # not installed: the load says so
+            return None
+    if name in BUILTIN_CONFIGS:
+        return _config_context_length(BUILTIN_CONFIGS[name])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config = _read_config(path / "config.json")
+        return _config_context_length(config) if config is not None else None
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_context_length(path)
+    if looks_like_path(name):
+        return None
+    cached = _hub_config(name)
+    config = _read_config(cached) if cached is not None else None
+    return _config_context_length(config) if config is not None else None
+
+
+def check_context_flags(model: str | os.PathLike[str] | None, flags: Mapping[str, int | None]) -> int | None:
+    """Check token-count flags against the context length ``model`` declares, before any
+    weight loads (:func:`model_context_tokens`: config.json or GGUF metadata).
+
+    Args:
+        model: the ``--model`` value (``None``: the embedded default).
+        flags: each flag as the user would read it (``"--budget"``, or ``"--budget (default)"``
+            for a value the flag left at its default) and its value; ``None`` values are
+            skipped.
+
+    Returns:
+        The model's context length, or ``None`` when it is not known without loading (the
+        engine then checks at load).
+
+    Raises:
+        ConfigError: a value over the model's context, naming the flag and the limit.
+    """
+    limit = model_context_tokens(model)
+    if limit is None:
+        return None
+    shown = "the embedded default model" if model in (None, "default") else os.fspath(model)
+    for flag, value in flags.items():
+        if value is not None and value > limit:
+            bare = flag.split(" ")[0]
+            raise ConfigError(
+                f"{flag} {value} is over the {limit}-token context of {shown} (its "
+                f"max_position_embeddings); pass {bare} {limit} or less"
+            )
+    return limit

@@ -385,3 +385,57 @@ def test_model_context_tokens_reads_configs_and_gguf_headers(tmp_path: Path) -> 
     assert check_context_flags(gguf, {"--budget": 32768, "--max-new-tokens": None}) == 32768
     with pytest.raises(Exception, match=r"--budget 40000 is over the 32768-token context"):
         check_context_flags(gguf, {"--budget": 40000})
+
+
+# -- a reply that waits for the summary says so (issue 27 #23) -----------------------------
+
+
+class _WaitingSession:
+    """What waiting_notice reads of a session whose summary of turns 1-4 is being written."""
+
+    def __init__(self, status: str, limit: float | None) -> None:
+        from convo.summarize import SummaryState, SummaryStatus
+
+        self.summary_state = SummaryState(
+            status=SummaryStatus(status), summarized_turns=0, evicted_turns=4, job_turns=(0, 4)
+        )
+        self.summary_wait_limit = limit
+
+
+def test_a_reply_that_waits_for_the_summary_says_so_on_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import time
+
+    from convo.cli import chat
+
+    monkeypatch.setattr(chat, "WAIT_NOTICE_AFTER_S", 0.05)
+    monkeypatch.setattr(chat, "WAIT_NOTICE_EVERY_S", 0.1)
+    err = io.StringIO()
+    with chat.waiting_notice(_WaitingSession("running", 30.0), err):
+        time.sleep(0.4)  # the reply has not begun
+    lines = err.getvalue().splitlines()
+    assert lines[0] == (
+        "[convo] waiting for the summary of turns 1-4 (at most 30 s, then the reply goes on without it)"
+    )
+    assert lines[1].startswith("[convo] still waiting (")
+    quiet = io.StringIO()
+    with chat.waiting_notice(_WaitingSession("running", 30.0), quiet) as begun:
+        begun()  # the reply began at once
+        time.sleep(0.2)
+    with chat.waiting_notice(_WaitingSession("done", 30.0), quiet):
+        time.sleep(0.2)  # no summary being written: nothing to say
+    assert quiet.getvalue() == ""
+
+
+def test_summary_wait_flag_bounds_the_sessions_wait(tmp_path: Path) -> None:
+    from convo.cli import build_parser
+    from convo.cli.chat import _build_session
+
+    argv = ["chat", "--db", str(tmp_path / "w.db"), "--summary-wait", "5", *_unreachable_engine()]
+    session = _build_session(build_parser().parse_args(argv))
+    try:
+        assert session.summary_wait_limit == 5.0
+    finally:
+        session.close()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--summary-wait", "-1"])

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from convo.cli.common import (
     engine_from_args,
     local_engine,
     non_negative_int,
+    non_negative_seconds,
     open_sqlite_store,
     positive_int,
     positive_seconds,
@@ -29,7 +34,8 @@ from convo.errors import ConfigError, ConvoError
 from convo.messages import system
 from convo.paths import cache_dir
 from convo.retrieval import RetrievalMemory
-from convo.session import Session
+from convo.session import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, Session
+from convo.summarize import SummaryStatus
 from convo.tokens import HFTokenCounter
 
 
@@ -60,6 +66,15 @@ def add_chat_arguments(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     chat.add_argument(
         "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one reply, seconds"
+    )
+    chat.add_argument(
+        "--summary-wait",
+        type=non_negative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="how long a turn waits for the background summary when the turns it misses do not fit "
+        f"(default: {DEFAULT_SUMMARY_WAIT_S:g} s on an engine that runs one call at a time, 0 on one "
+        "that runs calls together); then the reply goes on without it",
     )
     chat.add_argument("--script", default=None, help="file with one user turn per line")
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
@@ -207,9 +222,52 @@ def _build_session(args: argparse.Namespace) -> Any:
         session_id=args.session,
         system_prompt=args.system,
         timeout_s=args.timeout,
+        summary_wait_s=SUMMARY_WAIT_AUTO if args.summary_wait is None else args.summary_wait,
         retriever=retriever,
         clock=datetime.now if args.memory else None,  # "what did I say yesterday?"
     )
+
+
+#: Seconds a reply may take to start before ``convo chat`` says on stderr that it waits
+#: for the background summary (when one is being written), and between its later lines.
+WAIT_NOTICE_AFTER_S = 3.0
+WAIT_NOTICE_EVERY_S = 15.0
+
+
+@contextmanager
+def waiting_notice(session: Any, stream: Any = None) -> Iterator[Callable[[], None]]:
+    """Say on ``stream`` (stderr) that a reply waits for the summary, while it does.
+
+    When a summary is being written as the turn starts, and the reply has not begun after
+    :data:`WAIT_NOTICE_AFTER_S`, a line says so and how long the turn waits at most
+    (``Session.summary_wait_limit``); another follows every :data:`WAIT_NOTICE_EVERY_S`.
+    Call the yielded function when the reply begins (leaving the block does too).
+    """
+    out = stream if stream is not None else sys.stderr
+    state = session.summary_state
+    started = threading.Event()
+    if state.status not in (SummaryStatus.RUNNING, SummaryStatus.PENDING) or not state.pending_turns:
+        yield started.set
+        return
+    limit = session.summary_wait_limit
+    turns = f"turns {state.job_turns[0] + 1}-{state.job_turns[1]}" if state.job_turns else "older turns"
+    bound = "no time limit" if limit is None else f"at most {limit:g} s, then the reply goes on without it"
+    t0 = time.monotonic()
+
+    def tell() -> None:
+        if started.wait(WAIT_NOTICE_AFTER_S):
+            return
+        print(f"[convo] waiting for the summary of {turns} ({bound})", file=out, flush=True)
+        while not started.wait(WAIT_NOTICE_EVERY_S):
+            print(f"[convo] still waiting ({time.monotonic() - t0:.0f} s)", file=out, flush=True)
+
+    teller = threading.Thread(target=tell, name="convo-wait-notice", daemon=True)
+    teller.start()
+    try:
+        yield started.set
+    finally:
+        started.set()
+        teller.join()
 
 
 def _notes(reply: Any, args: argparse.Namespace) -> list[str]:
@@ -284,7 +342,8 @@ def _script(session: Any, args: argparse.Namespace) -> int:
 
     out, status = sys.stdout, 0
     for line in read_script(args.script):
-        reply = session.send(line)
+        with waiting_notice(session):
+            reply = session.send(line)
         if args.json:
             out.write(json.dumps(_turn_json(session, reply), ensure_ascii=False) + "\n")
         else:
@@ -347,13 +406,15 @@ def _handle(session: Any, line: str, text: str, args: argparse.Namespace, last: 
         line = line.lstrip()[1:]
     out.write("bot> ")
     out.flush()
-    stream = session.stream(line)
-    try:
-        for chunk in stream:
-            out.write(chunk)
-            out.flush()
-    except KeyboardInterrupt:
-        stream.close()  # cancels the reply; the session stays usable
+    with waiting_notice(session) as begun:
+        stream = session.stream(line)
+        try:
+            for chunk in stream:
+                begun()
+                out.write(chunk)
+                out.flush()
+        except KeyboardInterrupt:
+            stream.close()  # cancels the reply; the session stays usable
     out.write("\n")
     reply = stream.result
     if reply is None:

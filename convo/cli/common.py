@@ -113,6 +113,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0, got {text}")
+    return value
+
+
 def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The local engine's ``--quant`` and ``--kv-slots`` (static KV slots sized to the
     session budget)."""

@@ -124,3 +124,15 @@ def test_convo_help_and_version_load_no_subcommand() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert "chat" in out.stdout and "convo 0." in out.stdout
     assert out.stderr.strip() == "[]"
+
+
+def test_adapter_extras_install_the_frameworks_openai_compatible_client() -> None:
+    """``convo[langchain]`` brings ``ChatOpenAI`` and ``convo[llamaindex]`` brings
+    ``OpenAILike``: what the README's examples use to talk to ``convo serve``."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def names(extra: str) -> set[str]:
+        return {req.split(">")[0].split("=")[0].split("<")[0].strip() for req in extras[extra]}
+
+    assert {"langchain-core", "langchain-openai"} <= names("langchain")
+    assert {"llama-index-core", "llama-index-llms-openai-like"} <= names("llamaindex")

@@ -136,3 +136,32 @@ def test_adapter_extras_install_the_frameworks_openai_compatible_client() -> Non
 
     assert {"langchain-core", "langchain-openai"} <= names("langchain")
     assert {"llama-index-core", "llama-index-llms-openai-like"} <= names("llamaindex")
+
+
+#: The editable install static type checkers can follow: a plain path in a ``.pth`` file
+#: (setuptools' default editable install is an import hook that mypy and pyright cannot see).
+EDITABLE_INSTALL_FOR_TYPE_CHECKERS = "pip install -e '.[dev]' --config-settings editable_mode=compat"
+
+
+@pytest.mark.slow
+def test_type_checkers_find_the_editable_install(tmp_path: Path) -> None:
+    """mypy, run outside the checkout on a file that imports convo, finds the installed
+    package (issue 27 #25); skipped unless convo is installed editable."""
+    import importlib.metadata
+    import json
+    import os
+
+    pytest.importorskip("mypy")
+    installs = [d.read_text("direct_url.json") for d in importlib.metadata.distributions(name="convo")]
+    if not any(url and json.loads(url).get("dir_info", {}).get("editable") for url in installs):
+        pytest.skip("convo is not installed editable")  # (an egg-info in the checkout has no direct_url)
+    (tmp_path / "uses_convo.py").write_text("import convo\n\nbudget: convo.Budget = convo.Budget()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    command = [sys.executable, "-m", "mypy", "--no-incremental", "--python-executable", sys.executable]
+    out = subprocess.run(
+        [*command, "uses_convo.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
+    )
+    assert out.returncode == 0, (
+        f"mypy cannot find the installed convo; install it with: {EDITABLE_INSTALL_FOR_TYPE_CHECKERS}\n"
+        + out.stdout
+    )

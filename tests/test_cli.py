@@ -339,11 +339,15 @@ def test_unusable_script_and_db_files_are_flag_errors_not_tracebacks(tmp_path: P
 # -- flags checked against the model's context before it loads (issue 27 #20) -------------
 
 
-def _config_only_model(tmp_path: Path, context: int) -> Path:
+def _config_only_model(tmp_path: Path, context: int, *, files: tuple[str, ...] = ()) -> Path:
+    """A model folder with a config (``context`` tokens) and empty ``files``: enough for
+    every check made before loading, nothing to load."""
     folder = tmp_path / "small-context-model"
     folder.mkdir()
     config = {"model_type": "llama", "max_position_embeddings": context}
     (folder / "config.json").write_text(json.dumps(config))
+    for name in files:
+        (folder / name).write_bytes(b"")
     return folder
 
 
@@ -355,7 +359,7 @@ def test_a_budget_over_the_models_context_is_refused_before_loading_naming_the_f
     assert big.returncode == 2, big.stderr[-1500:]
     assert "--budget 100000 is over the 8192-token context" in big.stderr
     assert "Budget.context_tokens" not in big.stderr and "loading model" not in big.stderr
-    small = _config_only_model(tmp_path, 1024)
+    small = _config_only_model(tmp_path, 1024, files=("model.safetensors", "tokenizer.json"))
     default = run_cli(*common, "--model", str(small))  # the default --budget, 2048
     assert default.returncode == 2
     assert f"--budget (default) 2048 is over the 1024-token context of {small}" in default.stderr
@@ -439,3 +443,70 @@ def test_summary_wait_flag_bounds_the_sessions_wait(tmp_path: Path) -> None:
         session.close()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--summary-wait", "-1"])
+
+
+# -- a model argument fails fast and says what is wrong (issue 27 #26) ---------------------
+
+
+def test_model_problems_are_named_before_anything_loads(tmp_path: Path) -> None:
+    import os
+    import time
+
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    common = ["chat", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    folder = run_cli(*common, "--model", str(_config_only_model(tmp_path, 2048)))
+    assert folder.returncode == 2
+    assert "has no weights (*.safetensors" in folder.stderr and "and no tokenizer" in folder.stderr
+    assert "sentencepiece" not in folder.stderr.lower() and "Traceback" not in folder.stderr
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    started = time.monotonic()
+    hub = subprocess.run(
+        [sys.executable, "-m", "convo.cli", *common, "--model", "someorg/not-cached-model"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert time.monotonic() - started < 20  # not transformers' retries
+    assert hub.returncode == 2
+    assert "--model someorg/not-cached-model: not in the local Hugging Face cache" in hub.stderr
+    assert "HF_HUB_OFFLINE is set" in hub.stderr and "loading model" not in hub.stderr
+
+
+def test_device_cuda_without_a_gpu_is_one_clear_line(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    out = run_cli("chat", "--device", "cuda", "--script", str(script), "--db", str(tmp_path / "x.db"))
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, lines  # no warnings of other libraries before it
+    assert lines[0].startswith(f"convo: error: --device cuda: torch {torch.__version__} (")
+    assert lines[0].endswith("sees no CUDA GPU; leave --device out or pass --device cpu")
+
+
+def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import os
+
+    from convo.cli.common import PROGRESS_BAR_ENV, progress_bars_only_on_a_terminal
+
+    for name in PROGRESS_BAR_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_bars_only_on_a_terminal(Terminal()) is True
+    assert all(name not in os.environ for name in PROGRESS_BAR_ENV)
+    pytest.importorskip("tqdm")
+    code = (  # as convo chat does: before transformers (and tqdm) load
+        "import io, sys\nfrom convo.cli.common import progress_bars_only_on_a_terminal\n"
+        "progress_bars_only_on_a_terminal(io.StringIO())\n"
+        "import tqdm\nlog = io.StringIO()\nfor _ in tqdm.tqdm(range(3), file=log):\n    pass\n"
+        "print(repr(log.getvalue()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in PROGRESS_BAR_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "''"

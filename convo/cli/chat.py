@@ -17,7 +17,7 @@ from convo.budget import Budget
 from convo.cli.common import (
     add_engine_arguments,
     add_local_engine_arguments,
-    check_context_flags,
+    check_local_model,
     default_db_path,
     engine_from_args,
     local_engine,
@@ -26,10 +26,11 @@ from convo.cli.common import (
     open_sqlite_store,
     positive_int,
     positive_seconds,
+    progress_bars_only_on_a_terminal,
     spinner,
 )
 from convo.engines.base import FinishReason
-from convo.engines.models import DEFAULT_MODEL_NAME, check_model
+from convo.engines.models import DEFAULT_MODEL_NAME
 from convo.errors import ConfigError, ConvoError
 from convo.messages import system
 from convo.paths import cache_dir
@@ -204,8 +205,7 @@ def _build_session(args: argparse.Namespace) -> Any:
             budget = engine.budget(**{k: v for k, v in budget.to_dict().items() if k != "margin_tokens"})
         _check_system_prompt(args, budget, engine.counter)
     else:
-        check_model(args.model)
-        check_context_flags(args.model, _context_flags(args, store, budget))
+        check_local_model(args, _context_flags(args, store, budget))
         if args.system and budget is not None:
             _check_system_prompt(args, budget, _local_counter(args.model))
 
@@ -214,7 +214,9 @@ def _build_session(args: argparse.Namespace) -> Any:
         _check_system_prompt(args, budget, engine.counter)
     retriever = None
     if args.memory:  # a resumed session's stored turns are indexed at its first turn
-        retriever = RetrievalMemory()
+        with spinner("loading the embedder for --memory"):
+            retriever = RetrievalMemory()
+            _ = retriever.embedder.dim  # loads it now, not silently at the first turn
     return Session(
         engine,
         budget=budget,
@@ -305,7 +307,14 @@ def run_chat(args: argparse.Namespace) -> int:
     """``convo chat``: a scripted chat (``--script``) or an interactive one; the exit status."""
     if args.script:
         read_script(args.script)  # a missing or unreadable file fails before the model loads
+    progress_bars_only_on_a_terminal(sys.stderr)
     session = _build_session(args)
+    if args.memory and session.turn_count:
+        print(
+            f"[convo] --memory: the {session.turn_count} stored turns are indexed at the first turn",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return _script(session, args) if args.script else _interactive(session, args)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sqlite3
 import struct
 import sys
@@ -14,9 +15,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
 
 from convo.engines.base import INT4_KERNELS, Quant
-from convo.engines.models import DEFAULT_MODEL_NAME, default_gguf_path, looks_like_path
+from convo.engines.models import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
 from convo.engines.transformers import TransformersEngine
 from convo.errors import ConfigError, ConvoError
@@ -376,3 +378,138 @@ def check_context_flags(model: str | os.PathLike[str] | None, flags: Mapping[str
                 f"max_position_embeddings); pass {bare} {limit} or less"
             )
     return limit
+
+
+# -- a model argument checked before anything loads ------------------------------------------
+
+#: Files that hold a checkpoint's weights; a model folder needs one of them.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "*.pt", "*.pth")
+#: Files that hold a tokenizer; a model folder needs one of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+#: Seconds ``convo`` waits to reach the Hugging Face hub before it says a model that is not
+#: cached cannot be downloaded (instead of transformers' retries, ~47 s).
+HUB_PROBE_TIMEOUT_S = 3.0
+#: Environment variables that say "no network" to the Hugging Face libraries.
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _is_set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_model_folder(model: str | os.PathLike[str] | None, flag: str = "--model") -> None:
+    """A model folder must hold a config, weights and a tokenizer: say which is missing
+    (transformers would blame an unrelated package, such as sentencepiece).
+
+    Raises:
+        ConfigError: ``model`` is a folder without ``config.json``, any of
+            :data:`WEIGHT_FILES` or any of :data:`TOKENIZER_FILES`.
+    """
+    if model is None:
+        return
+    folder = Path(os.fspath(model)).expanduser()
+    if not folder.is_dir():
+        return
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if missing:
+        raise ConfigError(
+            f"{flag} {os.fspath(model)}: the folder has no {' and no '.join(missing)}; give a "
+            "complete model folder (as save_pretrained writes it), a .gguf file, or a hub id"
+        )
+
+
+def _hub_reachable(timeout_s: float) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def check_hub_model(model: str | os.PathLike[str] | None, flag: str = "--model") -> None:
+    """A hub id that is not in the local cache fails at once when it cannot be downloaded:
+    with ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set, or when the hub does not
+    answer within :data:`HUB_PROBE_TIMEOUT_S`.
+
+    Raises:
+        ConfigError: the model cannot be had, naming the flag and what to do.
+    """
+    if model is None:
+        return
+    name = os.fspath(model)
+    if name == "default" or name.startswith("random:") or looks_like_path(name) or _hub_config(name):
+        return
+    offline = [v for v in OFFLINE_ENV if _is_set(v)]
+    if offline:
+        reason = f"{offline[0]} is set"
+    elif not _hub_reachable(HUB_PROBE_TIMEOUT_S):
+        reason = f"the Hugging Face hub did not answer within {HUB_PROBE_TIMEOUT_S:g} s"
+    else:
+        return
+    raise ConfigError(
+        f"{flag} {name}: not in the local Hugging Face cache, and {reason}; download it where "
+        "there is network (huggingface-cli download NAME), or give a local folder or .gguf file"
+    )
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """``--device cuda`` needs a torch that sees a CUDA GPU: say so before anything loads
+    (the load would print bitsandbytes' and torch's warnings first).
+
+    Raises:
+        ConfigError: a ``cuda`` device and no GPU visible to torch.
+    """
+    if not device or not str(device).startswith("cuda"):
+        return
+    try:
+        import torch
+    except ImportError:
+        return  # the engine names the missing extra
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"{flag} {device}: torch {torch.__version__} ({build}) sees no CUDA GPU; leave {flag} out "
+            f"or pass {flag} cpu"
+        )
+
+
+def check_local_model(args: argparse.Namespace, flags: Mapping[str, int | None]) -> None:
+    """Every check of a local model's flags that needs no weights, in the order a person
+    would fix them: the path exists, the folder is complete, a hub id can be had, the
+    device exists, the token counts fit the model's context (:func:`check_context_flags`).
+    ``convo chat`` and ``convo serve`` run it before loading.
+
+    Raises:
+        ConvoError: the first problem found, naming its flag.
+    """
+    check_model(args.model)
+    check_model_folder(args.model)
+    check_hub_model(args.model)
+    check_device(getattr(args, "device", None))
+    check_context_flags(args.model, flags)
+
+
+#: Environment variables that turn tqdm's (and so transformers' and the hub's) progress bars
+#: off when stderr is not a terminal.
+PROGRESS_BAR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def progress_bars_only_on_a_terminal(stream: TextIO = sys.stderr) -> bool:
+    """Turn third-party progress bars off unless ``stream`` is a terminal (a log file gets
+    the ``[convo]`` lines, not thousands of bar redraws). Leaves a variable the user set as
+    it is. Returns whether bars stay on."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return True
+    for name, value in PROGRESS_BAR_ENV.items():
+        os.environ.setdefault(name, value)
+    return False

@@ -118,7 +118,7 @@ def test_convo_help_and_version_load_no_subcommand() -> None:
         "for argv in (['--help'], ['--version']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "heavy = ('torch', 'numpy', 'transformers', 'fastapi', 'convo.cli.chat', 'convo.cli.serve',"
-        " 'convo.cli.plan', 'convo.retrieval', 'convo.planner')\n"
+        " 'convo.cli.plan', 'convo.retrieval', 'convo.planner.measure')\n"
         "print([m for m in heavy if m in sys.modules], file=sys.stderr)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -510,3 +510,17 @@ def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch: pytest
     env = {k: v for k, v in os.environ.items() if k not in PROGRESS_BAR_ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "''"
+
+
+def test_chat_runs_without_the_retrieval_extra_and_memory_names_it(tmp_path: Path) -> None:
+    """``convo chat`` imports its modules at the top; the retrieval stack (numpy) stays
+    optional: only ``--memory`` needs it, and says which extra."""
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    argv = ["chat", "--memory", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    argv += _unreachable_engine()
+    code = f"import sys\nsys.modules['numpy'] = None\nfrom convo.cli import main\nsys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-1500:]
+    needs = "convo: error: --memory needs the retrieval extra; run: pip install 'convo[retrieval]'"
+    assert needs in out.stderr

@@ -31,13 +31,17 @@ from convo.cli.common import (
 )
 from convo.engines.base import FinishReason
 from convo.engines.models import DEFAULT_MODEL_NAME
-from convo.errors import ConfigError, ConvoError
+from convo.errors import ConfigError, ConvoError, MissingDependency
 from convo.messages import system
 from convo.paths import cache_dir
-from convo.retrieval import RetrievalMemory
 from convo.session import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, Session
 from convo.summarize import SummaryStatus
 from convo.tokens import HFTokenCounter
+
+try:  # --memory: numpy, FAISS and MiniLM (the retrieval extra); chat runs without them
+    from convo.retrieval import RetrievalMemory
+except ImportError:
+    RetrievalMemory = None  # type: ignore[assignment,misc]
 
 
 def add_chat_arguments(chat: argparse.ArgumentParser) -> None:
@@ -214,6 +218,8 @@ def _build_session(args: argparse.Namespace) -> Any:
         _check_system_prompt(args, budget, engine.counter)
     retriever = None
     if args.memory:  # a resumed session's stored turns are indexed at its first turn
+        if RetrievalMemory is None:
+            raise MissingDependency("--memory needs the retrieval extra; run: pip install 'convo[retrieval]'")
         with spinner("loading the embedder for --memory"):
             retriever = RetrievalMemory()
             _ = retriever.embedder.dim  # loads it now, not silently at the first turn

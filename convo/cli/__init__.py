@@ -63,7 +63,7 @@ class Command:
 
 def _load(target: str) -> Callable[..., Any]:
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
 #: The sub-commands of ``convo``, in the order ``convo --help`` lists them.

@@ -224,11 +224,6 @@ def engine_from_args(args: Any, *, default_context_tokens: int) -> OpenAIEngine:
     return engine
 
 
-def _missing(what: str) -> int:
-    print(f"convo: {what} is not available in this installation", file=sys.stderr)
-    return 2
-
-
 # -- flags checked against the model's context, before any weight loads -------------------
 
 #: Config keys that state a model's context length, read in this order (transformers'

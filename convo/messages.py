@@ -178,12 +178,18 @@ class Message:
         ``None`` (an assistant message that only calls tools) or a list of text parts
         (``[{"type": "text", "text": ...}]``); assistant ``tool_calls`` (``arguments`` as a
         JSON string, or an object that is serialized); ``tool`` results with their
-        ``tool_call_id``; the ``developer`` role, read as ``system``. Other keys (``refusal``,
-        ``audio``...) are ignored. A :class:`Message` is returned unchanged.
+        ``tool_call_id``; the ``developer`` role, read as ``system``; an assistant
+        ``refusal`` (a string, or ``{"type": "refusal"}`` content parts), read as text of the
+        content, since a model is shown it. A :class:`Message` is returned unchanged.
+
+        Every field a model is shown is read, so that what :func:`convo.fit` counts is what
+        it sends: fields it cannot count are refused, never passed through uncounted
+        (:data:`UNCOUNTABLE_FIELDS`). Other keys (your own metadata) are ignored.
 
         Raises:
-            MessageError: not a mapping, an unknown role, non-text content parts, or a
-                tool call without an id.
+            MessageError: not a mapping, an unknown role, non-text content parts, a tool
+                call without an id or of a type other than ``function``, or a field of
+                :data:`UNCOUNTABLE_FIELDS` that is set.
 
         Example:
             >>> Message.from_openai({"role": "tool", "tool_call_id": "c1", "content": "42"}).role
@@ -198,6 +204,9 @@ class Message:
         role = message["role"]
         if role == "developer":
             role = Role.SYSTEM
+        for key, why in UNCOUNTABLE_FIELDS.items():
+            if message.get(key) is not None:
+                raise MessageError(f"message field {key!r} cannot be counted: {why}")
         calls = []
         raw_calls = message.get("tool_calls") or ()
         if not isinstance(raw_calls, (list, tuple)):
@@ -205,6 +214,11 @@ class Message:
         for raw in raw_calls:
             if not isinstance(raw, Mapping):
                 raise MessageError("each tool call must be a mapping")
+            if raw.get("type", "function") != "function":
+                raise MessageError(
+                    f"a tool call of type {raw.get('type')!r} cannot be counted; only 'function' "
+                    "calls are supported"
+                )
             fn = raw.get("function") or {}
             if not isinstance(fn, Mapping):
                 raise MessageError("a tool call's 'function' must be a mapping")
@@ -218,9 +232,13 @@ class Message:
                 kwargs["created_at"] = float(message["created_at"])
             except (TypeError, ValueError):
                 raise MessageError(f"created_at must be a number, got {message['created_at']!r}") from None
+        content = content_text(message.get("content"))
+        refusal = message.get("refusal")
+        if refusal is not None and check_text(refusal, "message refusal"):
+            content = f"{content}\n{refusal}" if content else refusal  # a model is shown it
         return cls(
             role=role,
-            content=content_text(message.get("content")),
+            content=content,
             tool_calls=tuple(calls),
             tool_call_id=message.get("tool_call_id"),
             name=message.get("name"),
@@ -234,13 +252,24 @@ class Message:
         return cls.from_openai(record)
 
 
+#: Fields of an OpenAI message dict that a model is shown but convo cannot count:
+#: :meth:`Message.from_openai` refuses a message that sets one (with the reason), so
+#: :func:`convo.fit` never returns content its ``prompt_tokens`` left out.
+UNCOUNTABLE_FIELDS: dict[str, str] = {
+    "function_call": "the legacy function-calling field; send the call as 'tool_calls' "
+    "([{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}]) and its "
+    "result as a 'tool' message",
+    "audio": "an assistant audio reference; send its transcript as 'content'",
+}
+
+
 #: What APIs that take messages accept: a :class:`Message` or an OpenAI message dict.
 MessageLike = Message | Mapping[str, Any]
 
 
 def content_text(content: Any) -> str:
     """The text of an OpenAI ``content`` field: a string, ``None`` (empty) or a list of
-    text parts, joined.
+    text (or ``refusal``) parts, joined.
 
     Raises:
         MessageError: a part that is not text (images, audio, files are not supported).
@@ -254,6 +283,9 @@ def content_text(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
+                continue
+            if isinstance(part, Mapping) and part.get("type") == "refusal":
+                parts.append(check_text(part.get("refusal"), "a refusal content part"))
                 continue
             if (
                 not isinstance(part, Mapping)

@@ -297,3 +297,230 @@ def test_int4_kernel_flag_is_one_choice_for_serve_chat_and_plan(capsys: pytest.C
         assert main(["plan", *args, "--int4-kernel", kernel]) == 0
         weights[kernel] = json.loads(capsys.readouterr().out)["weights_bytes"]
     assert 1.8 < weights["auto"] / weights["triton"] < 2.0  # the int4 layers twice, the rest once
+
+
+def test_version_and_a_subcommands_own_usage_for_an_unknown_flag() -> None:
+    from convo import __version__
+
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"convo {__version__}"
+    bogus = run_cli("chat", "--bogus")
+    assert bogus.returncode == 2
+    assert bogus.stderr.startswith("usage: convo chat ")  # chat's usage, not the top level's
+    assert "convo chat: error: unrecognized arguments: --bogus" in bogus.stderr
+
+
+def _unreachable_engine() -> list[str]:
+    """Flags for a remote engine nobody listens on: the CLI fails before it is ever called."""
+    return ["--engine-url", "http://127.0.0.1:9/v1", "--engine-context", "2048"]
+
+
+def test_unusable_script_and_db_files_are_flag_errors_not_tracebacks(tmp_path: Path) -> None:
+    bad_utf8 = tmp_path / "latin1.txt"
+    bad_utf8.write_bytes("café\n".encode("latin-1"))
+    turns = tmp_path / "turns.txt"
+    turns.write_text("hi\n", encoding="utf-8")
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a database\n")
+    cases = {
+        "--script": ["--script", str(bad_utf8), "--db", str(tmp_path / "ok.db")],
+        "--db": ["--script", str(turns), "--db", str(text_file)],
+        "--db ": ["--script", str(turns), "--db", str(tmp_path)],  # a folder
+        "--script ": ["--script", str(tmp_path), "--db", str(tmp_path / "ok.db")],  # a folder
+    }
+    for flag, argv in cases.items():
+        out = run_cli("chat", *argv, *_unreachable_engine())
+        assert out.returncode == 2, (flag, out.stderr[-1500:])
+        assert "Traceback" not in out.stderr, out.stderr[-1500:]
+        assert out.stderr.startswith(f"convo: error: {flag.strip()} "), out.stderr
+    assert text_file.read_text() == "not a database\n"  # left as it was
+
+
+# -- flags checked against the model's context before it loads (issue 27 #20) -------------
+
+
+def _config_only_model(tmp_path: Path, context: int, *, files: tuple[str, ...] = ()) -> Path:
+    """A model folder with a config (``context`` tokens) and empty ``files``: enough for
+    every check made before loading, nothing to load."""
+    folder = tmp_path / "small-context-model"
+    folder.mkdir()
+    config = {"model_type": "llama", "max_position_embeddings": context}
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in files:
+        (folder / name).write_bytes(b"")
+    return folder
+
+
+def test_a_budget_over_the_models_context_is_refused_before_loading_naming_the_flag(tmp_path: Path) -> None:
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    common = ["chat", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    big = run_cli(*common, "--budget", "100000")  # the embedded model: 8192 tokens
+    assert big.returncode == 2, big.stderr[-1500:]
+    assert "--budget 100000 is over the 8192-token context" in big.stderr
+    assert "Budget.context_tokens" not in big.stderr and "loading model" not in big.stderr
+    small = _config_only_model(tmp_path, 1024, files=("model.safetensors", "tokenizer.json"))
+    default = run_cli(*common, "--model", str(small))  # the default --budget, 2048
+    assert default.returncode == 2
+    assert f"--budget (default) 2048 is over the 1024-token context of {small}" in default.stderr
+    assert "pass --budget 1024 or less" in default.stderr and "loading model" not in default.stderr
+
+
+def test_model_context_tokens_reads_configs_and_gguf_headers(tmp_path: Path) -> None:
+    import struct
+
+    from convo.cli.common import check_context_flags, model_context_tokens
+
+    assert model_context_tokens(_config_only_model(tmp_path, 1024)) == 1024
+    assert model_context_tokens("random:llama-2-7b") == 4096
+    assert model_context_tokens(tmp_path / "nothing-here") is None
+
+    def gguf_string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 3)
+    header += gguf_string("general.architecture") + struct.pack("<I", 8) + gguf_string("qwen2")
+    header += gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2)
+    header += gguf_string("a") + gguf_string("b")  # an array, skipped
+    header += gguf_string("qwen2.context_length") + struct.pack("<II", 4, 32768)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(header)
+    assert model_context_tokens(gguf) == 32768
+    assert check_context_flags(gguf, {"--budget": 32768, "--max-new-tokens": None}) == 32768
+    with pytest.raises(Exception, match=r"--budget 40000 is over the 32768-token context"):
+        check_context_flags(gguf, {"--budget": 40000})
+
+
+# -- a reply that waits for the summary says so (issue 27 #23) -----------------------------
+
+
+class _WaitingSession:
+    """What waiting_notice reads of a session whose summary of turns 1-4 is being written."""
+
+    def __init__(self, status: str, limit: float | None) -> None:
+        from convo.summarize import SummaryState, SummaryStatus
+
+        self.summary_state = SummaryState(
+            status=SummaryStatus(status), summarized_turns=0, evicted_turns=4, job_turns=(0, 4)
+        )
+        self.summary_wait_limit = limit
+
+
+def test_a_reply_that_waits_for_the_summary_says_so_on_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import time
+
+    from convo.cli import chat
+
+    monkeypatch.setattr(chat, "WAIT_NOTICE_AFTER_S", 0.05)
+    monkeypatch.setattr(chat, "WAIT_NOTICE_EVERY_S", 0.1)
+    err = io.StringIO()
+    with chat.waiting_notice(_WaitingSession("running", 30.0), err):
+        time.sleep(0.4)  # the reply has not begun
+    lines = err.getvalue().splitlines()
+    assert lines[0] == (
+        "[convo] waiting for the summary of turns 1-4 (at most 30 s, then the reply goes on without it)"
+    )
+    assert lines[1].startswith("[convo] still waiting (")
+    quiet = io.StringIO()
+    with chat.waiting_notice(_WaitingSession("running", 30.0), quiet) as begun:
+        begun()  # the reply began at once
+        time.sleep(0.2)
+    with chat.waiting_notice(_WaitingSession("done", 30.0), quiet):
+        time.sleep(0.2)  # no summary being written: nothing to say
+    assert quiet.getvalue() == ""
+
+
+def test_summary_wait_flag_bounds_the_sessions_wait(tmp_path: Path) -> None:
+    from convo.cli import build_parser
+    from convo.cli.chat import _build_session
+
+    argv = ["chat", "--db", str(tmp_path / "w.db"), "--summary-wait", "5", *_unreachable_engine()]
+    session = _build_session(build_parser().parse_args(argv))
+    try:
+        assert session.summary_wait_limit == 5.0
+    finally:
+        session.close()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--summary-wait", "-1"])
+
+
+# -- a model argument fails fast and says what is wrong (issue 27 #26) ---------------------
+
+
+def test_model_problems_are_named_before_anything_loads(tmp_path: Path) -> None:
+    import os
+    import time
+
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    common = ["chat", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    folder = run_cli(*common, "--model", str(_config_only_model(tmp_path, 2048)))
+    assert folder.returncode == 2
+    assert "has no weights (*.safetensors" in folder.stderr and "and no tokenizer" in folder.stderr
+    assert "sentencepiece" not in folder.stderr.lower() and "Traceback" not in folder.stderr
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    started = time.monotonic()
+    hub = subprocess.run(
+        [sys.executable, "-m", "convo.cli", *common, "--model", "someorg/not-cached-model"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert time.monotonic() - started < 20  # not transformers' retries
+    assert hub.returncode == 2
+    assert "--model someorg/not-cached-model: not in the local Hugging Face cache" in hub.stderr
+    assert "HF_HUB_OFFLINE is set" in hub.stderr and "loading model" not in hub.stderr
+
+
+def test_device_cuda_without_a_gpu_is_one_clear_line(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    out = run_cli("chat", "--device", "cuda", "--script", str(script), "--db", str(tmp_path / "x.db"))
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, lines  # no warnings of other libraries before it
+    assert lines[0].startswith(f"convo: error: --device cuda: torch {torch.__version__} (")
+    assert lines[0].endswith("sees no CUDA GPU; leave --device out or pass --device cpu")
+
+
+def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import os
+
+    from convo.cli.common import PROGRESS_BAR_ENV, progress_bars_only_on_a_terminal
+
+    for name in PROGRESS_BAR_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_bars_only_on_a_terminal(Terminal()) is True
+    assert all(name not in os.environ for name in PROGRESS_BAR_ENV)
+    pytest.importorskip("tqdm")
+    code = (  # as convo chat does: before transformers (and tqdm) load
+        "import io, sys\nfrom convo.cli.common import progress_bars_only_on_a_terminal\n"
+        "progress_bars_only_on_a_terminal(io.StringIO())\n"
+        "import tqdm\nlog = io.StringIO()\nfor _ in tqdm.tqdm(range(3), file=log):\n    pass\n"
+        "print(repr(log.getvalue()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in PROGRESS_BAR_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "''"
+
+
+def test_chat_runs_without_the_retrieval_extra_and_memory_names_it(tmp_path: Path) -> None:
+    """``convo chat`` imports its modules at the top; the retrieval stack (numpy) stays
+    optional: only ``--memory`` needs it, and says which extra."""
+    script = tmp_path / "t.txt"
+    script.write_text("hi\n")
+    argv = ["chat", "--memory", "--script", str(script), "--db", str(tmp_path / "x.db")]
+    argv += _unreachable_engine()
+    code = f"import sys\nsys.modules['numpy'] = None\nfrom convo.cli import main\nsys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-1500:]
+    needs = "convo: error: --memory needs the retrieval extra; run: pip install 'convo[retrieval]'"
+    assert needs in out.stderr

@@ -335,3 +335,64 @@ def test_property_fit_invariants_real_chat_template(
             if m["role"] in ("system", "developer")
         )
         assert sys_cost > budget.pinned_cap - 40  # the template's own system preamble
+
+
+# -- every field a model is shown is counted, or refused (issue 27 #6) -------------------
+
+
+def _shown_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the fields a model is shown, in what fit() returns."""
+    total = 0
+    for m in messages:
+        for key in ("content", "refusal", "name"):
+            if isinstance(m.get(key), str):
+                total += len(m[key])
+        for call in m.get("tool_calls") or ():
+            total += len(str(call.get("function") or call))
+        if m.get("function_call") is not None:
+            total += len(str(m["function_call"]))
+    return total
+
+
+def test_a_refusal_is_counted_as_the_text_a_model_is_shown() -> None:
+    budget = Budget(context_tokens=2000, max_new_tokens=100, summary_tokens=0)
+    counter = CharCounter()
+    history = [
+        {"role": "user", "content": "write malware"},
+        {"role": "assistant", "content": None, "refusal": "I can't help with that. " * 1500},  # 36 kB
+        {"role": "user", "content": "then tell me a joke"},
+    ]
+    kept, plan = fit(history, budget=budget, counter=counter)
+    assert plan.prompt_tokens + 100 <= 2000
+    assert _shown_chars(kept) <= plan.prompt_tokens * counter.chars_per_token  # nothing uncounted
+    assert kept[-1]["content"] == "then tell me a joke"
+    small = [*history[:1], {"role": "assistant", "content": None, "refusal": "No."}, history[2]]
+    kept, plan = fit(small, budget=budget, counter=counter)
+    assert (
+        kept[1]["refusal"] == "No."
+        and plan.parts["recent"]
+        > fit(
+            [*history[:1], {"role": "assistant", "content": ""}, history[2]], budget=budget, counter=counter
+        ).plan.parts["recent"]
+    )
+    parts = Message.from_openai({"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]})
+    assert parts.content == "No."
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}" * 9000}},
+        {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x" * 9000}}],
+        },
+    ],
+    ids=["legacy-function_call", "audio", "custom-tool-call"],
+)
+def test_fields_that_cannot_be_counted_are_refused_not_passed_through(message: dict[str, Any]) -> None:
+    history = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
+    with pytest.raises(MessageError, match="cannot be counted"):
+        fit(history, budget=Budget(context_tokens=4000, max_new_tokens=100), counter=CharCounter())

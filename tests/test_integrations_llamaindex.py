@@ -96,3 +96,30 @@ def test_tool_calls_convert_both_ways(smol_counter: TokenCounter) -> None:
     assert [m.role.value for m in memory.get()] == ["user", "assistant", "tool"]
     memory.reset()
     assert memory.get_all() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ChatMessage(role="tool", content="42", additional_kwargs={"tool_call_id": "nobody-called"}),
+        ChatMessage(role="function", content="legacy function result"),
+    ],
+    ids=["orphan-tool-result", "function-role"],
+)
+def test_set_refusing_a_message_keeps_the_history(tmp_path: Any, bad: ChatMessage) -> None:
+    from convo.tokens import CharCounter
+
+    store = SQLiteStore(tmp_path / "set.db")
+    memory = ConvoMemory.from_defaults(session_id="s", counter=CharCounter(), store=store)
+    for i in range(3):
+        memory.put(ChatMessage(role="user", content=f"question {i}"))
+        memory.put(ChatMessage(role="assistant", content=f"answer {i}"))
+    before = [m.content for m in memory.get_all()]
+    assert len(before) == 6
+    with pytest.raises(MessageError):
+        memory.set([ChatMessage(role="user", content="new"), bad])
+    assert [m.content for m in memory.get_all()] == before
+    reopened = ConvoMemory.from_defaults(session_id="s", counter=CharCounter(), store=store)
+    assert [m.content for m in reopened.get_all()] == before  # the store, too
+    memory.set([ChatMessage(role="user", content="new")])
+    assert [m.content for m in memory.get_all()] == ["new"]

@@ -143,3 +143,76 @@ def test_parallel_calls_form_one_block() -> None:
     assert [c.id for c in groups[1][0].tool_calls] == ["a", "b"]
     assert groups[1][1] == items[1:4]  # the reasoning item travels with the calls
     assert groups[3][0].content == "2"
+
+
+# -- every item that reaches the model is counted (issue 27 #6) ----------------------------
+
+
+def _reasoning(n: int, size: int) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": f"rs_{n}",
+        "summary": [{"type": "summary_text", "text": "Let me think about flights. " * size}],
+    }
+
+
+def _web_search(n: int) -> dict[str, Any]:
+    return {
+        "type": "web_search_call",
+        "id": f"ws_{n}",
+        "status": "completed",
+        "action": {"type": "search", "query": "flights to Porto " * 200},
+    }
+
+
+def _sent_chars(items: list[Any]) -> int:
+    return sum(len(json.dumps(i)) for i in items)
+
+
+def test_fit_items_counts_reasoning_and_hosted_tool_items() -> None:
+    from convo.tokens import CharCounter
+
+    counter = CharCounter()
+    budget = Budget(context_tokens=450, max_new_tokens=50, summary_tokens=0)
+    session = ConvoSession("s", budget=budget, counter=counter)
+    items: list[Any] = []
+    for n in range(4):  # ~22k tokens of reasoning and web searches in all
+        items += [
+            {"role": "user", "content": f"question {n}"},
+            _reasoning(n, 600),
+            _web_search(n),
+            {"role": "assistant", "content": f"answer {n}"},
+        ]
+    items.append({"role": "user", "content": "and now?"})
+    assert _sent_chars(items) > 80_000
+    fitted = session.fit_items(items)
+    assert session.last_plan is not None
+    assert session.last_plan.prompt_tokens + 50 <= 450
+    assert _sent_chars(fitted) <= 450 * counter.chars_per_token  # what is sent was counted
+    assert fitted[-1] == {"role": "user", "content": "and now?"}
+    # A small reasoning item is kept, with the message after it, and counted.
+    small = [{"role": "user", "content": "q"}, _reasoning(9, 1), {"role": "assistant", "content": "a"}]
+    small.append({"role": "user", "content": "next"})
+    kept = session.fit_items(small)
+    with_reasoning = session.last_plan.prompt_tokens
+    assert kept == small
+    session.fit_items([small[0], small[2], small[3]])
+    assert with_reasoning > session.last_plan.prompt_tokens
+
+
+def test_a_shortened_message_leaves_its_uncountable_items_behind() -> None:
+    from convo.tokens import CharCounter
+
+    counter = CharCounter()
+    budget = Budget(context_tokens=300, max_new_tokens=50, summary_tokens=0)
+    session = ConvoSession("s", budget=budget, counter=counter)
+    items = [
+        {"role": "user", "content": "plan my trip"},
+        _reasoning(1, 400),
+        {"role": "assistant", "content": "Here is the plan. " * 100},
+    ]
+    fitted = session.fit_items(items)
+    assert session.last_plan is not None and session.last_plan.truncated_messages == 1
+    assert [i.get("type", "message") for i in fitted] == ["message", "message"]
+    assert fitted[1]["role"] == "assistant" and fitted[1]["content"].startswith("Here is the plan.")
+    assert _sent_chars(fitted) <= 300 * counter.chars_per_token

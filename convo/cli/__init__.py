@@ -5,72 +5,133 @@
     convo chat                               interactive chat on the embedded default model
     convo chat --script turns.txt --json     one user turn per line, one JSON object per turn
     convo plan --model M --context 1024,4096 --concurrency 1,4 --gpu-memory 24GiB
+    convo serve --model M --port 8000        an OpenAI-compatible server
+
+Exit status (every sub-command):
+
+====  ==============================================================================
+0     done
+2     bad flags, or a convo error (``convo: error: ...`` on stderr: a missing file, a
+      database that is not one, a budget over the model's context, a model that
+      cannot load...)
+3     ``convo chat --script``: a reply was cut by ``--timeout``
+130   interrupted (Ctrl-C)
+====  ==============================================================================
+
+A sub-command lives in its own module, loaded (with :mod:`importlib`) only when it runs:
+``convo --help`` and ``convo --version`` import neither the chat nor the server nor the
+planner. :data:`COMMANDS` names, for each, the functions that add its flags and run it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from convo.cli.chat import _chat
+from convo import __version__
 from convo.cli.common import (
-    _missing,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
     add_engine_arguments,
     add_local_engine_arguments,
     default_db_path,
     non_negative_int,
     positive_int,
-    positive_seconds,
 )
 from convo.errors import ConvoError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="convo", description="LLM conversations inside a hard memory budget."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One sub-command: where its flags and its body live (``"module:function"``), and
+    the lines ``convo --help`` shows for it.
 
-    chat = sub.add_parser(
-        "chat",
+    ``arguments(parser)`` adds the flags to the sub-command's parser; ``run(args)`` runs
+    it and returns the exit status.
+    """
+
+    arguments: str
+    run: str
+    help: str
+    description: str | None = None
+    epilog: str | None = None
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+#: The sub-commands of ``convo``, in the order ``convo --help`` lists them.
+COMMANDS: dict[str, Command] = {
+    "chat": Command(
+        "convo.cli.chat:add_chat_arguments",
+        "convo.cli.chat:run_chat",
         help="chat with a model (interactive, or --script FILE)",
         description="Chat inside a token budget. Interactive commands: /help, /history, /summary, "
         "/pin TEXT, /exit. Ctrl-C cancels the reply being written.",
         epilog="exit status: 0 ok; 2 bad flags or a convo error; 3 a scripted reply was cut by --timeout",
-    )
-    chat.add_argument(
-        "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
-    )
-    chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    chat.add_argument(
-        "--budget", type=positive_int, default=None, help="context_tokens of the session (default 2048)"
-    )
-    chat.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
-    chat.add_argument(
-        "--window", type=positive_int, default=None, help="recent turns kept verbatim (default 8)"
-    )
-    chat.add_argument(
-        "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
-    )
-    chat.add_argument(
-        "--memory",
-        action="store_true",
-        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline); "
-        "turns are dated with the local clock, so 'yesterday' or 'last week' find theirs",
-    )
-    chat.add_argument("--system", default=None, help="system prompt of a new session")
-    chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
-    chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
-    chat.add_argument(
-        "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one reply, seconds"
-    )
-    chat.add_argument("--script", default=None, help="file with one user turn per line")
-    chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
-    add_local_engine_arguments(chat)
-    add_engine_arguments(chat)
-    chat.set_defaults(func=_chat)
+    ),
+    "serve": Command(
+        "convo.cli:add_serve_arguments",
+        "convo.cli.serve:run_server",
+        help="an OpenAI-compatible HTTP server that keeps sessions in budget",
+    ),
+    "plan": Command(
+        "convo.cli.plan:add_plan_arguments",
+        "convo.cli.plan:run_plan_cli",
+        help="will this model fit context N with M sessions on this GPU?",
+    ),
+}
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps sessions in budget")
+
+class _Run:
+    """``args.func`` of a sub-command: loads its module when called, not when parsed."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        return int(_load(self.target)(args))
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``convo`` parser with the flags of ``commands`` (default: every sub-command).
+
+    A sub-command left out is still listed by ``convo --help``; only its flags (and so its
+    module) are not loaded.
+    """
+    return _build(commands)[0]
+
+
+def _build(
+    commands: Iterable[str] | None,
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    wanted = set(COMMANDS if commands is None else commands)
+    parser = argparse.ArgumentParser(
+        prog="convo",
+        description="LLM conversations inside a hard memory budget.",
+        epilog="exit status: 0 ok; 2 bad flags or a convo error; 3 a scripted reply was cut by "
+        "--timeout; 130 interrupted",
+    )
+    parser.add_argument("--version", action="version", version=f"convo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, command in COMMANDS.items():
+        one = sub.add_parser(name, help=command.help, description=command.description, epilog=command.epilog)
+        parsers[name] = one
+        if name in wanted:
+            _load(command.arguments)(one)
+        one.set_defaults(func=_Run(command.run))
+    return parser, parsers
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The flags of ``convo serve`` (its body is :func:`convo.cli.serve.run_server`)."""
     serve.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
@@ -103,31 +164,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_local_engine_arguments(serve)
     add_engine_arguments(serve)
-    serve.set_defaults(func=_serve)
 
-    plan = sub.add_parser("plan", help="will this model fit context N with M sessions on this GPU?")
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The sub-command ``argv`` names (the first word that is one), or ``None``."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``convo`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status
+    (the table in this module's docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_in(argv)
     try:
-        from convo.cli.plan import add_plan_arguments, run_plan_cli
-    except ImportError:
-        plan.set_defaults(func=lambda a: _missing("convo plan"))
-    else:
-        add_plan_arguments(plan)
-        plan.set_defaults(func=run_plan_cli)
-    return parser
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from convo.cli.serve import run_server
-
-    return run_server(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+        parser, parsers = _build([command] if command else [])
+    except ImportError as exc:  # a sub-command whose optional dependencies are missing
+        print(f"convo: error: convo {command} is not available here: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the sub-command's usage, not the top level's
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except ConvoError as exc:
         print(f"convo: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except OSError as exc:  # a file or folder a flag names that cannot be used
+        print(f"convo: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

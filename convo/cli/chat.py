@@ -5,12 +5,86 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
-from convo.errors import ConfigError, ConvoError
+from convo.budget import Budget
+from convo.cli.common import (
+    add_engine_arguments,
+    add_local_engine_arguments,
+    check_local_model,
+    default_db_path,
+    engine_from_args,
+    local_engine,
+    non_negative_int,
+    non_negative_seconds,
+    open_sqlite_store,
+    positive_int,
+    positive_seconds,
+    progress_bars_only_on_a_terminal,
+    spinner,
+)
+from convo.engines.base import FinishReason
+from convo.engines.models import DEFAULT_MODEL_NAME
+from convo.errors import ConfigError, ConvoError, MissingDependency
+from convo.messages import system
+from convo.paths import cache_dir
+from convo.session import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, Session
+from convo.summarize import SummaryStatus
+from convo.tokens import HFTokenCounter
+
+try:  # --memory: numpy, FAISS and MiniLM (the retrieval extra); chat runs without them
+    from convo.retrieval import RetrievalMemory
+except ImportError:
+    RetrievalMemory = None  # type: ignore[assignment,misc]
+
+
+def add_chat_arguments(chat: argparse.ArgumentParser) -> None:
+    """The flags of ``convo chat`` (its body is :func:`run_chat`)."""
+    chat.add_argument(
+        "--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M)"
+    )
+    chat.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    chat.add_argument(
+        "--budget", type=positive_int, default=None, help="context_tokens of the session (default 2048)"
+    )
+    chat.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
+    chat.add_argument(
+        "--window", type=positive_int, default=None, help="recent turns kept verbatim (default 8)"
+    )
+    chat.add_argument(
+        "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
+    )
+    chat.add_argument(
+        "--memory",
+        action="store_true",
+        help="retrieve earlier turns that left the window into the prompt (MiniLM + FAISS + BM25, offline); "
+        "turns are dated with the local clock, so 'yesterday' or 'last week' find theirs",
+    )
+    chat.add_argument("--system", default=None, help="system prompt of a new session")
+    chat.add_argument("--session", default=None, help="resume (or create) the session with this id")
+    chat.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    chat.add_argument(
+        "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one reply, seconds"
+    )
+    chat.add_argument(
+        "--summary-wait",
+        type=non_negative_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="how long a turn waits for the background summary when the turns it misses do not fit "
+        f"(default: {DEFAULT_SUMMARY_WAIT_S:g} s on an engine that runs one call at a time, 0 on one "
+        "that runs calls together); then the reply goes on without it",
+    )
+    chat.add_argument("--script", default=None, help="file with one user turn per line")
+    chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
+    add_local_engine_arguments(chat)
+    add_engine_arguments(chat)
 
 
 def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
@@ -67,8 +141,6 @@ Ctrl-C cancels the reply being written."""
 def _budget(args: argparse.Namespace, store: Any) -> Any:
     """The session's budget from the flags (unset flags: the stored session's, else
     :class:`Budget`'s own defaults), checked before any model loads."""
-    from convo.budget import Budget
-
     given = {
         k: v
         for k, v in {
@@ -87,11 +159,22 @@ def _budget(args: argparse.Namespace, store: Any) -> Any:
     return Budget(**given)
 
 
+def _context_flags(args: argparse.Namespace, store: Any, budget: Any) -> dict[str, int | None]:
+    """The token counts the flags set (or left at their defaults), named as a person would
+    fix them, for :func:`~convo.cli.common.check_context_flags`."""
+    if budget is None and args.session and store.exists(args.session):
+        state, _ = store.load(args.session)
+        stored = Budget.from_dict(dict(state.settings.get("budget", {})))
+        return {f"--budget (session {args.session}'s stored budget)": stored.context_tokens}
+    effective = budget or Budget()
+    label = "--budget" if args.budget is not None else "--budget (default)"
+    return {label: effective.context_tokens, "--max-new-tokens": args.max_new_tokens}
+
+
 def _check_system_prompt(args: argparse.Namespace, budget: Any, counter: Any) -> None:
     """A ``--system`` prompt over the pinned cap is a flag error, named as such."""
     if not args.system or budget is None or counter is None:
         return
-    from convo.messages import system
 
     cost = counter.message_tokens(system(args.system))
     if cost > budget.pinned_cap:
@@ -105,9 +188,6 @@ def _check_system_prompt(args: argparse.Namespace, budget: Any, counter: Any) ->
 def _local_counter(model: str | None) -> Any:
     """The local model's token counter from its tokenizer alone (no weights), or ``None``
     when that cannot be had cheaply (a hub id, a GGUF not converted yet)."""
-    from convo.engines.models import DEFAULT_MODEL_NAME
-    from convo.paths import cache_dir
-
     if model is None or model == "default" or str(model).startswith("random:"):
         folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
     else:
@@ -116,40 +196,33 @@ def _local_counter(model: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    from convo.tokens import HFTokenCounter
-
     return HFTokenCounter(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
 def _build_session(args: argparse.Namespace) -> Any:
-    from convo.engines.models import check_model
-    from convo.session import Session
-    from convo.store import SQLiteStore
-
-    store = SQLiteStore(args.db or default_db_path())
+    store = open_sqlite_store(args.db or default_db_path())
     budget = _budget(args, store)  # bad flags fail here, in a second, before the model loads
     engine: Any
     if args.engine_url:  # a remote OpenAI-compatible server generates and summarizes
-        from convo.budget import Budget
-
         engine = engine_from_args(args, default_context_tokens=(budget or Budget()).context_tokens)
         if budget is not None and budget.margin_tokens == 0:  # the engine adds its counting margin
             budget = engine.budget(**{k: v for k, v in budget.to_dict().items() if k != "margin_tokens"})
         _check_system_prompt(args, budget, engine.counter)
     else:
-        check_model(args.model)
+        check_local_model(args, _context_flags(args, store, budget))
         if args.system and budget is not None:
             _check_system_prompt(args, budget, _local_counter(args.model))
-        from convo.budget import Budget
 
         with spinner("loading model") as update:
             engine = local_engine(args, (budget or Budget()).context_tokens, update)
         _check_system_prompt(args, budget, engine.counter)
     retriever = None
     if args.memory:  # a resumed session's stored turns are indexed at its first turn
-        from convo.retrieval import RetrievalMemory
-
-        retriever = RetrievalMemory()
+        if RetrievalMemory is None:
+            raise MissingDependency("--memory needs the retrieval extra; run: pip install 'convo[retrieval]'")
+        with spinner("loading the embedder for --memory"):
+            retriever = RetrievalMemory()
+            _ = retriever.embedder.dim  # loads it now, not silently at the first turn
     return Session(
         engine,
         budget=budget,
@@ -157,15 +230,56 @@ def _build_session(args: argparse.Namespace) -> Any:
         session_id=args.session,
         system_prompt=args.system,
         timeout_s=args.timeout,
+        summary_wait_s=SUMMARY_WAIT_AUTO if args.summary_wait is None else args.summary_wait,
         retriever=retriever,
         clock=datetime.now if args.memory else None,  # "what did I say yesterday?"
     )
 
 
+#: Seconds a reply may take to start before ``convo chat`` says on stderr that it waits
+#: for the background summary (when one is being written), and between its later lines.
+WAIT_NOTICE_AFTER_S = 3.0
+WAIT_NOTICE_EVERY_S = 15.0
+
+
+@contextmanager
+def waiting_notice(session: Any, stream: Any = None) -> Iterator[Callable[[], None]]:
+    """Say on ``stream`` (stderr) that a reply waits for the summary, while it does.
+
+    When a summary is being written as the turn starts, and the reply has not begun after
+    :data:`WAIT_NOTICE_AFTER_S`, a line says so and how long the turn waits at most
+    (``Session.summary_wait_limit``); another follows every :data:`WAIT_NOTICE_EVERY_S`.
+    Call the yielded function when the reply begins (leaving the block does too).
+    """
+    out = stream if stream is not None else sys.stderr
+    state = session.summary_state
+    started = threading.Event()
+    if state.status not in (SummaryStatus.RUNNING, SummaryStatus.PENDING) or not state.pending_turns:
+        yield started.set
+        return
+    limit = session.summary_wait_limit
+    turns = f"turns {state.job_turns[0] + 1}-{state.job_turns[1]}" if state.job_turns else "older turns"
+    bound = "no time limit" if limit is None else f"at most {limit:g} s, then the reply goes on without it"
+    t0 = time.monotonic()
+
+    def tell() -> None:
+        if started.wait(WAIT_NOTICE_AFTER_S):
+            return
+        print(f"[convo] waiting for the summary of {turns} ({bound})", file=out, flush=True)
+        while not started.wait(WAIT_NOTICE_EVERY_S):
+            print(f"[convo] still waiting ({time.monotonic() - t0:.0f} s)", file=out, flush=True)
+
+    teller = threading.Thread(target=tell, name="convo-wait-notice", daemon=True)
+    teller.start()
+    try:
+        yield started.set
+    finally:
+        started.set()
+        teller.join()
+
+
 def _notes(reply: Any, args: argparse.Namespace) -> list[str]:
     """What a person should know about a reply beyond its text."""
-    from convo.engines.base import FinishReason
-
     notes = []
     if reply.finish_reason is FinishReason.TIMEOUT:
         limit = f"the --timeout of {args.timeout:g} s" if args.timeout else "the engine's time limit"
@@ -195,10 +309,18 @@ def _stats(reply: Any) -> str:
     )
 
 
-def _chat(args: argparse.Namespace) -> int:
-    if args.script and not Path(args.script).is_file():
-        raise ConfigError(f"--script {args.script}: no such file")
+def run_chat(args: argparse.Namespace) -> int:
+    """``convo chat``: a scripted chat (``--script``) or an interactive one; the exit status."""
+    if args.script:
+        read_script(args.script)  # a missing or unreadable file fails before the model loads
+    progress_bars_only_on_a_terminal(sys.stderr)
     session = _build_session(args)
+    if args.memory and session.turn_count:
+        print(
+            f"[convo] --memory: the {session.turn_count} stored turns are indexed at the first turn",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return _script(session, args) if args.script else _interactive(session, args)
     finally:
@@ -208,14 +330,35 @@ def _chat(args: argparse.Namespace) -> int:
             close()
 
 
+def read_script(path: str) -> list[str]:
+    """The user turns of ``--script``: its non-blank lines, decoded as UTF-8.
+
+    Raises:
+        ConfigError: no such file, a folder, not UTF-8 text, or unreadable; the message
+            names ``--script``.
+    """
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"--script {path}: no such file")
+    if where.is_dir():
+        raise ConfigError(f"--script {path}: a folder, not a file of turns")
+    try:
+        text = where.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--script {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--script {path}: cannot read it ({exc.strerror or exc})") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def _script(session: Any, args: argparse.Namespace) -> int:
-    from convo.engines.base import FinishReason
 
     out, status = sys.stdout, 0
-    for line in Path(args.script).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        reply = session.send(line)
+    for line in read_script(args.script):
+        with waiting_notice(session):
+            reply = session.send(line)
         if args.json:
             out.write(json.dumps(_turn_json(session, reply), ensure_ascii=False) + "\n")
         else:
@@ -278,13 +421,15 @@ def _handle(session: Any, line: str, text: str, args: argparse.Namespace, last: 
         line = line.lstrip()[1:]
     out.write("bot> ")
     out.flush()
-    stream = session.stream(line)
-    try:
-        for chunk in stream:
-            out.write(chunk)
-            out.flush()
-    except KeyboardInterrupt:
-        stream.close()  # cancels the reply; the session stays usable
+    with waiting_notice(session) as begun:
+        stream = session.stream(line)
+        try:
+            for chunk in stream:
+                begun()
+                out.write(chunk)
+                out.flush()
+        except KeyboardInterrupt:
+            stream.close()  # cancels the reply; the session stays usable
     out.write("\n")
     reply = stream.result
     if reply is None:

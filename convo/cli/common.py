@@ -4,22 +4,37 @@ engine flags (local ``--quant``/``--kv-slots``, remote ``--engine-*``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
+import sqlite3
+import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
 
 from convo.engines.base import INT4_KERNELS, Quant
+from convo.engines.models import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
-from convo.errors import ConfigError
+from convo.engines.transformers import TransformersEngine
+from convo.errors import ConfigError, ConvoError
+from convo.paths import cache_dir
+from convo.planner.model import BUILTIN_CONFIGS
+from convo.store import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
 #: (``fp4`` is priced by ``convo plan`` only; ``none``, the checkpoint's own dtype, is the
 #: planner's spelling).
 ENGINE_QUANTS = tuple(q.value for q in Quant if q not in (Quant.FP4, Quant.NONE))
+
+#: Exit status of a bad flag or a :class:`~convo.errors.ConvoError` (argparse's own, too).
+EXIT_ERROR = 2
+#: Exit status when Ctrl-C ends ``convo`` (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 
 def default_db_path() -> Path:
@@ -30,6 +45,24 @@ def default_db_path() -> Path:
         return Path(home) / "sessions.db"
     data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(data) / "convo" / "sessions.db"
+
+
+def open_sqlite_store(path: str | os.PathLike[str], flag: str = "--db") -> SQLiteStore:
+    """The :class:`SQLiteStore` at ``path``, the value of ``flag``.
+
+    Raises:
+        ConfigError: ``path`` is a folder, a file that is not a SQLite database, or cannot
+            be opened or created; the message names ``flag``.
+    """
+    where = Path(path)
+    if where.is_dir():
+        raise ConfigError(f"{flag} {path}: a folder; give a file, e.g. {where / 'sessions.db'}")
+    try:
+        return SQLiteStore(where)
+    except sqlite3.DatabaseError as exc:  # "file is not a database", "unable to open database file"
+        raise ConfigError(f"{flag} {path}: not a usable SQLite session database ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
 
 
 @contextmanager
@@ -82,6 +115,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0, got {text}")
+    return value
+
+
 def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The local engine's ``--quant`` and ``--kv-slots`` (static KV slots sized to the
     session budget)."""
@@ -114,8 +158,6 @@ def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
 def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
     """The local :class:`TransformersEngine` the flags ask for; a KV slot holds one session's
     whole budget (``context_tokens``)."""
-    from convo.engines.transformers import TransformersEngine
-
     return TransformersEngine(
         args.model,
         quant=args.quant,
@@ -182,6 +224,287 @@ def engine_from_args(args: Any, *, default_context_tokens: int) -> OpenAIEngine:
     return engine
 
 
-def _missing(what: str) -> int:
-    print(f"convo: {what} is not available in this installation", file=sys.stderr)
-    return 2
+# -- flags checked against the model's context, before any weight loads -------------------
+
+#: Config keys that state a model's context length, read in this order (transformers'
+#: ``max_position_embeddings`` first; GPT-2 style ``n_positions``; others').
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+#: How many metadata entries of a GGUF header :func:`model_context_tokens` reads looking for
+#: ``<arch>.context_length`` (it comes in the first few; the tokenizer's arrays come later).
+GGUF_MAX_HEADER_ENTRIES = 64
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    """``<general.architecture>.context_length`` from a GGUF file's header, or ``None``."""
+
+    def read(fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def string() -> str:
+        return f.read(read("Q")).decode("utf-8", "replace")
+
+    def value(kind: int) -> Any:
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            inner, n = read("I"), read("Q")
+            for _ in range(n):
+                value(inner)
+            return None
+        return read(_GGUF_SCALARS[kind])
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            read("I")  # version
+            read("Q")  # tensor count
+            entries = read("Q")
+            arch = None
+            for _ in range(min(entries, GGUF_MAX_HEADER_ENTRIES)):
+                key, kind = string(), read("I")
+                got = value(kind)
+                if key == "general.architecture":
+                    arch = got
+                elif arch is not None and key == f"{arch}.context_length":
+                    return int(got)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return None
+
+
+def _config_context_length(config: Mapping[str, Any]) -> int | None:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in CONTEXT_LENGTH_KEYS:
+            value = cfg.get(key) if isinstance(cfg, Mapping) else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _read_config(path: Path) -> Mapping[str, Any] | None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, Mapping) else None
+
+
+def _hub_config(model: str) -> Path | None:
+    """The cached ``config.json`` of hub id ``model``, or ``None`` (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # an id the hub library refuses (not a repo id): not cached
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_context_tokens(model: str | os.PathLike[str] | None) -> int | None:
+    """The context length ``model`` declares, from its config alone: no weights, no network.
+
+    ``None`` or ``"default"``: the embedded model (its converted folder, else its GGUF);
+    ``random:NAME``: :data:`~convo.planner.model.BUILTIN_CONFIGS`; a folder: its
+    ``config.json`` (:data:`CONTEXT_LENGTH_KEYS`, also under ``text_config``); a ``.gguf``
+    file: ``<arch>.context_length`` in its header; a hub id: its cached ``config.json``.
+    ``None`` when it cannot be known that cheaply (a hub id not downloaded yet).
+    """
+    name = "default" if model is None else os.fspath(model)
+    if name == "default":
+        folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
+        if (folder / "config.json").is_file():
+            return model_context_tokens(folder)
+        try:
+            return _gguf_context_length(default_gguf_path())
+        except ConvoError:  # not installed: the load says so
+            return None
+    if name in BUILTIN_CONFIGS:
+        return _config_context_length(BUILTIN_CONFIGS[name])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config = _read_config(path / "config.json")
+        return _config_context_length(config) if config is not None else None
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_context_length(path)
+    if looks_like_path(name):
+        return None
+    cached = _hub_config(name)
+    config = _read_config(cached) if cached is not None else None
+    return _config_context_length(config) if config is not None else None
+
+
+def check_context_flags(model: str | os.PathLike[str] | None, flags: Mapping[str, int | None]) -> int | None:
+    """Check token-count flags against the context length ``model`` declares, before any
+    weight loads (:func:`model_context_tokens`: config.json or GGUF metadata).
+
+    Args:
+        model: the ``--model`` value (``None``: the embedded default).
+        flags: each flag as the user would read it (``"--budget"``, or ``"--budget (default)"``
+            for a value the flag left at its default) and its value; ``None`` values are
+            skipped.
+
+    Returns:
+        The model's context length, or ``None`` when it is not known without loading (the
+        engine then checks at load).
+
+    Raises:
+        ConfigError: a value over the model's context, naming the flag and the limit.
+    """
+    limit = model_context_tokens(model)
+    if limit is None:
+        return None
+    shown = "the embedded default model" if model in (None, "default") else os.fspath(model)
+    for flag, value in flags.items():
+        if value is not None and value > limit:
+            bare = flag.split(" ")[0]
+            raise ConfigError(
+                f"{flag} {value} is over the {limit}-token context of {shown} (its "
+                f"max_position_embeddings); pass {bare} {limit} or less"
+            )
+    return limit
+
+
+# -- a model argument checked before anything loads ------------------------------------------
+
+#: Files that hold a checkpoint's weights; a model folder needs one of them.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "*.pt", "*.pth")
+#: Files that hold a tokenizer; a model folder needs one of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+#: Seconds ``convo`` waits to reach the Hugging Face hub before it says a model that is not
+#: cached cannot be downloaded (instead of transformers' retries, ~47 s).
+HUB_PROBE_TIMEOUT_S = 3.0
+#: Environment variables that say "no network" to the Hugging Face libraries.
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _is_set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_model_folder(model: str | os.PathLike[str] | None, flag: str = "--model") -> None:
+    """A model folder must hold a config, weights and a tokenizer: say which is missing
+    (transformers would blame an unrelated package, such as sentencepiece).
+
+    Raises:
+        ConfigError: ``model`` is a folder without ``config.json``, any of
+            :data:`WEIGHT_FILES` or any of :data:`TOKENIZER_FILES`.
+    """
+    if model is None:
+        return
+    folder = Path(os.fspath(model)).expanduser()
+    if not folder.is_dir():
+        return
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if missing:
+        raise ConfigError(
+            f"{flag} {os.fspath(model)}: the folder has no {' and no '.join(missing)}; give a "
+            "complete model folder (as save_pretrained writes it), a .gguf file, or a hub id"
+        )
+
+
+def _hub_reachable(timeout_s: float) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def check_hub_model(model: str | os.PathLike[str] | None, flag: str = "--model") -> None:
+    """A hub id that is not in the local cache fails at once when it cannot be downloaded:
+    with ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set, or when the hub does not
+    answer within :data:`HUB_PROBE_TIMEOUT_S`.
+
+    Raises:
+        ConfigError: the model cannot be had, naming the flag and what to do.
+    """
+    if model is None:
+        return
+    name = os.fspath(model)
+    if name == "default" or name.startswith("random:") or looks_like_path(name) or _hub_config(name):
+        return
+    offline = [v for v in OFFLINE_ENV if _is_set(v)]
+    if offline:
+        reason = f"{offline[0]} is set"
+    elif not _hub_reachable(HUB_PROBE_TIMEOUT_S):
+        reason = f"the Hugging Face hub did not answer within {HUB_PROBE_TIMEOUT_S:g} s"
+    else:
+        return
+    raise ConfigError(
+        f"{flag} {name}: not in the local Hugging Face cache, and {reason}; download it where "
+        "there is network (huggingface-cli download NAME), or give a local folder or .gguf file"
+    )
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """``--device cuda`` needs a torch that sees a CUDA GPU: say so before anything loads
+    (the load would print bitsandbytes' and torch's warnings first).
+
+    Raises:
+        ConfigError: a ``cuda`` device and no GPU visible to torch.
+    """
+    if not device or not str(device).startswith("cuda"):
+        return
+    try:
+        import torch
+    except ImportError:
+        return  # the engine names the missing extra
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"{flag} {device}: torch {torch.__version__} ({build}) sees no CUDA GPU; leave {flag} out "
+            f"or pass {flag} cpu"
+        )
+
+
+def check_local_model(args: argparse.Namespace, flags: Mapping[str, int | None]) -> None:
+    """Every check of a local model's flags that needs no weights, in the order a person
+    would fix them: the path exists, the folder is complete, a hub id can be had, the
+    device exists, the token counts fit the model's context (:func:`check_context_flags`).
+    ``convo chat`` and ``convo serve`` run it before loading.
+
+    Raises:
+        ConvoError: the first problem found, naming its flag.
+    """
+    check_model(args.model)
+    check_model_folder(args.model)
+    check_hub_model(args.model)
+    check_device(getattr(args, "device", None))
+    check_context_flags(args.model, flags)
+
+
+#: Environment variables that turn tqdm's (and so transformers' and the hub's) progress bars
+#: off when stderr is not a terminal.
+PROGRESS_BAR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def progress_bars_only_on_a_terminal(stream: TextIO = sys.stderr) -> bool:
+    """Turn third-party progress bars off unless ``stream`` is a terminal (a log file gets
+    the ``[convo]`` lines, not thousands of bar redraws). Leaves a variable the user set as
+    it is. Returns whether bars stay on."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return True
+    for name, value in PROGRESS_BAR_ENV.items():
+        os.environ.setdefault(name, value)
+    return False

@@ -211,9 +211,31 @@ class ConvoMemory(BaseMemory):
             self.put(m)
 
     def set(self, messages: Sequence[ChatMessage]) -> None:
-        """Replace the history with ``messages`` (the system prompt stays)."""
+        """Replace the history with ``messages`` (the system prompt stays).
+
+        Every message is converted and checked first, in order, on a scratch session with
+        this memory's settings (no summarizer, no retriever, nothing stored): a message it
+        refuses leaves the stored history as it was.
+
+        Raises:
+            MessageError / BudgetError: a message :meth:`put` would refuse; nothing changed.
+        """
+        converted = [from_llamaindex(m) for m in messages]
+        scratch = Session(
+            counter=self.counter,
+            budget=self.budget,
+            store=MemoryStore(),
+            session_id=self.session_id,
+            system_prompt=self.system_prompt,
+        )
+        try:
+            for message in converted:
+                scratch.add(message)
+        finally:
+            scratch.close()
         self.reset()
-        self.put_messages(messages)
+        for message in converted:
+            self._session.add(message)
 
     def reset(self) -> None:
         """Delete the stored history and start the session again."""

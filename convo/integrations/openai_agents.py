@@ -20,15 +20,17 @@ Responses items map to convo messages as the Chat Completions converter does: a 
 item is a message, consecutive ``function_call`` items join the assistant message before
 them (one block, kept with every ``function_call_output`` answering it). Items with no
 chat equivalent (reasoning, hosted tool calls) travel with the message after them and are
-not counted.
+counted in it, as their JSON: every item that reaches the model is counted.
 
 Install with ``pip install 'convo[agents]'``.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from convo.integrations import require
@@ -72,52 +74,97 @@ def _text(content: Any) -> str:
     return "".join(parts)
 
 
-def items_to_messages(items: Sequence[Any]) -> list[tuple[Message, list[Any]]]:
-    """Responses input items as convo messages, each with the items it stands for.
+#: The messages :func:`items_to_messages` builds are dated from one clock reading, this far
+#: apart, so a message the budget shortened (a copy with new content and the same
+#: ``created_at``) is matched back to the items it stands for.
+_STAMP_STEP_S = 1e-6
 
-    Raises:
-        MessageError: a content part that is not text, or a malformed item.
-    """
-    groups: list[tuple[Message, list[Any]]] = []
+
+@dataclass
+class _Group:
+    """A convo message, the items it stands for, and the text of those items alone (the
+    message's content also counts the items with no chat equivalent)."""
+
+    message: Message
+    items: list[Any]
+    text: str
+    extra: bool = False  # some of ``items`` have no chat equivalent
+
+
+def _extra_text(items: Sequence[Any]) -> str:
+    """What items with no chat equivalent (reasoning, hosted tool calls) are counted as:
+    their JSON, an upper bound of what a model is shown of them."""
+    return "\n".join(json.dumps(_as_dict(i), ensure_ascii=False, default=str) for i in items)
+
+
+def _carry(group: _Group, extra: Sequence[Any], items: Sequence[Any] = ()) -> _Group:
+    """``group`` with ``extra`` (counted) and ``items`` (already in its message) added."""
+    if not extra and not items:
+        return group
+    content = group.message.content
+    if extra:
+        content = f"{content}\n{_extra_text(extra)}" if content else _extra_text(extra)
+    message = replace(group.message, content=content)
+    return _Group(message, [*group.items, *extra, *items], group.text, group.extra or bool(extra))
+
+
+def _groups(items: Sequence[Any]) -> list[_Group]:
+    stamp = time.time()
+    groups: list[_Group] = []
     waiting: list[Any] = []  # items with no chat equivalent, attached to the next message
+
+    def add(message: Message, item: Any) -> None:
+        nonlocal waiting
+        message = replace(message, created_at=stamp + len(groups) * _STAMP_STEP_S)
+        groups.append(_carry(_Group(message, [], message.content), waiting, [item]))
+        waiting = []
+
     results_since_call = False
     for item in items:
         d = _as_dict(item)
         kind = d.get("type")
         if kind in (None, "message") and "role" in d:
-            message = Message.from_openai({"role": d["role"], "content": _text(d.get("content"))})
-            groups.append((message, [*waiting, item]))
+            add(Message.from_openai({"role": d["role"], "content": _text(d.get("content"))}), item)
             results_since_call = False
         elif kind == "function_call":
             call = ToolCall(
                 id=d.get("call_id") or "", name=d.get("name", ""), arguments=d.get("arguments") or "{}"
             )
-            last = groups[-1][0] if groups else None
-            if last is not None and last.role is Role.ASSISTANT and not results_since_call:
-                merged = replace(last, tool_calls=(*last.tool_calls, call))
-                groups[-1] = (merged, [*groups[-1][1], *waiting, item])
+            last = groups[-1] if groups else None
+            if last is not None and last.message.role is Role.ASSISTANT and not results_since_call:
+                merged = replace(last.message, tool_calls=(*last.message.tool_calls, call))
+                groups[-1] = _carry(_Group(merged, last.items, last.text, last.extra), waiting, [item])
+                waiting = []
             else:
-                groups.append(
-                    (Message(role=Role.ASSISTANT, content="", tool_calls=(call,)), [*waiting, item])
-                )
+                add(Message(role=Role.ASSISTANT, content="", tool_calls=(call,)), item)
         elif kind == "function_call_output":
             output = d.get("output")
             text = output if isinstance(output, str) else _text(output)
-            groups.append(
-                (Message(role=Role.TOOL, content=text, tool_call_id=d.get("call_id")), [*waiting, item])
-            )
+            add(Message(role=Role.TOOL, content=text, tool_call_id=d.get("call_id")), item)
             results_since_call = True
-            continue
         else:
             waiting.append(item)
-            continue
-        waiting = []
     if waiting:
         if groups:
-            groups[-1] = (groups[-1][0], [*groups[-1][1], *waiting])
+            groups[-1] = _carry(groups[-1], waiting)
         else:
-            groups.append((Message(role=Role.ASSISTANT, content=""), waiting))
+            empty = Message(role=Role.ASSISTANT, content="", created_at=stamp)
+            groups.append(_carry(_Group(empty, [], ""), waiting))
     return groups
+
+
+def items_to_messages(items: Sequence[Any]) -> list[tuple[Message, list[Any]]]:
+    """Responses input items as convo messages, each with the items it stands for.
+
+    Items with no chat equivalent (reasoning, hosted tool calls such as a web search)
+    travel with the message after them, and are counted in it: that message's content
+    holds their JSON after its own text, so a budget is never spent twice over on content
+    it did not see.
+
+    Raises:
+        MessageError: a content part that is not text, or a malformed item.
+    """
+    return [(g.message, g.items) for g in _groups(items)]
 
 
 def messages_to_items(message: Message) -> list[dict[str, Any]]:
@@ -172,12 +219,22 @@ class ConvoSession(SessionABC):
 
     def fit_items(self, items: Sequence[Any], *, instructions: str | None = None) -> list[Any]:
         """The items to send, within the budget: unchanged items are the objects passed
-        in. The plan is kept in :attr:`last_plan`."""
-        groups = items_to_messages(items)
-        by_id = {id(m): group for m, group in groups}
+        in. The plan is kept in :attr:`last_plan`.
+
+        Every item is counted, reasoning and hosted tool calls included (see
+        :func:`items_to_messages`). A message the ``TRUNCATE`` policy shortened comes back
+        as new items, its own text cut to what was counted for it, without the reasoning
+        or hosted tool items it carried.
+        """
+        groups = _groups(items)
+        by_id = {id(g.message): g for g in groups}
+        by_stamp = {g.message.created_at: g for g in groups}
         pinned = [Message(role=Role.SYSTEM, content=instructions)] if instructions else []
         plan = fit_plan(
-            [*pinned, *(m for m, _ in groups)], budget=self.budget, counter=self.counter, summary=self.summary
+            [*pinned, *(g.message for g in groups)],
+            budget=self.budget,
+            counter=self.counter,
+            summary=self.summary,
         )
         self.last_plan = plan
         out: list[Any] = []
@@ -185,7 +242,14 @@ class ConvoSession(SessionABC):
             if pinned and m is pinned[0]:
                 continue  # the instructions travel apart from the items
             group = by_id.get(id(m))
-            out.extend(group if group is not None else messages_to_items(m))
+            if group is not None:
+                out.extend(group.items)
+                continue
+            shortened = by_stamp.get(m.created_at) if m.role is not Role.SYSTEM else None
+            if shortened is not None and shortened.extra:  # its text alone, cut to the tokens counted
+                text = self.counter.truncate_middle(shortened.text, self.counter.count_text(m.content))
+                m = replace(m, content=text)
+            out.extend(messages_to_items(m))
         return out
 
     async def get_items(self, limit: int | None = None) -> list[Any]:

@@ -127,15 +127,17 @@ def test_convo_help_and_version_load_no_subcommand() -> None:
 
 
 def test_adapter_extras_install_the_frameworks_openai_compatible_client() -> None:
-    """``convo[langchain]`` brings ``ChatOpenAI`` and ``convo[llamaindex]`` brings
-    ``OpenAILike``: what the README's examples use to talk to ``convo serve``."""
+    """``convo[langchain]`` brings ``ChatOpenAI``, what the README's examples use to talk to
+    ``convo serve``. LlamaIndex's ``OpenAILike`` pins ``openai<3`` (it would move ``[dev]``'s
+    openai and openai-agents back a major version), so the README names its own install."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
     def names(extra: str) -> set[str]:
         return {req.split(">")[0].split("=")[0].split("<")[0].strip() for req in extras[extra]}
 
     assert {"langchain-core", "langchain-openai"} <= names("langchain")
-    assert {"llama-index-core", "llama-index-llms-openai-like"} <= names("llamaindex")
+    assert {"llama-index-core"} <= names("llamaindex")
+    assert "pip install llama-index-llms-openai-like" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 #: The editable install static type checkers can follow: a plain path in a ``.pth`` file

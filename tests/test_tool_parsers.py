@@ -630,6 +630,7 @@ SMOLLM2_TEMPLATE = (
         (LLAMA_JSON_TEMPLATE, "llama3_json"),
         (MISTRAL_V03_TEMPLATE, "mistral"),
         (SMOLLM2_TEMPLATE, None),
+        (MISTRAL_V03_TEMPLATE.replace('"[TOOL_CALLS] ["', '"[TOOL_CALLS]" + name + "[ARGS]"'), None),
         ("", None),
         (None, None),
     ],

@@ -191,7 +191,8 @@ def detect_parser(chat_template: str | None) -> ToolParser | None:
     template are recognized:
 
     - ``<tool_call>`` (Qwen2.5, Qwen3, Hermes): hermes
-    - ``[TOOL_CALLS]`` (Mistral): mistral
+    - ``[TOOL_CALLS]`` (Mistral v3 tokenizer): mistral; ``None`` when the template also
+      writes ``[ARGS]`` (the newer ``[TOOL_CALLS]name[ARGS]{...}`` format, not read here)
     - ``<|python_tag|>``, or an ``ipython`` environment with ``"parameters"`` (Llama 3.x):
       llama3_json
 
@@ -206,7 +207,9 @@ def detect_parser(chat_template: str | None) -> ToolParser | None:
     if "<tool_call>" in chat_template:
         return HermesParser()
     if "[TOOL_CALLS]" in chat_template:
-        return MistralParser()
+        # Newer Mistral tokenizers write "[TOOL_CALLS]name[ARGS]{...}", a format this
+        # module does not read: better no parser than one that refuses every call.
+        return None if "[ARGS]" in chat_template else MistralParser()
     if "<|python_tag|>" in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
         return Llama3JsonParser()
     return None

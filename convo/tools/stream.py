@@ -247,8 +247,9 @@ class ToolCallStream:
         self._rng = rng
         self._allowed = frozenset(allowed_names) if allowed_names is not None else None
         self._hold_calls = hold_calls
-        self._seen: list[str] = []  # every character fed
-        self._pending_from = 0  # index in _seen of the first character not yet passed on
+        self._pieces: list[str] = []  # the reply as fed
+        self._pos = 0  # characters read so far
+        self._pending_from = 0  # offset of the first character not yet passed on
         self._mode = _START if syntax.whole_reply else _TEXT
         # text segment
         self._buf: list[str] = []
@@ -287,8 +288,9 @@ class ToolCallStream:
         """
         if self._closed:
             raise RuntimeError("feed() after close(): the reply has ended")
+        self._pieces.append(piece)
         for ch in piece:
-            self._seen.append(ch)
+            self._pos += 1
             self._char(ch)
         self._flush_pending()
         return self._drain()
@@ -304,7 +306,7 @@ class ToolCallStream:
         elif mode == _TEXT:
             text = "".join(self._buf)
             if text and (not self._after_block or self._segment_has_text or not text.isspace()):
-                self._send_content(text, len(self._seen))
+                self._send_content(text, self._pos)
             self._buf, self._tail = [], ""
         elif mode == _SECTION:
             self._end_section()
@@ -324,7 +326,7 @@ class ToolCallStream:
         if not self._closed:
             raise RuntimeError("call close() before finish(): it returns the deltas still held back")
         if self._invalid is not None or not self._calls:
-            return ParsedReply(content="".join(self._seen), invalid=self._invalid)
+            return ParsedReply(content="".join(self._pieces), invalid=self._invalid)
         calls = tuple(ToolCall(id=cid, name=name, arguments="".join(args)) for cid, name, args in self._calls)
         return ParsedReply(content="".join(self._content), tool_calls=calls, finish_reason="tool_calls")
 
@@ -334,7 +336,7 @@ class ToolCallStream:
         mode = self._mode
         if mode == _PLAIN:
             self._plain.append(ch)
-            self._pending_from = len(self._seen)
+            self._pending_from = self._pos
         elif mode == _TEXT:
             self._text_char(ch)
         elif mode == _START:
@@ -351,7 +353,7 @@ class ToolCallStream:
         text = "".join(self._buf)
         before = text[: -len(marker)].rstrip()
         if before:
-            self._send_content(before, len(self._seen) - len(text) + len(before))
+            self._send_content(before, self._pos - len(text) + len(before))
         self._buf, self._tail = [], ""
         self._open_section(tentative=False)
 
@@ -385,7 +387,7 @@ class ToolCallStream:
         while cut > 0 and text[cut - 1].isspace():
             cut -= 1
         if cut:
-            start = len(self._seen) - len(text)
+            start = self._pos - len(text)
             self._send_content(text[:cut], start + cut)
             self._segment_has_text = True
             self._buf = [text[cut:]]
@@ -499,7 +501,7 @@ class ToolCallStream:
         self._after_block = True
         self._segment_has_text = False
         if not self._holding:
-            self._pending_from = len(self._seen)
+            self._pending_from = self._pos
 
     def _end_section(self) -> None:
         state = self._section
@@ -526,8 +528,8 @@ class ToolCallStream:
         self._buf, self._tail, self._fragment = [], "", []
         self._held = []
         self._holding = False
-        self._plain.append("".join(self._seen[self._pending_from :]))
-        self._pending_from = len(self._seen)
+        self._plain.append("".join(self._pieces)[self._pending_from : self._pos])
+        self._pending_from = self._pos
 
     def _emit(self, delta: StreamDelta) -> None:
         if self._holding:
@@ -535,7 +537,7 @@ class ToolCallStream:
         else:
             if isinstance(delta, ToolCallDelta):
                 self._sent_tool_calls = True
-                self._pending_from = len(self._seen)
+                self._pending_from = self._pos
             self._out.append(delta)
 
     def _drain(self) -> list[StreamDelta]:

@@ -33,6 +33,7 @@ from convo.tools import (
     parse_tool_request,
 )
 from convo.tools.canonical_json import JsonScanner
+from convo.tools.history import mistral_call_id, template_messages
 
 HERMES, LLAMA, MISTRAL = HermesParser(), Llama3JsonParser(), MistralParser()
 
@@ -750,3 +751,85 @@ def test_request_check_names_the_broken_rule() -> None:
     named = parse_tool_request([WEATHER, fn(name="now")], {"type": "function", "function": {"name": "now"}})
     assert named.check(["now"]) is None and "names 'now'" in (named.check(["get_weather"]) or "")
     assert "'none'" in (parse_tool_request([WEATHER], "none").check(["get_weather"]) or "")
+
+
+# -- the history, rendered back the way the templates render a call -----------------------
+
+# The assistant tool-call parts of the real templates (Qwen2.5, Llama 3.1, Mistral v0.3).
+RENDER_CALLS = {
+    "hermes": (
+        "{%- for message in messages %}{{- message.content }}"
+        "{%- for tool_call in message.tool_calls %}"
+        "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+        '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+        "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}{%- endfor %}"
+    ),
+    "llama3_json": (
+        "{%- for message in messages %}{%- set tool_call = message.tool_calls[0].function %}"
+        "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+        "{{- tool_call.arguments | tojson }}{{- '}' }}{%- endfor %}"
+    ),
+    "mistral": (
+        "{%- for message in messages %}{{- '[TOOL_CALLS] [' }}"
+        "{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+        "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+        "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+        "{{- ', \"id\": \"' + tool_call.id + '\"}' }}"
+        "{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' }}{%- endif %}"
+        "{%- endfor %}{%- endfor %}"
+    ),
+}
+
+
+def render(template: str, conversation: list[dict[str, Any]]) -> str:
+    jinja2 = pytest.importorskip("jinja2.sandbox")
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = jinja2.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)  # as HF
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=conversation)
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_a_parsed_call_renders_back_as_the_model_wrote_it(family: str) -> None:
+    parser = get_parser(family)
+    wrote = {
+        "hermes": RECORDED["hermes_nested_braces_in_strings"][1],
+        "llama3_json": RECORDED["llama_nested_and_arguments_key"][1].replace('"arguments"', '"parameters"'),
+        "mistral": RECORDED["mistral_nested_unicode_and_history_id"][1],
+    }[family]
+    reply = parser.parse(wrote, rng=seeded())
+    message = Message(role="assistant", content=reply.content, tool_calls=reply.tool_calls)
+    call_id = mistral_call_id if family == "mistral" else None
+    rendered = render(RENDER_CALLS[family], template_messages([message], call_id=call_id))
+    again = parser.parse(rendered, rng=seeded())
+    assert again.invalid is None and again.tool_calls == reply.tool_calls
+
+
+def test_string_arguments_would_be_quoted_twice_and_long_ids_refused_by_mistral() -> None:
+    reply = HERMES.parse(RECORDED["hermes_one_call"][1], rng=seeded())
+    message = Message(role="assistant", content="", tool_calls=reply.tool_calls)
+    twice = render(RENDER_CALLS["hermes"], [message.to_dict()])  # arguments as the JSON string
+    assert "must be a JSON object" in (HERMES.parse(twice).invalid or "")
+    with pytest.raises(ValueError, match="length 9"):
+        render(RENDER_CALLS["mistral"], template_messages([message]))
+
+
+def test_template_messages_map_ids_in_calls_and_results_alike() -> None:
+    call = ToolCall(id="call_8fKd0sl2mQpXz0aB4cRtYu1v", name="f", arguments='{"a": [1]}')
+    odd = ToolCall(id="c2", name="g", arguments="not json")
+    history = [
+        Message(role="assistant", content="", tool_calls=(call, odd)),
+        Message(role="tool", content="42", tool_call_id=call.id),
+    ]
+    rendered = template_messages(history, call_id=mistral_call_id)
+    short = mistral_call_id(call.id)
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", short) and short == mistral_call_id(call.id)
+    assert [c["id"] for c in rendered[0]["tool_calls"]] == [short, mistral_call_id("c2")]
+    assert [c["function"]["arguments"] for c in rendered[0]["tool_calls"]] == [{"a": [1]}, "not json"]
+    assert rendered[1]["tool_call_id"] == short
+    assert template_messages(history)[1]["tool_call_id"] == call.id

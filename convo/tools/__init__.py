@@ -6,6 +6,8 @@ out of the model's reply.
 - :mod:`convo.tools.parsers`: the three reply formats (hermes, llama3_json, mistral), by
   name or detected from a chat template; a whole reply becomes a :class:`ParsedReply`.
 - :mod:`convo.tools.stream`: the same, fed piece by piece, answering OpenAI-shaped deltas.
+- :mod:`convo.tools.history`: the conversation as the templates read it back (arguments as
+  objects, Mistral's 9-character call ids).
 - :mod:`convo.tools.canonical_json`: the incremental JSON rewriting the arguments go through.
 
 Pure Python: no torch, transformers or web framework is imported here.
@@ -13,6 +15,7 @@ Pure Python: no torch, transformers or web framework is imported here.
 
 from __future__ import annotations
 
+from convo.tools.history import mistral_call_id, template_messages
 from convo.tools.parsers import (
     TOOL_PARSERS,
     HermesParser,
@@ -54,6 +57,8 @@ __all__ = [
     "ToolSpecError",
     "detect_parser",
     "get_parser",
+    "mistral_call_id",
     "new_call_id",
     "parse_tool_request",
+    "template_messages",
 ]

@@ -193,10 +193,31 @@ RECORDED: dict[str, tuple[ToolParser, str, str, list[tuple[str, Any]], bool]] = 
         [],
         True,
     ),
-    "llama_no_parameters": (
+    "llama_json_with_a_name_is_not_a_call": (
         LLAMA,
         '{"name": "Alice", "age": 31}',
         '{"name": "Alice", "age": 31}',
+        [],
+        False,
+    ),
+    "llama_broken_json_without_marker_is_text": (
+        LLAMA,
+        '{"name": "Alice", age: 31}',
+        '{"name": "Alice", age: 31}',
+        [],
+        False,
+    ),
+    "llama_type_key_first": (  # Llama 3.2 1B/3B often add "type": "function"
+        LLAMA,
+        '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", {"city": "Paris"})],
+        False,
+    ),
+    "llama_python_tag_without_parameters": (
+        LLAMA,
+        '<|python_tag|>{"name": "get_weather"}',
+        '<|python_tag|>{"name": "get_weather"}',
         [],
         True,
     ),
@@ -296,7 +317,7 @@ def test_invalid_reasons_say_what_went_wrong() -> None:
     assert "ended inside tool call 1" in (
         HERMES.parse(RECORDED["hermes_cut_inside_arguments"][1]).invalid or ""
     )
-    assert "no 'parameters' or 'arguments'" in (LLAMA.parse('{"name": "f"}').invalid or "")
+    assert "no 'parameters' or 'arguments'" in (LLAMA.parse('<|python_tag|>{"name": "f"}').invalid or "")
     assert "must be a JSON object" in (
         HERMES.parse('<tool_call>{"name": "f", "arguments": "x"}').invalid or ""
     )
@@ -477,6 +498,32 @@ def test_streaming_any_split_gives_the_whole_text_result(sample: tuple[str, list
     check_deltas(deltas, reply, sent=sent)
     if hold and reply.invalid is not None:
         assert not sent
+
+
+FRAGMENTS = (
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<tool", "[TOOL", "{", "}", "[", "]",
+    '"name"', '"arguments"', '"parameters"', ":", ",", ";", " ", "\n", '"f"', "1", "x", "\\", '"',
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.sampled_from(FRAGMENTS), max_size=30),
+    st.sampled_from([HERMES, LLAMA, MISTRAL]),
+    st.lists(st.integers(0, 200), max_size=8),
+    st.booleans(),
+)
+def test_any_mix_of_markers_and_json_streams_like_the_whole_text(
+    fragments: list[str], parser: ToolParser, cuts: list[int], hold: bool
+) -> None:
+    text = "".join(fragments)
+    bounds = [0, *sorted(min(c, len(text)) for c in cuts), len(text)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    deltas, reply, sent = stream_pieces(parser, pieces, hold_calls=hold)
+    assert reply == parser.parse(text, rng=seeded())
+    check_deltas(deltas, reply, sent=sent)
+    if not reply.tool_calls:
+        assert reply.content == text
 
 
 # -- arguments are canonical JSON, whatever the model's spacing and escapes ----------------

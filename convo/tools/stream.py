@@ -28,8 +28,10 @@ Grammar of a reply, per family (:class:`CallSyntax`; ``ws`` is whitespace)::
                   the others default a missing "arguments" to {})
 
 A call whose closing ``</tool_call>`` or ``]`` is cut off by the end of the reply is still
-read when its object is complete. A Llama reply that opens with ``{`` is a call only if
-its first key is ``"name"``; otherwise it is plain text (a model asked for JSON output).
+read when its object is complete. A Llama reply that opens with ``{`` without the marker
+is a call only once its object shows a string ``"name"`` and object ``"parameters"`` (other
+keys, such as the ``"type": "function"`` small Llamas add, are ignored); JSON of another
+shape is plain text (a model asked for JSON output), and so is JSON that does not parse.
 
 Invalid replies (the policy): when the text after a marker is not a well-formed call
 (JSON that ``json.loads`` refuses, a name that is not a string or not an offered tool,
@@ -457,16 +459,14 @@ class ToolCallStream:
         call = self._call
         assert call is not None
         call.feed(ch)
-        if self._tentative and call.first_key is not None:
-            if call.first_key != "name":
-                self._to_plain(None)  # JSON, not a call
+        if self._tentative:
+            if call.error is not None:
+                self._to_plain(None)  # JSON, but not a call
                 return
-            self._tentative = False
+            if call.name is not None and (call.arguments_key or call.done):
+                self._tentative = False  # a name and arguments: a call
         if call.error is not None:
-            if self._tentative:
-                self._to_plain(None)
-            else:
-                self._invalidate(f"tool call {len(self._calls) + (not self._header_sent)}: {call.error}")
+            self._invalidate(f"tool call {len(self._calls) + (not self._header_sent)}: {call.error}")
             return
         self._fragment.append(call.take_arguments())
         if not self._header_sent and call.name is not None and (call.arguments_key or call.done):

@@ -19,7 +19,7 @@ from convo.errors import BudgetError, ConvoError
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
 from convo.plan import PromptPlan, fit, plan_prompt
 from convo.session import Reply, Session
-from convo.store import MemoryStore, RedisStore, SQLiteStore
+from convo.stores import InMemoryStore, RedisStore, SQLiteStore
 from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ __all__ = [
     "DocumentCollection",
     "FinishReason",
     "HFTokenCounter",
+    "InMemoryStore",
     "MemoryModel",
-    "MemoryStore",
     "Message",
     "OpenAIEngine",
     "OversizePolicy",
@@ -101,7 +101,7 @@ _MOVED = {
     ),
     **dict.fromkeys(["Generation", "GenerationStats", "Quant"], "convo.engines.base"),
     **dict.fromkeys(["Passage", "Turn"], "convo.plan"),
-    **dict.fromkeys(["SessionState", "Store"], "convo.store"),
+    **dict.fromkeys(["SessionState", "Store"], "convo.stores"),
     **dict.fromkeys(["ModelSummarizer", "Summarizer"], "convo.summarize"),
     **dict.fromkeys(["KVSlotPool", "StaticDecoder"], "convo.fast"),
     "RetryPolicy": "convo.engines.openai",
@@ -111,7 +111,10 @@ _MOVED = {
     "ServingMetrics": "convo.metrics",
     "parse_size": "convo.planner.model",
 }
-_RENAMED = {"Memory": ("RetrievalMemory", "convo.retrieval")}
+_RENAMED = {
+    "Memory": ("RetrievalMemory", "convo.retrieval"),
+    "MemoryStore": ("InMemoryStore", "convo.stores"),
+}
 
 
 def __getattr__(name: str) -> Any:

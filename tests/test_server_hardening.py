@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import start_redis, stop_redis
 from test_server import serve
 
 from convo import Budget, MemoryStore, SQLiteStore
+from convo.errors import ConfigError
 from convo.messages import Message
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
@@ -368,3 +370,28 @@ def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
     assert props["n"]["anyOf"][0]["const"] == 1
     roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
     assert set(roles) == {"system", "developer", "user", "assistant", "tool"}
+
+
+# -- issue 27 (hardening) ------------------------------------------------------------------------
+
+
+def test_long_or_many_stop_strings_get_400_naming_stop() -> None:
+    engine = EchoEngine()
+    limits = ServerLimits(max_stop_chars=64)
+    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET, limits=limits)) as base:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as c:
+            for stop in ("x" * 65, ["ok", "y" * 100_000], ["a", "b", "c", "d", "e"]):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    c.chat.completions.create(
+                        model="echo", messages=[{"role": "user", "content": "x"}], stop=stop
+                    )
+                assert refused.value.param == "stop", refused.value
+                assert "y" * 100 not in str(refused.value)  # the refused value is not echoed
+            ok = c.chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "hello world"}], stop=["w" + "z" * 63]
+            )
+    assert ok.choices[0].message.content == "heard 1: hello world"
+    assert engine.calls == 1  # the refused requests never reached the engine
+    assert ServerLimits().max_stop_chars == 256
+    with pytest.raises(ConfigError):
+        ServerLimits(max_stop_chars=0)

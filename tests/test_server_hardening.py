@@ -4,7 +4,9 @@ A real uvicorn on loopback, the echo engine."""
 
 from __future__ import annotations
 
+import gc
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -395,3 +397,52 @@ def test_long_or_many_stop_strings_get_400_naming_stop() -> None:
     assert ServerLimits().max_stop_chars == 256
     with pytest.raises(ConfigError):
         ServerLimits(max_stop_chars=0)
+
+
+def _drop_mid_stream(base: str, session: str | None) -> None:
+    """Start a stream on a real socket, read until the reply's first words, then close the
+    socket (a client that goes away mid-stream)."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "tell me"}], "stream": True}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    if session is not None:
+        head += f"X-Session-Id: {session}\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        got = b""
+        while b"heard" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200")
+
+
+def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
+    engine = EchoEngine(delay_s=0.05, pad_words=1000)  # 10 s a reply unless cancelled
+    limits = ServerLimits(max_concurrency=4, queue_timeout_s=5, session_lock_timeout_s=5)
+    store = MemoryStore()
+    gc.disable()  # the leak hid behind the garbage collector: it must not be needed
+    try:
+        with serve(create_app(engine, store=store, budget=BUDGET, limits=limits)) as base:
+            t0 = time.monotonic()
+            for i in range(8):  # twice the slots: each drop must give its slot back
+                _drop_mid_stream(base, f"drop{i}" if i % 2 else None)
+            assert time.monotonic() - t0 < 5, "a dropped stream held its slot"
+            with httpx.Client(base_url=base, timeout=30) as http:
+                deadline = time.monotonic() + 3  # each generation is cancelled, its partial reply stored
+                while not all(len(store.load(f"drop{i}")[1]) == 2 for i in (1, 3, 5, 7)):
+                    assert time.monotonic() < deadline, "a dropped stream's generation ran on"
+                    time.sleep(0.02)
+                full = " ".join(["heard 1: tell me", *(f"w{i}" for i in range(1000))])
+                for i in (1, 3, 5, 7):
+                    partial = store.load(f"drop{i}")[1][1].content
+                    assert partial and full.startswith(partial) and len(partial.split()) < 60
+                engine.delay_s = 0
+                t1 = time.monotonic()
+                for i in range(8):  # the slots and the dropped sessions' queues are free
+                    r = chat(http, f"after {i}", session=f"drop{i}" if i % 2 else None)
+                    assert r.status_code == 200, r.text
+                assert time.monotonic() - t1 < 3
+    finally:
+        gc.enable()

@@ -1,5 +1,5 @@
 """Who may call: the API key as a route dependency, and the cross-site rules (``Host`` and
-``Origin``) as a middleware that runs before any route.
+``Origin``) as a pure ASGI middleware that runs before any route.
 
 Without an API key the server serves only requests whose ``Host`` names the address it is
 bound to (loopback), so DNS rebinding cannot reach it, and it refuses any request with a
@@ -9,13 +9,13 @@ foreign ``Origin`` unless ``allowed_origins`` lists it; POST bodies must be
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from convo.server.errors import ApiError, error_response
 from convo.server.state import ServerState
@@ -65,22 +65,45 @@ def origin_allowed(state: ServerState, origin: str) -> bool:
     return parts.scheme in ("http", "https") and (parts.hostname or "") in state.hosts and not state.keys
 
 
+class CrossSiteGuard:
+    """Pure ASGI middleware: refuse cross-site requests (foreign ``Host`` without a key,
+    foreign ``Origin``) with 403 before any route runs.
+
+    Pure ASGI, not Starlette's ``BaseHTTPMiddleware``: that one runs the response in a task
+    of its own and, when the client goes away mid-stream, leaves the streaming response
+    suspended, holding its admission slot until the garbage collector finds it.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self.refusal(Headers(scope=scope))
+        if refused is not None:
+            await error_response(refused)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, headers: Headers) -> ApiError | None:
+        """The 403 for a cross-site request, or ``None``."""
+        state = self.state
+        if not state.keys and host_name(headers.get("host", "")) not in state.hosts:
+            return ApiError(403, "this Host is not served here", code="forbidden_host")
+        origin = headers.get("origin")
+        if origin is not None and not origin_allowed(state, origin):
+            return ApiError(
+                403,
+                "cross-origin requests are refused (convo serve --allow-origin ORIGIN)",
+                code="forbidden_origin",
+            )
+        return None
+
+
 def install_cross_site_checks(app: FastAPI, state: ServerState) -> None:
     """Refuse cross-site requests (foreign ``Host`` without a key, foreign ``Origin``) with
-    403 before any route runs."""
-
-    @app.middleware("http")
-    async def _cross_site(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        if not state.keys and host_name(request.headers.get("host", "")) not in state.hosts:
-            return error_response(ApiError(403, "this Host is not served here", code="forbidden_host"))
-        origin = request.headers.get("origin")
-        if origin is not None and not origin_allowed(state, origin):
-            return error_response(
-                ApiError(
-                    403,
-                    "cross-origin requests are refused (convo serve --allow-origin ORIGIN)",
-                    code="forbidden_origin",
-                )
-            )
-        response: Response = await call_next(request)
-        return response
+    403 before any route runs (:class:`CrossSiteGuard`)."""
+    app.add_middleware(CrossSiteGuard, state=state)

@@ -1,5 +1,6 @@
 """One request's turn, run in a worker thread (the engine is synchronous): store only what
-the session lacks, generate, and shape the reply into OpenAI's JSON."""
+the session lacks (:mod:`convo.server.reconcile`), then generate. The reply's JSON shapes
+are :mod:`convo.server.completions`'."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from convo.budget import Budget
-from convo.engines.base import FinishReason
 from convo.errors import (
     BudgetError,
     ConfigError,
@@ -32,13 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# --------------------------------------------------------------------------------------
-# Turns (run in worker threads; the engine is synchronous)
-# --------------------------------------------------------------------------------------
-
 
 @dataclass(kw_only=True)
-class _Turn:
+class Turn:
     """Everything a worker needs to run one request."""
 
     request: ChatRequest
@@ -174,7 +170,7 @@ def _fork(store: Store, sid: str, at: int) -> str:
     return archive
 
 
-def _prompt_estimate(turn: _Turn) -> int:
+def prompt_estimate(turn: Turn) -> int:
     """Prompt tokens to charge at admission: a stateless prompt's own size, a session's
     upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``). Only the
     stateless case counts tokens; a session's costs nothing to compute."""
@@ -182,36 +178,3 @@ def _prompt_estimate(turn: _Turn) -> int:
     if turn.request.session_id is not None:
         return bound
     return min(bound, turn.engine.counter.count_prompt(list(turn.request.messages)))
-
-
-# --------------------------------------------------------------------------------------
-# The app
-# --------------------------------------------------------------------------------------
-
-
-def _finish(reason: FinishReason) -> str:
-    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
-
-
-def _usage(reply: Reply) -> dict[str, int]:
-    g = reply.stats.generation
-    completion = g.new_tokens if g is not None else 0
-    prompt = reply.stats.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:
-    s = reply.stats
-    return {
-        "session_id": session_id,
-        "forked": forked,  # where the replaced tail went, when the client's history diverged
-        "turn": s.turn,
-        "context_tokens": s.context_tokens,
-        "parts": dict(s.parts),
-        "evicted_turns": s.evicted_turns,
-        "summarized_turns": s.summarized_turns,
-        "hidden_turns": s.hidden_turns,
-        "provisional_summary": s.provisional_summary,
-        "summary_wait_s": round(s.summarize_s, 4),
-        "summary": s.summary.to_dict() if s.summary is not None else None,
-    }

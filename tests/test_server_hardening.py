@@ -446,3 +446,82 @@ def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
                 assert time.monotonic() - t1 < 3
     finally:
         gc.enable()
+
+
+def test_a_refused_request_on_an_existing_session_stores_nothing() -> None:
+    store = MemoryStore()
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "first", session="s").status_code == 200
+            before = http.get("/v1/sessions/s/export").json()
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "a" * 30_000}}
+            agent = [
+                {"role": "user", "content": "use the tool"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+            ]
+            for messages in (
+                agent,  # only the new messages
+                [
+                    {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "heard 1: first"},
+                    *agent,
+                ],
+                [
+                    {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "edited"},
+                    *agent,
+                ],  # fork
+            ):
+                r = http.post(
+                    "/v1/chat/completions", json={"messages": messages}, headers={"X-Session-Id": "s"}
+                )
+                assert r.status_code == 400, r.text[:300]
+                assert openai_error(r, 400)["code"] == "context_length_exceeded", r.text[:300]
+                after = http.get("/v1/sessions/s/export").json()
+                assert after["messages"] == before["messages"]
+                assert {k: v for k, v in after.items() if k != "updated_at"} == {
+                    k: v for k, v in before.items() if k != "updated_at"
+                }
+            assert store.list_sessions() == ["s"]  # no fork left behind
+            assert (
+                chat(http, "second", session="s").json()["choices"][0]["message"]["content"]
+                == "heard 3: second"
+            )
+
+
+def test_a_requests_max_tokens_caps_that_reply_only() -> None:
+    store = MemoryStore()
+    with serve(create_app(EchoEngine(pad_words=20), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            short = chat(http, "hi", session="m", max_tokens=3).json()
+            assert short["choices"][0]["message"]["content"] == "heard 1: hi"
+            assert http.get("/v1/sessions/m/export").json()["settings"]["budget"] == BUDGET.to_dict()
+            full = chat(http, "again", session="m").json()["choices"][0]["message"]["content"]
+    assert full.endswith("w19")  # the earlier request's cap did not stay with the session
+
+
+class _CountingStore(MemoryStore):
+    """Counts the full loads of a session (its messages read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads = 0
+
+    def load(self, session_id: str) -> Any:
+        self.loads += 1
+        return super().load(session_id)
+
+    def peek(self, session_id: str) -> tuple[Any, int]:  # as SQLite's and Redis's: no messages read
+        state, messages = super().load(session_id)
+        return state, len(messages)
+
+
+def test_a_turn_reads_its_session_once() -> None:
+    store = _CountingStore()
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "one", session="l").status_code == 200
+            store.loads = 0
+            assert chat(http, "two", session="l").status_code == 200
+    assert store.loads == 1

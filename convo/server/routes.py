@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
 from typing import Annotated, Any
 
 import anyio
@@ -152,13 +151,10 @@ async def chat(
         max_tokens_cap=state.max_tokens_cap,
         session_from_user=state.session_from_user,
     )
-    budget = state.budget
-    if parsed.max_tokens is not None and parsed.max_tokens != budget.max_new_tokens:
-        budget = replace(budget, max_new_tokens=parsed.max_tokens)
     turn = Turn(
         request=parsed,
         owner=owner,
-        budget=budget,
+        budget=state.budget,
         store=state.store,
         engine=state.engine,
         limits=state.limits,
@@ -174,7 +170,7 @@ async def chat(
     started = time.monotonic()
     try:
         ticket = await state.admission.acquire_async(
-            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=budget.max_new_tokens)
+            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn.reply_budget.max_new_tokens)
         )
     except BaseException:
         leave_session()

@@ -293,7 +293,8 @@ def test_sqlite_lock_files_do_not_pile_up_from_deletes(tmp_path: Path) -> None:
         with httpx.Client(base_url=base) as http:
             for i in range(200):
                 assert http.delete(f"/v1/sessions/unknown-{i}").status_code == 404
-    assert list((tmp_path / "s.db.locks").iterdir()) == []
+    locks = tmp_path / "s.db.locks"
+    assert not locks.exists() or list(locks.iterdir()) == []
 
 
 # -- request bodies are a pydantic model: each refusal names its field; /openapi.json shows it --
@@ -525,3 +526,38 @@ def test_a_turn_reads_its_session_once() -> None:
             store.loads = 0
             assert chat(http, "two", session="l").status_code == 200
     assert store.loads == 1
+
+
+def test_another_keys_session_looks_missing_at_once() -> None:
+    engine = EchoEngine(delay_s=0.05, pad_words=60)  # a turn of ~3 s
+    app = create_app(engine, store=MemoryStore(), api_key=["k1", "k2"], budget=BUDGET)
+    with serve(app) as base:
+        mine = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k1"})
+        other = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k2"})
+        with mine, other:
+            assert chat(mine, "hello", session="p").status_code == 200
+
+            def probe(sid: str) -> list[tuple[int, str, str]]:
+                answers = []
+                for r in (
+                    other.delete(f"/v1/sessions/{sid}"),
+                    other.get(f"/v1/sessions/{sid}"),
+                    other.get(f"/v1/sessions/{sid}/export"),
+                ):
+                    err = openai_error(r, r.status_code)
+                    answers.append((r.status_code, err["code"], err["message"].replace(sid, "ID")))
+                return answers
+
+            missing = probe("nobody")
+            assert {status for status, _, _ in missing} == {404}
+            assert probe("p") == missing  # idle
+            turn = threading.Thread(target=chat, args=(mine, "a long one"), kwargs={"session": "p"})
+            turn.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert probe("p") == missing  # during a turn: no 409, no wait
+            err = openai_error(chat(other, "hi", session="p"), 404)  # a turn of its own: 404 too
+            assert (err["code"], err["message"].replace("p", "ID")) == missing[0][1:]
+            assert time.monotonic() - t0 < 1.0
+            turn.join()
+            assert len(mine.get("/v1/sessions/p").json()["messages"]) == 4  # untouched by k2

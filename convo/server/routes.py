@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from convo.admission import Request as AdmissionRequest
-from convo.errors import StoreError
+from convo.errors import SessionNotFound, StoreError
+from convo.server.auth import peek_owned
 from convo.server.completions import Completion
 from convo.server.errors import ERROR_RESPONSES
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
@@ -122,10 +123,14 @@ async def delete(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
 
     def work() -> None:
         with state.store.lock(session_id, 0):  # another replica's turn: 409 at once too
-            state.owned(session_id, owner)
+            if peek_owned(state.store, session_id, owner) is None:
+                raise SessionNotFound(f"no session {session_id!r}")
             state.summaries.forget(state.store, session_id)  # its summary must not land in a new one
             state.store.delete(session_id)
 
+    # Another key's session is missing, busy or not: 404 before any queue or lock.
+    if not await state.session_exists(session_id, owner):
+        raise SessionNotFound(f"no session {session_id!r}")
     release = await state.enter_session(session_id, 0)
     try:
         await state.in_thread(work)
@@ -165,6 +170,8 @@ async def chat(
         prompt_est = await anyio.to_thread.run_sync(prompt_estimate, turn, limiter=state.counting)
     else:
         prompt_est = prompt_estimate(turn)  # a bound from the budget: no counting
+        # Another key's session: 404 at once, not after queueing behind its turns.
+        await state.session_exists(parsed.session_id, owner)
         # Queue behind this session's running turn before taking an admission slot.
         leave_session = await state.enter_session(parsed.session_id, state.limits.session_lock_timeout_s)
     started = time.monotonic()

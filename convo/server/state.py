@@ -14,7 +14,7 @@ import anyio
 from convo.budget import Budget
 from convo.errors import SessionBusy, SessionNotFound
 from convo.metrics import ServingMetrics
-from convo.server.auth import key_owner
+from convo.server.auth import key_owner, peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 from convo.store import Store
@@ -49,8 +49,8 @@ class ServerState:
     #: ``limits``, which a custom controller overrides), so admitted turns never run out.
     threads: anyio.CapacityLimiter = field(init=False)
     #: Admission must not wait for those threads: a request to refuse gets its 429 in
-    #: milliseconds however busy generation is. Counting a stateless prompt's tokens, the
-    #: only work before the decision, and health checks have threads of their own.
+    #: milliseconds however busy generation is. The work before the decision (counting a
+    #: stateless prompt's tokens, looking up a session's owner) has threads of its own.
     counting: anyio.CapacityLimiter = field(init=False)
     #: One turn per session at a time in this process, queued before admission, so waiting
     #: turns of a busy session hold no generation slot and no worker thread.
@@ -107,6 +107,14 @@ class ServerState:
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking work (a turn, a store call) in a worker thread."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.threads)
+
+    async def session_exists(self, session_id: str, owner: str) -> bool:
+        """Whether the caller has this session (a peek: no messages read), asked before any
+        queue or lock; another key's raises SessionNotFound (404) at once."""
+        found = await anyio.to_thread.run_sync(
+            peek_owned, self.store, session_id, owner, limiter=self.counting
+        )
+        return found is not None
 
     def owned(self, session_id: str, owner: str) -> Any:
         """The session's export, or SessionNotFound when it is not the caller's."""

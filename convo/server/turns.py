@@ -16,9 +16,9 @@ from convo.errors import (
     BudgetError,
     ConfigError,
     MessageError,
-    SessionNotFound,
 )
 from convo.messages import Message, Role, validate_sequence
+from convo.server.auth import peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 from convo.server.reconcile import fork_id, reconcile
@@ -35,19 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: What refuses a request (400): a refused request stores nothing.
 _REFUSALS = (ApiError, MessageError, BudgetError, ConfigError)
-
-
-def peek_owned(store: Store, session_id: str, owner: str) -> tuple[SessionState, int] | None:
-    """The session's state and stored message count (no messages are read); ``None`` when
-    there is no such session. Another key's session raises :class:`SessionNotFound`, as a
-    missing one would for a read: it must look exactly like one that does not exist."""
-    try:
-        state, count = store.peek(session_id)
-    except SessionNotFound:
-        return None
-    if state.owner != owner:
-        raise SessionNotFound(f"no session {session_id!r}")
-    return state, count
 
 
 @dataclass(kw_only=True)

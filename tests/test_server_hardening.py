@@ -561,3 +561,61 @@ def test_another_keys_session_looks_missing_at_once() -> None:
             assert time.monotonic() - t0 < 1.0
             turn.join()
             assert len(mine.get("/v1/sessions/p").json()["messages"]) == 4  # untouched by k2
+
+
+def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
+    app = create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"])
+    with serve(app) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with httpx.Client(base_url=base) as http:
+            asked = "authorization, content-type, x-session-id"
+            pre = http.options(
+                "/v1/chat/completions",
+                headers={
+                    "Origin": "https://ok.example",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": asked,
+                },
+            )
+            assert pre.status_code == 204, pre.text
+            assert pre.headers["access-control-allow-origin"] == "https://ok.example"
+            assert "POST" in pre.headers["access-control-allow-methods"]
+            assert pre.headers["access-control-allow-headers"] == asked
+            assert int(pre.headers["access-control-max-age"]) > 0
+            r = raw(
+                http,
+                json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                Origin="https://ok.example:443",  # the same origin, its default port spelled out
+                **{"X-Session-Id": "web"},
+            )
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == "https://ok.example:443"
+            assert "x-session-id" in r.headers["access-control-expose-headers"].lower()
+            for foreign in ("https://evil.example", "https://ok.example:8443", "http://ok.example"):
+                refused = http.options(
+                    "/v1/models", headers={"Origin": foreign, "Access-Control-Request-Method": "GET"}
+                )
+                assert openai_error(refused, 403)["code"] == "forbidden_origin"
+                assert "access-control-allow-origin" not in refused.headers
+            # keyless: the server's own origin is scheme, host and port, not any loopback port
+            other_port = port + 1 if port < 65535 else port - 1
+            assert http.get("/v1/models", headers={"Origin": f"http://127.0.0.1:{port}"}).status_code == 200
+            mine = http.get("/v1/models", headers={"Origin": f"http://127.0.0.1:{other_port}"})
+            assert openai_error(mine, 403)["code"] == "forbidden_origin"
+            assert http.get("/v1/models", headers={"Origin": f"https://127.0.0.1:{port}"}).status_code == 403
+    keyed = create_app(
+        EchoEngine(), store=MemoryStore(), api_key="k", allowed_origins=["http://localhost:3000"]
+    )
+    with serve(keyed) as base, httpx.Client(base_url=base) as http:
+        pre = http.options(  # a browser sends no key with a preflight
+            "/v1/chat/completions",
+            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+        )
+        assert (
+            pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        )
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        r = http.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    with pytest.raises(ConfigError):
+        create_app(EchoEngine(), store=MemoryStore(), allowed_origins=["ok.example"])

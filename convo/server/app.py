@@ -57,7 +57,7 @@ except ImportError as exc:  # only `convo serve` and create_app need it
 from convo.server.errors import install_error_handlers
 from convo.server.prometheus import metrics_registry
 from convo.server.routes import router
-from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks
+from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
 from convo.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -103,8 +103,10 @@ def create_app(
         allowed_hosts: without an API key, the ``Host`` names served besides
             :data:`LOOPBACK_HOSTS` (``convo serve`` adds the address it binds); any other
             ``Host`` gets 403, which defeats DNS rebinding. Ignored when keys are set.
-        allowed_origins: browser origins (``"https://app.example"``) allowed to call the
-            server; a request with any other ``Origin`` header gets 403 (``"*"``: any).
+        allowed_origins: browser origins (``"https://app.example"``: scheme, host and
+            port) allowed to call the server, with CORS (preflight included); a request with
+            any other ``Origin`` header gets 403 (``"*"``: any). ConfigError for what is not
+            an origin.
 
     Example::
 
@@ -129,7 +131,7 @@ def create_app(
         metrics=metrics,
         keys=keys,
         hosts=frozenset(h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)),
-        origins=frozenset(o.rstrip("/").lower() for o in allowed_origins),
+        origins=frozenset(normalize_origin(o) for o in allowed_origins),
         session_from_user=session_from_user,
         scrape=metrics_registry(metrics, engine),
     )

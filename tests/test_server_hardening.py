@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import socket
 import threading
 import time
@@ -619,3 +620,28 @@ def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
     with pytest.raises(ConfigError):
         create_app(EchoEngine(), store=MemoryStore(), allowed_origins=["ok.example"])
+
+
+def test_health_answers_503_within_its_limit_while_redis_hangs(tmp_path: Path) -> None:
+    from convo.store import RedisStore
+
+    url, proc = start_redis(tmp_path)
+    try:
+        store = RedisStore(url, socket_timeout_s=10)  # a turn waits this long; /health must not
+        with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:  # 1 s for /health
+            with httpx.Client(base_url=base, timeout=30) as http:
+                assert http.get("/health").json()["status"] == "ok"
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    r = http.get("/health")
+                    assert r.status_code == 503 and r.json()["store"] == "unreachable"
+                    assert time.monotonic() - t0 < 2.0
+                proc.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 10
+                while http.get("/health").status_code != 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        stop_redis(proc)
+    assert ServerLimits().health_timeout_s == 1.0

@@ -32,6 +32,8 @@ class ServerLimits:
             (in this process or another replica) before 409. Default 60.
         generation_timeout_s: wall-clock cap of one generation, seconds (the reply is cut
             and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
+        health_timeout_s: seconds ``GET /health`` waits for the store to answer before it
+            answers 503 (a hung Redis must not hang the health check). Default 1.
         max_stop_chars: longest ``stop`` string a request may give, in characters; longer
             gets 400 naming ``stop``. Default 256. (How many: at most
             :data:`~convo.server.requests.MAX_STOP_SEQUENCES`, OpenAI's 4.) A stop string
@@ -56,6 +58,7 @@ class ServerLimits:
     queue_timeout_s: float = 30.0
     session_lock_timeout_s: float = 60.0
     generation_timeout_s: float | None = None
+    health_timeout_s: float = 1.0
     max_stop_chars: int = 256
     summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO
 
@@ -68,7 +71,7 @@ class ServerLimits:
             raise ConfigError(f"ServerLimits.max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"ServerLimits.max_queue must be >= 0, got {self.max_queue}")
-        for name in ("queue_timeout_s", "session_lock_timeout_s"):
+        for name in ("queue_timeout_s", "session_lock_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:

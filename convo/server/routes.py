@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from convo.admission import Request as AdmissionRequest
-from convo.errors import SessionNotFound, StoreError
+from convo.errors import SessionNotFound
 from convo.server.auth import peek_owned
 from convo.server.completions import Completion
 from convo.server.errors import ERROR_RESPONSES
@@ -69,11 +69,10 @@ Owner = Annotated[str, Depends(caller)]
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
-    """200 ``ok`` when the store answers, else 503 ``unavailable``."""
+    """200 ``ok`` when the store answers within ``ServerLimits.health_timeout_s``, else
+    503 ``unavailable``."""
     status, code = "ok", 200
-    try:
-        await anyio.to_thread.run_sync(state.store.ping, limiter=state.counting)
-    except StoreError:
+    if not await state.store_answers():
         status, code = "unavailable", 503
     body = {
         "status": status,

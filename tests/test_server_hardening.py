@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -645,3 +649,90 @@ def test_health_answers_503_within_its_limit_while_redis_hangs(tmp_path: Path) -
     finally:
         stop_redis(proc)
     assert ServerLimits().health_timeout_s == 1.0
+
+
+def test_each_request_is_logged_once_without_bodies_or_keys(caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(EchoEngine(), store=MemoryStore(), api_key="sekrit-key", budget=BUDGET)
+    with caplog.at_level(logging.INFO, logger="convo.server.access"):
+        with (
+            serve(app) as base,
+            httpx.Client(base_url=base, headers={"Authorization": "Bearer sekrit-key"}) as http,
+        ):
+            assert chat(http, "my private words", session="logged").status_code == 200
+            body = {"messages": [{"role": "user", "content": "streamed words"}], "stream": True}
+            with http.stream("POST", "/v1/chat/completions?key=sekrit-key", json=body) as r:
+                assert r.status_code == 200 and list(r.iter_lines())
+            assert http.get("/v1/sessions/nope").status_code == 404
+            assert (
+                httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            )
+            deadline = time.monotonic() + 5
+            while len([r for r in caplog.records if r.name == "convo.server.access"]) < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.name == "convo.server.access"]
+    assert len(lines) == 4, lines
+    for line, (method, path, status) in zip(
+        lines,
+        [
+            ("POST", "/v1/chat/completions", 200),
+            ("POST", "/v1/chat/completions", 200),
+            ("GET", "/v1/sessions/nope", 404),
+            ("GET", "/v1/models", 401),
+        ],
+        strict=True,
+    ):
+        said_method, said_path, said_status, ms, unit = line.split(" ")
+        assert (said_method, said_path, int(said_status), unit) == (method, path, status, "ms"), line
+        assert float(ms) >= 0
+    text = "\n".join(lines)
+    assert "sekrit" not in text and "private" not in text and "streamed" not in text and "?" not in text
+
+
+def test_convo_serve_has_the_sdks_flags_and_logs_requests(tmp_path: Path) -> None:
+    env = {**os.environ, "CONVO_FAKE_ENGINE": "1"}
+    cmd = [
+        sys.executable, "-m", "convo.cli", "serve", "--port", "0", "--db", str(tmp_path / "s.db"),
+        "--window-turns", "3", "--summary-tokens", "0", "--system-prompt", "Be brief.",
+        "--timeout", "5", "--device", "cpu", "--log-level", "info",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        deadline, line = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "listening on" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "convo serve exited"
+        base = line.split("listening on ")[1].split("/v1")[0]
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "hi", session="flags").status_code == 200
+            data = http.get("/v1/sessions/flags/export").json()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert data["messages"][0]["role"] == "system" and data["messages"][0]["content"] == "Be brief."
+    budget = data["settings"]["budget"]
+    assert (budget["window_turns"], budget["summary_tokens"]) == (3, 0)
+    assert "convo.server.access: POST /v1/chat/completions 200 " in err, err
+
+
+def test_chat_stats_shows_the_memory_figures_it_promises() -> None:
+    from dataclasses import replace
+
+    from convo import Session
+    from convo.cli.chat import HELP, _stats
+
+    assert "memory figures" in HELP
+    reply = Session(EchoEngine()).send("hi")
+    assert "memory: not measured by this engine" in _stats(reply)  # the echo engine measures none
+    assert reply.stats.generation is not None
+    measured = replace(
+        reply.stats.generation,
+        memory_kind="cuda",
+        kv_bytes=3 << 20,
+        kv_tokens=100,
+        peak_allocated_bytes=500 << 20,
+        peak_reserved_bytes=600 << 20,
+    )
+    text = _stats(replace(reply, stats=replace(reply.stats, generation=measured)))
+    assert "KV cache 3.0 MiB for 100 tokens" in text and "peak cuda allocated 500.0 MiB" in text

@@ -163,6 +163,7 @@ async def chat(
         engine=state.engine,
         limits=state.limits,
         summaries=state.summaries,
+        system_prompt=state.system_prompt,
     )
     leave_session: Callable[[], None] = lambda: None  # noqa: E731
     if parsed.session_id is None:

@@ -53,6 +53,8 @@ class ServerState:
     origins: frozenset[str]
     session_from_user: bool
     scrape: Any
+    #: The system prompt of a request that sends none (new sessions, stateless requests).
+    system_prompt: str | None = None
     #: Admitted turns and streams hold worker threads; sized from the controller in use (not
     #: ``limits``, which a custom controller overrides), so admitted turns never run out.
     threads: anyio.CapacityLimiter = field(init=False)

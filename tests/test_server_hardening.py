@@ -25,7 +25,7 @@ from conftest import start_redis, stop_redis
 from test_server import serve
 
 from convo import Budget, MemoryStore, SQLiteStore
-from convo.errors import ConfigError
+from convo.errors import ConfigError, RemoteEngineError
 from convo.messages import Message
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
@@ -736,3 +736,28 @@ def test_chat_stats_shows_the_memory_figures_it_promises() -> None:
     )
     text = _stats(replace(reply, stats=replace(reply.stats, generation=measured)))
     assert "KV cache 3.0 MiB for 100 tokens" in text and "peak cuda allocated 500.0 MiB" in text
+
+
+class _UpstreamFails(EchoEngine):
+    """A remote engine whose server failed (its URL is internal)."""
+
+    def generate(self, messages: Sequence[Message], **kw: Any) -> Any:
+        raise RemoteEngineError(
+            "http://10.0.0.7:8001/v1 failed after 3 attempts: 500", status=500, retry_after_s=2
+        )
+
+
+def test_a_failing_remote_engine_is_a_502_in_openai_json() -> None:
+    with serve(create_app(_UpstreamFails(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            r = chat(http, "x", session="up")
+            err = openai_error(r, 502)
+            assert (err["code"], err["type"]) == ("upstream_error", "server_error")
+            assert "10.0.0.7" not in r.text and r.headers["retry-after"] == "2"
+            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
+                assert streamed.status_code == 502  # no text yet: an HTTP status
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as c:
+            with pytest.raises(openai.APIStatusError) as failed:
+                c.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
+    assert failed.value.status_code == 502 and failed.value.code == "upstream_error"

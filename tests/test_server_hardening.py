@@ -436,7 +436,7 @@ def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
                 _drop_mid_stream(base, f"drop{i}" if i % 2 else None)
             assert time.monotonic() - t0 < 5, "a dropped stream held its slot"
             with httpx.Client(base_url=base, timeout=30) as http:
-                deadline = time.monotonic() + 3  # each generation is cancelled, its partial reply stored
+                deadline = time.monotonic() + 5  # each generation is cancelled, its partial reply stored
                 while not all(len(store.load(f"drop{i}")[1]) == 2 for i in (1, 3, 5, 7)):
                     assert time.monotonic() < deadline, "a dropped stream's generation ran on"
                     time.sleep(0.02)
@@ -449,7 +449,7 @@ def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
                 for i in range(8):  # the slots and the dropped sessions' queues are free
                     r = chat(http, f"after {i}", session=f"drop{i}" if i % 2 else None)
                     assert r.status_code == 200, r.text
-                assert time.monotonic() - t1 < 3
+                assert time.monotonic() - t1 < 4
     finally:
         gc.enable()
 
@@ -534,7 +534,7 @@ def test_a_turn_reads_its_session_once() -> None:
 
 
 def test_another_keys_session_looks_missing_at_once() -> None:
-    engine = EchoEngine(delay_s=0.05, pad_words=60)  # a turn of ~3 s
+    engine = EchoEngine(delay_s=0.05, pad_words=120)  # a turn of ~6 s
     app = create_app(engine, store=MemoryStore(), api_key=["k1", "k2"], budget=BUDGET)
     with serve(app) as base:
         mine = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k1"})
@@ -563,7 +563,7 @@ def test_another_keys_session_looks_missing_at_once() -> None:
             assert probe("p") == missing  # during a turn: no 409, no wait
             err = openai_error(chat(other, "hi", session="p"), 404)  # a turn of its own: 404 too
             assert (err["code"], err["message"].replace("p", "ID")) == missing[0][1:]
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < 2.0
             turn.join()
             assert len(mine.get("/v1/sessions/p").json()["messages"]) == 4  # untouched by k2
 

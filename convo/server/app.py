@@ -10,19 +10,24 @@ convo builds the prompt from the pinned system part, the rolling summary and the
 window (:class:`convo.Session`). Without one, it plans the given messages in a
 throw-away session, so even a stateless request never exceeds the budget::
 
-    request ── foreign Host (keyless) / Origin? 403 ── bad key? 401 ── not application/json? 415
-       │        body > max_body_bytes? 413 ── bad JSON / fields (pydantic model)? 400
+    request ── foreign Host (keyless) / Origin? 403 ── CORS preflight? 204
+       │        bad key? 401 ── not application/json? 415 ── body > max_body_bytes? 413
+       │        bad JSON / fields (pydantic model)? 400
+       ├─ another key's session? 404 at once (as a missing one)
        ├─ session queue (one turn per session in this process; no slot, no thread held)
        │   └─ waited > session_lock_timeout_s? 409
        ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
        │   (never waits for a worker thread)    └─ waited > queue_timeout_s? 503
        └─ worker thread: store.lock(session) ── Session.send / .stream ── store
-                          (one turn at a time, across replicas for SQLite and Redis)
+                          (one turn at a time, across replicas for SQLite and Redis;
+                          a refused turn (400) stores nothing; a dropped stream is
+                          cancelled and frees its slot and queue at once)
 
 Cross-site requests: without an API key the server serves only requests whose ``Host``
 names the address it is bound to (loopback), so DNS rebinding cannot reach it, and it
-refuses any request with a foreign ``Origin`` unless ``allowed_origins`` lists it; POST
-bodies must be ``application/json`` (a plain HTML form cannot send that cross-site).
+refuses any request with a foreign ``Origin`` (scheme, host and port) unless
+``allowed_origins`` lists it; the listed origins get CORS, preflight included. POST bodies
+must be ``application/json`` (a plain HTML form cannot send that cross-site).
 
 A session belongs to the API key that created it (the store keeps a hash of the key as
 ``owner``); any other key gets 404 for it, as if it did not exist.

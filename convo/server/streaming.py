@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -90,7 +91,8 @@ async def stream_turn(
         release: gives back the admission slot and the session's queue; called once.
     """
     stream: TextStream[Reply] = TextStream(turn.run, {})
-    pieces = stream.aiter()
+    # aiter() is an async generator (typed as an iterator): aclose() finishes it.
+    pieces = cast("AsyncGenerator[str, None]", stream.aiter())
     end = object()
     released = False
 

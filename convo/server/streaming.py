@@ -52,6 +52,7 @@ class EventStream(StreamingResponse):
         self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failed: Exception | None = None
         try:
             async with anyio.create_task_group() as group:
 
@@ -61,8 +62,15 @@ class EventStream(StreamingResponse):
                     await self._cancel()  # the events then end by themselves, quickly
 
                 group.start_soon(watch)
-                await self.stream_response(send)  # sends to a gone client are dropped
+                try:
+                    await self.stream_response(send)  # uvicorn drops sends to a gone client
+                except OSError:
+                    pass  # a server that raises on a send to a gone client: the close cancels
+                except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                    failed = exc
                 group.cancel_scope.cancel()
+            if failed is not None:
+                raise failed
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -4,7 +4,14 @@ A real uvicorn on loopback, the echo engine."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import start_redis, stop_redis
 from test_server import serve
 
 from convo import Budget, MemoryStore, SQLiteStore
+from convo.errors import ConfigError, RemoteEngineError
 from convo.messages import Message
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
@@ -289,7 +298,8 @@ def test_sqlite_lock_files_do_not_pile_up_from_deletes(tmp_path: Path) -> None:
         with httpx.Client(base_url=base) as http:
             for i in range(200):
                 assert http.delete(f"/v1/sessions/unknown-{i}").status_code == 404
-    assert list((tmp_path / "s.db.locks").iterdir()) == []
+    locks = tmp_path / "s.db.locks"
+    assert not locks.exists() or list(locks.iterdir()) == []
 
 
 # -- request bodies are a pydantic model: each refusal names its field; /openapi.json shows it --
@@ -368,3 +378,386 @@ def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
     assert props["n"]["anyOf"][0]["const"] == 1
     roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
     assert set(roles) == {"system", "developer", "user", "assistant", "tool"}
+
+
+# -- issue 27 (hardening) ------------------------------------------------------------------------
+
+
+def test_long_or_many_stop_strings_get_400_naming_stop() -> None:
+    engine = EchoEngine()
+    limits = ServerLimits(max_stop_chars=64)
+    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET, limits=limits)) as base:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as c:
+            for stop in ("x" * 65, ["ok", "y" * 100_000], ["a", "b", "c", "d", "e"]):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    c.chat.completions.create(
+                        model="echo", messages=[{"role": "user", "content": "x"}], stop=stop
+                    )
+                assert refused.value.param == "stop", refused.value
+                assert "y" * 100 not in str(refused.value)  # the refused value is not echoed
+            ok = c.chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "hello world"}], stop=["w" + "z" * 63]
+            )
+    assert ok.choices[0].message.content == "heard 1: hello world"
+    assert engine.calls == 1  # the refused requests never reached the engine
+    assert ServerLimits().max_stop_chars == 256
+    with pytest.raises(ConfigError):
+        ServerLimits(max_stop_chars=0)
+
+
+def _drop_mid_stream(base: str, session: str | None) -> None:
+    """Start a stream on a real socket, read until the reply's first words, then close the
+    socket (a client that goes away mid-stream)."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "tell me"}], "stream": True}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    if session is not None:
+        head += f"X-Session-Id: {session}\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        got = b""
+        while b"heard" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200")
+
+
+def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
+    engine = EchoEngine(delay_s=0.05, pad_words=1000)  # 10 s a reply unless cancelled
+    limits = ServerLimits(max_concurrency=4, queue_timeout_s=5, session_lock_timeout_s=5)
+    store = MemoryStore()
+    gc.disable()  # the leak hid behind the garbage collector: it must not be needed
+    try:
+        with serve(create_app(engine, store=store, budget=BUDGET, limits=limits)) as base:
+            t0 = time.monotonic()
+            for i in range(8):  # twice the slots: each drop must give its slot back
+                _drop_mid_stream(base, f"drop{i}" if i % 2 else None)
+            assert time.monotonic() - t0 < 5, "a dropped stream held its slot"
+            with httpx.Client(base_url=base, timeout=30) as http:
+                deadline = time.monotonic() + 5  # each generation is cancelled, its partial reply stored
+                while not all(len(store.load(f"drop{i}")[1]) == 2 for i in (1, 3, 5, 7)):
+                    assert time.monotonic() < deadline, "a dropped stream's generation ran on"
+                    time.sleep(0.02)
+                full = " ".join(["heard 1: tell me", *(f"w{i}" for i in range(1000))])
+                for i in (1, 3, 5, 7):
+                    partial = store.load(f"drop{i}")[1][1].content
+                    assert partial and full.startswith(partial) and len(partial.split()) < 60
+                engine.delay_s = 0
+                t1 = time.monotonic()
+                for i in range(8):  # the slots and the dropped sessions' queues are free
+                    r = chat(http, f"after {i}", session=f"drop{i}" if i % 2 else None)
+                    assert r.status_code == 200, r.text
+                assert time.monotonic() - t1 < 4
+    finally:
+        gc.enable()
+
+
+def test_a_refused_request_on_an_existing_session_stores_nothing() -> None:
+    store = MemoryStore()
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "first", session="s").status_code == 200
+            before = http.get("/v1/sessions/s/export").json()
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "a" * 30_000}}
+            agent = [
+                {"role": "user", "content": "use the tool"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+            ]
+            for messages in (
+                agent,  # only the new messages
+                [
+                    {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "heard 1: first"},
+                    *agent,
+                ],
+                [
+                    {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "edited"},
+                    *agent,
+                ],  # fork
+            ):
+                r = http.post(
+                    "/v1/chat/completions", json={"messages": messages}, headers={"X-Session-Id": "s"}
+                )
+                assert r.status_code == 400, r.text[:300]
+                assert openai_error(r, 400)["code"] == "context_length_exceeded", r.text[:300]
+                after = http.get("/v1/sessions/s/export").json()
+                assert after["messages"] == before["messages"]
+                assert {k: v for k, v in after.items() if k != "updated_at"} == {
+                    k: v for k, v in before.items() if k != "updated_at"
+                }
+            assert store.list_sessions() == ["s"]  # no fork left behind
+            assert (
+                chat(http, "second", session="s").json()["choices"][0]["message"]["content"]
+                == "heard 3: second"
+            )
+
+
+def test_a_requests_max_tokens_caps_that_reply_only() -> None:
+    store = MemoryStore()
+    with serve(create_app(EchoEngine(pad_words=20), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            short = chat(http, "hi", session="m", max_tokens=3).json()
+            assert short["choices"][0]["message"]["content"] == "heard 1: hi"
+            assert http.get("/v1/sessions/m/export").json()["settings"]["budget"] == BUDGET.to_dict()
+            full = chat(http, "again", session="m").json()["choices"][0]["message"]["content"]
+    assert full.endswith("w19")  # the earlier request's cap did not stay with the session
+
+
+class _CountingStore(MemoryStore):
+    """Counts the full loads of a session (its messages read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads = 0
+
+    def load(self, session_id: str) -> Any:
+        self.loads += 1
+        return super().load(session_id)
+
+    def peek(self, session_id: str) -> tuple[Any, int]:  # as SQLite's and Redis's: no messages read
+        state, messages = super().load(session_id)
+        return state, len(messages)
+
+
+def test_a_turn_reads_its_session_once() -> None:
+    store = _CountingStore()
+    with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "one", session="l").status_code == 200
+            store.loads = 0
+            assert chat(http, "two", session="l").status_code == 200
+    assert store.loads == 1
+
+
+def test_another_keys_session_looks_missing_at_once() -> None:
+    engine = EchoEngine(delay_s=0.05, pad_words=120)  # a turn of ~6 s
+    app = create_app(engine, store=MemoryStore(), api_key=["k1", "k2"], budget=BUDGET)
+    with serve(app) as base:
+        mine = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k1"})
+        other = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k2"})
+        with mine, other:
+            assert chat(mine, "hello", session="p").status_code == 200
+
+            def probe(sid: str) -> list[tuple[int, str, str]]:
+                answers = []
+                for r in (
+                    other.delete(f"/v1/sessions/{sid}"),
+                    other.get(f"/v1/sessions/{sid}"),
+                    other.get(f"/v1/sessions/{sid}/export"),
+                ):
+                    err = openai_error(r, r.status_code)
+                    answers.append((r.status_code, err["code"], err["message"].replace(sid, "ID")))
+                return answers
+
+            missing = probe("nobody")
+            assert {status for status, _, _ in missing} == {404}
+            assert probe("p") == missing  # idle
+            turn = threading.Thread(target=chat, args=(mine, "a long one"), kwargs={"session": "p"})
+            turn.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert probe("p") == missing  # during a turn: no 409, no wait
+            err = openai_error(chat(other, "hi", session="p"), 404)  # a turn of its own: 404 too
+            assert (err["code"], err["message"].replace("p", "ID")) == missing[0][1:]
+            assert time.monotonic() - t0 < 2.0
+            turn.join()
+            assert len(mine.get("/v1/sessions/p").json()["messages"]) == 4  # untouched by k2
+
+
+def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
+    app = create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"])
+    with serve(app) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with httpx.Client(base_url=base) as http:
+            asked = "authorization, content-type, x-session-id"
+            pre = http.options(
+                "/v1/chat/completions",
+                headers={
+                    "Origin": "https://ok.example",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": asked,
+                },
+            )
+            assert pre.status_code == 204, pre.text
+            assert pre.headers["access-control-allow-origin"] == "https://ok.example"
+            assert "POST" in pre.headers["access-control-allow-methods"]
+            assert pre.headers["access-control-allow-headers"] == asked
+            assert int(pre.headers["access-control-max-age"]) > 0
+            r = raw(
+                http,
+                json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                Origin="https://ok.example:443",  # the same origin, its default port spelled out
+                **{"X-Session-Id": "web"},
+            )
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == "https://ok.example:443"
+            assert "x-session-id" in r.headers["access-control-expose-headers"].lower()
+            for foreign in ("https://evil.example", "https://ok.example:8443", "http://ok.example"):
+                refused = http.options(
+                    "/v1/models", headers={"Origin": foreign, "Access-Control-Request-Method": "GET"}
+                )
+                assert openai_error(refused, 403)["code"] == "forbidden_origin"
+                assert "access-control-allow-origin" not in refused.headers
+            # keyless: the server's own origin is scheme, host and port, not any loopback port
+            other_port = port + 1 if port < 65535 else port - 1
+            assert http.get("/v1/models", headers={"Origin": f"http://127.0.0.1:{port}"}).status_code == 200
+            mine = http.get("/v1/models", headers={"Origin": f"http://127.0.0.1:{other_port}"})
+            assert openai_error(mine, 403)["code"] == "forbidden_origin"
+            assert http.get("/v1/models", headers={"Origin": f"https://127.0.0.1:{port}"}).status_code == 403
+    keyed = create_app(
+        EchoEngine(), store=MemoryStore(), api_key="k", allowed_origins=["http://localhost:3000"]
+    )
+    with serve(keyed) as base, httpx.Client(base_url=base) as http:
+        pre = http.options(  # a browser sends no key with a preflight
+            "/v1/chat/completions",
+            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+        )
+        assert (
+            pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        )
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        r = http.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    with pytest.raises(ConfigError):
+        create_app(EchoEngine(), store=MemoryStore(), allowed_origins=["ok.example"])
+
+
+def test_health_answers_503_within_its_limit_while_redis_hangs(tmp_path: Path) -> None:
+    from convo.store import RedisStore
+
+    url, proc = start_redis(tmp_path)
+    try:
+        store = RedisStore(url, socket_timeout_s=10)  # a turn waits this long; /health must not
+        with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:  # 1 s for /health
+            with httpx.Client(base_url=base, timeout=30) as http:
+                assert http.get("/health").json()["status"] == "ok"
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    r = http.get("/health")
+                    assert r.status_code == 503 and r.json()["store"] == "unreachable"
+                    assert time.monotonic() - t0 < 2.0
+                proc.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 10
+                while http.get("/health").status_code != 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        stop_redis(proc)
+    assert ServerLimits().health_timeout_s == 1.0
+
+
+def test_each_request_is_logged_once_without_bodies_or_keys(caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(EchoEngine(), store=MemoryStore(), api_key="sekrit-key", budget=BUDGET)
+    with caplog.at_level(logging.INFO, logger="convo.server.access"):
+        with (
+            serve(app) as base,
+            httpx.Client(base_url=base, headers={"Authorization": "Bearer sekrit-key"}) as http,
+        ):
+            assert chat(http, "my private words", session="logged").status_code == 200
+            body = {"messages": [{"role": "user", "content": "streamed words"}], "stream": True}
+            with http.stream("POST", "/v1/chat/completions?key=sekrit-key", json=body) as r:
+                assert r.status_code == 200 and list(r.iter_lines())
+            assert http.get("/v1/sessions/nope").status_code == 404
+            assert (
+                httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            )
+            deadline = time.monotonic() + 5
+            while len([r for r in caplog.records if r.name == "convo.server.access"]) < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.name == "convo.server.access"]
+    assert len(lines) == 4, lines
+    for line, (method, path, status) in zip(
+        lines,
+        [
+            ("POST", "/v1/chat/completions", 200),
+            ("POST", "/v1/chat/completions", 200),
+            ("GET", "/v1/sessions/nope", 404),
+            ("GET", "/v1/models", 401),
+        ],
+        strict=True,
+    ):
+        said_method, said_path, said_status, ms, unit = line.split(" ")
+        assert (said_method, said_path, int(said_status), unit) == (method, path, status, "ms"), line
+        assert float(ms) >= 0
+    text = "\n".join(lines)
+    assert "sekrit" not in text and "private" not in text and "streamed" not in text and "?" not in text
+
+
+def test_convo_serve_has_the_sdks_flags_and_logs_requests(tmp_path: Path) -> None:
+    env = {**os.environ, "CONVO_FAKE_ENGINE": "1"}
+    cmd = [
+        sys.executable, "-m", "convo.cli", "serve", "--port", "0", "--db", str(tmp_path / "s.db"),
+        "--window-turns", "3", "--summary-tokens", "0", "--system-prompt", "Be brief.",
+        "--timeout", "5", "--device", "cpu", "--log-level", "info",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        deadline, line = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "listening on" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "convo serve exited"
+        base = line.split("listening on ")[1].split("/v1")[0]
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert chat(http, "hi", session="flags").status_code == 200
+            data = http.get("/v1/sessions/flags/export").json()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert data["messages"][0]["role"] == "system" and data["messages"][0]["content"] == "Be brief."
+    budget = data["settings"]["budget"]
+    assert (budget["window_turns"], budget["summary_tokens"]) == (3, 0)
+    assert "convo.server.access: POST /v1/chat/completions 200 " in err, err
+
+
+def test_chat_stats_shows_the_memory_figures_it_promises() -> None:
+    from dataclasses import replace
+
+    from convo import Session
+    from convo.cli.chat import HELP, _stats
+
+    assert "memory figures" in HELP
+    reply = Session(EchoEngine()).send("hi")
+    assert "memory: not measured by this engine" in _stats(reply)  # the echo engine measures none
+    assert reply.stats.generation is not None
+    measured = replace(
+        reply.stats.generation,
+        memory_kind="cuda",
+        kv_bytes=3 << 20,
+        kv_tokens=100,
+        peak_allocated_bytes=500 << 20,
+        peak_reserved_bytes=600 << 20,
+    )
+    text = _stats(replace(reply, stats=replace(reply.stats, generation=measured)))
+    assert "KV cache 3.0 MiB for 100 tokens" in text and "peak cuda allocated 500.0 MiB" in text
+
+
+class _UpstreamFails(EchoEngine):
+    """A remote engine whose server failed (its URL is internal)."""
+
+    def generate(self, messages: Sequence[Message], **kw: Any) -> Any:
+        raise RemoteEngineError(
+            "http://10.0.0.7:8001/v1 failed after 3 attempts: 500", status=500, retry_after_s=2
+        )
+
+
+def test_a_failing_remote_engine_is_a_502_in_openai_json() -> None:
+    with serve(create_app(_UpstreamFails(), store=MemoryStore(), budget=BUDGET)) as base:
+        with httpx.Client(base_url=base) as http:
+            r = chat(http, "x", session="up")
+            err = openai_error(r, 502)
+            assert (err["code"], err["type"]) == ("upstream_error", "server_error")
+            assert "10.0.0.7" not in r.text and r.headers["retry-after"] == "2"
+            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
+                assert streamed.status_code == 502  # no text yet: an HTTP status
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as c:
+            with pytest.raises(openai.APIStatusError) as failed:
+                c.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
+    assert failed.value.status_code == 502 and failed.value.code == "upstream_error"

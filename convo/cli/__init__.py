@@ -144,6 +144,25 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--max-new-tokens", type=positive_int, default=None, help="reply cap (default 256)")
     serve.add_argument(
+        "--window-turns", type=positive_int, default=None, help="recent turns kept verbatim (default 8)"
+    )
+    serve.add_argument(
+        "--summary-tokens", type=non_negative_int, default=None, help="summary cap (default 256; 0 = off)"
+    )
+    serve.add_argument(
+        "--system-prompt", default=None, help="system prompt of a new session whose request sends none"
+    )
+    serve.add_argument(
+        "--timeout", type=positive_seconds, default=None, help="wall-clock cap of one generation, seconds"
+    )
+    serve.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="what the server logs to stderr (default info: one line per request)",
+    )
+    serve.add_argument(
         "--session-from-user",
         action="store_true",
         help="also read a request's 'user' field as its session id (OpenAI's 'user' names an end "

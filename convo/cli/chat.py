@@ -302,10 +302,21 @@ def _history(session: Any) -> str:
 
 
 def _stats(reply: Any) -> str:
+    """``/stats``: the last reply's token figures and, when the engine measures them, its
+    memory (KV cache bytes, peak device or process memory)."""
     s = reply.stats
     parts = ", ".join(f"{k} {v}" for k, v in s.parts.items())
-    return (
+    text = (
         f"turn {s.turn}: prompt {s.prompt_tokens} of {s.context_tokens} tokens ({parts}); {s.latency_s:.2f} s"
+    )
+    g = s.generation
+    if g is None or g.memory_kind in ("none", "remote") or not (g.kv_bytes or g.peak_allocated_bytes):
+        return text + "\nmemory: not measured by this engine"
+    mib = 1 << 20
+    return (
+        f"{text}\nmemory: KV cache {g.kv_bytes / mib:.1f} MiB for {g.kv_tokens} tokens; "
+        f"peak {g.memory_kind} allocated {g.peak_allocated_bytes / mib:.1f} MiB, "
+        f"reserved {g.peak_reserved_bytes / mib:.1f} MiB"
     )
 
 

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
 
 from convo.budget import Budget
 from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
+from convo.engines.models import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
-from convo.store import Store
+from convo.server.app import create_app
+from convo.server.limits import ServerLimits
+from convo.store import RedisStore, SQLiteStore, Store, redact_url
 from convo.testing import EchoEngine
+
+try:
+    import uvicorn
+except ImportError:  # the server extra installs it
+    raise MissingDependency("the server needs uvicorn; run: pip install 'convo[server]'") from None
 
 #: The only test hook: ``CONVO_FAKE_ENGINE=1`` makes :func:`run_server` serve a tiny
 #: deterministic engine instead of loading a model (used by the multi-process tests).
@@ -22,23 +31,40 @@ def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
 
+#: The format of the server's log lines on stderr.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Send the ``convo`` loggers (the request log included) to stderr at ``level``
+    (``debug``, ``info``, ``warning``, ``error``), once."""
+    log = logging.getLogger("convo")
+    log.setLevel(level.upper())
+    if not any(getattr(h, "convo_serve", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.convo_serve = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``convo serve``: build the engine, the store and the app, then run uvicorn."""
-    try:
-        import uvicorn
-    except ImportError:
-        raise MissingDependency("the server needs uvicorn; run: pip install 'convo[server]'") from None
-    from convo.server.app import create_app
-    from convo.store import RedisStore, SQLiteStore, redact_url
-
+    level = getattr(args, "log_level", "info")
+    configure_logging(level)
     api_key = args.api_key or os.environ.get("CONVO_API_KEY") or None
     if not _loopback(args.host) and not api_key:
         raise ConfigError(
             f"refusing to serve on {args.host} without an API key: pass --api-key (or set CONVO_API_KEY), "
             "or bind 127.0.0.1"
         )
-    given = {"context_tokens": args.budget, "max_new_tokens": args.max_new_tokens}
+    given = {
+        "context_tokens": args.budget,
+        "max_new_tokens": args.max_new_tokens,
+        "window_turns": getattr(args, "window_turns", None),
+        "summary_tokens": getattr(args, "summary_tokens", None),
+    }
     budget = Budget(**{k: v for k, v in given.items() if v is not None})  # Budget's own defaults
+    limits = ServerLimits(generation_timeout_s=getattr(args, "timeout", None))
     store: Store
     if args.redis:
         store = RedisStore(args.redis, lock_lease_s=getattr(args, "lock_lease_s", 30.0))
@@ -47,13 +73,15 @@ def run_server(args: argparse.Namespace) -> int:
     engine: Any
     if getattr(args, "engine_url", None):  # a remote OpenAI-compatible engine
         engine = engine_from_args(args, default_context_tokens=budget.context_tokens)
-        budget = engine.budget(context_tokens=budget.context_tokens, max_new_tokens=budget.max_new_tokens)
+        budget = engine.budget(
+            context_tokens=budget.context_tokens,
+            max_new_tokens=budget.max_new_tokens,
+            **{k: v for k, v in given.items() if k in ("window_turns", "summary_tokens") and v is not None},
+        )
         name = args.engine_model or engine.model
     elif os.environ.get(FAKE_ENGINE_ENV) == "1":  # test-only hook (see FAKE_ENGINE_ENV)
         engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
     else:
-        from convo.engines.models import DEFAULT_MODEL_NAME, check_model
-
         check_model(args.model)
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
@@ -63,10 +91,12 @@ def run_server(args: argparse.Namespace) -> int:
         store=store,
         api_key=api_key,
         budget=budget,
+        limits=limits,
         model_name=name,
         session_from_user=args.session_from_user,
         allowed_hosts=[args.host],
         allowed_origins=getattr(args, "allow_origin", []),
+        system_prompt=getattr(args, "system_prompt", None),
     )
     where = f"redis {redact_url(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
@@ -86,7 +116,9 @@ def run_server(args: argparse.Namespace) -> int:
                         )
 
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+        # convo logs each request itself (convo.server.access): no uvicorn access log.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=False)
+        Server(config).run()
     finally:
         store.close()
         close = getattr(engine, "close", None)

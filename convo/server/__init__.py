@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP server (``convo serve``, or :func:`create_app` for an app of
 your own). FastAPI and uvicorn are imported on first use: ``pip install 'convo[server]'``.
 
-* :mod:`convo.server.app` — the app and its routes;
+* :mod:`convo.server.app` — the app (:mod:`~convo.server.routes` holds its routes,
+  :mod:`~convo.server.turns` one request's turn, :mod:`~convo.server.streaming` a streamed
+  one, :mod:`~convo.server.completions` the response's JSON);
 * :mod:`convo.server.requests` — request bodies: pydantic models, served as ``/openapi.json``;
 * :mod:`convo.server.errors` — one table from exception to HTTP status;
 * :mod:`convo.server.limits` — :class:`ServerLimits`;
-* :mod:`convo.server.auth` — API keys and session owners.
+* :mod:`convo.server.auth` — API keys and session owners;
+* :mod:`convo.server.security` — Host/Origin checks and CORS;
+* :mod:`convo.server.access_log` — one log line per request.
 """
 
 from __future__ import annotations

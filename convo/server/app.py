@@ -10,26 +10,34 @@ convo builds the prompt from the pinned system part, the rolling summary and the
 window (:class:`convo.Session`). Without one, it plans the given messages in a
 throw-away session, so even a stateless request never exceeds the budget::
 
-    request ── foreign Host (keyless) / Origin? 403 ── bad key? 401 ── not application/json? 415
-       │        body > max_body_bytes? 413 ── bad JSON / fields (pydantic model)? 400
+    request ── foreign Host (keyless) / Origin? 403 ── CORS preflight? 204
+       │        bad key? 401 ── not application/json? 415 ── body > max_body_bytes? 413
+       │        bad JSON / fields (pydantic model)? 400
+       ├─ another key's session? 404 at once (as a missing one)
        ├─ session queue (one turn per session in this process; no slot, no thread held)
        │   └─ waited > session_lock_timeout_s? 409
        ├─ admission (token ledger, FIFO queues) ── queue full? 429 + Retry-After
        │   (never waits for a worker thread)    └─ waited > queue_timeout_s? 503
        └─ worker thread: store.lock(session) ── Session.send / .stream ── store
-                          (one turn at a time, across replicas for SQLite and Redis)
+                          (one turn at a time, across replicas for SQLite and Redis;
+                          a refused turn (400) stores nothing; a dropped stream is
+                          cancelled and frees its slot and queue at once)
 
 Cross-site requests: without an API key the server serves only requests whose ``Host``
 names the address it is bound to (loopback), so DNS rebinding cannot reach it, and it
-refuses any request with a foreign ``Origin`` unless ``allowed_origins`` lists it; POST
-bodies must be ``application/json`` (a plain HTML form cannot send that cross-site).
+refuses any request with a foreign ``Origin`` (scheme, host and port) unless
+``allowed_origins`` lists it; the listed origins get CORS, preflight included. POST bodies
+must be ``application/json`` (a plain HTML form cannot send that cross-site).
 
 A session belongs to the API key that created it (the store keeps a hash of the key as
 ``owner``); any other key gets 404 for it, as if it did not exist.
 
 Layout: :mod:`~convo.server.routes` (the endpoints), :mod:`~convo.server.turns` (one
-request's turn in a worker thread), :mod:`~convo.server.state` (what the routes share),
-:mod:`~convo.server.security` (API key dependency, Host/Origin checks),
+request's turn in a worker thread), :mod:`~convo.server.streaming` (a turn as server-sent
+events, cancelled when the client goes away), :mod:`~convo.server.completions` (the
+response's JSON shapes), :mod:`~convo.server.state` (what the routes share),
+:mod:`~convo.server.security` (API key dependency, Host/Origin checks, CORS),
+:mod:`~convo.server.access_log` (one log line per request),
 :mod:`~convo.server.requests` (the request bodies' pydantic models, served as
 ``/openapi.json``), :mod:`~convo.server.errors` (every error to an OpenAI-style JSON body,
 one table).
@@ -42,8 +50,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from convo.admission import AdmissionController, AdmissionLimits
 from convo.budget import Budget
-from convo.errors import ConfigError, MissingDependency
+from convo.errors import ConfigError, MessageError, MissingDependency
+from convo.messages import check_text
 from convo.metrics import ServingMetrics
 from convo.server.limits import ServerLimits
 from convo.store import Store
@@ -54,14 +64,14 @@ try:
 except ImportError as exc:  # only `convo serve` and create_app need it
     raise MissingDependency(f"the server needs {exc.name}; run: pip install 'convo[server]'") from None
 
+from convo.server.access_log import RequestLog
 from convo.server.errors import install_error_handlers
 from convo.server.prometheus import metrics_registry
 from convo.server.routes import router
-from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks
+from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
 from convo.server.state import ServerState
 
 if TYPE_CHECKING:
-    from convo.admission import AdmissionController
     from convo.engines.base import Engine
 
 __all__ = ["LOOPBACK_HOSTS", "create_app"]
@@ -81,6 +91,7 @@ def create_app(
     summaries: SummaryWorker | None = None,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    system_prompt: str | None = None,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -103,8 +114,12 @@ def create_app(
         allowed_hosts: without an API key, the ``Host`` names served besides
             :data:`LOOPBACK_HOSTS` (``convo serve`` adds the address it binds); any other
             ``Host`` gets 403, which defeats DNS rebinding. Ignored when keys are set.
-        allowed_origins: browser origins (``"https://app.example"``) allowed to call the
-            server; a request with any other ``Origin`` header gets 403 (``"*"``: any).
+        allowed_origins: browser origins (``"https://app.example"``: scheme, host and
+            port) allowed to call the server, with CORS (preflight included); a request with
+            any other ``Origin`` header gets 403 (``"*"``: any). ConfigError for what is not
+            an origin.
+        system_prompt: the system prompt of a new session, or of a stateless request,
+            whose messages hold none (a client's own system message wins).
 
     Example::
 
@@ -116,6 +131,11 @@ def create_app(
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not k for k in keys):
         raise ConfigError("an API key must not be empty")
+    if system_prompt is not None:
+        try:
+            check_text(system_prompt, "system_prompt")
+        except MessageError as exc:
+            raise ConfigError(str(exc)) from None
     # The default controller charges tokens (prompt + reply cap): its ledger gauges say so.
     metrics = metrics or ServingMetrics(ledger_unit=admission.limits.unit if admission else "tokens")
     state = ServerState(
@@ -129,8 +149,9 @@ def create_app(
         metrics=metrics,
         keys=keys,
         hosts=frozenset(h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)),
-        origins=frozenset(o.rstrip("/").lower() for o in allowed_origins),
+        origins=frozenset(normalize_origin(o) for o in allowed_origins),
         session_from_user=session_from_user,
+        system_prompt=system_prompt or None,
         scrape=metrics_registry(metrics, engine),
     )
     # /openapi.json documents the routes and request bodies; no docs pages (they load
@@ -139,6 +160,7 @@ def create_app(
     app.state.convo = state
     install_error_handlers(app)
     install_cross_site_checks(app, state)
+    app.add_middleware(RequestLog)  # outermost: refusals are logged too
     app.include_router(router)
     return app
 
@@ -149,8 +171,6 @@ def _token_ledger(
     """The default admission controller: a token ledger over ``limits.admission_tokens``.
     With static KV slots the pool is the capacity: every admitted turn holds a slot and
     decodes in the shared step, so it admits as many as there are slots."""
-    from convo.admission import AdmissionController, AdmissionLimits
-
     return AdmissionController(
         AdmissionLimits(
             kv_budget_tokens=limits.admission_tokens,

@@ -22,6 +22,7 @@ from convo.errors import (
     MessageError,
     QueueFullError,
     QueueTimeoutError,
+    RemoteEngineError,
     SessionBusy,
     SessionNotFound,
     StoreError,
@@ -105,6 +106,7 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (SessionBusy, 409, "session_busy"),
     (StoreError, 500, "store_error"),
     (GenerationTimeout, 504, "generation_timeout"),
+    (RemoteEngineError, 502, "upstream_error"),
     (DeviceOutOfMemory, 503, "out_of_memory"),
     (ConvoError, 500, "internal_error"),
 )
@@ -116,6 +118,7 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
 _SHOWN_5XX = (QueueTimeoutError, GenerationTimeout, DeviceOutOfMemory)
 _HIDDEN = {
     "store_error": "the session store failed; the server log has the details",
+    "upstream_error": "the model server behind this one failed; the server log has the details",
     "internal_error": "internal server error; the server log has the details",
 }
 
@@ -132,6 +135,8 @@ def error_status(exc: BaseException) -> ApiError:
         if isinstance(exc, kind):
             headers = {}
             if isinstance(exc, QueueFullError):
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+            elif isinstance(exc, RemoteEngineError) and exc.retry_after_s is not None:
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
             message = str(exc)
             if status >= 500 and not isinstance(exc, _SHOWN_5XX):

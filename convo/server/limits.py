@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from convo.errors import (
-    ConfigError,
-)
+from convo.errors import ConfigError
 from convo.session import SUMMARY_WAIT_AUTO, check_summary_wait
 
 
@@ -34,6 +32,13 @@ class ServerLimits:
             (in this process or another replica) before 409. Default 60.
         generation_timeout_s: wall-clock cap of one generation, seconds (the reply is cut
             and ``finish_reason`` is ``"length"``). ``None``: the engine's default.
+        health_timeout_s: seconds ``GET /health`` waits for the store to answer before it
+            answers 503 (a hung Redis must not hang the health check). Default 1.
+        max_stop_chars: longest ``stop`` string a request may give, in characters; longer
+            gets 400 naming ``stop``. Default 256. (How many: at most
+            :data:`~convo.server.requests.MAX_STOP_SEQUENCES`, OpenAI's 4.) A stop string
+            is matched against the reply as it grows, so its length multiplies the work
+            and memory of every generated piece.
         summary_wait_s: seconds a turn waits for its session's background summary, only
             when the turns it folds do not fit beside the window (see
             ``Session(summary_wait_s=...)``); past it the turn goes on with a provisional
@@ -53,17 +58,20 @@ class ServerLimits:
     queue_timeout_s: float = 30.0
     session_lock_timeout_s: float = 60.0
     generation_timeout_s: float | None = None
+    health_timeout_s: float = 1.0
+    max_stop_chars: int = 256
     summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency"):
+        positive = ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency", "max_stop_chars")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"ServerLimits.max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"ServerLimits.max_queue must be >= 0, got {self.max_queue}")
-        for name in ("queue_timeout_s", "session_lock_timeout_s"):
+        for name in ("queue_timeout_s", "session_lock_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.generation_timeout_s is not None and not self.generation_timeout_s > 0:

@@ -8,8 +8,9 @@ finite, and the OpenAI parameters this server does not implement get 400
 ``tools: []``...). Other unknown fields are ignored, as OpenAI-compatible servers do. A
 failure is one 400 in OpenAI's error JSON whose ``param`` names the field
 (:func:`convo.server.errors.validation_error`). What depends on the server's configuration
-(``max_tokens`` against the budget, the message count against
-:class:`~convo.server.limits.ServerLimits`) is checked by :meth:`ChatCompletionBody.to_request`.
+(``max_tokens`` against the budget, the message count and the length of each ``stop``
+string against :class:`~convo.server.limits.ServerLimits`) is checked by
+:meth:`ChatCompletionBody.to_request`.
 """
 
 from __future__ import annotations
@@ -253,6 +254,17 @@ class ChatCompletionBody(_Body):
                 code="invalid_max_tokens",
                 param=param,
             )
+        stops = _stops(self.stop)
+        for i, text in enumerate(stops):
+            if len(text) > limits.max_stop_chars:
+                where = "stop" if isinstance(self.stop, str) else f"stop[{i}]"
+                raise ApiError(
+                    400,
+                    f"stop: {where} has {len(text)} characters, over this server's limit of "
+                    f"{limits.max_stop_chars} per stop string",
+                    code="invalid_value",
+                    param="stop",
+                )
         session_id = header_session_id or (self.metadata.session_id if self.metadata else None)
         if session_id is None and session_from_user and self.user is not None:
             if not re.fullmatch(_SESSION_ID, self.user):
@@ -269,7 +281,7 @@ class ChatCompletionBody(_Body):
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             session_id=session_id,
             sampling=sampling,
-            stop=tuple(_stops(self.stop)),
+            stop=tuple(stops),
         )
 
 

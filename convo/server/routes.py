@@ -4,28 +4,27 @@ export, delete) and ``/v1/chat/completions``. Each takes the app's
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from convo.admission import Request as AdmissionRequest
-from convo.engines.base import TextStream
-from convo.errors import StoreError
-from convo.server.errors import ERROR_RESPONSES, error_status
+from convo.errors import SessionNotFound
+from convo.server.auth import peek_owned
+from convo.server.completions import Completion
+from convo.server.errors import ERROR_RESPONSES
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from convo.server.prometheus import render
 from convo.server.requests import ChatCompletionBody, SessionId
 from convo.server.security import bearer, caller, state_of
 from convo.server.state import ServerState
-from convo.server.turns import _convo_stats, _finish, _prompt_estimate, _Turn, _usage
+from convo.server.streaming import stream_turn
+from convo.server.turns import Turn, prompt_estimate
 from convo.session import Reply
 
 
@@ -70,11 +69,10 @@ Owner = Annotated[str, Depends(caller)]
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
-    """200 ``ok`` when the store answers, else 503 ``unavailable``."""
+    """200 ``ok`` when the store answers within ``ServerLimits.health_timeout_s``, else
+    503 ``unavailable``."""
     status, code = "ok", 200
-    try:
-        await anyio.to_thread.run_sync(state.store.ping, limiter=state.counting)
-    except StoreError:
+    if not await state.store_answers():
         status, code = "unavailable", 503
     body = {
         "status": status,
@@ -124,10 +122,14 @@ async def delete(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
 
     def work() -> None:
         with state.store.lock(session_id, 0):  # another replica's turn: 409 at once too
-            state.owned(session_id, owner)
+            if peek_owned(state.store, session_id, owner) is None:
+                raise SessionNotFound(f"no session {session_id!r}")
             state.summaries.forget(state.store, session_id)  # its summary must not land in a new one
             state.store.delete(session_id)
 
+    # Another key's session is missing, busy or not: 404 before any queue or lock.
+    if not await state.session_exists(session_id, owner):
+        raise SessionNotFound(f"no session {session_id!r}")
     release = await state.enter_session(session_id, 0)
     try:
         await state.in_thread(work)
@@ -153,29 +155,29 @@ async def chat(
         max_tokens_cap=state.max_tokens_cap,
         session_from_user=state.session_from_user,
     )
-    budget = state.budget
-    if parsed.max_tokens is not None and parsed.max_tokens != budget.max_new_tokens:
-        budget = replace(budget, max_new_tokens=parsed.max_tokens)
-    turn = _Turn(
+    turn = Turn(
         request=parsed,
         owner=owner,
-        budget=budget,
+        budget=state.budget,
         store=state.store,
         engine=state.engine,
         limits=state.limits,
         summaries=state.summaries,
+        system_prompt=state.system_prompt,
     )
     leave_session: Callable[[], None] = lambda: None  # noqa: E731
     if parsed.session_id is None:
-        prompt_est = await anyio.to_thread.run_sync(_prompt_estimate, turn, limiter=state.counting)
+        prompt_est = await anyio.to_thread.run_sync(prompt_estimate, turn, limiter=state.counting)
     else:
-        prompt_est = _prompt_estimate(turn)  # a bound from the budget: no counting
+        prompt_est = prompt_estimate(turn)  # a bound from the budget: no counting
+        # Another key's session: 404 at once, not after queueing behind its turns.
+        await state.session_exists(parsed.session_id, owner)
         # Queue behind this session's running turn before taking an admission slot.
         leave_session = await state.enter_session(parsed.session_id, state.limits.session_lock_timeout_s)
     started = time.monotonic()
     try:
         ticket = await state.admission.acquire_async(
-            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=budget.max_new_tokens)
+            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn.reply_budget.max_new_tokens)
         )
     except BaseException:
         leave_session()
@@ -185,7 +187,7 @@ async def chat(
         ticket.release()
         leave_session()
 
-    completion = _Completion(state, parsed.session_id)
+    completion = Completion(state.model_name, parsed.session_id, state.metrics)
     headers = {"X-Session-Id": parsed.session_id} if parsed.session_id else {}
     if not parsed.stream:
         try:
@@ -194,107 +196,12 @@ async def chat(
             release()
         completion.forked = turn.forked  # set by the turn when the client's history diverged
         return JSONResponse(completion.body(reply), headers=headers)
-    return await _stream(state, turn, completion, parsed.include_usage, started, release, headers)
-
-
-class _Completion:
-    """The ids and the JSON shapes of one chat completion."""
-
-    def __init__(self, state: ServerState, session_id: str | None) -> None:
-        self.state = state
-        self.session_id = session_id
-        self.forked: str | None = None
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name}
-
-    def body(self, reply: Reply) -> dict[str, Any]:
-        """The non-streaming response."""
-        self.count(reply)
-        return {
-            **self._head("chat.completion"),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": reply.text},
-                    "finish_reason": _finish(reply.finish_reason),
-                    "logprobs": None,
-                }
-            ],
-            "usage": _usage(reply),
-            "convo": _convo_stats(reply, self.session_id, self.forked),
-        }
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
-        """One server-sent event of the stream."""
-        data = {
-            **self._head("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-        }
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    def usage_chunk(self, reply: Reply) -> str:
-        data = {**self._head("chat.completion.chunk"), "choices": [], "usage": _usage(reply)}
-        return f"data: {json.dumps(data)}\n\n"
-
-    def count(self, reply: Reply) -> None:
-        """Add the reply's tokens to the server's metrics."""
-        if reply.stats.generation is not None:
-            self.state.metrics.add_tokens(reply.stats.generation.new_tokens)
-
-
-async def _stream(
-    state: ServerState,
-    turn: _Turn,
-    completion: _Completion,
-    include_usage: bool,
-    started: float,
-    release: Callable[[], None],
-    headers: dict[str, str],
-) -> Response:
-    """Stream the turn as server-sent events; errors before the first text get an HTTP
-    status, later ones end the stream with an error event and ``[DONE]``."""
-    stream: TextStream[Reply] = TextStream(turn.run, {})
-    chunks: Iterator[str] = iter(stream)
-    end = object()
-
-    async def close() -> None:
-        # Shielded: on a client disconnect this runs in a cancelled scope. Closing cancels
-        # generation; the worker stores the partial reply before it returns.
-        with anyio.CancelScope(shield=True):
-            try:
-                await state.in_thread(stream.close)
-            finally:
-                release()
-
-    try:
-        first = await state.in_thread(next, chunks, end)  # errors before any text -> HTTP status
-    except BaseException:
-        await close()
-        raise
-    state.metrics.ttft.observe(time.monotonic() - started)
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            yield completion.chunk({"role": "assistant", "content": ""})
-            text = first
-            while text is not end:
-                if text:
-                    yield completion.chunk({"content": text})
-                text = await state.in_thread(next, chunks, end)
-            reply = stream.result
-            assert reply is not None
-            completion.count(reply)
-            yield completion.chunk({}, _finish(reply.finish_reason))
-            if include_usage:
-                yield completion.usage_chunk(reply)
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # headers are sent: end the stream with an error event
-            yield f"data: {json.dumps(error_status(exc).body())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await close()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return await stream_turn(
+        state,
+        turn,
+        completion,
+        include_usage=parsed.include_usage,
+        started=started,
+        release=release,
+        headers=headers,
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -12,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from convo.budget import Budget
-from convo.errors import SessionBusy, SessionNotFound
+from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.metrics import ServingMetrics
-from convo.server.auth import key_owner
+from convo.server.auth import key_owner, peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 from convo.store import Store
@@ -25,6 +26,13 @@ if TYPE_CHECKING:
 
     from convo.admission import AdmissionController
     from convo.engines.base import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def _ignore_result(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # read, so asyncio does not log it as never retrieved
 
 
 @dataclass(kw_only=True)
@@ -45,20 +53,41 @@ class ServerState:
     origins: frozenset[str]
     session_from_user: bool
     scrape: Any
+    #: The system prompt of a request that sends none (new sessions, stateless requests).
+    system_prompt: str | None = None
     #: Admitted turns and streams hold worker threads; sized from the controller in use (not
     #: ``limits``, which a custom controller overrides), so admitted turns never run out.
     threads: anyio.CapacityLimiter = field(init=False)
     #: Admission must not wait for those threads: a request to refuse gets its 429 in
-    #: milliseconds however busy generation is. Counting a stateless prompt's tokens, the
-    #: only work before the decision, and health checks have threads of their own.
+    #: milliseconds however busy generation is. The work before the decision (counting a
+    #: stateless prompt's tokens, looking up a session's owner) has threads of its own.
     counting: anyio.CapacityLimiter = field(init=False)
     #: One turn per session at a time in this process, queued before admission, so waiting
     #: turns of a busy session hold no generation slot and no worker thread.
     gates: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
 
+    #: The store ping in flight, shared by every ``/health`` that comes meanwhile: a hung
+    #: store holds one thread, not one per health check.
+    _ping: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.threads = anyio.CapacityLimiter(2 * self.admission.limits.max_concurrency + 8)
         self.counting = anyio.CapacityLimiter(2)
+
+    async def store_answers(self) -> bool:
+        """Whether the store answers a ping within ``limits.health_timeout_s``. A ping
+        still in flight from an earlier check is waited for, not repeated."""
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(asyncio.to_thread(self.store.ping))
+            self._ping.add_done_callback(_ignore_result)  # its error is read here or never
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ping), self.limits.health_timeout_s)
+        except (TimeoutError, StoreError):
+            return False
+        except Exception:  # a store without a ping of its own may fail otherwise
+            logger.warning("the store's ping failed", exc_info=True)
+            return False
+        return True
 
     @property
     def max_tokens_cap(self) -> int:
@@ -107,6 +136,14 @@ class ServerState:
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking work (a turn, a store call) in a worker thread."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.threads)
+
+    async def session_exists(self, session_id: str, owner: str) -> bool:
+        """Whether the caller has this session (a peek: no messages read), asked before any
+        queue or lock; another key's raises SessionNotFound (404) at once."""
+        found = await anyio.to_thread.run_sync(
+            peek_owned, self.store, session_id, owner, limiter=self.counting
+        )
+        return found is not None
 
     def owned(self, session_id: str, owner: str) -> Any:
         """The session's export, or SessionNotFound when it is not the caller's."""

@@ -1,5 +1,6 @@
 """One request's turn, run in a worker thread (the engine is synchronous): store only what
-the session lacks, generate, and shape the reply into OpenAI's JSON."""
+the session lacks (:mod:`convo.server.reconcile`), then generate. The reply's JSON shapes
+are :mod:`convo.server.completions`'."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from convo.budget import Budget
-from convo.engines.base import FinishReason
 from convo.errors import (
     BudgetError,
     ConfigError,
     MessageError,
-    SessionNotFound,
 )
 from convo.messages import Message, Role, validate_sequence
+from convo.server.auth import peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 from convo.server.reconcile import fork_id, reconcile
@@ -32,14 +32,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# --------------------------------------------------------------------------------------
-# Turns (run in worker threads; the engine is synchronous)
-# --------------------------------------------------------------------------------------
+
+#: What refuses a request (400): a refused request stores nothing.
+_REFUSALS = (ApiError, MessageError, BudgetError, ConfigError)
 
 
 @dataclass(kw_only=True)
-class _Turn:
-    """Everything a worker needs to run one request."""
+class Turn:
+    """Everything a worker needs to run one request.
+
+    ``budget`` is the server's: a session is created with it and keeps it; the request's
+    ``max_tokens`` applies to this turn only (:attr:`reply_budget`).
+    """
 
     request: ChatRequest
     owner: str
@@ -48,9 +52,19 @@ class _Turn:
     engine: Engine
     limits: ServerLimits
     summaries: SummaryWorker
+    #: The system prompt of a new session (or a stateless request) that sends none.
+    system_prompt: str | None = None
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: Set when the client's history diverged: the id holding the replaced tail.
     forked: str | None = None
+
+    @property
+    def reply_budget(self) -> Budget:
+        """The budget of this turn: the server's, with the request's ``max_tokens``."""
+        cap = self.request.max_tokens
+        if cap is None or cap == self.budget.max_new_tokens:
+            return self.budget
+        return replace(self.budget, max_new_tokens=cap)
 
     def run(
         self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
@@ -66,47 +80,58 @@ class _Turn:
         with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
             return self._stateful(self.request.session_id, kwargs)
 
-    def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
-        msgs = list(self.request.messages)
-        exists = self.store.exists(sid)
-        stored: list[Message] = []
-        if exists:
-            state, history = self.store.load(sid)
-            if state.owner != self.owner:
-                raise SessionNotFound(f"no session {sid!r}")  # another key's: do not reveal it exists
-            stored = [m for m in history if not m.pinned]
-        # Store only what the session does not hold yet (see convo.server.reconcile); an
-        # existing session keeps the system part it was created with.
-        plan = reconcile(stored, [m for m in msgs if m.role is not Role.SYSTEM])
-        # The message to answer: the last new one; else the last one kept (a regenerated
-        # answer after a fork, or a retry of a turn whose user message is already stored).
-        kept = stored if plan.fork_at is None else stored[: plan.fork_at]
-        last = plan.new[-1] if plan.new else (kept[-1] if kept else None)
-        if last is None or last.role not in (Role.USER, Role.TOOL):
-            raise ApiError(
-                400,
-                "with a session id, the messages must end with a new user message or tool results "
-                "(or resend the history up to the message to answer again)",
-                code="invalid_messages",
-            )
-        if plan.fork_at is not None:
-            # A summary still running folds turns the fork may drop: it must not land.
-            self.summaries.forget(self.store, sid)
-            self.forked = _fork(self.store, sid, plan.fork_at)
-        system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM)
+    def _session(self, sid: str, system_prompt: str | None) -> Session:
+        """The session (created with ``system_prompt`` when new; loaded once), planning
+        this turn with :attr:`reply_budget` while it keeps the server's budget stored."""
         session = Session(
             self.engine,
             budget=self.budget,
             store=self.store,
             session_id=sid,
             owner=self.owner,
-            system_prompt=system if not exists else None,
+            system_prompt=system_prompt,
             timeout_s=self.limits.generation_timeout_s,
             summaries=self.summaries,
             summary_wait_s=self.limits.summary_wait_s,
         )
-        # (The session is not closed: its summary runs on after the reply, outside the lock.)
+        session.budget = self.reply_budget  # in memory: this turn's reply cap, never stored
+        return session
+
+    def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
+        msgs = list(self.request.messages)
+        before = peek_owned(self.store, sid, self.owner)  # another key's: as if missing (404)
+        system = "\n\n".join(m.content for m in msgs if m.role is Role.SYSTEM) or self.system_prompt
+        incoming = [m for m in msgs if m.role is not Role.SYSTEM]
+        session: Session | None = None
+        history: list[Message] | None = None  # the session as it was, once loaded
         try:
+            stored: list[Message] = []
+            if before is not None:
+                # An existing session keeps the system part it was created with.
+                session = self._session(sid, None)
+                history = session.messages  # what a refusal puts back
+                stored = [m for m in history if not m.pinned]
+            # Store only what the session does not hold yet (see convo.server.reconcile).
+            plan = reconcile(stored, incoming)
+            # The message to answer: the last new one; else the last one kept (a regenerated
+            # answer after a fork, or a retry of a turn whose user message is already stored).
+            kept = stored if plan.fork_at is None else stored[: plan.fork_at]
+            last = plan.new[-1] if plan.new else (kept[-1] if kept else None)
+            if last is None or last.role not in (Role.USER, Role.TOOL):
+                raise ApiError(
+                    400,
+                    "with a session id, the messages must end with a new user message or tool "
+                    "results (or resend the history up to the message to answer again)",
+                    code="invalid_messages",
+                )
+            if plan.fork_at is not None:
+                # A summary still running folds turns the fork may drop: it must not land.
+                self.summaries.forget(self.store, sid)
+                self.forked = _fork(self.store, sid, plan.fork_at)
+                session = None  # the fork rewrote the session: load it as it now is
+            if session is None:
+                session = self._session(sid, system if before is None else None)
+            # (The session is not closed: its summary runs on after the reply, outside the lock.)
             if not plan.new:
                 return session.reply(**kwargs)
             *earlier, final = plan.new
@@ -114,9 +139,16 @@ class _Turn:
             # what left the window (not one summary per message).
             session.extend(earlier)
             return session.send(final, **kwargs)
-        except (ApiError, MessageError, BudgetError, ConfigError):
-            if not exists:  # a refused request leaves nothing behind (we still hold the lock)
-                self.store.delete(sid)
+        except _REFUSALS:
+            # A refused request leaves nothing behind (we still hold the lock).
+            if before is None:
+                if self.store.exists(sid):
+                    self.store.delete(sid)
+            elif history is not None:
+                _restore(self.store, sid, before, history)
+            if self.forked is not None:
+                self.store.delete(self.forked)
+                self.forked = None
             raise
 
     def _stateless(self, kwargs: dict[str, Any]) -> Reply:
@@ -127,9 +159,11 @@ class _Turn:
         request costs exactly one generation whatever its length.
         """
         msgs = list(self.request.messages)
+        if self.system_prompt and not any(m.role is Role.SYSTEM for m in msgs):
+            msgs.insert(0, Message.from_openai({"role": "system", "content": self.system_prompt}))
         turns = sum(1 for m in msgs if m.role is Role.USER) + 1
         budget = replace(
-            self.budget,
+            self.reply_budget,
             window_turns=max(1, turns),
             summarize_batch_turns=1,
             summary_tokens=0,
@@ -148,6 +182,17 @@ class _Turn:
             summary_wait_s=self.limits.summary_wait_s,
         ) as session:  # (closing releases the engine's KV cache and cancels its summary)
             return session.reply(**kwargs)
+
+
+def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> None:
+    """Put a session back as it was before a refused turn (its state and ``history``),
+    unless nothing was written."""
+    state, count = before
+    now, now_count = store.peek(sid)
+    if now_count == count and replace(now, updated_at=0.0) == replace(state, updated_at=0.0):
+        return
+    store.delete(sid)
+    store.create(state, history)
 
 
 def _fork(store: Store, sid: str, at: int) -> str:
@@ -174,44 +219,12 @@ def _fork(store: Store, sid: str, at: int) -> str:
     return archive
 
 
-def _prompt_estimate(turn: _Turn) -> int:
+def prompt_estimate(turn: Turn) -> int:
     """Prompt tokens to charge at admission: a stateless prompt's own size, a session's
     upper bound (its prompt never exceeds ``context_tokens - max_new_tokens``). Only the
     stateless case counts tokens; a session's costs nothing to compute."""
-    bound = turn.budget.context_tokens - turn.budget.max_new_tokens
+    budget = turn.reply_budget
+    bound = budget.context_tokens - budget.max_new_tokens
     if turn.request.session_id is not None:
         return bound
     return min(bound, turn.engine.counter.count_prompt(list(turn.request.messages)))
-
-
-# --------------------------------------------------------------------------------------
-# The app
-# --------------------------------------------------------------------------------------
-
-
-def _finish(reason: FinishReason) -> str:
-    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
-
-
-def _usage(reply: Reply) -> dict[str, int]:
-    g = reply.stats.generation
-    completion = g.new_tokens if g is not None else 0
-    prompt = reply.stats.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:
-    s = reply.stats
-    return {
-        "session_id": session_id,
-        "forked": forked,  # where the replaced tail went, when the client's history diverged
-        "turn": s.turn,
-        "context_tokens": s.context_tokens,
-        "parts": dict(s.parts),
-        "evicted_turns": s.evicted_turns,
-        "summarized_turns": s.summarized_turns,
-        "hidden_turns": s.hidden_turns,
-        "provisional_summary": s.provisional_summary,
-        "summary_wait_s": round(s.summarize_s, 4),
-        "summary": s.summary.to_dict() if s.summary is not None else None,
-    }

@@ -1,0 +1,103 @@
+"""The shapes of a chat completion in OpenAI's JSON: the whole response, the stream's
+chunks and their usage, plus convo's own ``convo`` block (what the prompt held, what the
+summary did). One :class:`Completion` per request gives its id and creation time to every
+piece, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from convo.engines.base import FinishReason
+from convo.metrics import ServingMetrics
+from convo.session import Reply
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """OpenAI's ``finish_reason``: ``"stop"`` for an ended or cancelled reply, else ``"length"``."""
+    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
+
+
+def usage(reply: Reply) -> dict[str, int]:
+    """OpenAI's ``usage``: prompt, completion and total tokens."""
+    g = reply.stats.generation
+    completion = g.new_tokens if g is not None else 0
+    prompt = reply.stats.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:
+    """The response's ``convo`` block: the session, the prompt's parts and the summary."""
+    s = reply.stats
+    return {
+        "session_id": session_id,
+        "forked": forked,  # where the replaced tail went, when the client's history diverged
+        "turn": s.turn,
+        "context_tokens": s.context_tokens,
+        "parts": dict(s.parts),
+        "evicted_turns": s.evicted_turns,
+        "summarized_turns": s.summarized_turns,
+        "hidden_turns": s.hidden_turns,
+        "provisional_summary": s.provisional_summary,
+        "summary_wait_s": round(s.summarize_s, 4),
+        "summary": s.summary.to_dict() if s.summary is not None else None,
+    }
+
+
+class Completion:
+    """The ids and the JSON shapes of one chat completion.
+
+    Args:
+        model_name: the ``model`` every piece names.
+        session_id: the conversation the server keeps, if any.
+        metrics: where :meth:`count` adds the reply's tokens.
+    """
+
+    def __init__(self, model_name: str, session_id: str | None, metrics: ServingMetrics) -> None:
+        self.model_name = model_name
+        self.session_id = session_id
+        self.metrics = metrics
+        #: Set when the client's history diverged: the id holding the replaced tail.
+        self.forked: str | None = None
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
+
+    def body(self, reply: Reply) -> dict[str, Any]:
+        """The non-streaming response (its tokens are counted)."""
+        self.count(reply)
+        return {
+            **self._head("chat.completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply.text},
+                    "finish_reason": finish_reason(reply.finish_reason),
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage(reply),
+            "convo": convo_stats(reply, self.session_id, self.forked),
+        }
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
+        """One server-sent event of the stream."""
+        data = {
+            **self._head("chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def usage_chunk(self, reply: Reply) -> str:
+        """The stream's last chunk with ``stream_options.include_usage``."""
+        data = {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(reply)}
+        return f"data: {json.dumps(data)}\n\n"
+
+    def count(self, reply: Reply) -> None:
+        """Add the reply's tokens to the server's metrics."""
+        if reply.stats.generation is not None:
+            self.metrics.add_tokens(reply.stats.generation.new_tokens)

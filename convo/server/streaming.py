@@ -1,0 +1,149 @@
+"""A turn streamed as server-sent events, that lets go of everything the moment it ends.
+
+The turn runs in a worker thread (:class:`~convo.engines.base.TextStream`); its pieces are
+read with ``TextStream.aiter()`` (the worker wakes the event loop: no thread hop per piece).
+:class:`EventStream` is the response: besides sending the events it listens for the client
+going away, and then cancels the generation at once (the worker stores the partial reply).
+However the response ends (the last event, a disconnect, an error, the server stopping),
+its ``close`` runs before the request's task does: the admission slot and the session's
+queue are given back then, not when the garbage collector finds a suspended generator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from convo.engines.base import TextStream
+from convo.server.completions import Completion, finish_reason
+from convo.server.errors import error_status
+from convo.server.state import ServerState
+from convo.server.turns import Turn
+from convo.session import Reply
+
+
+class EventStream(StreamingResponse):
+    """A ``text/event-stream`` response with a cancel on disconnect and a close that always runs.
+
+    Args:
+        events: the events to send.
+        cancel: awaited when the client disconnects (stop producing events soon).
+        close: awaited once when the response ends, however it ends (shielded from
+            cancellation).
+        headers: extra response headers.
+    """
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        *,
+        cancel: Callable[[], Awaitable[None]],
+        close: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._cancel = cancel
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failed: Exception | None = None
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    await self._cancel()  # the events then end by themselves, quickly
+
+                group.start_soon(watch)
+                try:
+                    await self.stream_response(send)  # uvicorn drops sends to a gone client
+                except OSError:
+                    pass  # a server that raises on a send to a gone client: the close cancels
+                except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                    failed = exc
+                group.cancel_scope.cancel()
+            if failed is not None:
+                raise failed
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._close()
+
+
+async def stream_turn(
+    state: ServerState,
+    turn: Turn,
+    completion: Completion,
+    *,
+    include_usage: bool,
+    started: float,
+    release: Callable[[], None],
+    headers: dict[str, str],
+) -> EventStream:
+    """Start ``turn`` and stream it. An error before the first text is raised (it gets an
+    HTTP status); a later one ends the stream with an error event and ``[DONE]``.
+
+    Args:
+        state: the app's state (worker threads, metrics).
+        turn: the turn to run.
+        completion: the ids and JSON shapes of the response.
+        include_usage: end with a usage chunk (``stream_options.include_usage``).
+        started: when the request was admitted (``time.monotonic()``), for the TTFT metric.
+        release: gives back the admission slot and the session's queue; called once.
+    """
+    stream: TextStream[Reply] = TextStream(turn.run, {})
+    # aiter() is an async generator (typed as an iterator): aclose() finishes it.
+    pieces = cast("AsyncGenerator[str, None]", stream.aiter())
+    end = object()
+    released = False
+
+    async def cancel() -> None:
+        # Cancel and wait in a worker thread: joining the generation must not block the loop.
+        await state.in_thread(stream.close)
+
+    async def close() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        try:
+            await cancel()
+            await pieces.aclose()  # the generation has ended: this does not block
+        finally:
+            release()
+
+    try:
+        first = await anext(pieces, end)  # an error before any text -> an HTTP status
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await close()
+        raise
+    state.metrics.ttft.observe(time.monotonic() - started)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield completion.chunk({"role": "assistant", "content": ""})
+            text = first
+            while text is not end:
+                if text:
+                    yield completion.chunk({"content": text})
+                text = await anext(pieces, end)
+            reply = stream.result
+            assert reply is not None
+            completion.count(reply)
+            yield completion.chunk({}, finish_reason(reply.finish_reason))
+            if include_usage:
+                yield completion.usage_chunk(reply)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # headers are sent: end the stream with an error event
+            yield f"data: {json.dumps(error_status(exc).body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+    return EventStream(events(), cancel=cancel, close=close, headers=headers)

@@ -230,7 +230,7 @@ def check(store: Any, sqlite_path: str | None, sessions: list[str], acks: list[A
 
 
 def run_store(kind: str, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    from convo.store import RedisStore, SQLiteStore, Store
+    from convo.stores import RedisStore, SQLiteStore, Store
 
     tmp = tempfile.mkdtemp(prefix="convo-crash-")
     run_id = uuid.uuid4().hex[:8]

@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> None:
     from convo.budget import Budget
     from convo.server.app import create_app
     from convo.server.limits import ServerLimits
-    from convo.store import SQLiteStore
+    from convo.stores import SQLiteStore
     from convo.testing import EchoEngine
 
     engine: Any

@@ -20,11 +20,11 @@ BUDGET = Budget(context_tokens=2048, max_new_tokens=64, window_turns=4, summary_
 
 @pytest.fixture
 def echo_base() -> Iterator[str]:
-    from convo import MemoryStore
+    from convo import InMemoryStore
     from convo.server.app import create_app
 
     with serve(
-        create_app(EchoEngine(delay_s=0.01), store=MemoryStore(), budget=BUDGET, model_name="echo")
+        create_app(EchoEngine(delay_s=0.01), store=InMemoryStore(), budget=BUDGET, model_name="echo")
     ) as base:
         yield base
 
@@ -55,11 +55,11 @@ def test_asend_and_astream_await_the_remote_engine(echo_base: str) -> None:
 
 
 def test_leaving_an_astream_early_cancels_and_stores_the_partial_reply(echo_base: str) -> None:
-    from convo import MemoryStore
+    from convo import InMemoryStore
     from convo.server.app import create_app
 
     slow = EchoEngine(delay_s=0.05, pad_words=60)
-    with serve(create_app(slow, store=MemoryStore(), budget=BUDGET, model_name="echo")) as base:
+    with serve(create_app(slow, store=InMemoryStore(), budget=BUDGET, model_name="echo")) as base:
         engine = OpenAIEngine(f"{base}/v1", context_window=2048, max_retries=0)
         session = Session(engine, budget=BUDGET)
 

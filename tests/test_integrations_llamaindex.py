@@ -16,7 +16,7 @@ from pydantic import Field
 from convo import Budget, Role
 from convo.errors import MessageError
 from convo.integrations.llamaindex import ConvoMemory, from_llamaindex, to_llamaindex
-from convo.store import SQLiteStore
+from convo.stores import SQLiteStore
 from convo.tokens import TokenCounter
 
 

@@ -21,13 +21,13 @@ import openai
 import pytest
 import uvicorn
 
-from convo import AdmissionController, Budget, MemoryStore, SQLiteStore
+from convo import AdmissionController, Budget, InMemoryStore, SQLiteStore
 from convo.admission import AdmissionLimits
 from convo.errors import ConfigError
 from convo.server.app import create_app
 from convo.server.auth import key_owner
 from convo.server.limits import ServerLimits
-from convo.store import Store
+from convo.stores import Store
 from convo.testing import EchoEngine
 
 REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -470,7 +470,7 @@ def test_serve_refuses_public_bind_without_key(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError):
         ServerLimits(max_body_bytes=0)
     with pytest.raises(ConfigError):
-        create_app(EchoEngine(), store=MemoryStore(), api_key="")
+        create_app(EchoEngine(), store=InMemoryStore(), api_key="")
 
 
 # -- replicas on one Redis -------------------------------------------------------------------

@@ -24,12 +24,12 @@ import pytest
 from conftest import start_redis, stop_redis
 from test_server import serve
 
-from convo import Budget, MemoryStore, SQLiteStore
+from convo import Budget, InMemoryStore, SQLiteStore
 from convo.errors import ConfigError, RemoteEngineError
 from convo.messages import Message
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
-from convo.store import Store
+from convo.stores import Store
 from convo.testing import EchoEngine
 
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4)  # summaries on
@@ -68,7 +68,7 @@ def test_error_bodies_name_no_sqlite_path(tmp_path: Path) -> None:
 
 
 def test_error_bodies_name_no_redis_url_or_password(tmp_path: Path) -> None:
-    from convo.store import RedisStore
+    from convo.stores import RedisStore
 
     url, proc = start_redis(tmp_path, "--requirepass", "s3cr3t-pw")
     try:
@@ -101,7 +101,7 @@ def test_stateless_request_generates_once_whatever_its_length() -> None:
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 5} for i in range(255)
     ]
     budget = Budget(context_tokens=2000, max_new_tokens=50, window_turns=4, summary_tokens=200)
-    with serve(create_app(engine, store=MemoryStore(), budget=budget)) as base:
+    with serve(create_app(engine, store=InMemoryStore(), budget=budget)) as base:
         with httpx.Client(base_url=base, timeout=30) as http:
             r = http.post("/v1/chat/completions", json={"model": "echo", "messages": msgs})
     assert r.status_code == 200, r.text
@@ -116,7 +116,7 @@ def test_a_new_session_with_long_history_costs_one_generation_and_one_summary_pa
     engine = EchoEngine()
     msgs = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " * 5} for i in range(255)]
     budget = Budget(context_tokens=2000, max_new_tokens=50, window_turns=4, summary_tokens=200)
-    with serve(create_app(engine, store=MemoryStore(), budget=budget)) as base:
+    with serve(create_app(engine, store=InMemoryStore(), budget=budget)) as base:
         with httpx.Client(base_url=base, timeout=30) as http:
             r = http.post(
                 "/v1/chat/completions", json={"messages": msgs, "metadata": {"session_id": "imported"}}
@@ -131,7 +131,7 @@ def test_a_new_session_with_long_history_costs_one_generation_and_one_summary_pa
 
 
 def test_lone_surrogate_gets_400_and_the_session_stays_usable() -> None:
-    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             assert chat(http, "hello", session="p").status_code == 200
             for content in ("hi \ud800", [{"type": "text", "text": "\udfff"}]):
@@ -145,7 +145,7 @@ def test_lone_surrogate_gets_400_and_the_session_stays_usable() -> None:
 
 def test_bad_inputs_get_openai_style_json_errors() -> None:
     engine = EchoEngine()
-    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(engine, store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             openai_error(raw(http, "[" * 100_000 + "]" * 100_000), 400)  # RecursionError on main
             openai_error(
@@ -172,7 +172,7 @@ class _Breaks(EchoEngine):
 
 
 def test_a_stream_that_fails_ends_with_an_error_event() -> None:
-    with serve(create_app(_Breaks(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(_Breaks(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             body = {"model": "echo", "messages": [{"role": "user", "content": "x"}], "stream": True}
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -188,7 +188,9 @@ def test_a_stream_that_fails_ends_with_an_error_event() -> None:
 
 
 def test_keyless_server_refuses_foreign_host_origin_and_non_json() -> None:
-    app = create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"])
+    app = create_app(
+        EchoEngine(), store=InMemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"]
+    )
     with serve(app) as base:
         port = base.rsplit(":", 1)[1]
         with httpx.Client(base_url=base) as http:
@@ -207,7 +209,7 @@ def test_keyless_server_refuses_foreign_host_origin_and_non_json() -> None:
             assert openai_error(r, 403)["code"] == "forbidden_origin"
             assert raw(http, body, Origin="https://ok.example").status_code == 200  # allowed by flag
             assert raw(http, body, Origin=f"http://127.0.0.1:{port}").status_code == 200  # same origin
-    with serve(create_app(EchoEngine(), store=MemoryStore(), api_key="k")) as base:  # a key: any Host
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), api_key="k")) as base:  # a key: any Host
         port = base.rsplit(":", 1)[1]
         r = httpx.get(
             f"{base}/v1/models", headers={"Host": f"api.example:{port}", "Authorization": "Bearer k"}
@@ -221,7 +223,7 @@ def test_keyless_server_refuses_foreign_host_origin_and_non_json() -> None:
 def test_a_burst_on_one_session_does_not_starve_another() -> None:
     engine = EchoEngine(delay_s=0.04, pad_words=10)  # ~0.5 s per turn
     limits = ServerLimits(max_concurrency=2)
-    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET, limits=limits)) as base:
+    with serve(create_app(engine, store=InMemoryStore(), budget=BUDGET, limits=limits)) as base:
         with httpx.Client(base_url=base, timeout=60) as http:
             burst = [
                 threading.Thread(target=chat, args=(http, f"b{i}"), kwargs={"session": "hog"})
@@ -244,7 +246,7 @@ def test_a_burst_on_one_session_does_not_starve_another() -> None:
 
 def test_too_long_system_prompt_gets_400_and_creates_no_session() -> None:
     budget = Budget(context_tokens=1000, max_new_tokens=100, summary_tokens=0)
-    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=budget)) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), budget=budget)) as base:
         with httpx.Client(base_url=base) as http:
 
             def turn(system: str) -> httpx.Response:
@@ -278,13 +280,13 @@ def test_too_long_system_prompt_gets_400_and_creates_no_session() -> None:
     ],
 )
 def test_loose_parameters_are_refused(extra: dict[str, Any]) -> None:
-    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             openai_error(chat(http, "x", **extra), 400)
 
 
 def test_stop_is_honoured() -> None:
-    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             plain = chat(http, "hello brave world", stop="world", n=1, logprobs=False)
             one = chat(http, "hello brave world", stop=["brave", "zzz"], stream=False)
@@ -333,7 +335,7 @@ def test_each_refusal_names_its_field_and_says_what_failed() -> None:
             "invalid_messages",
         ),
     ]
-    with serve(create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             for extra, param, code in cases:
                 err = openai_error(chat(http, "x", **extra), 400)
@@ -358,7 +360,7 @@ def test_each_refusal_names_its_field_and_says_what_failed() -> None:
 def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
     from convo.server.requests import MAX_SEED, MAX_STOP_SEQUENCES, MAX_TEMPERATURE
 
-    with serve(create_app(EchoEngine(), store=MemoryStore(), api_key="k")) as base:
+    with serve(create_app(EchoEngine(), store=InMemoryStore(), api_key="k")) as base:
         spec = httpx.get(f"{base}/openapi.json").json()  # no key needed: it is the API's shape
     op = spec["paths"]["/v1/chat/completions"]["post"]
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionBody")
@@ -386,7 +388,7 @@ def test_openapi_json_documents_the_chat_body_and_the_error_shape() -> None:
 def test_long_or_many_stop_strings_get_400_naming_stop() -> None:
     engine = EchoEngine()
     limits = ServerLimits(max_stop_chars=64)
-    with serve(create_app(engine, store=MemoryStore(), budget=BUDGET, limits=limits)) as base:
+    with serve(create_app(engine, store=InMemoryStore(), budget=BUDGET, limits=limits)) as base:
         with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as c:
             for stop in ("x" * 65, ["ok", "y" * 100_000], ["a", "b", "c", "d", "e"]):
                 with pytest.raises(openai.BadRequestError) as refused:
@@ -427,7 +429,7 @@ def _drop_mid_stream(base: str, session: str | None) -> None:
 def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
     engine = EchoEngine(delay_s=0.05, pad_words=1000)  # 10 s a reply unless cancelled
     limits = ServerLimits(max_concurrency=4, queue_timeout_s=5, session_lock_timeout_s=5)
-    store = MemoryStore()
+    store = InMemoryStore()
     gc.disable()  # the leak hid behind the garbage collector: it must not be needed
     try:
         with serve(create_app(engine, store=store, budget=BUDGET, limits=limits)) as base:
@@ -455,7 +457,7 @@ def test_dropped_streams_free_their_slot_and_session_at_once() -> None:
 
 
 def test_a_refused_request_on_an_existing_session_stores_nothing() -> None:
-    store = MemoryStore()
+    store = InMemoryStore()
     with serve(create_app(EchoEngine(), store=store, budget=BUDGET)) as base:
         with httpx.Client(base_url=base, timeout=30) as http:
             assert chat(http, "first", session="s").status_code == 200
@@ -497,7 +499,7 @@ def test_a_refused_request_on_an_existing_session_stores_nothing() -> None:
 
 
 def test_a_requests_max_tokens_caps_that_reply_only() -> None:
-    store = MemoryStore()
+    store = InMemoryStore()
     with serve(create_app(EchoEngine(pad_words=20), store=store, budget=BUDGET)) as base:
         with httpx.Client(base_url=base, timeout=30) as http:
             short = chat(http, "hi", session="m", max_tokens=3).json()
@@ -507,7 +509,7 @@ def test_a_requests_max_tokens_caps_that_reply_only() -> None:
     assert full.endswith("w19")  # the earlier request's cap did not stay with the session
 
 
-class _CountingStore(MemoryStore):
+class _CountingStore(InMemoryStore):
     """Counts the full loads of a session (its messages read)."""
 
     def __init__(self) -> None:
@@ -535,7 +537,7 @@ def test_a_turn_reads_its_session_once() -> None:
 
 def test_another_keys_session_looks_missing_at_once() -> None:
     engine = EchoEngine(delay_s=0.05, pad_words=120)  # a turn of ~6 s
-    app = create_app(engine, store=MemoryStore(), api_key=["k1", "k2"], budget=BUDGET)
+    app = create_app(engine, store=InMemoryStore(), api_key=["k1", "k2"], budget=BUDGET)
     with serve(app) as base:
         mine = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k1"})
         other = httpx.Client(base_url=base, timeout=30, headers={"Authorization": "Bearer k2"})
@@ -569,7 +571,9 @@ def test_another_keys_session_looks_missing_at_once() -> None:
 
 
 def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
-    app = create_app(EchoEngine(), store=MemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"])
+    app = create_app(
+        EchoEngine(), store=InMemoryStore(), budget=BUDGET, allowed_origins=["https://ok.example"]
+    )
     with serve(app) as base:
         port = int(base.rsplit(":", 1)[1])
         with httpx.Client(base_url=base) as http:
@@ -609,7 +613,7 @@ def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
             assert openai_error(mine, 403)["code"] == "forbidden_origin"
             assert http.get("/v1/models", headers={"Origin": f"https://127.0.0.1:{port}"}).status_code == 403
     keyed = create_app(
-        EchoEngine(), store=MemoryStore(), api_key="k", allowed_origins=["http://localhost:3000"]
+        EchoEngine(), store=InMemoryStore(), api_key="k", allowed_origins=["http://localhost:3000"]
     )
     with serve(keyed) as base, httpx.Client(base_url=base) as http:
         pre = http.options(  # a browser sends no key with a preflight
@@ -623,11 +627,11 @@ def test_allowed_origins_get_cors_and_a_preflight_and_ports_count() -> None:
         r = http.get("/v1/models", headers={"Origin": "http://localhost:3000"})
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
     with pytest.raises(ConfigError):
-        create_app(EchoEngine(), store=MemoryStore(), allowed_origins=["ok.example"])
+        create_app(EchoEngine(), store=InMemoryStore(), allowed_origins=["ok.example"])
 
 
 def test_health_answers_503_within_its_limit_while_redis_hangs(tmp_path: Path) -> None:
-    from convo.store import RedisStore
+    from convo.stores import RedisStore
 
     url, proc = start_redis(tmp_path)
     try:
@@ -652,7 +656,7 @@ def test_health_answers_503_within_its_limit_while_redis_hangs(tmp_path: Path) -
 
 
 def test_each_request_is_logged_once_without_bodies_or_keys(caplog: pytest.LogCaptureFixture) -> None:
-    app = create_app(EchoEngine(), store=MemoryStore(), api_key="sekrit-key", budget=BUDGET)
+    app = create_app(EchoEngine(), store=InMemoryStore(), api_key="sekrit-key", budget=BUDGET)
     with caplog.at_level(logging.INFO, logger="convo.server.access"):
         with (
             serve(app) as base,
@@ -748,7 +752,7 @@ class _UpstreamFails(EchoEngine):
 
 
 def test_a_failing_remote_engine_is_a_502_in_openai_json() -> None:
-    with serve(create_app(_UpstreamFails(), store=MemoryStore(), budget=BUDGET)) as base:
+    with serve(create_app(_UpstreamFails(), store=InMemoryStore(), budget=BUDGET)) as base:
         with httpx.Client(base_url=base) as http:
             r = chat(http, "x", session="up")
             err = openai_error(r, 502)

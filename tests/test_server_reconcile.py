@@ -18,7 +18,7 @@ from test_server import serve  # the suite's live-server helper
 from convo import Budget, Message, SQLiteStore
 from convo.server.app import create_app
 from convo.server.reconcile import reconcile
-from convo.store import Store
+from convo.stores import Store
 from convo.testing import EchoEngine
 
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)

@@ -41,6 +41,7 @@ from convo.cli.common import (
     default_db_path,
     non_negative_int,
     positive_int,
+    positive_seconds,
 )
 from convo.errors import ConvoError
 

@@ -24,7 +24,7 @@ from convo.engines.transformers import TransformersEngine
 from convo.errors import ConfigError, ConvoError
 from convo.paths import cache_dir
 from convo.planner.model import BUILTIN_CONFIGS
-from convo.store import SQLiteStore
+from convo.stores import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
 #: (``fp4`` is priced by ``convo plan`` only; ``none``, the checkpoint's own dtype, is the

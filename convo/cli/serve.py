@@ -14,7 +14,7 @@ from convo.engines.models import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
-from convo.store import RedisStore, SQLiteStore, Store, redact_url
+from convo.stores import RedisStore, SQLiteStore, Store, redact_url
 from convo.testing import EchoEngine
 
 try:

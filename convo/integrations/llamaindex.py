@@ -45,7 +45,7 @@ from convo.errors import MessageError  # noqa: E402
 from convo.messages import Message, Role, ToolCall  # noqa: E402
 from convo.plan import PromptPlan  # noqa: E402
 from convo.session import Retriever, Session  # noqa: E402
-from convo.store import MemoryStore, Store  # noqa: E402
+from convo.stores import InMemoryStore, Store  # noqa: E402
 from convo.summarize import Summarizer  # noqa: E402
 from convo.tokens import TokenCounter  # noqa: E402
 
@@ -138,7 +138,7 @@ class ConvoMemory(BaseMemory):
     session_id: str
     budget: Budget = Field(default_factory=Budget)
     counter: TokenCounter
-    store: Store = Field(default_factory=MemoryStore)
+    store: Store = Field(default_factory=InMemoryStore)
     system_prompt: str | None = None
     # (protocols: pydantic cannot check them, so the fields are typed where they are used)
     summarizer: Any = None
@@ -224,7 +224,7 @@ class ConvoMemory(BaseMemory):
         scratch = Session(
             counter=self.counter,
             budget=self.budget,
-            store=MemoryStore(),
+            store=InMemoryStore(),
             session_id=self.session_id,
             system_prompt=self.system_prompt,
         )

@@ -56,7 +56,7 @@ from convo.errors import ConfigError, MessageError, MissingDependency
 from convo.messages import check_text
 from convo.metrics import ServingMetrics
 from convo.server.limits import ServerLimits
-from convo.store import Store
+from convo.stores import Store
 from convo.summarize import SummaryWorker
 
 try:

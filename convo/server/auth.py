@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from convo.errors import SessionNotFound
-from convo.store import SessionState, Store
+from convo.stores import SessionState, Store
 
 
 def key_owner(api_key: str | None) -> str:

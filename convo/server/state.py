@@ -18,7 +18,7 @@ from convo.metrics import ServingMetrics
 from convo.server.auth import key_owner, peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
-from convo.store import Store
+from convo.stores import Store
 from convo.summarize import SummaryWorker
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from convo.server.limits import ServerLimits
 from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest
 from convo.session import Reply, Session
-from convo.store import MemoryStore, SessionState, Store
+from convo.stores import InMemoryStore, SessionState, Store
 from convo.summarize import SummaryWorker
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class Turn:
             retrieval_tokens=0,
         )
         validate_sequence(msgs)  # tool results answer the calls before them (MessageError: 400)
-        store = MemoryStore()
+        store = InMemoryStore()
         store.create(SessionState(session_id=self.session_id, settings={"budget": budget.to_dict()}), msgs)
         with Session(
             self.engine,

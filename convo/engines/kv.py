@@ -26,8 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convo.engines.base import FinishReason, KVCall, KVRun, empty_device_cache
+from convo.engines.base import KVCall, KVRun
 from convo.errors import DeviceOutOfMemory, is_out_of_memory
+from convo.fast.scheduler import DecodeRequest, DecodeScheduler
+from convo.models.device import empty_device_cache
+from convo.models.generation import FinishReason
 from convo.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -355,8 +358,6 @@ class SlotKV:
         step_tokens: int,
         interleave_tokens: int,
     ) -> None:
-        from convo.fast import DecodeScheduler
-
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.model_ids = model_ids
@@ -382,8 +383,6 @@ class SlotKV:
         self.scheduler.close()
 
     def generate(self, call: KVCall) -> KVRun:
-        from convo.fast import DecodeRequest
-
         start = time.monotonic()
         stops = list(call.stop)
         streamer = _Streamer(self.tokenizer, call.on_text, keep_text=bool(stops))
@@ -401,6 +400,8 @@ class SlotKV:
             cache_key=call.cache_key,
             on_token=on_token,
             cancel=call.cancel,
+            # The call's priority, or (none given) the request's default: a reply's.
+            **({} if call.priority is None else {"priority": call.priority}),
         )
         self.scheduler.run(request)  # DeviceOutOfMemory propagates
         streamer.end()

@@ -31,18 +31,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Unpack
 
-from convo.engines.base import (
-    INT4_GROUP_SIZE,
-    FinishReason,
-    GenerateOptions,
-    GenerateRequest,
-    Generation,
-    GenerationStats,
-    KVBackend,
-    KVCall,
-    Quant,
-    TextStream,
-)
+import convo.fast as fast  # its torch-importing StaticDecoder loads on first use
+from convo.engines.base import GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
 from convo.engines.kv import DynamicKV, SlotKV
 from convo.engines.models import default_model_path, progress_bars, resolve_model
 from convo.errors import (
@@ -50,27 +40,33 @@ from convo.errors import (
     MissingDependency,
     ModelLoadError,
 )
-from convo.fast.scheduler import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, SchedulerStats
+from convo.fast.scheduler import SchedulerStats
 from convo.messages import Message
+from convo.models.defaults import (
+    AUTO_SLOTS_MEMORY_FRACTION,
+    DEFAULT_INTERLEAVE_TOKENS,
+    DEFAULT_KV_SLOTS,
+    DEFAULT_SLOT_TOKENS,
+    DEFAULT_STEP_TOKENS,
+    PREFILL_GRAPH_TOKENS,
+    auto_kv_slots,
+)
+from convo.models.generation import FinishReason, Generation, GenerationStats
+from convo.models.quant import INT4_GROUP_SIZE, Quant, check_int4_group_size
+from convo.models.random_model import build_random_model
+from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.tokens import HFTokenCounter
 
+__all__ = [
+    "AUTO_SLOTS_MEMORY_FRACTION",
+    "DEFAULT_KV_SLOTS",
+    "DEFAULT_SLOT_TOKENS",
+    "TransformersEngine",
+    "auto_kv_slots",
+    "default_model_path",
+]
+
 logger = logging.getLogger(__name__)
-
-#: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
-DEFAULT_KV_SLOTS = 8
-#: Share of the free device memory (after the weights) that ``kv_slots=None`` lets the slot
-#: pool take on CUDA; the rest is left to prefill activations, graphs and other work.
-AUTO_SLOTS_MEMORY_FRACTION = 0.5
-#: Tokens per slot when neither ``slot_tokens`` nor ``max_input_tokens`` is given.
-DEFAULT_SLOT_TOKENS = 4096
-
-
-def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
-    """The KV slots ``kv_slots=None`` takes on CUDA: :data:`DEFAULT_KV_SLOTS`, or as many
-    slots of ``slot_bytes`` as fit in :data:`AUTO_SLOTS_MEMORY_FRACTION` of ``free_bytes``
-    (the device memory free after loading); 0 when not one fits. The planner's
-    :meth:`~convo.planner.model.MemoryModel.auto_kv_slots` prices the same count."""
-    return max(0, min(DEFAULT_KV_SLOTS, int(AUTO_SLOTS_MEMORY_FRACTION * free_bytes // max(slot_bytes, 1))))
 
 
 def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
@@ -147,7 +143,7 @@ class TransformersEngine:
         attn_implementation: str = "sdpa",
         max_input_tokens: int | None = None,
         timeout_s: float = 120.0,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS,
         max_cached_sessions: int = 8,
@@ -171,8 +167,7 @@ class TransformersEngine:
             raise ConfigError("kv_slots must be >= 0")
         if slot_tokens is not None and slot_tokens < 2:
             raise ConfigError("slot_tokens must be >= 2")
-        if int4_group_size not in (32, 64, 128):
-            raise ConfigError("int4_group_size must be 32, 64 or 128")
+        check_int4_group_size(int4_group_size, name="int4_group_size")
         try:
             import torch
             import transformers  # noqa: F401
@@ -209,8 +204,6 @@ class TransformersEngine:
         self.max_input_tokens = max_input_tokens or int(n_pos)
         if self.max_input_tokens < 1:
             raise ConfigError("max_input_tokens must be >= 1")
-        from convo.planner.model import DType, ModelShape
-
         kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
         #: KV bytes one token costs (batch of one), from the config: 2 x layers x kv_heads
         #: x head_dim x dtype bytes; checked against the cache tensors in every report.
@@ -323,9 +316,6 @@ class TransformersEngine:
         import torch
         from transformers import AutoTokenizer
 
-        from convo.planner.measure import build_random_model
-        from convo.planner.model import Attn, DType, load_config
-
         config = load_config(name)
         quant = self.quant if self.quant.is_bitsandbytes else Quant.NONE
         dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
@@ -348,8 +338,6 @@ class TransformersEngine:
     ) -> Any:
         """The static decoder (KV slot pool, captured step), warmed up, when asked or by
         default; ``None``: plain ``generate`` with a growing cache."""
-        from convo.fast import StaticDecoder
-
         auto = kv_slots is None
         cuda = self.device.startswith("cuda")
         if auto:
@@ -372,7 +360,7 @@ class TransformersEngine:
         if progress:
             progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
         try:
-            decoder = StaticDecoder(
+            decoder = fast.StaticDecoder(
                 self.model,
                 slots=kv_slots,
                 slot_tokens=tokens,
@@ -524,6 +512,7 @@ class TransformersEngine:
             cache_key=request.cache_key,
             on_text=request.on_text,
             cancel=request.cancel,
+            priority=request.priority,
         )
         run = self._kv.generate(call)
         text, reason = self._reply(

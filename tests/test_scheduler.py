@@ -236,9 +236,7 @@ def test_replies_get_slots_and_prefill_budget_before_background_work() -> None:
 
     dec = FakeDecoder(slots=2)
     sched = DecodeScheduler(dec, background=False, step_tokens=10)
-    with decode_priority(Priority.BACKGROUND):  # how a summarizer marks its engine calls
-        summary = sched.submit(request(30, max_new=1))
-    assert summary.priority == Priority.BACKGROUND
+    summary = sched.submit(request(30, max_new=1, priority=Priority.BACKGROUND))  # a summary's call
     reply = sched.submit(request(30, first=50, max_new=1))
     sched.run_step()  # both hold a slot; the budget goes to the reply first
     assert dec.events[0] == ("prefill", [(reply.slot, 0, 10)])
@@ -435,3 +433,10 @@ def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
     assert b.slot == -1 and a.slot == 0
     drain(sched)
     assert a.new_ids == [6, 7, 8, 9] and b.new_ids == [55]
+
+
+def test_the_deprecated_decode_priority_still_marks_requests_made_in_its_block() -> None:
+    with pytest.warns(DeprecationWarning, match="decode_priority"), decode_priority(Priority.BACKGROUND):
+        inside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    outside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    assert (inside.priority, outside.priority) == (Priority.BACKGROUND, Priority.REPLY)

@@ -320,7 +320,7 @@ def test_step_tokens_must_be_positive() -> None:
 
 def test_engine_refuses_a_step_budget_below_one_before_loading() -> None:
     pytest.importorskip("transformers")
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="step_tokens"):
@@ -347,7 +347,7 @@ def test_out_of_memory_is_recognized_by_convo_errors_and_mapped_to_device_out_of
 
 def test_slot_backend_implements_the_kv_interface() -> None:
     from convo.engines.base import KVBackend, KVCall
-    from convo.engines.kv import SlotKV
+    from convo.engines.local.kv import SlotKV
 
     def call(ids: list[int], max_new: int) -> KVCall:
         return KVCall(ids=ids, max_new_tokens=max_new, timeout_s=30, sampling=Greedy(), cache_key="a")
@@ -371,7 +371,7 @@ def test_slot_backend_implements_the_kv_interface() -> None:
 
 
 def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
-    from convo.engines.transformers import DEFAULT_KV_SLOTS, auto_kv_slots
+    from convo.models import DEFAULT_KV_SLOTS, auto_kv_slots
 
     slot = 1 << 20
     assert auto_kv_slots(10 * slot, slot) == 5  # half of the free memory

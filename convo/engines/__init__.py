@@ -22,8 +22,8 @@ from convo.engines.base import Engine, GenerateOptions, GenerateRequest
 from convo.models.generation import FinishReason, Generation, GenerationStats, Sampling
 
 if TYPE_CHECKING:
+    from convo.engines.local.engine import TransformersEngine
     from convo.engines.openai import OpenAIEngine
-    from convo.engines.transformers import TransformersEngine
 
 __all__ = [
     "Engine",
@@ -37,7 +37,7 @@ __all__ = [
     "TransformersEngine",
 ]
 
-_LAZY = {"TransformersEngine": "convo.engines.transformers", "OpenAIEngine": "convo.engines.openai"}
+_LAZY = {"TransformersEngine": "convo.engines.local.engine", "OpenAIEngine": "convo.engines.openai"}
 _MOVED = {"Quant": "convo.models.quant"}
 
 

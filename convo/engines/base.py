@@ -212,7 +212,7 @@ class KVRun:
 class KVBackend(Protocol):
     """Where a local engine keeps the KV cache of its sessions, and how it decodes on it.
 
-    Two backends implement it (:mod:`convo.engines.kv`): ``DynamicKV``, a growing
+    Two backends implement it (:mod:`convo.engines.local.kv`): ``DynamicKV``, a growing
     transformers cache per session run through ``model.generate`` one call at a time, and
     ``SlotKV``, the static slots of :mod:`convo.fast` decoded together by a scheduler. The
     engine picks one at load; validation, text and statistics stay in the engine.

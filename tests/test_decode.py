@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from convo.fast import (  # noqa: E402
+    DecoderConfig,
     DecodeRequest,
     DecodeScheduler,
     Int4Linear,
@@ -159,7 +160,7 @@ def with_reference(model_type: str, *, tokens: int, seed: int) -> tuple[Any, lis
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_decoder_matches_transformers_forward(model_type: str) -> None:
     model, ids, ref = with_reference(model_type, tokens=40, seed=2)
-    dec = StaticDecoder(model, slots=3, slot_tokens=64, prefill_chunk_tokens=7)
+    dec = StaticDecoder(model, slots=3, slot_tokens=64, config=DecoderConfig(prefill_chunk_tokens=7))
     dec.warmup()
     # q/k/v are fused without a second copy: the model's modules view the fused weight.
     q_proj = model.model.layers[0].self_attn.q_proj.weight
@@ -214,7 +215,9 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
     model, ids, ref = with_reference(
         model_type, tokens=64, seed=4
     )  # qwen2: grouped-query attention and q/k/v biases
-    dec = StaticDecoder(model, slots=2, slot_tokens=64, prefill_chunk_tokens=32, static_prefill=True)
+    dec = StaticDecoder(
+        model, slots=2, slot_tokens=64, config=DecoderConfig(prefill_chunk_tokens=32, static_prefill=True)
+    )
     assert dec.prefill_buckets == [16, 32]
     dec.warmup()
     logits, _ = dec.prefill(0, ids[:21], 0)  # one 32-token bucket, 11 rows of padding
@@ -239,7 +242,9 @@ def test_mixed_step_decodes_and_prefills_in_one_forward(static: bool) -> None:
     and what each wrote to its slot carries on: eager, and in the static-shape forward
     that CUDA graphs capture per (decode bucket, chunk bucket), rows and chunk padded."""
     model, ids, ref = with_reference("qwen2", tokens=50, seed=5)
-    dec = StaticDecoder(model, slots=3, slot_tokens=64, static_prefill=static, mixed_chunk_tokens=16)
+    dec = StaticDecoder(
+        model, slots=3, slot_tokens=64, config=DecoderConfig(static_prefill=static, mixed_chunk_tokens=16)
+    )
     assert dec.mixed_steps and dec.mixed_buckets == [16] and dec.buckets == [1, 2, 4]
     dec.warmup()
     dec.prefill(0, ids[:30], 0)
@@ -333,7 +338,7 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_decode import tiny_model\n"
-        "from convo.fast import Int4Linear, StaticDecoder\n"
+        "from convo.fast import DecoderConfig, Int4Linear, StaticDecoder\n"
         "from convo.fast.int4 import W4_KERNEL_MAX_ROWS\n"
         "w = torch.randn(96, 256)\n"
         "q = Int4Linear.quantize(w, group_size=32, layout='plain')\n"
@@ -348,11 +353,12 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "    y = _W4['launch'](x, q.qweight, q.scales_zeros, cfg)\n"
         "    err = max(err, float((y - x @ ref_w.t()).abs().max()))\n"
         "model = tiny_model()\n"
-        "kw = dict(slots=2, slot_tokens=64, weights='int4', group_size=32)\n"
-        "a = StaticDecoder(model, int4_kernel='tinygemm', **kw)\n"
-        "b = StaticDecoder(model, int4_kernel='triton', compile=True, **kw)\n"
+        "kw = dict(slots=2, slot_tokens=64, weights='int4')\n"
+        "a = StaticDecoder(model, config=DecoderConfig(group_size=32, int4_kernel='tinygemm'), **kw)\n"
+        "triton = DecoderConfig(group_size=32, int4_kernel='triton', compile=True)\n"
+        "b = StaticDecoder(model, config=triton, **kw)\n"
         "assert a.int4_layout == 'tinygemm' and b.int4_layout == 'plain'\n"
-        "assert StaticDecoder(model, **kw).int4_layout == 'both'\n"
+        "assert StaticDecoder(model, config=DecoderConfig(group_size=32), **kw).int4_layout == 'both'\n"
         "a.warmup(); b.warmup()\n"
         "assert set(b.kernel_choice.values()) == {'triton'}, b.kernel_choice\n"
         "ids = list(range(3, 40))\n"
@@ -537,7 +543,9 @@ def test_int4_quality_on_the_real_model(real_engine: Any) -> None:
     assert 120 < len(ids) < 200
     with torch.no_grad():
         fp32 = _perplexity(real_engine.model(torch.tensor([ids])).logits[0], ids)
-    int4 = StaticDecoder(real_engine.model, slots=1, slot_tokens=256, weights="int4", group_size=32)
+    int4 = StaticDecoder(
+        real_engine.model, slots=1, slot_tokens=256, weights="int4", config=DecoderConfig(group_size=32)
+    )
     assert int4.quantized
     int4_ppl = _perplexity(int4.prefill(0, ids, 0, all_logits=True)[0], ids)
     assert abs(int4_ppl / fp32 - 1) < 0.03, (int4_ppl, fp32)
@@ -627,7 +635,7 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     model = tiny_model(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ref_logits = model(torch.tensor([list(range(1, 50))], device="cuda")).logits[0, -1].float()
-    dec = StaticDecoder(model, slots=4, slot_tokens=256, weights=weights, group_size=32)
+    dec = StaticDecoder(model, slots=4, slot_tokens=256, weights=weights, config=DecoderConfig(group_size=32))
     assert dec.compiled and dec.cuda_graphs
     dec.warmup()
     graphs, captures = counters["stats"]["unique_graphs"], dec.captures
@@ -659,7 +667,9 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
     ids = list(range(1, 120))
     outs = []
     for mixed in (True, False):
-        dec = StaticDecoder(model, slots=4, slot_tokens=256, mixed_chunk_tokens=0 if not mixed else 256)
+        dec = StaticDecoder(
+            model, slots=4, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
+        )
         dec.warmup()
         assert ((4, 32) in dec._mixed_graphs) is mixed
         for slot, n in ((0, 40), (1, 50), (2, 60)):
@@ -691,3 +701,12 @@ def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - allocated
     assert grown < 1 << 20, grown  # the pool was taken at load
+
+
+def test_flat_decoder_keywords_still_work_and_warn() -> None:
+    model = tiny_model()
+    with pytest.warns(DeprecationWarning, match=r"config=DecoderConfig\(prefill_chunk_tokens=\.\.\.\)"):
+        old = StaticDecoder(model, slots=2, slot_tokens=32, prefill_chunk_tokens=8)
+    assert old.config == DecoderConfig(prefill_chunk_tokens=8) and old.prefill_chunk_tokens == 8
+    with pytest.raises(TypeError, match="group"):
+        StaticDecoder(model, slots=2, slot_tokens=32, group=32)

@@ -78,6 +78,7 @@ def test_the_deprecated_int4_helpers_still_work() -> None:
         q = quantize_int4(w, group_size=32, layout="plain")
     assert torch.equal(q.dequantize(), Int4Linear.quantize(w, group_size=32, layout="plain").dequantize())
     from convo.planner.model import int4_group
+
     for in_features in (32, 64, 96, 128, 4096, 11008, 100):
         with pytest.warns(DeprecationWarning, match="int4_group"):
             old = int4_group(in_features)  # its default: the engine's group
@@ -154,3 +155,54 @@ def test_importing_the_layers_loads_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
+
+
+# -- flat keywords that became config objects ----------------------------------------------------
+
+
+def test_configs_validate_when_built() -> None:
+    from convo.engines.local.config import KVConfig, LoadConfig
+    from convo.errors import ConfigError
+    from convo.fast import DecoderConfig
+
+    for bad in ({"kv_slots": -1}, {"slot_tokens": 1}, {"step_tokens": 0}, {"prefill_chunk_tokens": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            KVConfig(**bad)
+    with pytest.raises(ConfigError, match="int4_group_size"):
+        LoadConfig(int4_group_size=100)
+    with pytest.raises(ConfigError, match="int4_kernel"):
+        LoadConfig(int4_kernel="cutlass")
+    with pytest.raises(ConfigError, match="mixed_chunk_tokens"):
+        DecoderConfig(mixed_chunk_tokens=-1)
+    assert DecoderConfig(buckets=[1, 4]).buckets == (1, 4)
+    with pytest.raises(TypeError):
+        KVConfig(8)  # type: ignore[misc]  # keyword-only
+
+
+def test_flat_engine_keywords_still_work_and_warn() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from convo.engines.local.config import KVConfig, LoadConfig
+    from convo.engines.local.engine import TransformersEngine
+
+    with pytest.warns(
+        DeprecationWarning, match=r"kv=KVConfig\(kv_slots=\.\.\., prefill_chunk_tokens=\.\.\.\)"
+    ):
+        old = TransformersEngine("random:tiny-llama", device="cpu", kv_slots=0, prefill_chunk_tokens=64)
+    new = TransformersEngine.from_model(
+        old.model, old.tokenizer, quant="fp32", kv=KVConfig(kv_slots=0, prefill_chunk_tokens=64)
+    )
+    try:
+        assert old.kv_config == new.kv_config == KVConfig(kv_slots=0, prefill_chunk_tokens=64)
+        assert old.load_config == LoadConfig() and old.prefill_chunk_tokens == 64
+        with pytest.warns(DeprecationWarning, match="from_model"):
+            private = TransformersEngine(
+                _model=old.model, _tokenizer=old.tokenizer, quant="fp32", kv=KVConfig(kv_slots=0)
+            )
+        assert private.model is old.model
+        private.close()
+        with pytest.raises(TypeError, match="no_such_option"):
+            TransformersEngine("random:tiny-llama", device="cpu", no_such_option=1)
+    finally:
+        old.close()
+        new.close()

@@ -298,7 +298,11 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
         AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32
     ).eval()
     decoder = fast.StaticDecoder(
-        model, slots=1, slot_tokens=16, weights="int4", group_size=group_size, free_dense=True
+        model,
+        slots=1,
+        slot_tokens=16,
+        weights="int4",
+        config=fast.DecoderConfig(group_size=group_size, free_dense=True),
     )
     assert decoder.quantized
     int4 = [t for layer in decoder.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -6,5 +6,10 @@ from convo._deprecated import moved
 __getattr__ = moved(
     "convo.engines.transformers",
     "convo.engines.local.engine",
-    ["convo.engines.local.engine", "convo.engines.local.loading"],
+    [
+        "convo.engines.local.engine",
+        "convo.engines.local.loading",
+        "convo.engines.local.config",
+        "convo.models",
+    ],
 )

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from convo._deprecated import lazy
+from convo.fast.config import DecoderConfig
 from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.scheduler import (
@@ -59,6 +60,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "DecodeRequest",
     "DecodeScheduler",
+    "DecoderConfig",
     "Int4Linear",
     "KVSlotPool",
     "PrefillChunk",

@@ -15,18 +15,21 @@ from typing import Any
 import torch
 
 from convo.errors import ConfigError
+from convo.fast.config import DecoderConfig
 from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import _interpreting, _w4_op, chunk_attention, decode_attention
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
-from convo.models.defaults import MIXED_CHUNK_TOKENS, PREFILL_GRAPH_TOKENS
+from convo.models.defaults import MIXED_CHUNK_TOKENS
 from convo.models.device import empty_device_cache
-from convo.models.quant import INT4_KERNELS, LARGEST_INT4_GROUP_SIZE, int4_group_size
+from convo.models.legacy import split_legacy
+from convo.models.quant import int4_group_size
 from convo.models.spec import STATIC_DECODE_MODEL_TYPES
 
 __all__ = [
     "MIXED_CHUNK_TOKENS",
     "PREFILL_GRAPH_MAX_CHUNKS",
     "SUPPORTED_MODEL_TYPES",
+    "DecoderConfig",
     "PrefillChunk",
     "StaticDecoder",
     "tensor_nbytes",
@@ -233,36 +236,10 @@ class StaticDecoder:
             fused q/k/v and gate/up, quantized modules such as bitsandbytes' are called as
             they are) or ``"int4"`` (quantize plain linears to
             :class:`~convo.fast.int4.Int4Linear`).
-        group_size: preferred int4 group size (default the largest,
-            :data:`~convo.models.quant.LARGEST_INT4_GROUP_SIZE`, 128; smaller where a shape
-            needs it, :func:`~convo.models.quant.int4_group_size`).
-        compile: fuse each layer's pointwise work with ``torch.compile``. Default: on CUDA
-            with plain or int4 weights.
-        cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size
-            bucket (:attr:`prefill_buckets`). Default: on CUDA.
-        prefill_chunk_tokens: :meth:`prefill` runs in chunks of this many tokens, and the
-            largest captured prefill is this long. Default
-            :data:`~convo.models.defaults.PREFILL_GRAPH_TOKENS` (512).
-        free_dense: after quantizing to int4, drop the model's dense linear weights (the
-            model can then only run through this decoder). Default False.
-        buckets: batch sizes to build the step for (default: powers of two up to the
-            next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
-            the largest bucket are refused.
-        int4_kernel: the int4 layouts kept, which decide the kernels
-            (:mod:`convo.fast.int4`): ``"triton"`` (the plain layout alone: convo's W4A16
-            Triton kernel up to :data:`~convo.fast.int4.W4_KERNEL_MAX_ROWS` rows,
-            dequantized once for cuBLAS above), ``"tinygemm"`` (PyTorch's tile-packed
-            layout alone, at every row count: slow prefill), or ``"auto"`` (default): both
-            on CUDA with Triton (tinygemm for steps of up to
-            :data:`~convo.fast.int4.TINYGEMM_MAX_ROWS` rows), else tinygemm's.
-        static_prefill: run prefill through the static-shape forward that the graphs
-            capture (chunks padded to a bucket, attention over the whole slot under a
-            mask). Default: with ``cuda_graphs``; tests set it on CPU to check that forward.
-        mixed_chunk_tokens: with ``cuda_graphs``, :meth:`mixed_step` (decode rows and one
-            prefill chunk in one forward) is captured for every decode bucket and every
-            prefill bucket up to this many tokens (:data:`MIXED_CHUNK_TOKENS` by default:
-            the scheduler's chunk while replies stream); 0: no mixed graphs (a decode
-            replay, then a prefill replay).
+        config: the int4 grid and what is compiled and captured
+            (:class:`~convo.fast.config.DecoderConfig`). Default ``DecoderConfig()``.
+        **legacy: the fields of ``config`` as flat keywords (``group_size=32``), as before:
+            deprecated, with a ``DeprecationWarning``, for one release.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -276,17 +253,16 @@ class StaticDecoder:
         slots: int = 8,
         slot_tokens: int,
         weights: str = "as-loaded",
-        group_size: int = LARGEST_INT4_GROUP_SIZE,
-        compile: bool | None = None,
-        cuda_graphs: bool | None = None,
-        prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS,
-        free_dense: bool = False,
-        buckets: Sequence[int] | None = None,
-        int4_kernel: str = "auto",
-        static_prefill: bool | None = None,
-        mixed_chunk_tokens: int = MIXED_CHUNK_TOKENS,
+        config: DecoderConfig | None = None,
+        **legacy: Any,
     ) -> None:
-        import torch
+        (config,) = split_legacy(legacy, [("config", config or DecoderConfig())], owner="StaticDecoder")
+        #: The decoder's settings (the config given, with any flat keywords applied).
+        self.config = config
+        group_size, int4_kernel, free_dense = config.group_size, config.int4_kernel, config.free_dense
+        compile, cuda_graphs, static_prefill = config.compile, config.cuda_graphs, config.static_prefill
+        prefill_chunk_tokens, mixed_chunk_tokens = config.prefill_chunk_tokens, config.mixed_chunk_tokens
+        buckets = config.buckets
 
         cfg = model.config.get_text_config()
         model_type = getattr(cfg, "model_type", "")
@@ -299,12 +275,6 @@ class StaticDecoder:
             raise ConfigError(f"static decode needs a SiLU MLP, not {cfg.hidden_act!r}")
         if weights not in ("as-loaded", "int4"):
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
-        if prefill_chunk_tokens < 1:
-            raise ConfigError("prefill_chunk_tokens must be >= 1")
-        if mixed_chunk_tokens < 0:
-            raise ConfigError("mixed_chunk_tokens must be >= 0")
-        if int4_kernel not in INT4_KERNELS:
-            raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:
             raise ConfigError(

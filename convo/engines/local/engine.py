@@ -27,12 +27,14 @@ import importlib.util
 import logging
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Unpack
 
 import convo.fast as fast  # its torch-importing StaticDecoder loads on first use
 from convo.engines.base import GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
+from convo.engines.local.config import KVConfig, LoadConfig
 from convo.engines.local.kv import DynamicKV, SlotKV
 from convo.engines.local.loading import default_model_path, progress_bars, resolve_model
 from convo.errors import (
@@ -40,19 +42,18 @@ from convo.errors import (
     MissingDependency,
     ModelLoadError,
 )
+from convo.fast.config import DecoderConfig
 from convo.fast.scheduler import SchedulerStats
 from convo.messages import Message
 from convo.models.defaults import (
     AUTO_SLOTS_MEMORY_FRACTION,
-    DEFAULT_INTERLEAVE_TOKENS,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
-    DEFAULT_STEP_TOKENS,
-    PREFILL_GRAPH_TOKENS,
     auto_kv_slots,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
-from convo.models.quant import INT4_GROUP_SIZE, Quant, check_int4_group_size
+from convo.models.legacy import split_legacy
+from convo.models.quant import Quant
 from convo.models.random_model import build_random_model
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.tokens import HFTokenCounter
@@ -61,6 +62,8 @@ __all__ = [
     "AUTO_SLOTS_MEMORY_FRACTION",
     "DEFAULT_KV_SLOTS",
     "DEFAULT_SLOT_TOKENS",
+    "KVConfig",
+    "LoadConfig",
     "TransformersEngine",
     "auto_kv_slots",
     "default_model_path",
@@ -80,52 +83,36 @@ class TransformersEngine:
 
     Args:
         model: ``None`` / ``"default"`` for the embedded SmolLM2-135M-Instruct, a local
-            folder, a ``.gguf`` file, or a hub id (hub ids need network).
-        quant: ``"auto"`` (default: nf4 on CUDA, fp32 on CPU; see :class:`Quant`),
-            ``"nf4"`` (4-bit NormalFloat, double quantization, bf16 compute, fp16 where
-            bf16 is unsupported), ``"int8"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
+            folder, a ``.gguf`` file, a hub id (hub ids need network), or a
+            ``random:...`` architecture (:data:`~convo.models.spec.BUILTIN_CONFIGS`) with
+            random weights. An already loaded model: :meth:`from_model`.
+        quant: ``"auto"`` (default: nf4 on CUDA, fp32 on CPU; see
+            :class:`~convo.models.quant.Quant`), ``"nf4"`` (4-bit NormalFloat, double
+            quantization, bf16 compute, fp16 where bf16 is unsupported), ``"int4"`` (the
+            static decoder's int4), ``"int8"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
         device: ``"cuda"``, ``"cpu"`` or ``None`` for CUDA when available.
-        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model);
-            default: the whole model on ``device``.
-        offload_folder: where ``device_map="auto"`` may offload weights that do not fit.
-        attn_implementation: asked for explicitly (default ``"sdpa"``); :attr:`attention`
-            reports what the model actually uses.
         max_input_tokens: the input cap: a prompt longer than this never reaches the model.
-            Default: the model's ``max_position_embeddings``.
-        timeout_s: default wall-clock limit of one call, prefill included. Default 120 s.
-        prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
-            clock between chunks (also bounds prefill activation memory). Default 512.
-        step_tokens: static decode: the token budget of one scheduler step (running
-            replies' rows first, then prefill chunks of waiting turns; see
-            :mod:`convo.fast.scheduler`). Default 2,048.
-        interleave_tokens: static decode: while replies stream, a step prefills one chunk
-            of at most this many tokens, so a new turn delays each running reply's next
-            token by one short chunk. Default 256.
-        max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
-            With static decode the slots bound this instead.
-        cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
-        kv_slots: static KV slots (:mod:`convo.fast`): the KV memory of ``kv_slots``
-            sessions of ``slot_tokens`` tokens is taken once at load, every generating
-            session holds a slot, and sessions generating at once decode together in one
-            graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
-            supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
-            0 (on CUDA no more than fit in :data:`AUTO_SLOTS_MEMORY_FRACTION`, half, of
-            the memory the weights left free; plain ``generate`` if not one fits); 0:
-            plain ``generate`` with a growing cache.
-        slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
-            the input cap. Default: ``max_input_tokens`` if given, else the model's
-            context limit up to :data:`DEFAULT_SLOT_TOKENS`.
-        compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
-            Default: on CUDA (for plain and int4 weights).
-        int4_group_size: input features per int4 scale/zero pair (32, 64 or 128). Default
-            32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
-            default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
-            (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
-        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: the int4 layout
-            and so the kernel the decode step runs (see
-            :class:`~convo.fast.decoder.StaticDecoder`); ``auto`` is Triton's on CUDA.
-            One layout is kept.
+            Default: the model's ``max_position_embeddings`` (with KV slots, at most a slot).
+        timeout_s: default wall-clock limit of one call in seconds, prefill included.
+            Default 120.
         progress: called with a line of text while loading (CLIs show a spinner).
+        load: how the model is loaded (:class:`~convo.engines.local.config.LoadConfig`:
+            ``device_map``, ``offload_folder``, ``attn_implementation``,
+            ``int4_group_size``, ``int4_kernel``). Default ``LoadConfig()``.
+        kv: where the sessions' KV caches live and how they decode
+            (:class:`~convo.engines.local.config.KVConfig`: ``kv_slots``, ``slot_tokens``,
+            ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
+            ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``). Default
+            ``KVConfig()``.
+        **legacy: the fields of ``load`` and ``kv`` as flat keywords
+            (``TransformersEngine(kv_slots=4)``), as before: deprecated, with a
+            ``DeprecationWarning``, for one release.
+
+    Raises:
+        ConfigError: a bad setting (before any model is loaded).
+        MissingDependency: torch or transformers is not installed.
+        ModelLoadError: the model could not be loaded.
+        TypeError: an unknown keyword.
 
     Example:
         >>> engine = TransformersEngine()                      # doctest: +SKIP
@@ -138,36 +125,93 @@ class TransformersEngine:
         *,
         quant: Quant | str = Quant.AUTO,
         device: str | None = None,
-        device_map: str | dict[str, Any] | None = None,
-        offload_folder: str | os.PathLike[str] | None = None,
-        attn_implementation: str = "sdpa",
         max_input_tokens: int | None = None,
         timeout_s: float = 120.0,
-        prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS,
-        step_tokens: int = DEFAULT_STEP_TOKENS,
-        interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS,
-        max_cached_sessions: int = 8,
-        cache_idle_s: float = 600.0,
         progress: Callable[[str], None] | None = None,
-        kv_slots: int | None = None,
-        slot_tokens: int | None = None,
-        compile_decode: bool | None = None,
-        int4_group_size: int = INT4_GROUP_SIZE,
-        int4_kernel: str = "auto",
-        _model: Any = None,
-        _tokenizer: Any = None,
+        load: LoadConfig | None = None,
+        kv: KVConfig | None = None,
+        **legacy: Any,
     ) -> None:
+        loaded = None
+        if "_model" in legacy or "_tokenizer" in legacy:
+            warnings.warn(
+                "TransformersEngine(_model=, _tokenizer=) is deprecated; use TransformersEngine.from_model",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            loaded = (legacy.pop("_model", None), legacy.pop("_tokenizer", None))
+            if loaded[0] is None:
+                loaded = None
+        load, kv = split_legacy(
+            legacy, [("load", load or LoadConfig()), ("kv", kv or KVConfig())], owner="TransformersEngine"
+        )
+        self._start(
+            model,
+            loaded,
+            quant=quant,
+            device=device,
+            max_input_tokens=max_input_tokens,
+            timeout_s=timeout_s,
+            progress=progress,
+            load=load,
+            kv=kv,
+        )
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        tokenizer: Any,
+        *,
+        quant: Quant | str | None = None,
+        device: str | None = None,
+        max_input_tokens: int | None = None,
+        timeout_s: float = 120.0,
+        progress: Callable[[str], None] | None = None,
+        load: LoadConfig | None = None,
+        kv: KVConfig | None = None,
+        **legacy: Any,
+    ) -> TransformersEngine:
+        """Wrap an already loaded model and tokenizer (e.g. a random-weight model); the other
+        arguments are the constructor's. ``quant`` defaults to what the model holds: ``nf4``
+        for a bitsandbytes 4-bit model, else ``bf16``."""
+        if quant is None:
+            quant = Quant.NF4 if getattr(model, "is_loaded_in_4bit", False) else Quant.BF16
+        load, kv = split_legacy(
+            legacy,
+            [("load", load or LoadConfig()), ("kv", kv or KVConfig())],
+            owner="TransformersEngine.from_model",
+        )
+        engine = cls.__new__(cls)
+        engine._start(
+            None,
+            (model, tokenizer),
+            quant=quant,
+            device=device,
+            max_input_tokens=max_input_tokens,
+            timeout_s=timeout_s,
+            progress=progress,
+            load=load,
+            kv=kv,
+        )
+        return engine
+
+    def _start(
+        self,
+        model: str | os.PathLike[str] | None,
+        loaded: tuple[Any, Any] | None,
+        *,
+        quant: Quant | str,
+        device: str | None,
+        max_input_tokens: int | None,
+        timeout_s: float,
+        progress: Callable[[str], None] | None,
+        load: LoadConfig,
+        kv: KVConfig,
+    ) -> None:
+        """Load (or take) the model, then build its KV backend."""
         if timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
-        if prefill_chunk_tokens < 1:
-            raise ConfigError("prefill_chunk_tokens must be >= 1")
-        if max_cached_sessions < 0:
-            raise ConfigError("max_cached_sessions must be >= 0")
-        if kv_slots is not None and kv_slots < 0:
-            raise ConfigError("kv_slots must be >= 0")
-        if slot_tokens is not None and slot_tokens < 2:
-            raise ConfigError("slot_tokens must be >= 2")
-        check_int4_group_size(int4_group_size, name="int4_group_size")
         try:
             import torch
             import transformers  # noqa: F401
@@ -175,28 +219,29 @@ class TransformersEngine:
             raise MissingDependency(
                 "torch and transformers are needed; run: pip install 'convo[local]'"
             ) from None
+        #: How the model was loaded, and where the KV caches live (the configs given).
+        self.load_config, self.kv_config = load, kv
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.quant = Quant.parse(quant).resolved(cuda=self.device.startswith("cuda"))
         if self.quant is Quant.FP4:
             raise ConfigError("fp4 is for convo plan only; the engine loads 4-bit weights as nf4 or int4")
         self.timeout_s = timeout_s
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        if step_tokens < 1 or interleave_tokens < 1:
-            raise ConfigError("step_tokens and interleave_tokens must be >= 1")
-        self.step_tokens = step_tokens
-        self.interleave_tokens = interleave_tokens
-        self.max_cached_sessions = max_cached_sessions
-        self.cache_idle_s = cache_idle_s
+        self.prefill_chunk_tokens = kv.prefill_chunk_tokens
+        self.step_tokens = kv.step_tokens
+        self.interleave_tokens = kv.interleave_tokens
+        self.max_cached_sessions = kv.max_cached_sessions
+        self.cache_idle_s = kv.cache_idle_s
         self._vocab_limit: int | None = None
-        if _model is not None:
-            self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
+        if loaded is not None:
+            self.model, self.tokenizer = loaded
+            self.model_path = "<in-memory>"
         elif str(model).startswith("random:"):
-            self.model, self.tokenizer = self._random(str(model), attn_implementation, progress)
+            self.model, self.tokenizer = self._random(str(model), load.attn_implementation, progress)
             self.model_path = str(model)
         else:
             self.model_path = resolve_model(model, progress=progress)
             self.model, self.tokenizer = self._load(
-                self.model_path, device_map, offload_folder, attn_implementation, progress
+                self.model_path, load.device_map, load.offload_folder, load.attn_implementation, progress
             )
         self.model.eval()
         self._counter = HFTokenCounter(self.tokenizer)
@@ -209,10 +254,10 @@ class TransformersEngine:
         #: x head_dim x dtype bytes; checked against the cache tensors in every report.
         self.kv_bytes_per_token = ModelShape.from_config(self.model.config).kv_bytes_per_token(kv_dtype)
         self._eos = self._eos_ids()
-        self.int4_group_size = int4_group_size
-        self.int4_kernel = int4_kernel
+        self.int4_group_size = load.int4_group_size
+        self.int4_kernel = load.int4_kernel
         decoder = self._static_decoder(
-            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
+            kv.kv_slots, kv.slot_tokens or max_input_tokens, int(n_pos), kv.compile_decode, progress
         )
         #: Where the sessions' KV caches live: static slots when a decoder was built, else a
         #: growing cache per session. Chosen here, once.
@@ -365,12 +410,14 @@ class TransformersEngine:
                 slots=kv_slots,
                 slot_tokens=tokens,
                 weights="int4" if self.quant is Quant.INT4 else "as-loaded",
-                group_size=self.int4_group_size,
-                int4_kernel=self.int4_kernel,
-                compile=compile_decode,
-                prefill_chunk_tokens=self.prefill_chunk_tokens,
-                free_dense=self.quant is Quant.INT4,
-                mixed_chunk_tokens=self.interleave_tokens,
+                config=DecoderConfig(
+                    group_size=self.int4_group_size,
+                    int4_kernel=self.int4_kernel,
+                    compile=compile_decode,
+                    prefill_chunk_tokens=self.prefill_chunk_tokens,
+                    free_dense=self.quant is Quant.INT4,
+                    mixed_chunk_tokens=self.interleave_tokens,
+                ),
             )
         except ConfigError:
             if auto and self.quant is not Quant.INT4:
@@ -415,14 +462,6 @@ class TransformersEngine:
         if self._vocab_limit is None:
             return list(ids)
         return [i % self._vocab_limit for i in ids]
-
-    @classmethod
-    def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> TransformersEngine:
-        """Wrap an already loaded model and tokenizer (e.g. a random-weight model)."""
-        quant = kwargs.pop("quant", None)
-        if quant is None:
-            quant = Quant.NF4 if getattr(model, "is_loaded_in_4bit", False) else Quant.BF16
-        return cls(_model=model, _tokenizer=tokenizer, quant=quant, **kwargs)
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()

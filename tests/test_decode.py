@@ -330,6 +330,7 @@ def _interpreted_errors(code: str) -> list[float]:
     return [float(v) for v in done.stdout.strip().splitlines()[-1].split()]
 
 
+@pytest.mark.slow  # ~80 s: Triton's interpreter runs the kernels on the CPU
 def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
     """The W4A16 kernel and the dequantization kernel (in Triton's interpreter), compiled
     into the decode step, give the logits of the tinygemm layout: both hold the same grid."""
@@ -347,10 +348,10 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "for rows in (5, W4_KERNEL_MAX_ROWS + 1):  # the kernel, then dequantize + matmul\n"
         "    x = torch.randn(rows, 256)\n"
         "    err = max(err, float((q(x) - x @ ref_w.t()).abs().max()))\n"
-        "from convo.fast.kernels import _W4, W4_CONFIGS\n"
+        "from convo.fast.kernels import W4_CONFIGS, w4a16_with_config\n"
         "x = torch.randn(3, 256)\n"
         "for cfg in [c for c in W4_CONFIGS if c[2] > 1][:2]:  # split K: float32 atomics\n"
-        "    y = _W4['launch'](x, q.qweight, q.scales_zeros, cfg)\n"
+        "    y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)\n"
         "    err = max(err, float((y - x @ ref_w.t()).abs().max()))\n"
         "model = tiny_model()\n"
         "kw = dict(slots=2, slot_tokens=64, weights='int4')\n"
@@ -671,7 +672,7 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
             model, slots=4, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
         )
         dec.warmup()
-        assert ((4, 32) in dec._mixed_graphs) is mixed
+        assert ((4, 32) in dec.mixed_graphs) is mixed
         for slot, n in ((0, 40), (1, 50), (2, 60)):
             dec.prefill(slot, ids[:n], 0)
         chunk = PrefillChunk(slot=3, ids=ids, start=0, end=20)

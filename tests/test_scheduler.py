@@ -76,7 +76,7 @@ def request(n: int, *, first: int = 1, max_new: int = 4, **kw: Any) -> DecodeReq
 
 def drain(sched: DecodeScheduler, limit: int = 1000) -> None:
     for _ in range(limit):
-        if not (sched._pending or sched._prefilling or sched._active):
+        if sched.idle:
             return
         sched.run_step()
     raise AssertionError("the scheduler did not finish")
@@ -390,7 +390,7 @@ def test_background_work_leaves_hot_session_caches_alone() -> None:
     summary = sched.submit(request(5, max_new=2, priority=Priority.BACKGROUND))
     for _ in range(3):
         sched.run_step()
-    assert summary.slot == -1 and sched._blocked  # both slots hold hot caches
+    assert summary.slot == -1 and sched.queued == 1  # both slots hold hot caches
     nxt = sched.submit(request(12, first=100, max_new=1, cache_key="a"))  # turn a's prompt + 2
     sched.run_step()
     assert nxt.cached_tokens == 11 and nxt.slot == turns[0].slot  # its cache was kept
@@ -440,3 +440,14 @@ def test_the_deprecated_decode_priority_still_marks_requests_made_in_its_block()
         inside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
     outside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
     assert (inside.priority, outside.priority) == (Priority.BACKGROUND, Priority.REPLY)
+
+
+def test_queued_running_and_idle_say_where_requests_are() -> None:
+    sched = DecodeScheduler(FakeDecoder(slots=1), background=False, step_tokens=64)
+    assert sched.idle and (sched.queued, sched.running, sched.waiting) == (0, 0, 0)
+    first, second = sched.submit(request(5, max_new=3)), sched.submit(request(5, first=50, max_new=3))
+    assert (sched.queued, sched.waiting) == (2, 2)
+    sched.run_step()  # the one slot: the first prefills and samples its first token
+    assert (sched.queued, sched.running) == (1, 1) and not sched.idle
+    drain(sched)
+    assert sched.idle and first.finished_at is not None and second.finished_at is not None

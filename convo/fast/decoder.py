@@ -761,6 +761,12 @@ class StaticDecoder:
         h = _rms_norm(x, self.norm, self.norm_eps * 1e-12)
         return self.lm_head(h).float()
 
+    @property
+    def mixed_graphs(self) -> list[tuple[int, int]]:
+        """The ``(decode bucket, chunk bucket)`` pairs a mixed step is captured for (after
+        :meth:`warmup`; empty without CUDA graphs or with ``mixed_chunk_tokens=0``)."""
+        return sorted(self._mixed_graphs)
+
     def bucket(self, rows: int) -> int:
         """The batch size a step of ``rows`` rows runs at."""
         for b in self.buckets:

@@ -294,6 +294,25 @@ class DecodeScheduler:
         with self._cv:
             return len(self._pending) + len(self._prefilling)
 
+    @property
+    def queued(self) -> int:
+        """Requests that hold no slot yet (every slot is busy, or, for background work,
+        holds a session's hot cache)."""
+        with self._cv:
+            return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Requests decoding (they have their first token)."""
+        with self._cv:
+            return len(self._active)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is queued, prefilling or decoding."""
+        with self._cv:
+            return not (self._pending or self._prefilling or self._active)
+
     def stats(self) -> SchedulerStats:
         """A snapshot of what the scheduler has run (:class:`SchedulerStats`)."""
         return SchedulerStats(

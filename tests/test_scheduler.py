@@ -370,6 +370,30 @@ def test_slot_backend_implements_the_kv_interface() -> None:
         kv.close()
 
 
+def test_the_slot_backend_hands_the_calls_priority_to_the_scheduler() -> None:
+    from convo.engines.base import KVCall
+    from convo.engines.local.kv import SlotKV
+
+    seen: list[int] = []
+
+    class Recording(DecodeScheduler):
+        def run(self, request: DecodeRequest) -> DecodeRequest:
+            seen.append(request.priority)
+            return super().run(request)
+
+    kv = SlotKV(FakeDecoder(slots=1), None, model_ids=list, eos=[], step_tokens=64, interleave_tokens=16)
+    kv.scheduler.close()
+    kv.scheduler = Recording(kv.decoder, step_tokens=64)
+    try:
+        for priority in (None, Priority.BACKGROUND, Priority.REPLY):
+            kv.generate(
+                KVCall(ids=[1, 2], max_new_tokens=1, timeout_s=30, sampling=Greedy(), priority=priority)
+            )
+    finally:
+        kv.close()
+    assert seen == [Priority.REPLY, Priority.BACKGROUND, Priority.REPLY]
+
+
 def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
     from convo.models import DEFAULT_KV_SLOTS, auto_kv_slots
 

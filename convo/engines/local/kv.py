@@ -400,9 +400,9 @@ class SlotKV:
             cache_key=call.cache_key,
             on_token=on_token,
             cancel=call.cancel,
-            # The call's priority, or (none given) the request's default: a reply's.
-            **({} if call.priority is None else {"priority": call.priority}),
         )
+        if call.priority is not None:  # else the request's default: a reply's
+            request.priority = call.priority
         self.scheduler.run(request)  # DeviceOutOfMemory propagates
         streamer.end()
         pool = self.decoder.pool

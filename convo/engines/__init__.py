@@ -15,11 +15,11 @@ still works for one release, with a ``DeprecationWarning``).
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from convo.engines.base import Engine, GenerateOptions, GenerateRequest
 from convo.models.generation import FinishReason, Generation, GenerationStats, Sampling
+from convo.models.legacy import warn_moved
 
 if TYPE_CHECKING:
     from convo.engines.local.engine import TransformersEngine
@@ -44,11 +44,7 @@ _MOVED = {"Quant": "convo.models.quant"}
 def __getattr__(name: str) -> Any:
     """Heavy engines on first use (torch, httpx); moved names with a warning."""
     if name in _MOVED:
-        warnings.warn(
-            f"convo.engines.{name} is deprecated; import it from convo.models",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_moved(f"convo.engines.{name}", f"convo.models.{name}")
         return getattr(importlib.import_module(_MOVED[name]), name)
     module = _LAZY.get(name)
     if module is None:

@@ -26,7 +26,6 @@ import contextlib
 import importlib
 import queue
 import threading
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
@@ -34,13 +33,15 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Un
 from convo.errors import BudgetError, ConfigError
 from convo.messages import Message
 from convo.models import generation as _generation
+from convo.models.legacy import warn_moved
 from convo.tokens import TokenCounter
 
 if TYPE_CHECKING:
     from convo.models.generation import Generation, Priority, Sampling
 
 #: Names that moved to :mod:`convo.models`: served from their old home here for one
-#: release, with a ``DeprecationWarning``.
+#: release, with a ``DeprecationWarning`` (not to convo's own modules that still import
+#: them: see :func:`~convo.models.legacy.warn_moved`).
 _MOVED = {
     **dict.fromkeys(
         ["FinishReason", "Sampling", "GREEDY", "GenerationStats", "Generation", "Priority"],
@@ -55,11 +56,7 @@ def __getattr__(name: str) -> Any:
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"convo.engines.base.{name} is deprecated; import it from {module} (or convo.models)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_moved(f"convo.engines.base.{name}", f"{module}.{name} (or convo.models)")
     return getattr(importlib.import_module(module), name)
 
 

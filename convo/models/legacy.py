@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,3 +37,19 @@ def split_legacy(legacy: Mapping[str, Any], configs: Sequence[tuple[str, Any]], 
     if left:
         raise TypeError(f"{owner}() got an unexpected keyword argument {next(iter(left))!r}")
     return out
+
+
+def warn_moved(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn that the name ``old`` moved to ``new``, unless the code asking is convo's own.
+
+    Other parts of convo still import a few old names while they move in this release; a
+    warning there would fire on ``import convo`` and fail programs that turn warnings into
+    errors, for code they do not own. ``stacklevel`` counts from the caller of this
+    function, as :func:`warnings.warn` does (3: whoever called the module ``__getattr__``
+    that calls this).
+    """
+    frame = sys._getframe(stacklevel - 1)
+    module = str(frame.f_globals.get("__name__", ""))
+    if module == "convo" or module.startswith("convo."):
+        return
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel)

@@ -17,10 +17,10 @@ import time.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from convo.models import quant as _quant
+from convo.models.legacy import warn_moved
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.models.units import format_size, parse_size
 from convo.planner.calibration import Calibration, load_calibration
@@ -48,17 +48,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "Quant":
-        warnings.warn(
-            "convo.planner.Quant is deprecated; import it from convo.models",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_moved("convo.planner.Quant", "convo.models.Quant")
         return _quant.Quant
     if name == "MemoryModel":
-        warnings.warn(
-            "convo.planner.MemoryModel is deprecated; it is convo.planner.VRAMModel",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_moved("convo.planner.MemoryModel", "convo.planner.VRAMModel")
         return VRAMModel
     raise AttributeError(f"module 'convo.planner' has no attribute {name!r}")

@@ -214,7 +214,8 @@ def test_importing_convo_raises_no_deprecation_warning_even_as_errors() -> None:
     code = (
         "import warnings; warnings.simplefilter('error')\n"
         "import convo, convo.session, convo.testing, convo.engines, convo.planner, convo.fast\n"
-        "try:\n    from convo.engines.base import Quant\nexcept DeprecationWarning as e:\n    print('warned', e)"
+        "try:\n    from convo.engines.base import Quant\n"
+        "except DeprecationWarning as e:\n    print('warned', e)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.startswith("warned") and "convo.models" in out.stdout

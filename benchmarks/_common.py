@@ -49,8 +49,7 @@ def pick_device(model: str | None, cpu_model: str = "random:tiny-llama") -> tupl
 def random_model(name: str, device: str) -> Any:
     """The random-weight model ``name`` (``random:...``) on ``device``: unquantized, bf16 on
     CUDA and fp32 on CPU, SDPA attention."""
-    from convo.planner.measure import build_random_model
-    from convo.planner.model import Attn, DType, Quant, load_config
+    from convo.models import Attn, DType, Quant, build_random_model, load_config
 
     dtype = DType.BF16 if device == "cuda" else DType.FP32
     return build_random_model(load_config(name), quant=Quant.NONE, dtype=dtype, attn=Attn.SDPA, device=device)

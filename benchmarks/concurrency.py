@@ -42,8 +42,9 @@ from convo.admission import (
 )
 from convo.errors import AdmissionError
 from convo.metrics import ServingMetrics
+from convo.models import Attn, DType, Quant, load_config, parse_size
+from convo.planner import VRAMModel as MemoryModel
 from convo.planner.measure import _device_info, build_random_model
-from convo.planner.model import Attn, DType, MemoryModel, Quant, load_config, parse_size
 
 
 def build_model(name: str, *, device: str, quant: str) -> Any:

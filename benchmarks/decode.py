@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import decode_round, env_info, pick_device, pyplot, random_model, stderr_log, sync, to_nf4
 
-from convo.engines.base import GREEDY
-from convo.engines.transformers import TransformersEngine
+from convo.engines.local.engine import TransformersEngine
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder, tensor_nbytes
+from convo.models import GREEDY, DType, ModelShape, Quant
+from convo.planner import VRAMModel as MemoryModel
 from convo.planner.measure import generate_exactly
-from convo.planner.model import DType, MemoryModel, ModelShape, Quant, weight_bytes
+from convo.planner.weights import weight_bytes
 
 GiB = 1 << 30
 

@@ -235,7 +235,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     import convo
-    from convo.engine import default_model_path
+    from convo.engines.local.loading import default_model_path
 
     tok = AutoTokenizer.from_pretrained(str(default_model_path()), local_files_only=True)
     counter = convo.HFTokenCounter(tok, chat_template=TOOL_TEMPLATE)

@@ -29,8 +29,8 @@ import itertools
 
 from _common import pick_device, random_model, stderr_log
 
-from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder
+from convo.models import GREEDY
 
 #: Issue 11: the running streams' p95 inter-token gap under arrivals, in steady steps.
 TARGET_RATIO = 3.0

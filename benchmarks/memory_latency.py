@@ -126,7 +126,7 @@ def main() -> int:
     conv = next((c for c in load(args.data) if c.sample_id == args.conversation), None)
     if conv is None:
         ap.error(f"no conversation {args.conversation!r} in {args.data}")
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     engine = TransformersEngine()
     engine.generate([convo.Message(role=convo.Role.USER, content="Hello")], max_new_tokens=4)  # warm up

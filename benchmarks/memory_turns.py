@@ -51,7 +51,7 @@ QUESTIONS = [
 
 
 def run(max_new_tokens: int) -> dict[str, Any]:
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     session = convo.Session(
         TransformersEngine(),

@@ -38,10 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convo.engines.base import INT4_GROUP_SIZE
 from convo.fast import StaticDecoder
-from convo.planner.measure import build_random_model
-from convo.planner.model import Attn, DType, MemoryModel, Quant, load_config
+from convo.models import INT4_GROUP_SIZE, Attn, DType, Quant, build_random_model, load_config
+from convo.planner import VRAMModel as MemoryModel
 
 
 def main(argv: list[str] | None = None) -> int:

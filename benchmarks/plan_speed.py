@@ -102,7 +102,7 @@ def main() -> int:
         if name == "hf":
             from transformers import AutoTokenizer
 
-            from convo.engines.transformers import default_model_path
+            from convo.engines.local.loading import default_model_path
 
             tok = AutoTokenizer.from_pretrained(str(default_model_path()), local_files_only=True)
             counter: Any = convo.HFTokenCounter(tok)

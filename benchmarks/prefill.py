@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import env_info, pick_device, pyplot, random_model, stderr_log, sync, to_nf4
 
-from convo.engines.base import GREEDY
 from convo.fast import DecodeRequest, DecodeScheduler, PrefillChunk, StaticDecoder
 from convo.fast.int4 import Int4Linear
 from convo.fast.kernels import dequantize_plain_int4
+from convo.models import GREEDY
 
 #: Share of stock bf16 + SDPA prefill throughput that the int4 and nf4 paths aim for (issue 11).
 TARGET_FRACTION = 0.8

@@ -121,14 +121,14 @@ def child(args: argparse.Namespace) -> None:
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
     elif args.model or args.quant or args.kv_slots is not None:
-        from convo.engines.transformers import TransformersEngine
+        from convo.engines.local.engine import TransformersEngine
 
         engine = TransformersEngine(
             args.model, quant=args.quant or "auto", kv_slots=args.kv_slots, slot_tokens=args.budget
         )
         name = args.model or "default"
     else:
-        from convo.engines.transformers import TransformersEngine
+        from convo.engines.local.engine import TransformersEngine
 
         engine, name = TransformersEngine(), "smollm2-135m-instruct"
     if args.step_file:
@@ -159,8 +159,8 @@ def decode_step_rate(engine: Any, rows: int = 16, prompt: int = 300, new: int = 
     import torch
     from _common import decode_round  # benchmarks/
 
-    from convo.engines.base import GREEDY
     from convo.fast import DecodeRequest
+    from convo.models import GREEDY
 
     rows = min(rows, decoder.pool.slots)
     vocab = decoder.vocab_size

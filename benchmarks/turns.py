@@ -190,7 +190,7 @@ def run_naive(engine: Any, args: argparse.Namespace, weights: int, deadline: flo
         new = out[0, len(ids) :].tolist()
         history.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
         kv_tokens = len(ids) + len(new) - 1
-        from convo.engines.transformers import _memory_report
+        from convo.engines.local.engine import _memory_report
 
         mem = _memory_report(device)
         rows.append(

@@ -24,20 +24,21 @@ from convo.errors import ConfigError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from convo.engines.base import GREEDY, Sampling  # noqa: E402
 from convo.fast import (  # noqa: E402
+    DecoderConfig,
     DecodeRequest,
     DecodeScheduler,
+    Int4Linear,
     KVSlotPool,
     PrefillChunk,
     StaticDecoder,
     decode_attention,
     dequantize_int4,
     int4_group_size,
-    quantize_int4,
 )
 from convo.fast.kernels import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
-from convo.planner import model as memory  # noqa: E402
+from convo.models import GREEDY, Sampling  # noqa: E402
+from convo.planner import memory  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -83,7 +84,7 @@ def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
     assert pool.nbytes == 2 * 3 * 2 * 2 * 16 * 8 * 2
     # The planner prices a pool the same way: Llama-2-7B, 16 slots of 1,024 tokens is 8 GiB
     # (the H200 benchmark measured 8,589,934,592 bytes allocated for it).
-    planner = memory.MemoryModel.from_model("random:llama-2-7b", quant="nf4", dtype="bf16")
+    planner = memory.VRAMModel.from_model("random:llama-2-7b", quant="nf4", dtype="bf16")
     assert planner.kv_pool_bytes(16, 1024) == 8 << 30
     a, kept = pool.acquire("a") or (None, None)
     assert kept == []
@@ -118,7 +119,7 @@ def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
 def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> None:
     torch.manual_seed(1)
     w = torch.randn(48, 256)
-    q = quantize_int4(w, group_size=64)
+    q = Int4Linear.quantize(w, group_size=64)
     deq = dequantize_int4(q)
     # Independent reference: per group of 64, 16 evenly spaced levels from min to max.
     groups = w.reshape(-1, 64)
@@ -133,15 +134,15 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
     assert float((q(x) - exact).norm() / exact.norm()) < 5e-3
     assert q.nbytes < w.numel()  # under a byte per weight, scales included
     # The plain layout holds the same grid (its torch dequantization on CPU).
-    plain = quantize_int4(w, group_size=64, layout="plain", bias=torch.ones(48))
+    plain = Int4Linear.quantize(w, group_size=64, layout="plain", bias=torch.ones(48))
     assert torch.allclose(plain.dequantize(), ref, atol=1e-5) and plain.nbytes < w.numel()
     assert torch.allclose(plain(x), x @ ref.t() + 1, atol=1e-3, rtol=1e-4)  # CPU: dequantized, then matmul
     assert "layout='plain'" in repr(plain)
     assert int4_group_size(576) == 64 and int4_group_size(576, 32) == 32 and int4_group_size(100) is None
     with pytest.raises(ConfigError):
-        quantize_int4(w, group_size=100)
+        Int4Linear.quantize(w, group_size=100)
     with pytest.raises(ConfigError):
-        quantize_int4(w, layout="nibbles")  # type: ignore[arg-type]
+        Int4Linear.quantize(w, layout="nibbles")  # type: ignore[arg-type]
 
 
 # -- the decoder against transformers ---------------------------------------------------------------
@@ -159,7 +160,7 @@ def with_reference(model_type: str, *, tokens: int, seed: int) -> tuple[Any, lis
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_decoder_matches_transformers_forward(model_type: str) -> None:
     model, ids, ref = with_reference(model_type, tokens=40, seed=2)
-    dec = StaticDecoder(model, slots=3, slot_tokens=64, prefill_chunk_tokens=7)
+    dec = StaticDecoder(model, slots=3, slot_tokens=64, config=DecoderConfig(prefill_chunk_tokens=7))
     dec.warmup()
     # q/k/v are fused without a second copy: the model's modules view the fused weight.
     q_proj = model.model.layers[0].self_attn.q_proj.weight
@@ -214,7 +215,9 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
     model, ids, ref = with_reference(
         model_type, tokens=64, seed=4
     )  # qwen2: grouped-query attention and q/k/v biases
-    dec = StaticDecoder(model, slots=2, slot_tokens=64, prefill_chunk_tokens=32, static_prefill=True)
+    dec = StaticDecoder(
+        model, slots=2, slot_tokens=64, config=DecoderConfig(prefill_chunk_tokens=32, static_prefill=True)
+    )
     assert dec.prefill_buckets == [16, 32]
     dec.warmup()
     logits, _ = dec.prefill(0, ids[:21], 0)  # one 32-token bucket, 11 rows of padding
@@ -239,7 +242,9 @@ def test_mixed_step_decodes_and_prefills_in_one_forward(static: bool) -> None:
     and what each wrote to its slot carries on: eager, and in the static-shape forward
     that CUDA graphs capture per (decode bucket, chunk bucket), rows and chunk padded."""
     model, ids, ref = with_reference("qwen2", tokens=50, seed=5)
-    dec = StaticDecoder(model, slots=3, slot_tokens=64, static_prefill=static, mixed_chunk_tokens=16)
+    dec = StaticDecoder(
+        model, slots=3, slot_tokens=64, config=DecoderConfig(static_prefill=static, mixed_chunk_tokens=16)
+    )
     assert dec.mixed_steps and dec.mixed_buckets == [16] and dec.buckets == [1, 2, 4]
     dec.warmup()
     dec.prefill(0, ids[:30], 0)
@@ -325,6 +330,7 @@ def _interpreted_errors(code: str) -> list[float]:
     return [float(v) for v in done.stdout.strip().splitlines()[-1].split()]
 
 
+@pytest.mark.slow  # ~80 s: Triton's interpreter runs the kernels on the CPU
 def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
     """The W4A16 kernel and the dequantization kernel (in Triton's interpreter), compiled
     into the decode step, give the logits of the tinygemm layout: both hold the same grid."""
@@ -333,26 +339,27 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_decode import tiny_model\n"
-        "from convo.fast import StaticDecoder, quantize_int4\n"
+        "from convo.fast import DecoderConfig, Int4Linear, StaticDecoder\n"
         "from convo.fast.int4 import W4_KERNEL_MAX_ROWS\n"
         "w = torch.randn(96, 256)\n"
-        "q = quantize_int4(w, group_size=32, layout='plain')\n"
-        "ref_w = quantize_int4(w, group_size=32, layout='tinygemm').dequantize()\n"
+        "q = Int4Linear.quantize(w, group_size=32, layout='plain')\n"
+        "ref_w = Int4Linear.quantize(w, group_size=32, layout='tinygemm').dequantize()\n"
         "err = float((q.dequantize() - ref_w).abs().max())\n"
         "for rows in (5, W4_KERNEL_MAX_ROWS + 1):  # the kernel, then dequantize + matmul\n"
         "    x = torch.randn(rows, 256)\n"
         "    err = max(err, float((q(x) - x @ ref_w.t()).abs().max()))\n"
-        "from convo.fast.kernels import _W4, W4_CONFIGS\n"
+        "from convo.fast.kernels import W4_CONFIGS, w4a16_with_config\n"
         "x = torch.randn(3, 256)\n"
         "for cfg in [c for c in W4_CONFIGS if c[2] > 1][:2]:  # split K: float32 atomics\n"
-        "    y = _W4['launch'](x, q.qweight, q.scales_zeros, cfg)\n"
+        "    y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)\n"
         "    err = max(err, float((y - x @ ref_w.t()).abs().max()))\n"
         "model = tiny_model()\n"
-        "kw = dict(slots=2, slot_tokens=64, weights='int4', group_size=32)\n"
-        "a = StaticDecoder(model, int4_kernel='tinygemm', **kw)\n"
-        "b = StaticDecoder(model, int4_kernel='triton', compile=True, **kw)\n"
+        "kw = dict(slots=2, slot_tokens=64, weights='int4')\n"
+        "a = StaticDecoder(model, config=DecoderConfig(group_size=32, int4_kernel='tinygemm'), **kw)\n"
+        "triton = DecoderConfig(group_size=32, int4_kernel='triton', compile=True)\n"
+        "b = StaticDecoder(model, config=triton, **kw)\n"
         "assert a.int4_layout == 'tinygemm' and b.int4_layout == 'plain'\n"
-        "assert StaticDecoder(model, **kw).int4_layout == 'both'\n"
+        "assert StaticDecoder(model, config=DecoderConfig(group_size=32), **kw).int4_layout == 'both'\n"
         "a.warmup(); b.warmup()\n"
         "assert set(b.kernel_choice.values()) == {'triton'}, b.kernel_choice\n"
         "ids = list(range(3, 40))\n"
@@ -428,7 +435,7 @@ def test_scheduler_queues_for_a_slot_and_times_out_while_waiting() -> None:
 
 
 def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     stock = TransformersEngine("random:tiny-llama", device="cpu", kv_slots=0)
     fast = TransformersEngine.from_model(
@@ -455,9 +462,9 @@ def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
 
 
 def test_int4_engine_runs_only_through_its_slots() -> None:
-    from convo.engines.base import Quant
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import user
+    from convo.models import Quant
 
     engine = TransformersEngine("random:tiny-llama", device="cpu", quant="int4", slot_tokens=96)
     assert engine.quant is Quant.INT4 and engine.decoder is not None and engine.decoder.quantized
@@ -493,9 +500,9 @@ def _perplexity(logits: Any, ids: list[int]) -> float:
 
 @pytest.mark.slow
 def test_static_engine_matches_the_stock_engine_on_the_real_model(real_engine: Any) -> None:
-    from convo.engines.base import FinishReason
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import assistant, user
+    from convo.models import FinishReason
 
     fast = TransformersEngine.from_model(
         real_engine.model, real_engine.tokenizer, quant="fp32", kv_slots=3, slot_tokens=512
@@ -537,7 +544,9 @@ def test_int4_quality_on_the_real_model(real_engine: Any) -> None:
     assert 120 < len(ids) < 200
     with torch.no_grad():
         fp32 = _perplexity(real_engine.model(torch.tensor([ids])).logits[0], ids)
-    int4 = StaticDecoder(real_engine.model, slots=1, slot_tokens=256, weights="int4", group_size=32)
+    int4 = StaticDecoder(
+        real_engine.model, slots=1, slot_tokens=256, weights="int4", config=DecoderConfig(group_size=32)
+    )
     assert int4.quantized
     int4_ppl = _perplexity(int4.prefill(0, ids, 0, all_logits=True)[0], ids)
     assert abs(int4_ppl / fp32 - 1) < 0.03, (int4_ppl, fp32)
@@ -604,9 +613,9 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     out = decode_attention(q, k, v, slots, lens, scale=0.088)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
     w = torch.randn(256, 512, device="cuda")
-    ref_w = quantize_int4(w, group_size=128, layout="tinygemm")
-    plain = quantize_int4(w, group_size=128, layout="plain")
-    both = quantize_int4(w, group_size=128)
+    ref_w = Int4Linear.quantize(w, group_size=128, layout="tinygemm")
+    plain = Int4Linear.quantize(w, group_size=128, layout="plain")
+    both = Int4Linear.quantize(w, group_size=128)
     assert both.layout == "both" and both.nbytes == plain.nbytes + ref_w.nbytes  # CUDA with Triton
     assert torch.allclose(plain.dequantize(), ref_w.dequantize(), atol=1e-2)
     assert [both.kernel(r) for r in (1, 8, 9, 64, 65)] == ["tinygemm"] * 2 + ["triton"] * 2 + ["cublas"]
@@ -627,7 +636,7 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
     model = tiny_model(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ref_logits = model(torch.tensor([list(range(1, 50))], device="cuda")).logits[0, -1].float()
-    dec = StaticDecoder(model, slots=4, slot_tokens=256, weights=weights, group_size=32)
+    dec = StaticDecoder(model, slots=4, slot_tokens=256, weights=weights, config=DecoderConfig(group_size=32))
     assert dec.compiled and dec.cuda_graphs
     dec.warmup()
     graphs, captures = counters["stats"]["unique_graphs"], dec.captures
@@ -659,9 +668,11 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
     ids = list(range(1, 120))
     outs = []
     for mixed in (True, False):
-        dec = StaticDecoder(model, slots=4, slot_tokens=256, mixed_chunk_tokens=0 if not mixed else 256)
+        dec = StaticDecoder(
+            model, slots=4, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
+        )
         dec.warmup()
-        assert ((4, 32) in dec._mixed_graphs) is mixed
+        assert ((4, 32) in dec.mixed_graphs) is mixed
         for slot, n in ((0, 40), (1, 50), (2, 60)):
             dec.prefill(slot, ids[:n], 0)
         chunk = PrefillChunk(slot=3, ids=ids, start=0, end=20)
@@ -675,7 +686,7 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
 @cuda
 @pytest.mark.parametrize("quant", ["auto", "int4"])
 def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import user
 
     engine = TransformersEngine("random:tiny-llama", quant=quant, slot_tokens=256)
@@ -691,3 +702,12 @@ def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - allocated
     assert grown < 1 << 20, grown  # the pool was taken at load
+
+
+def test_flat_decoder_keywords_still_work_and_warn() -> None:
+    model = tiny_model()
+    with pytest.warns(DeprecationWarning, match=r"config=DecoderConfig\(prefill_chunk_tokens=\.\.\.\)"):
+        old = StaticDecoder(model, slots=2, slot_tokens=32, prefill_chunk_tokens=8)
+    assert old.config == DecoderConfig(prefill_chunk_tokens=8) and old.prefill_chunk_tokens == 8
+    with pytest.raises(TypeError, match="group"):
+        StaticDecoder(model, slots=2, slot_tokens=32, group=32)

@@ -76,7 +76,7 @@ def request(n: int, *, first: int = 1, max_new: int = 4, **kw: Any) -> DecodeReq
 
 def drain(sched: DecodeScheduler, limit: int = 1000) -> None:
     for _ in range(limit):
-        if not (sched._pending or sched._prefilling or sched._active):
+        if sched.idle:
             return
         sched.run_step()
     raise AssertionError("the scheduler did not finish")
@@ -236,9 +236,7 @@ def test_replies_get_slots_and_prefill_budget_before_background_work() -> None:
 
     dec = FakeDecoder(slots=2)
     sched = DecodeScheduler(dec, background=False, step_tokens=10)
-    with decode_priority(Priority.BACKGROUND):  # how a summarizer marks its engine calls
-        summary = sched.submit(request(30, max_new=1))
-    assert summary.priority == Priority.BACKGROUND
+    summary = sched.submit(request(30, max_new=1, priority=Priority.BACKGROUND))  # a summary's call
     reply = sched.submit(request(30, first=50, max_new=1))
     sched.run_step()  # both hold a slot; the budget goes to the reply first
     assert dec.events[0] == ("prefill", [(reply.slot, 0, 10)])
@@ -322,7 +320,7 @@ def test_step_tokens_must_be_positive() -> None:
 
 def test_engine_refuses_a_step_budget_below_one_before_loading() -> None:
     pytest.importorskip("transformers")
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="step_tokens"):
@@ -349,7 +347,7 @@ def test_out_of_memory_is_recognized_by_convo_errors_and_mapped_to_device_out_of
 
 def test_slot_backend_implements_the_kv_interface() -> None:
     from convo.engines.base import KVBackend, KVCall
-    from convo.engines.kv import SlotKV
+    from convo.engines.local.kv import SlotKV
 
     def call(ids: list[int], max_new: int) -> KVCall:
         return KVCall(ids=ids, max_new_tokens=max_new, timeout_s=30, sampling=Greedy(), cache_key="a")
@@ -372,8 +370,32 @@ def test_slot_backend_implements_the_kv_interface() -> None:
         kv.close()
 
 
+def test_the_slot_backend_hands_the_calls_priority_to_the_scheduler() -> None:
+    from convo.engines.base import KVCall
+    from convo.engines.local.kv import SlotKV
+
+    seen: list[int] = []
+
+    class Recording(DecodeScheduler):
+        def run(self, request: DecodeRequest) -> DecodeRequest:
+            seen.append(request.priority)
+            return super().run(request)
+
+    kv = SlotKV(FakeDecoder(slots=1), None, model_ids=list, eos=[], step_tokens=64, interleave_tokens=16)
+    kv.scheduler.close()
+    kv.scheduler = Recording(kv.decoder, step_tokens=64)
+    try:
+        for priority in (None, Priority.BACKGROUND, Priority.REPLY):
+            kv.generate(
+                KVCall(ids=[1, 2], max_new_tokens=1, timeout_s=30, sampling=Greedy(), priority=priority)
+            )
+    finally:
+        kv.close()
+    assert seen == [Priority.REPLY, Priority.BACKGROUND, Priority.REPLY]
+
+
 def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
-    from convo.engines.transformers import DEFAULT_KV_SLOTS, auto_kv_slots
+    from convo.models import DEFAULT_KV_SLOTS, auto_kv_slots
 
     slot = 1 << 20
     assert auto_kv_slots(10 * slot, slot) == 5  # half of the free memory
@@ -392,7 +414,7 @@ def test_background_work_leaves_hot_session_caches_alone() -> None:
     summary = sched.submit(request(5, max_new=2, priority=Priority.BACKGROUND))
     for _ in range(3):
         sched.run_step()
-    assert summary.slot == -1 and sched._blocked  # both slots hold hot caches
+    assert summary.slot == -1 and sched.queued == 1  # both slots hold hot caches
     nxt = sched.submit(request(12, first=100, max_new=1, cache_key="a"))  # turn a's prompt + 2
     sched.run_step()
     assert nxt.cached_tokens == 11 and nxt.slot == turns[0].slot  # its cache was kept
@@ -435,3 +457,21 @@ def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
     assert b.slot == -1 and a.slot == 0
     drain(sched)
     assert a.new_ids == [6, 7, 8, 9] and b.new_ids == [55]
+
+
+def test_the_deprecated_decode_priority_still_marks_requests_made_in_its_block() -> None:
+    with pytest.warns(DeprecationWarning, match="decode_priority"), decode_priority(Priority.BACKGROUND):
+        inside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    outside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    assert (inside.priority, outside.priority) == (Priority.BACKGROUND, Priority.REPLY)
+
+
+def test_queued_running_and_idle_say_where_requests_are() -> None:
+    sched = DecodeScheduler(FakeDecoder(slots=1), background=False, step_tokens=64)
+    assert sched.idle and (sched.queued, sched.running, sched.waiting) == (0, 0, 0)
+    first, second = sched.submit(request(5, max_new=3)), sched.submit(request(5, first=50, max_new=3))
+    assert (sched.queued, sched.waiting) == (2, 2)
+    sched.run_step()  # the one slot: the first prefills and samples its first token
+    assert (sched.queued, sched.running) == (1, 1) and not sched.idle
+    drain(sched)
+    assert sched.idle and first.finished_at is not None and second.finished_at is not None

@@ -1,4 +1,7 @@
-"""The static decoder: a Llama-family model over the KV slot pool, prefill and a captured step."""
+"""The static decoder: a Llama-family model over the KV slot pool, prefill and a captured step.
+
+Imports torch (through :mod:`convo.fast.int4`); :mod:`convo.fast` loads it on first use.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from convo.engines.base import INT4_KERNELS, empty_device_cache
+import torch
+
 from convo.errors import ConfigError
+from convo.fast.config import DecoderConfig
+from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import _interpreting, _w4_op, chunk_attention, decode_attention
-from convo.fast.kv_pool import KVSlotPool
+from convo.fast.kv_pool import KVSlotPool, PrefillChunk
+from convo.models.defaults import MIXED_CHUNK_TOKENS
+from convo.models.device import empty_device_cache
+from convo.models.legacy import split_legacy
+from convo.models.quant import int4_group_size
+from convo.models.spec import STATIC_DECODE_MODEL_TYPES
+
+__all__ = [
+    "MIXED_CHUNK_TOKENS",
+    "PREFILL_GRAPH_MAX_CHUNKS",
+    "SUPPORTED_MODEL_TYPES",
+    "DecoderConfig",
+    "PrefillChunk",
+    "StaticDecoder",
+    "tensor_nbytes",
+]
 
 #: Model types whose decoder layers :class:`StaticDecoder` knows how to run.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = STATIC_DECODE_MODEL_TYPES
 
 
 #: A linear layer as the decoder holds it: ``torch.nn.Linear`` (dense, q/k/v and gate/up
@@ -162,17 +183,6 @@ def _post_attention(
     return x + down(pw.swiglu(_linears(h, gate_up)))
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens ``ids[start:end]`` of one turn, to run into slot ``slot`` (which holds
-    ``ids[:start]`` already)."""
-
-    slot: int
-    ids: Sequence[int]
-    start: int
-    end: int
-
-
 def _own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with a code object of its own (a fresh dynamo cache)."""
     import types
@@ -214,10 +224,6 @@ def _is_plain_linear(module: Any) -> bool:
 #: Python launching every kernel: ~30 ms for a 32-layer model on the H200).
 PREFILL_GRAPH_MAX_CHUNKS = 4
 
-#: Longest prefill chunk (tokens) a mixed step is captured for by default: the scheduler's
-#: chunk while replies stream (:data:`~convo.fast.scheduler.DEFAULT_INTERLEAVE_TOKENS`).
-MIXED_CHUNK_TOKENS = 256
-
 
 class StaticDecoder:
     """A Llama-family model decoding over a :class:`KVSlotPool` with static shapes.
@@ -230,33 +236,10 @@ class StaticDecoder:
             fused q/k/v and gate/up, quantized modules such as bitsandbytes' are called as
             they are) or ``"int4"`` (quantize plain linears to
             :class:`~convo.fast.int4.Int4Linear`).
-        group_size: int4 group size (128 by default; smaller where a shape needs it).
-        compile: fuse each layer's pointwise work with ``torch.compile``. Default: on CUDA
-            with plain or int4 weights.
-        cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size
-            bucket (:attr:`prefill_buckets`). Default: on CUDA.
-        prefill_chunk_tokens: :meth:`prefill` runs in chunks of this many tokens, and the
-            largest captured prefill is this long. Default 512.
-        free_dense: after quantizing to int4, drop the model's dense linear weights (the
-            model can then only run through this decoder). Default False.
-        buckets: batch sizes to build the step for (default: powers of two up to the
-            next one >= ``slots``). Fewer buckets, fewer captures; steps of more rows than
-            the largest bucket are refused.
-        int4_kernel: the int4 layouts kept, which decide the kernels
-            (:mod:`convo.fast.int4`): ``"triton"`` (the plain layout alone: convo's W4A16
-            Triton kernel up to :data:`~convo.fast.int4.W4_KERNEL_MAX_ROWS` rows,
-            dequantized once for cuBLAS above), ``"tinygemm"`` (PyTorch's tile-packed
-            layout alone, at every row count: slow prefill), or ``"auto"`` (default): both
-            on CUDA with Triton (tinygemm for steps of up to
-            :data:`~convo.fast.int4.TINYGEMM_MAX_ROWS` rows), else tinygemm's.
-        static_prefill: run prefill through the static-shape forward that the graphs
-            capture (chunks padded to a bucket, attention over the whole slot under a
-            mask). Default: with ``cuda_graphs``; tests set it on CPU to check that forward.
-        mixed_chunk_tokens: with ``cuda_graphs``, :meth:`mixed_step` (decode rows and one
-            prefill chunk in one forward) is captured for every decode bucket and every
-            prefill bucket up to this many tokens (:data:`MIXED_CHUNK_TOKENS` by default:
-            the scheduler's chunk while replies stream); 0: no mixed graphs (a decode
-            replay, then a prefill replay).
+        config: the int4 grid and what is compiled and captured
+            (:class:`~convo.fast.config.DecoderConfig`). Default ``DecoderConfig()``.
+        **legacy: the fields of ``config`` as flat keywords (``group_size=32``), as before:
+            deprecated, with a ``DeprecationWarning``, for one release.
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
@@ -270,17 +253,16 @@ class StaticDecoder:
         slots: int = 8,
         slot_tokens: int,
         weights: str = "as-loaded",
-        group_size: int = 128,
-        compile: bool | None = None,
-        cuda_graphs: bool | None = None,
-        prefill_chunk_tokens: int = 512,
-        free_dense: bool = False,
-        buckets: Sequence[int] | None = None,
-        int4_kernel: str = "auto",
-        static_prefill: bool | None = None,
-        mixed_chunk_tokens: int = MIXED_CHUNK_TOKENS,
+        config: DecoderConfig | None = None,
+        **legacy: Any,
     ) -> None:
-        import torch
+        (config,) = split_legacy(legacy, [("config", config or DecoderConfig())], owner="StaticDecoder")
+        #: The decoder's settings (the config given, with any flat keywords applied).
+        self.config = config
+        group_size, int4_kernel, free_dense = config.group_size, config.int4_kernel, config.free_dense
+        compile, cuda_graphs, static_prefill = config.compile, config.cuda_graphs, config.static_prefill
+        prefill_chunk_tokens, mixed_chunk_tokens = config.prefill_chunk_tokens, config.mixed_chunk_tokens
+        buckets = config.buckets
 
         cfg = model.config.get_text_config()
         model_type = getattr(cfg, "model_type", "")
@@ -293,12 +275,6 @@ class StaticDecoder:
             raise ConfigError(f"static decode needs a SiLU MLP, not {cfg.hidden_act!r}")
         if weights not in ("as-loaded", "int4"):
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
-        if prefill_chunk_tokens < 1:
-            raise ConfigError("prefill_chunk_tokens must be >= 1")
-        if mixed_chunk_tokens < 0:
-            raise ConfigError("mixed_chunk_tokens must be >= 0")
-        if int4_kernel not in INT4_KERNELS:
-            raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {int4_kernel!r}")
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:
             raise ConfigError(
@@ -337,8 +313,6 @@ class StaticDecoder:
             cos, sin = base.rotary_emb(probe, positions)
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
             self._positions = positions[0]
-        from convo.fast.int4 import Int4Linear
-
         self.quantized = any(isinstance(m, Int4Linear) for m in self.layers[0].qkv)
         #: Linears that are neither dense nor convo's int4 (bitsandbytes): not compiled.
         self.modules = any(type(m) not in (torch.nn.Linear, Int4Linear) for m in self.layers[0].qkv)
@@ -433,10 +407,6 @@ class StaticDecoder:
     def _linear_group(self, mods: list[Any], weights: str, group_size: int, free: bool) -> tuple[Linear, ...]:
         """One fused linear for plain modules (int4 where asked and possible), else the
         modules as they are."""
-        import torch
-
-        from convo.fast.int4 import Int4Linear, int4_group_size
-
         if not all(_is_plain_linear(m) for m in mods):
             return tuple(mods)
         weight = torch.cat([m.weight for m in mods], dim=0) if len(mods) > 1 else mods[0].weight
@@ -791,6 +761,12 @@ class StaticDecoder:
         h = _rms_norm(x, self.norm, self.norm_eps * 1e-12)
         return self.lm_head(h).float()
 
+    @property
+    def mixed_graphs(self) -> list[tuple[int, int]]:
+        """The ``(decode bucket, chunk bucket)`` pairs a mixed step is captured for (after
+        :meth:`warmup`; empty without CUDA graphs or with ``mixed_chunk_tokens=0``)."""
+        return sorted(self._mixed_graphs)
+
     def bucket(self, rows: int) -> int:
         """The batch size a step of ``rows`` rows runs at."""
         for b in self.buckets:
@@ -838,8 +814,6 @@ class StaticDecoder:
         """Run each int4 weight shape once at every power-of-two row count its kernels
         see (decode buckets, mixed steps, short chunks), so the Triton kernel picks its
         launch settings now, not during a request."""
-        from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
-
         seen = set()
         for layer in self.layers:
             for m in (*layer.qkv, layer.o, *layer.gate_up, layer.down):

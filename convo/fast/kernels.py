@@ -46,6 +46,19 @@ W4_CONFIGS = (
 _W4_BEST: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {}
 
 
+def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[int, ...]) -> Any:
+    """``x @ W.T`` for a plain int4 weight through the Triton kernel with the launch settings
+    ``config`` (one of :data:`W4_CONFIGS`) rather than the tuned ones: tests check every
+    setting (split K adds float32 partial sums atomically).
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if _w4_op() is None:
+        raise RuntimeError("the W4A16 kernel needs Triton")
+    return _W4["launch"](x, qweight, scales_zeros, config)
+
+
 def _w4_op() -> Callable[..., Any] | None:
     """``convo::w4a16_mm``: the Triton kernel as a torch custom op (opaque to torch.compile),
     or ``None`` without Triton."""

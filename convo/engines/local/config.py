@@ -1,0 +1,119 @@
+"""How the local engine loads its model (:class:`LoadConfig`) and where its sessions' KV
+caches live and how they are decoded (:class:`KVConfig`).
+
+Both are keyword-only and validated when built, so a bad value fails before any model is
+loaded::
+
+    TransformersEngine(
+        "random:llama-2-7b",
+        quant="int4",
+        load=LoadConfig(int4_group_size=128),
+        kv=KVConfig(kv_slots=16, slot_tokens=8192),
+    )
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from convo.errors import ConfigError
+from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, PREFILL_GRAPH_TOKENS
+from convo.models.quant import INT4_GROUP_SIZE, INT4_KERNELS, check_int4_group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    """How the model is loaded.
+
+    Args:
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model
+            over devices); default ``None``: the whole model on the engine's ``device``.
+        offload_folder: where ``device_map="auto"`` may offload weights that do not fit.
+        attn_implementation: asked of transformers explicitly (default ``"sdpa"``); the
+            engine's ``attention`` reports what the model actually uses.
+        int4_group_size: with ``quant="int4"``, input features per scale/zero pair (32, 64
+            or 128). Default :data:`~convo.models.quant.INT4_GROUP_SIZE` (32): the block of
+            GGUF Q4_0/Q4_1, so a model that comes from such a file (the default model does)
+            keeps its own grid; 128 reads ~10 % fewer bytes per token (measured on the
+            H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
+        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``
+            (:data:`~convo.models.quant.INT4_KERNELS`): the int4 layouts kept, and so the
+            kernels the decode step runs (see :class:`~convo.fast.decoder.StaticDecoder`).
+
+    Raises:
+        ConfigError: an int4 group size or kernel the kernels do not have.
+    """
+
+    device_map: str | dict[str, Any] | None = None
+    offload_folder: str | os.PathLike[str] | None = None
+    attn_implementation: str = "sdpa"
+    int4_group_size: int = INT4_GROUP_SIZE
+    int4_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_int4_group_size(self.int4_group_size, name="int4_group_size")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {self.int4_kernel!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVConfig:
+    """Where the sessions' KV caches live and how calls are decoded on them.
+
+    Args:
+        kv_slots: static KV slots (:mod:`convo.fast`): the KV memory of ``kv_slots``
+            sessions of ``slot_tokens`` tokens is taken once at load, every generating
+            session holds a slot, and sessions generating at once decode together in one
+            graph-captured step. ``None`` (default): :data:`~convo.models.defaults.DEFAULT_KV_SLOTS`
+            on CUDA for a supported architecture (Llama, Mistral, Qwen2 families) and for
+            ``int4``, else 0 (on CUDA no more than fit in
+            :data:`~convo.models.defaults.AUTO_SLOTS_MEMORY_FRACTION`, half, of the memory
+            the weights left free; plain ``generate`` if not one fits); 0: plain
+            ``generate`` with a growing cache.
+        slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
+            the input cap. Default ``None``: the engine's ``max_input_tokens`` if given,
+            else the model's context limit up to
+            :data:`~convo.models.defaults.DEFAULT_SLOT_TOKENS`.
+        step_tokens: static decode: the token budget of one scheduler step (running
+            replies' rows first, then prefill chunks of waiting turns; see
+            :mod:`convo.fast.scheduler`). Default
+            :data:`~convo.models.defaults.DEFAULT_STEP_TOKENS` (2,048).
+        interleave_tokens: static decode: while replies stream, a step prefills one chunk
+            of at most this many tokens, so a new turn delays each running reply's next
+            token by one short chunk. Default
+            :data:`~convo.models.defaults.DEFAULT_INTERLEAVE_TOKENS` (256).
+        prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
+            clock between chunks (also bounds prefill activation memory). Default
+            :data:`~convo.models.defaults.PREFILL_GRAPH_TOKENS` (512).
+        compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
+            Default ``None``: on CUDA (for plain and int4 weights).
+        max_cached_sessions: KV caches kept for sessions between turns (LRU), without
+            slots. Default 8. With static decode the slots bound this instead.
+        cache_idle_s: seconds after which an unused session's KV cache is dropped. Default 600.
+
+    Raises:
+        ConfigError: a count or size out of range.
+    """
+
+    kv_slots: int | None = None
+    slot_tokens: int | None = None
+    step_tokens: int = DEFAULT_STEP_TOKENS
+    interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS
+    prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS
+    compile_decode: bool | None = None
+    max_cached_sessions: int = 8
+    cache_idle_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if self.max_cached_sessions < 0:
+            raise ConfigError("max_cached_sessions must be >= 0")
+        if self.kv_slots is not None and self.kv_slots < 0:
+            raise ConfigError("kv_slots must be >= 0")
+        if self.slot_tokens is not None and self.slot_tokens < 2:
+            raise ConfigError("slot_tokens must be >= 2")
+        if self.step_tokens < 1 or self.interleave_tokens < 1:
+            raise ConfigError("step_tokens and interleave_tokens must be >= 1")

@@ -5,5 +5,12 @@ from convo._deprecated import moved
 __getattr__ = moved(
     "convo.decode",
     "convo.fast",
-    ["convo.fast", "convo.fast.int4", "convo.fast.decoder", "convo.fast.scheduler", "convo.fast.kernels"],
+    [
+        "convo.fast",
+        "convo.fast.int4",
+        "convo.fast.decoder",
+        "convo.fast.scheduler",
+        "convo.fast.kernels",
+        "convo.fast.kv_pool",
+    ],
 )

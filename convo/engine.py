@@ -5,5 +5,12 @@ from convo._deprecated import moved
 __getattr__ = moved(
     "convo.engine",
     "convo.engines",
-    ["convo.engines.base", "convo.engines.transformers", "convo.engines.models", "convo.paths"],
+    [
+        "convo.engines.base",
+        "convo.models.generation",
+        "convo.models.quant",
+        "convo.engines.local.engine",
+        "convo.engines.local.loading",
+        "convo.paths",
+    ],
 )

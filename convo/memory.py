@@ -5,5 +5,12 @@ from convo._deprecated import moved
 __getattr__ = moved(
     "convo.memory",
     "convo.planner",
-    ["convo.planner.model", "convo.planner.calibration", "convo.planner.measure"],
+    [
+        "convo.planner.memory",
+        "convo.planner.weights",
+        "convo.planner.grid",
+        "convo.planner.calibration",
+        "convo.planner.measure",
+        "convo.models",
+    ],
 )

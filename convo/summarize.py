@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from convo.errors import ConfigError, SessionNotFound
 from convo.messages import Message, Role
+from convo.models.generation import Priority
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
@@ -151,6 +152,8 @@ class ModelSummarizer:
             max_new_tokens=max_tokens,
             timeout_s=self.timeout_s,
             cancel=cancel,
+            # Background work: a batching engine's scheduler serves replies first.
+            priority=Priority.BACKGROUND,
         )
         text = result.text.strip() or previous
         return counter.truncate_middle(text, max_tokens)
@@ -322,8 +325,8 @@ class SummaryWorker:
     stored, and returns; the summary is written later. The worker:
 
     * runs up to ``threads`` summaries at once (of different sessions; an engine that
-      batches concurrent calls batches them), each inside
-      ``convo.fast.decode_priority(Priority.BACKGROUND)``, so the local engine's
+      batches concurrent calls batches them); :class:`ModelSummarizer` asks for
+      ``priority=Priority.BACKGROUND`` in its generate options, so the local engine's
       scheduler gives replies their slots and prefill budget first;
     * starts a summary only when no reply is generating (sessions report theirs through
       :meth:`replying`), or once it has waited ``max_defer_s``, or at once when a turn is
@@ -534,15 +537,13 @@ class SummaryWorker:
             self._run(job)
 
     def _run(self, job: SummaryJob) -> None:
-        from convo.fast.scheduler import Priority, decode_priority  # (imports no torch)
-
         kwargs: dict[str, Any] = {"cancel": job._cancel} if _accepts_cancel(job.summarizer) else {}
         try:
-            # The local engine's scheduler serves requests made in this block after replies.
-            with decode_priority(Priority.BACKGROUND):
-                summary = job.summarizer.summarize(
-                    previous=job.previous, messages=job.messages, max_tokens=job.max_tokens, **kwargs
-                )
+            # The summarizer asks for background priority in its generate options
+            # (ModelSummarizer does), so a batching engine serves replies first.
+            summary = job.summarizer.summarize(
+                previous=job.previous, messages=job.messages, max_tokens=job.max_tokens, **kwargs
+            )
             with self.key_lock(job.store, job.session_id):
                 if job._cancel.is_set():  # (checked under the lock: see forget)
                     status, error = JobStatus.CANCELLED, ""

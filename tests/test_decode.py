@@ -24,20 +24,20 @@ from convo.errors import ConfigError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from convo.engines.base import GREEDY, Sampling  # noqa: E402
 from convo.fast import (  # noqa: E402
     DecodeRequest,
     DecodeScheduler,
+    Int4Linear,
     KVSlotPool,
     PrefillChunk,
     StaticDecoder,
     decode_attention,
     dequantize_int4,
     int4_group_size,
-    quantize_int4,
 )
 from convo.fast.kernels import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
-from convo.planner import model as memory  # noqa: E402
+from convo.models import GREEDY, Sampling  # noqa: E402
+from convo.planner import memory  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -83,7 +83,7 @@ def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
     assert pool.nbytes == 2 * 3 * 2 * 2 * 16 * 8 * 2
     # The planner prices a pool the same way: Llama-2-7B, 16 slots of 1,024 tokens is 8 GiB
     # (the H200 benchmark measured 8,589,934,592 bytes allocated for it).
-    planner = memory.MemoryModel.from_model("random:llama-2-7b", quant="nf4", dtype="bf16")
+    planner = memory.VRAMModel.from_model("random:llama-2-7b", quant="nf4", dtype="bf16")
     assert planner.kv_pool_bytes(16, 1024) == 8 << 30
     a, kept = pool.acquire("a") or (None, None)
     assert kept == []
@@ -118,7 +118,7 @@ def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
 def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> None:
     torch.manual_seed(1)
     w = torch.randn(48, 256)
-    q = quantize_int4(w, group_size=64)
+    q = Int4Linear.quantize(w, group_size=64)
     deq = dequantize_int4(q)
     # Independent reference: per group of 64, 16 evenly spaced levels from min to max.
     groups = w.reshape(-1, 64)
@@ -133,15 +133,15 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
     assert float((q(x) - exact).norm() / exact.norm()) < 5e-3
     assert q.nbytes < w.numel()  # under a byte per weight, scales included
     # The plain layout holds the same grid (its torch dequantization on CPU).
-    plain = quantize_int4(w, group_size=64, layout="plain", bias=torch.ones(48))
+    plain = Int4Linear.quantize(w, group_size=64, layout="plain", bias=torch.ones(48))
     assert torch.allclose(plain.dequantize(), ref, atol=1e-5) and plain.nbytes < w.numel()
     assert torch.allclose(plain(x), x @ ref.t() + 1, atol=1e-3, rtol=1e-4)  # CPU: dequantized, then matmul
     assert "layout='plain'" in repr(plain)
     assert int4_group_size(576) == 64 and int4_group_size(576, 32) == 32 and int4_group_size(100) is None
     with pytest.raises(ConfigError):
-        quantize_int4(w, group_size=100)
+        Int4Linear.quantize(w, group_size=100)
     with pytest.raises(ConfigError):
-        quantize_int4(w, layout="nibbles")  # type: ignore[arg-type]
+        Int4Linear.quantize(w, layout="nibbles")  # type: ignore[arg-type]
 
 
 # -- the decoder against transformers ---------------------------------------------------------------
@@ -333,11 +333,11 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_decode import tiny_model\n"
-        "from convo.fast import StaticDecoder, quantize_int4\n"
+        "from convo.fast import Int4Linear, StaticDecoder\n"
         "from convo.fast.int4 import W4_KERNEL_MAX_ROWS\n"
         "w = torch.randn(96, 256)\n"
-        "q = quantize_int4(w, group_size=32, layout='plain')\n"
-        "ref_w = quantize_int4(w, group_size=32, layout='tinygemm').dequantize()\n"
+        "q = Int4Linear.quantize(w, group_size=32, layout='plain')\n"
+        "ref_w = Int4Linear.quantize(w, group_size=32, layout='tinygemm').dequantize()\n"
         "err = float((q.dequantize() - ref_w).abs().max())\n"
         "for rows in (5, W4_KERNEL_MAX_ROWS + 1):  # the kernel, then dequantize + matmul\n"
         "    x = torch.randn(rows, 256)\n"
@@ -428,7 +428,7 @@ def test_scheduler_queues_for_a_slot_and_times_out_while_waiting() -> None:
 
 
 def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     stock = TransformersEngine("random:tiny-llama", device="cpu", kv_slots=0)
     fast = TransformersEngine.from_model(
@@ -455,9 +455,9 @@ def test_engine_with_slots_on_a_random_model_keeps_its_contract() -> None:
 
 
 def test_int4_engine_runs_only_through_its_slots() -> None:
-    from convo.engines.base import Quant
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import user
+    from convo.models import Quant
 
     engine = TransformersEngine("random:tiny-llama", device="cpu", quant="int4", slot_tokens=96)
     assert engine.quant is Quant.INT4 and engine.decoder is not None and engine.decoder.quantized
@@ -493,9 +493,9 @@ def _perplexity(logits: Any, ids: list[int]) -> float:
 
 @pytest.mark.slow
 def test_static_engine_matches_the_stock_engine_on_the_real_model(real_engine: Any) -> None:
-    from convo.engines.base import FinishReason
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import assistant, user
+    from convo.models import FinishReason
 
     fast = TransformersEngine.from_model(
         real_engine.model, real_engine.tokenizer, quant="fp32", kv_slots=3, slot_tokens=512
@@ -604,9 +604,9 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     out = decode_attention(q, k, v, slots, lens, scale=0.088)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
     w = torch.randn(256, 512, device="cuda")
-    ref_w = quantize_int4(w, group_size=128, layout="tinygemm")
-    plain = quantize_int4(w, group_size=128, layout="plain")
-    both = quantize_int4(w, group_size=128)
+    ref_w = Int4Linear.quantize(w, group_size=128, layout="tinygemm")
+    plain = Int4Linear.quantize(w, group_size=128, layout="plain")
+    both = Int4Linear.quantize(w, group_size=128)
     assert both.layout == "both" and both.nbytes == plain.nbytes + ref_w.nbytes  # CUDA with Triton
     assert torch.allclose(plain.dequantize(), ref_w.dequantize(), atol=1e-2)
     assert [both.kernel(r) for r in (1, 8, 9, 64, 65)] == ["tinygemm"] * 2 + ["triton"] * 2 + ["cublas"]
@@ -675,7 +675,7 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
 @cuda
 @pytest.mark.parametrize("quant", ["auto", "int4"])
 def test_cuda_engine_defaults_to_static_slots(quant: str) -> None:
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.messages import user
 
     engine = TransformersEngine("random:tiny-llama", quant=quant, slot_tokens=256)

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from convo import Budget, BudgetError, Session
-from convo.engines.base import FinishReason, Quant
-from convo.engines.transformers import TransformersEngine
+from convo.engines.local.engine import TransformersEngine
 from convo.messages import assistant, system, user
+from convo.models import FinishReason, Quant
 
 pytestmark = pytest.mark.slow
 

@@ -13,18 +13,10 @@ from conftest import check_plan_json
 
 from convo.cli.plan import add_plan_arguments, run_plan_cli
 from convo.errors import ConfigError
-from convo.planner.model import (
-    BUILTIN_CONFIGS,
-    GiB,
-    MemoryModel,
-    ModelShape,
-    Quant,
-    kv_generations,
-    load_config,
-    parse_size,
-    quantized_linear_bytes,
-    weight_bytes,
-)
+from convo.models import BUILTIN_CONFIGS, DType, GiB, ModelShape, Quant, load_config, parse_size
+from convo.planner.memory import VRAMModel as MemoryModel
+from convo.planner.memory import kv_generations
+from convo.planner.weights import quantized_linear_bytes, weight_bytes
 
 
 def shape(name: str) -> ModelShape:
@@ -233,10 +225,9 @@ def test_import_convo_memory_does_not_import_torch() -> None:
 
 def test_one_quant_enum_with_the_old_spellings() -> None:
     import convo
-    import convo.planner
-    from convo.engines.base import Quant as EngineQuant
+    from convo.models.quant import Quant as ModelsQuant
 
-    assert convo.planner.Quant is EngineQuant is Quant is convo.Quant
+    assert ModelsQuant is Quant is convo.Quant  # (its old homes: test_moved_names.py)
     assert Quant.parse(None) is Quant.parse("") is Quant.parse("none") is Quant.NONE
     assert Quant.parse("bfloat16") is Quant.parse("BF16") is Quant.BF16
     assert Quant.parse("torch.float32") is Quant.FP32 and Quant.parse("NF4") is Quant.NF4
@@ -252,7 +243,7 @@ def test_one_quant_enum_with_the_old_spellings() -> None:
 def test_engine_takes_the_same_enum_and_refuses_plan_only_fp4() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     with pytest.raises(ConfigError, match="fp4"):
         TransformersEngine("random:tiny-llama", device="cpu", quant="FP4")
@@ -325,13 +316,17 @@ def test_int4_weight_bytes_match_a_real_quantization(model_type: str, group_size
 
 
 def test_int4_needs_a_static_decoder_architecture() -> None:
-    from convo.fast import SUPPORTED_MODEL_TYPES, int4_group_size
-    from convo.planner.model import INT4_MODEL_TYPES, int4_group
+    from convo.fast import SUPPORTED_MODEL_TYPES
+    from convo.models import int4_group_size
+    from convo.planner.weights import INT4_MODEL_TYPES, int4_linear_bytes
 
     assert SUPPORTED_MODEL_TYPES == INT4_MODEL_TYPES
     for in_features in (32, 64, 96, 128, 192, 256, 4096, 11008, 100):
         for preferred in (32, 64, 128):
-            assert int4_group(in_features, preferred) == int4_group_size(in_features, preferred)
+            gs = int4_group_size(in_features, preferred)
+            # The planner prices a weight dense exactly when the kernels' rule finds no group.
+            assert (int4_linear_bytes(64, in_features, DType.BF16, preferred) is None) == (gs is None)
+    assert int4_group_size(576) == 64 and int4_group_size(576, 32) == 32 and int4_group_size(100) is None
     cfg = {**BUILTIN_CONFIGS["default"], "model_type": "gpt2"}
     with pytest.raises(ConfigError, match="static decoder"):
         weight_bytes(cfg, "int4", method="analytic")

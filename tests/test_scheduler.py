@@ -236,9 +236,7 @@ def test_replies_get_slots_and_prefill_budget_before_background_work() -> None:
 
     dec = FakeDecoder(slots=2)
     sched = DecodeScheduler(dec, background=False, step_tokens=10)
-    with decode_priority(Priority.BACKGROUND):  # how a summarizer marks its engine calls
-        summary = sched.submit(request(30, max_new=1))
-    assert summary.priority == Priority.BACKGROUND
+    summary = sched.submit(request(30, max_new=1, priority=Priority.BACKGROUND))  # a summary's call
     reply = sched.submit(request(30, first=50, max_new=1))
     sched.run_step()  # both hold a slot; the budget goes to the reply first
     assert dec.events[0] == ("prefill", [(reply.slot, 0, 10)])
@@ -322,7 +320,7 @@ def test_step_tokens_must_be_positive() -> None:
 
 def test_engine_refuses_a_step_budget_below_one_before_loading() -> None:
     pytest.importorskip("transformers")
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
     from convo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="step_tokens"):
@@ -349,7 +347,7 @@ def test_out_of_memory_is_recognized_by_convo_errors_and_mapped_to_device_out_of
 
 def test_slot_backend_implements_the_kv_interface() -> None:
     from convo.engines.base import KVBackend, KVCall
-    from convo.engines.kv import SlotKV
+    from convo.engines.local.kv import SlotKV
 
     def call(ids: list[int], max_new: int) -> KVCall:
         return KVCall(ids=ids, max_new_tokens=max_new, timeout_s=30, sampling=Greedy(), cache_key="a")
@@ -373,7 +371,7 @@ def test_slot_backend_implements_the_kv_interface() -> None:
 
 
 def test_auto_kv_slots_is_one_count_for_the_engine_and_the_planner() -> None:
-    from convo.engines.transformers import DEFAULT_KV_SLOTS, auto_kv_slots
+    from convo.models import DEFAULT_KV_SLOTS, auto_kv_slots
 
     slot = 1 << 20
     assert auto_kv_slots(10 * slot, slot) == 5  # half of the free memory
@@ -435,3 +433,10 @@ def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
     assert b.slot == -1 and a.slot == 0
     drain(sched)
     assert a.new_ids == [6, 7, 8, 9] and b.new_ids == [55]
+
+
+def test_the_deprecated_decode_priority_still_marks_requests_made_in_its_block() -> None:
+    with pytest.warns(DeprecationWarning, match="decode_priority"), decode_priority(Priority.BACKGROUND):
+        inside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    outside = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
+    assert (inside.priority, outside.priority) == (Priority.BACKGROUND, Priority.REPLY)

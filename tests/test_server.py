@@ -585,15 +585,14 @@ def test_real_model_over_http(real_engine: Any, tmp_path: Path) -> None:
 
 
 def test_the_stream_ends_before_the_summary_and_stats_report_it(store: Store) -> None:
-    from convo.fast.scheduler import DecodeRequest, Priority
+    from convo.models import Priority
     from convo.summarize import SummaryWorker
 
     gate, started = threading.Event(), threading.Event()
 
     class SlowSummaries(EchoEngine):
         def generate(self, messages: Any, **kw: Any) -> Any:
-            request = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
-            if request.priority == Priority.BACKGROUND:  # the summarizer's call
+            if kw.get("priority") == Priority.BACKGROUND:  # the summarizer's call
                 started.set()
                 assert gate.wait(10)
             return super().generate(messages, **kw)

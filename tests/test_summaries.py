@@ -514,16 +514,14 @@ def test_jobs_that_fall_behind_take_whole_batches_together(
 
 
 def test_summary_calls_are_background_priority_for_the_scheduler(worker: SummaryWorker) -> None:
-    from convo.engines.base import Generation
-    from convo.fast.scheduler import DecodeRequest, Priority
+    from convo.models import Generation, Priority
 
     seen: list[tuple[int, bool]] = []
 
     class Recording(FakeEngine):
         def generate(self, messages: Sequence[Message], **kw: object) -> Generation:  # type: ignore[override]
-            # What the local engine's scheduler would give a request made here.
-            request = DecodeRequest(ids=[1], max_new_tokens=1, deadline=0.0, sampling=None)
-            seen.append((request.priority, kw.get("cancel") is not None))
+            # The priority the call asks of the engine (the local engine's scheduler reads it).
+            seen.append((kw.get("priority") or Priority.REPLY, kw.get("cancel") is not None))  # type: ignore[arg-type]
             return super().generate(messages, **kw)  # type: ignore[arg-type]
 
     session = Session(Recording(), budget=ROOMY, summaries=worker)  # the default ModelSummarizer

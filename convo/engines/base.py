@@ -1,12 +1,19 @@
 """What every engine is: the :class:`Engine` protocol a :class:`~convo.session.Session`
-drives, and the typed values it returns.
+drives, the options of a call, and how text streams out of it.
 
-* :class:`Sampling` — decoding settings (greedy by default);
-* :class:`Generation` — the reply text, its :class:`FinishReason` and its
-  :class:`GenerationStats` (tokens, KV bytes, device memory, timings);
-* :class:`TextStream` — text chunks of a call running in a worker thread.
+* :class:`GenerateOptions` / :class:`GenerateRequest` — the keyword options of
+  :meth:`Engine.generate` and their defaults;
+* :class:`KVCall` / :class:`KVRun` / :class:`KVBackend` — how a local engine hands a call
+  to the place its KV cache lives;
+* :class:`TextStream` / :class:`AsyncTextStream` — text chunks of a running call.
 
-Engines: :class:`~convo.engines.transformers.TransformersEngine` (local, Hugging Face
+The values a call returns (:class:`~convo.models.generation.Sampling`,
+:class:`~convo.models.generation.Generation`, :class:`~convo.models.generation.GenerationStats`,
+:class:`~convo.models.generation.FinishReason`, :class:`~convo.models.generation.Priority`)
+and :class:`~convo.models.quant.Quant` live in :mod:`convo.models`; their old names here
+still work for one release (with a ``DeprecationWarning``).
+
+Engines: :class:`~convo.engines.local.engine.TransformersEngine` (local, Hugging Face
 transformers, optional static KV slots from :mod:`convo.fast`) and
 :class:`~convo.engines.openai.OpenAIEngine` (any OpenAI-compatible server). A test engine
 that needs no model is :class:`convo.testing.EchoEngine`.
@@ -16,286 +23,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import importlib
 import queue
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
 from convo.errors import BudgetError, ConfigError
 from convo.messages import Message
+from convo.models import generation as _generation
 from convo.tokens import TokenCounter
 
+if TYPE_CHECKING:
+    from convo.models.generation import Generation, Priority, Sampling
 
-class Quant(enum.StrEnum):
-    """Weight format, one enum for the engines and the memory planner.
-
-    ``AUTO`` (the engine's default) is ``NF4`` on CUDA, where weights compete with the KV
-    cache for memory, and ``FP32`` on CPU, where host memory is rarely the limit and both
-    bitsandbytes' 4-bit kernels and bf16 matrix products run several times slower than
-    fp32 on CPUs without bf16 matrix units (measured on the CI machine: SmolLM2-135M
-    prefill of 1,000 tokens 11.5 s fp32 vs 31.7 s bf16; a decode step 0.27 s vs 1.9 s).
-    Ask for ``NF4`` to get 4-bit on CPU. ``NF4`` is bitsandbytes NormalFloat-4 with double
-    quantization and bf16 compute on CUDA (fp16 where bf16 is unsupported; fp32 on CPU).
-    ``FP4`` is bitsandbytes' other 4-bit type (the planner prices it; the engine loads nf4).
-
-    ``INT4`` is the fast 4-bit path: group-wise int4 (group :data:`INT4_GROUP_SIZE`) held by
-    :class:`convo.fast.int4.Int4Linear` (PyTorch's tinygemm layout and a plain one for
-    convo's Triton kernel, see :data:`INT4_KERNELS`), run by the static decoder
-    (:mod:`convo.fast`), whose compiled, graph-captured step these kernels fit into. The
-    model is loaded dense (bf16 on CUDA, fp32 on CPU) and quantized at load; it needs
-    ``kv_slots`` > 0 (the default for it). On CPU its kernel runs float32 activations in
-    bfloat16 (PyTorch's vectorized form; SmolLM2-135M on 2 cores: 26.9 tok/s against
-    fp32's 18.6).
-
-    ``NONE`` is no quantization: dense weights in the checkpoint's own dtype on the planner
-    (the ``convo plan`` default), bf16 on CUDA and fp32 on CPU in the engine. ``BF16``,
-    ``FP16`` and ``FP32`` are dense in that dtype.
-
-    :meth:`parse` also takes ``None``, any case and torch spellings (``"bfloat16"``).
-    """
-
-    AUTO = "auto"
-    NF4 = "nf4"
-    INT8 = "int8"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-    INT4 = "int4"
-    NONE = "none"
-    FP4 = "fp4"
-
-    @classmethod
-    def parse(cls, value: str | Quant | None) -> Quant:
-        """``None``/``""`` -> ``NONE``; ``"NF4"``, ``"bfloat16"``, ``"float32"``... accepted.
-
-        Raises:
-            ConfigError: unknown format.
-        """
-        if isinstance(value, Quant):
-            return value
-        key = "" if value is None else str(value).strip().lower().removeprefix("torch.")
-        key = _QUANT_ALIASES.get(key, key)
-        try:
-            return cls(key)
-        except ValueError:
-            raise ConfigError(
-                f"unknown weight format {value!r}; use one of {[q.value for q in cls]}"
-            ) from None
-
-    def resolved(self, *, cuda: bool) -> Quant:
-        """``AUTO`` made concrete for the device (``NF4`` on CUDA, ``FP32`` elsewhere);
-        any other format as it is."""
-        if self is Quant.AUTO:
-            return Quant.NF4 if cuda else Quant.FP32
-        return self
-
-    @property
-    def is_dense(self) -> bool:
-        """No quantization: ``NONE``, ``BF16``, ``FP16``, ``FP32``."""
-        return self in (Quant.NONE, Quant.BF16, Quant.FP16, Quant.FP32)
-
-    @property
-    def is_bitsandbytes(self) -> bool:
-        """Quantized by bitsandbytes at load (``NF4``, ``FP4``, ``INT8``): the engine runs
-        these through transformers' ``generate`` or calls the modules as loaded."""
-        return self in (Quant.NF4, Quant.FP4, Quant.INT8)
-
-    @property
-    def dense_dtype(self) -> str | None:
-        """``"bf16"``/``"fp16"``/``"fp32"`` for those dense formats, else ``None``."""
-        return self.value if self in (Quant.BF16, Quant.FP16, Quant.FP32) else None
-
-    @property
-    def bits_per_weight(self) -> int | None:
-        """Nominal storage bits of a quantized ``nn.Linear`` weight, before per-block
-        scales (4 or 8; 16/32 for dense dtypes), or ``None`` (``AUTO``, ``NONE``: it
-        depends). The exact bytes come from :func:`convo.planner.model.weight_bytes`."""
-        return _QUANT_BITS.get(self)
-
-
-_QUANT_ALIASES = {
-    "": "none",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-}
-_QUANT_BITS = {
-    Quant.NF4: 4,
-    Quant.FP4: 4,
-    Quant.INT4: 4,
-    Quant.INT8: 8,
-    Quant.BF16: 16,
-    Quant.FP16: 16,
-    Quant.FP32: 32,
+#: Names that moved to :mod:`convo.models`: served from their old home here for one
+#: release, with a ``DeprecationWarning``.
+_MOVED = {
+    **dict.fromkeys(
+        ["FinishReason", "Sampling", "GREEDY", "GenerationStats", "Generation", "Priority"],
+        "convo.models.generation",
+    ),
+    **dict.fromkeys(["Quant", "INT4_GROUP_SIZE", "INT4_KERNELS", "INT4_GROUP_SIZES"], "convo.models.quant"),
+    "empty_device_cache": "convo.models.device",
 }
 
-#: Input features per int4 scale/zero pair that :class:`~convo.engines.transformers.TransformersEngine`
-#: (and so ``convo serve --quant int4``) uses by default; ``convo plan --quant int4`` prices it.
-INT4_GROUP_SIZE = 32
-#: The int4 kernel choices (``TransformersEngine(int4_kernel=)``, ``--int4-kernel``): which
-#: weight layouts are kept. ``auto``: both on CUDA with Triton (tinygemm for a few rows,
-#: Triton above; twice the weight bytes), else tinygemm's; ``triton``: the plain layout
-#: alone; ``tinygemm``: PyTorch's alone.
-INT4_KERNELS = ("auto", "triton", "tinygemm")
 
-
-class FinishReason(enum.StrEnum):
-    """Why generation stopped."""
-
-    STOP = "stop"  # end-of-turn token or a stop string
-    LENGTH = "length"  # max_new_tokens reached
-    TIMEOUT = "timeout"  # the wall-clock limit
-    CANCELLED = "cancelled"  # the consumer stopped reading a stream
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """Decoding settings. The default is greedy (``temperature=0``).
-
-    Args:
-        temperature: 0 for greedy, else the sampling temperature.
-        top_p: nucleus sampling mass (1.0 = off).
-        top_k: keep the k most likely tokens (0 = off).
-        repetition_penalty: 1.0 = off.
-        seed: seeds torch before sampling, for reproducible samples.
-        min_new_tokens: suppress end-of-turn before this many tokens (benchmarks use it
-            to fix reply lengths). Default 0.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    min_new_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.min_new_tokens < 0:
-            raise ConfigError("min_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise ConfigError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError("top_k must be >= 0")
-        if self.repetition_penalty <= 0:
-            raise ConfigError("repetition_penalty must be > 0")
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        extra = {"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}
-        if self.temperature == 0:
-            return {"do_sample": False, "repetition_penalty": self.repetition_penalty, **extra}
-        return {
-            **extra,
-            "do_sample": True,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k or None,
-            "repetition_penalty": self.repetition_penalty,
-        }
-
-
-GREEDY = Sampling()
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerationStats:
-    """What one generate call cost. Bytes are bytes, times are seconds.
-
-    On CUDA ``allocated_bytes`` / ``reserved_bytes`` are read after the call and the
-    ``peak_*`` values are the peaks during it. On CPU ``memory_kind`` is ``"rss"``: the
-    allocated / reserved fields hold the process RSS after the call and ``peak_*`` the
-    process's peak RSS so far (the OS keeps no per-call peak). An engine that cannot see
-    the memory (a remote server, a test engine) leaves the byte fields at 0.
-    """
-
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the previous turn
-    prefill_tokens: int  # prompt tokens actually run through the model
-    new_tokens: int
-    kv_tokens: int  # tokens in the KV cache after the call
-    kv_bytes: int = 0  # measured from the cache tensors
-    kv_bytes_expected: int = 0  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
-    prefill_s: float
-    decode_s: float
-    ttft_s: float
-    total_s: float
-    tokens_per_s: float
-    memory_kind: str  # "cuda", "rss", "remote" (a server's) or "none" (a test engine)
-    allocated_bytes: int = 0
-    reserved_bytes: int = 0
-    peak_allocated_bytes: int = 0
-    peak_reserved_bytes: int = 0
-    attention: str
-    kv_slot_bytes: int = 0  # the static KV slot the call ran in (0 without static decode)
-
-    @classmethod
-    def from_times(
-        cls,
-        *,
-        prompt_tokens: int,
-        cached_tokens: int,
-        new_tokens: int,
-        kv_tokens: int,
-        start: float,
-        first_token_at: float | None,
-        end: float,
-        memory_kind: str,
-        attention: str,
-        **extra: Any,
-    ) -> GenerationStats:
-        """Stats of a call timed by ``time.perf_counter()`` stamps: its start, its first
-        token (``None``: no token, the whole call counts as prefill) and its end."""
-        ttft_at = first_token_at or end
-        decode_s = max(end - ttft_at, 0.0)
-        return cls(
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            prefill_tokens=prompt_tokens - cached_tokens,
-            new_tokens=new_tokens,
-            kv_tokens=kv_tokens,
-            prefill_s=ttft_at - start,
-            decode_s=decode_s,
-            ttft_s=ttft_at - start,
-            total_s=end - start,
-            tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else 0.0,
-            memory_kind=memory_kind,
-            attention=attention,
-            **extra,
-        )
-
-    @classmethod
-    def untimed(cls, *, prompt_tokens: int, new_tokens: int) -> GenerationStats:
-        """Stats of an engine that neither times nor sees memory (test engines)."""
-        return cls.from_times(
-            prompt_tokens=prompt_tokens,
-            cached_tokens=0,
-            new_tokens=new_tokens,
-            kv_tokens=prompt_tokens + new_tokens,
-            start=0.0,
-            first_token_at=None,
-            end=0.0,
-            memory_kind="none",
-            attention="none",
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Generation:
-    """A reply from the engine."""
-
-    text: str
-    finish_reason: FinishReason
-    token_ids: tuple[int, ...]
-    stats: GenerationStats
-
-    @property
-    def timed_out(self) -> bool:
-        return self.finish_reason is FinishReason.TIMEOUT
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"convo.engines.base.{name} is deprecated; import it from {module} (or convo.models)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -309,7 +74,11 @@ class GenerateOptions(TypedDict, total=False):
     * ``on_text``: called with each new piece of text;
     * ``cancel``: set it to stop early (finish reason ``cancelled``);
     * ``max_prompt_tokens``: refuse a prompt longer than this (the session's budget,
-      checked before the model runs).
+      checked before the model runs);
+    * ``priority``: a :class:`~convo.models.generation.Priority`: how urgent the call is
+      to an engine that batches calls (its scheduler serves ``REPLY`` before
+      ``BACKGROUND``, the rolling summaries' priority); other engines ignore it. Default:
+      a reply's.
     """
 
     timeout_s: float | None
@@ -319,6 +88,7 @@ class GenerateOptions(TypedDict, total=False):
     on_text: Callable[[str], None] | None
     cancel: threading.Event | None
     max_prompt_tokens: int | None
+    priority: Priority | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,12 +103,14 @@ class GenerateRequest:
 
     max_new_tokens: int
     timeout_s: float | None = None
-    sampling: Sampling = GREEDY
+    sampling: Sampling = _generation.GREEDY
     stop: Sequence[str] = ()
     cache_key: str | None = None
     on_text: Callable[[str], None] | None = None
     cancel: threading.Event | None = None
     max_prompt_tokens: int | None = None
+    #: ``None``: a reply's (:attr:`Priority.REPLY <convo.models.generation.Priority.REPLY>`).
+    priority: Priority | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -401,11 +173,13 @@ class KVCall:
     max_new_tokens: int
     #: Wall-clock cap, prefill (and, with slots, the wait for one) included.
     timeout_s: float
-    sampling: Sampling = GREEDY
+    sampling: Sampling = _generation.GREEDY
     stop: Sequence[str] = ()
     cache_key: str | None = None
     on_text: Callable[[str], None] | None = None
     cancel: threading.Event | None = None
+    #: How urgent the call is to a batching backend (``None``: a reply's).
+    priority: Priority | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,7 +212,7 @@ class KVRun:
 class KVBackend(Protocol):
     """Where a local engine keeps the KV cache of its sessions, and how it decodes on it.
 
-    Two backends implement it (:mod:`convo.engines.kv`): ``DynamicKV``, a growing
+    Two backends implement it (:mod:`convo.engines.local.kv`): ``DynamicKV``, a growing
     transformers cache per session run through ``model.generate`` one call at a time, and
     ``SlotKV``, the static slots of :mod:`convo.fast` decoded together by a scheduler. The
     engine picks one at load; validation, text and statistics stay in the engine.
@@ -468,17 +242,6 @@ class KVBackend(Protocol):
     def close(self) -> None:
         """Stop and join the backend's threads and drop its caches. Idempotent."""
         ...
-
-
-def empty_device_cache() -> None:
-    """Return the CUDA allocator's cached, unused blocks to the device (no-op without CUDA
-    or torch). The one place convo empties the cache: after an OOM and on release."""
-    try:
-        import torch
-    except ImportError:
-        return
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 _END = object()

@@ -27,15 +27,18 @@ before it starts. This package turns that into exact memory and speed:
   decodes every running reply, then fills the rest of a token budget with prefill chunks
   of waiting turns (replies before background work such as summaries).
 
-Nothing here imports torch at import time but :mod:`convo.fast.int4` (its names load on
-first use).
+Importing :mod:`convo.fast` loads no torch: the pool, the scheduler and the kernels'
+launchers are plain Python; :mod:`convo.fast.decoder` and :mod:`convo.fast.int4` import
+torch, and their names here load on first use.
 """
 
 from __future__ import annotations
 
-from convo.fast.decoder import SUPPORTED_MODEL_TYPES, PrefillChunk, StaticDecoder, tensor_nbytes
+from typing import TYPE_CHECKING
+
+from convo._deprecated import lazy
 from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
-from convo.fast.kv_pool import KVSlotPool
+from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.scheduler import (
     DEFAULT_STEP_TOKENS,
     DecodeRequest,
@@ -43,6 +46,12 @@ from convo.fast.scheduler import (
     Priority,
     decode_priority,
 )
+from convo.models.quant import int4_group_size
+from convo.models.spec import STATIC_DECODE_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from convo.fast.decoder import StaticDecoder, tensor_nbytes
+    from convo.fast.int4 import Int4Linear, dequantize_int4, quantize_int4
 
 __all__ = [
     "ATTENTION_SPLIT_TOKENS",
@@ -64,12 +73,14 @@ __all__ = [
     "tensor_nbytes",
 ]
 
-_INT4_NAMES = frozenset({"Int4Linear", "dequantize_int4", "int4_group_size", "quantize_int4"})
-
-
-def __getattr__(name: str) -> object:
-    if name in _INT4_NAMES:  # convo.fast.int4 imports torch: load it on first use
-        from convo.fast import int4
-
-        return getattr(int4, name)
-    raise AttributeError(f"module 'convo.fast' has no attribute {name!r}")
+# These modules import torch: their names load on first use.
+__getattr__ = lazy(
+    "convo.fast",
+    {
+        "StaticDecoder": "convo.fast.decoder",
+        "tensor_nbytes": "convo.fast.decoder",
+        "Int4Linear": "convo.fast.int4",
+        "dequantize_int4": "convo.fast.int4",
+        "quantize_int4": "convo.fast.int4",
+    },
+)

@@ -1,4 +1,7 @@
-"""The static decoder: a Llama-family model over the KV slot pool, prefill and a captured step."""
+"""The static decoder: a Llama-family model over the KV slot pool, prefill and a captured step.
+
+Imports torch (through :mod:`convo.fast.int4`); :mod:`convo.fast` loads it on first use.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +12,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from convo.engines.base import INT4_KERNELS, empty_device_cache
+import torch
+
 from convo.errors import ConfigError
+from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import _interpreting, _w4_op, chunk_attention, decode_attention
-from convo.fast.kv_pool import KVSlotPool
+from convo.fast.kv_pool import KVSlotPool, PrefillChunk
+from convo.models.defaults import MIXED_CHUNK_TOKENS, PREFILL_GRAPH_TOKENS
+from convo.models.device import empty_device_cache
+from convo.models.quant import INT4_KERNELS, LARGEST_INT4_GROUP_SIZE, int4_group_size
+from convo.models.spec import STATIC_DECODE_MODEL_TYPES
+
+__all__ = [
+    "MIXED_CHUNK_TOKENS",
+    "PREFILL_GRAPH_MAX_CHUNKS",
+    "SUPPORTED_MODEL_TYPES",
+    "PrefillChunk",
+    "StaticDecoder",
+    "tensor_nbytes",
+]
 
 #: Model types whose decoder layers :class:`StaticDecoder` knows how to run.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = STATIC_DECODE_MODEL_TYPES
 
 
 #: A linear layer as the decoder holds it: ``torch.nn.Linear`` (dense, q/k/v and gate/up
@@ -162,17 +180,6 @@ def _post_attention(
     return x + down(pw.swiglu(_linears(h, gate_up)))
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens ``ids[start:end]`` of one turn, to run into slot ``slot`` (which holds
-    ``ids[:start]`` already)."""
-
-    slot: int
-    ids: Sequence[int]
-    start: int
-    end: int
-
-
 def _own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with a code object of its own (a fresh dynamo cache)."""
     import types
@@ -214,10 +221,6 @@ def _is_plain_linear(module: Any) -> bool:
 #: Python launching every kernel: ~30 ms for a 32-layer model on the H200).
 PREFILL_GRAPH_MAX_CHUNKS = 4
 
-#: Longest prefill chunk (tokens) a mixed step is captured for by default: the scheduler's
-#: chunk while replies stream (:data:`~convo.fast.scheduler.DEFAULT_INTERLEAVE_TOKENS`).
-MIXED_CHUNK_TOKENS = 256
-
 
 class StaticDecoder:
     """A Llama-family model decoding over a :class:`KVSlotPool` with static shapes.
@@ -230,13 +233,16 @@ class StaticDecoder:
             fused q/k/v and gate/up, quantized modules such as bitsandbytes' are called as
             they are) or ``"int4"`` (quantize plain linears to
             :class:`~convo.fast.int4.Int4Linear`).
-        group_size: int4 group size (128 by default; smaller where a shape needs it).
+        group_size: preferred int4 group size (default the largest,
+            :data:`~convo.models.quant.LARGEST_INT4_GROUP_SIZE`, 128; smaller where a shape
+            needs it, :func:`~convo.models.quant.int4_group_size`).
         compile: fuse each layer's pointwise work with ``torch.compile``. Default: on CUDA
             with plain or int4 weights.
         cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size
             bucket (:attr:`prefill_buckets`). Default: on CUDA.
         prefill_chunk_tokens: :meth:`prefill` runs in chunks of this many tokens, and the
-            largest captured prefill is this long. Default 512.
+            largest captured prefill is this long. Default
+            :data:`~convo.models.defaults.PREFILL_GRAPH_TOKENS` (512).
         free_dense: after quantizing to int4, drop the model's dense linear weights (the
             model can then only run through this decoder). Default False.
         buckets: batch sizes to build the step for (default: powers of two up to the
@@ -270,10 +276,10 @@ class StaticDecoder:
         slots: int = 8,
         slot_tokens: int,
         weights: str = "as-loaded",
-        group_size: int = 128,
+        group_size: int = LARGEST_INT4_GROUP_SIZE,
         compile: bool | None = None,
         cuda_graphs: bool | None = None,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS,
         free_dense: bool = False,
         buckets: Sequence[int] | None = None,
         int4_kernel: str = "auto",
@@ -337,8 +343,6 @@ class StaticDecoder:
             cos, sin = base.rotary_emb(probe, positions)
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
             self._positions = positions[0]
-        from convo.fast.int4 import Int4Linear
-
         self.quantized = any(isinstance(m, Int4Linear) for m in self.layers[0].qkv)
         #: Linears that are neither dense nor convo's int4 (bitsandbytes): not compiled.
         self.modules = any(type(m) not in (torch.nn.Linear, Int4Linear) for m in self.layers[0].qkv)
@@ -433,10 +437,6 @@ class StaticDecoder:
     def _linear_group(self, mods: list[Any], weights: str, group_size: int, free: bool) -> tuple[Linear, ...]:
         """One fused linear for plain modules (int4 where asked and possible), else the
         modules as they are."""
-        import torch
-
-        from convo.fast.int4 import Int4Linear, int4_group_size
-
         if not all(_is_plain_linear(m) for m in mods):
             return tuple(mods)
         weight = torch.cat([m.weight for m in mods], dim=0) if len(mods) > 1 else mods[0].weight
@@ -838,8 +838,6 @@ class StaticDecoder:
         """Run each int4 weight shape once at every power-of-two row count its kernels
         see (decode buckets, mixed steps, short chunks), so the Triton kernel picks its
         launch settings now, not during a request."""
-        from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
-
         seen = set()
         for layer in self.layers:
             for m in (*layer.qkv, layer.o, *layer.gate_up, layer.down):

@@ -22,6 +22,7 @@ Each layout takes ``in * out / 2`` bytes plus the scales and zeros.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -29,7 +30,18 @@ import torch.nn.functional as F
 
 from convo.errors import ConfigError
 from convo.fast.kernels import _interpreting, _w4_op, dequantize_plain_int4
-from convo.planner.model import INT4_GROUP_SIZES, int4_group
+from convo.models.quant import INT4_GROUP_SIZES, LARGEST_INT4_GROUP_SIZE, int4_group_size
+
+__all__ = [
+    "TINYGEMM_MAX_ROWS",
+    "W4_KERNEL_MAX_ROWS",
+    "Int4Layout",
+    "Int4Linear",
+    "default_int4_layout",
+    "dequantize_int4",
+    "int4_group_size",
+    "quantize_int4",
+]
 
 #: The int4 layouts (see the module docstring).
 Int4Layout = Literal["plain", "tinygemm", "both"]
@@ -44,13 +56,6 @@ TINYGEMM_MAX_ROWS = 8
 _INTERPRETING = _interpreting()  # Triton's interpreter runs the kernels on CPU (tests)
 
 
-def int4_group_size(in_features: int, preferred: int = 128) -> int | None:
-    """The largest group size <= ``preferred`` (128, 64 or 32) the kernels accept for
-    ``in_features``, or ``None`` when none does (the weight then stays dense). The rule
-    lives with the planner (:func:`convo.planner.model.int4_group`), which counts the bytes."""
-    return int4_group(in_features, preferred)
-
-
 def default_int4_layout(device: Any) -> Int4Layout:
     """``"both"`` on CUDA with Triton (or under Triton's interpreter), else ``"tinygemm"``."""
     on_cuda = torch.device(device).type == "cuda"
@@ -60,7 +65,8 @@ def default_int4_layout(device: Any) -> Int4Layout:
 class Int4Linear(torch.nn.Module):
     """A weight-only int4 linear layer (gpt-fast's ``WeightOnlyInt4Linear``).
 
-    Build one with :meth:`quantize` (or :func:`quantize_int4`). Buffers, on the weight's
+    Build one with :meth:`quantize`; :func:`~convo.models.quant.int4_group_size` says which
+    group a weight shape takes. Buffers, on the weight's
     device: ``qweight`` and ``scales_zeros`` (the plain layout, or ``None``), ``packed`` and
     ``packed_scales_zeros`` (tinygemm's, or ``None``), and an optional ``bias``;
     activations, scales and zeros share the compute dtype (bf16 on CUDA). Modules of one
@@ -102,7 +108,7 @@ class Int4Linear(torch.nn.Module):
         cls,
         weight: torch.Tensor,
         *,
-        group_size: int = 128,
+        group_size: int = LARGEST_INT4_GROUP_SIZE,
         bias: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         layout: Int4Layout | None = None,
@@ -111,7 +117,8 @@ class Int4Linear(torch.nn.Module):
 
         Args:
             weight: the dense weight (any float dtype).
-            group_size: input features per scale/zero pair (128, 64 or 32).
+            group_size: input features per scale/zero pair (one of
+                :data:`~convo.models.quant.INT4_GROUP_SIZES`; default the largest, 128).
             bias: an optional bias, kept in ``dtype``.
             dtype: compute dtype of scales, zeros and activations. Default: bf16 on CUDA,
                 the weight's dtype on CPU.
@@ -204,8 +211,14 @@ class Int4Linear(torch.nn.Module):
         )
 
 
-#: :meth:`Int4Linear.quantize` as a function.
-quantize_int4 = Int4Linear.quantize
+def quantize_int4(weight: torch.Tensor, **kwargs: Any) -> Int4Linear:
+    """Deprecated: :meth:`Int4Linear.quantize` (the same arguments)."""
+    warnings.warn(
+        "convo.fast.int4.quantize_int4 is deprecated; use convo.fast.int4.Int4Linear.quantize",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return Int4Linear.quantize(weight, **kwargs)
 
 
 def dequantize_int4(linear: Int4Linear) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The KV slot pool: per-layer K and V tensors of every slot, taken once at start."""
+"""The KV slot pool: per-layer K and V tensors of every slot, taken once at start, and
+:class:`PrefillChunk`, a piece of a turn to prefill into a slot."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError
+from convo.models.defaults import kv_pool_bytes
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens ``ids[start:end]`` of one turn, to run into slot ``slot`` (which holds
+    ``ids[:start]`` already): what the scheduler hands the decoder's prefill."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    end: int
 
 
 @dataclass
@@ -69,9 +82,16 @@ class KVSlotPool:
         *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: float
     ) -> int:
         """``2 x layers x slots x kv_heads x slot_tokens x head_dim x dtype bytes``: the one
-        pool-size formula (the planner's :meth:`~convo.planner.model.MemoryModel.kv_pool_bytes`
-        prices a pool with it too)."""
-        return int(2 * num_layers * slots * num_kv_heads * slot_tokens * head_dim * dtype_bytes)
+        pool-size formula, :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a
+        pool with it too)."""
+        return kv_pool_bytes(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            slots=slots,
+            slot_tokens=slot_tokens,
+            dtype_bytes=dtype_bytes,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -31,27 +31,34 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convo.engines.base import FinishReason, empty_device_cache
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
-from convo.fast.decoder import PrefillChunk
+from convo.fast.kv_pool import PrefillChunk
+from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
+from convo.models.device import empty_device_cache
+from convo.models.generation import FinishReason, Priority
 from convo.tokens import common_prefix_length
 
-#: Tokens one scheduler step may run by default: the running replies' rows, then prefill
-#: chunks of waiting turns. Larger: faster prefill (fewer weight reads per prompt token);
-#: smaller: shorter stalls of the running replies while a prompt is prefilled.
-DEFAULT_STEP_TOKENS = 2048
-#: Prompt tokens a step may prefill while replies stream: larger, faster prefill under
-#: load; smaller, shorter gaps between a streaming reply's tokens. On the H200 (Llama-2-7B
-#: int4) a 256-token prefill forward takes about two decode steps.
-DEFAULT_INTERLEAVE_TOKENS = 256
+__all__ = [
+    "DEFAULT_BACKGROUND_MAX_WAIT_S",
+    "DEFAULT_BACKGROUND_MIN_IDLE_S",
+    "DEFAULT_INTERLEAVE_TOKENS",
+    "DEFAULT_STEP_TOKENS",
+    "SLOT_POLL_S",
+    "STEP_KINDS",
+    "DecodeRequest",
+    "DecodeScheduler",
+    "Priority",
+    "SchedulerStats",
+    "decode_priority",
+]
 #: Seconds another session's cached prompt must have sat idle in its slot before background
 #: work (a summary) may take the slot: while sessions keep talking, summaries use empty
 #: slots and the ones sessions left, not the caches that their next turns will reuse.
@@ -88,14 +95,9 @@ class SchedulerStats:
     preemptions: int
 
 
-class Priority(enum.IntEnum):
-    """Order in which waiting work gets slots and prefill budget (lower first)."""
-
-    REPLY = 0  # a turn a user waits for
-    BACKGROUND = 1  # work nobody waits on token by token: summaries
-
-
 _ARRIVALS = itertools.count()
+#: The priority :func:`decode_priority` (deprecated) sets for requests made in its block.
+#: Goes away with it: pass ``priority=`` to ``generate`` (or to :class:`DecodeRequest`).
 _PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
     "convo_decode_priority", default=Priority.REPLY
 )
@@ -103,10 +105,16 @@ _PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def decode_priority(level: int) -> Iterator[None]:
-    """Requests made inside the block (in this thread or task) get ``level`` as their
-    default :class:`Priority`: wrap background work such as a summary's ``generate`` in
-    ``with decode_priority(Priority.BACKGROUND):`` so replies go first. No engine API
-    changes: the engine builds its :class:`DecodeRequest` in the caller's context."""
+    """Deprecated: pass ``priority=Priority.BACKGROUND`` in the generate options instead
+    (:class:`~convo.engines.base.GenerateOptions`; the summaries do).
+
+    Requests made inside the block (in this thread or task) that name no priority get
+    ``level`` as their :class:`Priority`."""
+    warnings.warn(
+        "decode_priority is deprecated; pass priority=Priority.BACKGROUND to generate()",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     token = _PRIORITY.set(int(level))
     try:
         yield
@@ -129,7 +137,7 @@ class DecodeRequest:
         on_token: called with each new token id; returning True stops (a stop string).
         cancel: set to stop early (finish ``cancelled``).
         priority: :class:`Priority` (or any int, lower first): replies before summaries.
-            Default: the :func:`decode_priority` in effect (``Priority.REPLY``).
+            Default ``Priority.REPLY`` (or the deprecated :func:`decode_priority` in effect).
     """
 
     ids: list[int]

@@ -18,7 +18,8 @@ from convo.errors import ConfigError
 from convo.paths import cache_dir
 
 if TYPE_CHECKING:
-    from convo.planner.model import Attn, Quant
+    from convo.models.quant import Quant
+    from convo.models.spec import Attn
 
 MiB = 1024**2
 

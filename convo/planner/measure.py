@@ -11,9 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from convo.errors import ConfigError
+from convo.models.random_model import build_random_model
+from convo.models.units import GiB
 from convo.planner.calibration import Calibration
-from convo.planner.model import Attn, CellPrediction, DType, GiB, MemoryModel, Quant, kv_generations
+from convo.planner.grid import CellPrediction
+from convo.planner.memory import VRAMModel, kv_generations
+
+__all__ = ["MeasuredCell", "build_random_model", "fit_calibration", "generate_exactly", "measure_cells"]
 
 # --------------------------------------------------------------------------------------
 # Measurement (GPU): the calibration run
@@ -31,68 +35,6 @@ class MeasuredCell:
     peak_reserved_bytes: int | None
     seconds: float
     oom: bool
-
-
-def build_random_model(
-    config: Mapping[str, Any],
-    *,
-    quant: Quant,
-    dtype: DType,
-    attn: Attn,
-    device: str = "cuda",
-    workdir: str | None = None,
-) -> Any:
-    """A random-weight model on ``device``; quantized like ``from_pretrained`` would.
-
-    Builds in ``dtype`` on the device, saves to a temporary folder and reloads with a
-    ``BitsAndBytesConfig`` (nf4 + double quant, bf16 compute), so the weights land in the
-    allocator the way a real quantized load does. No download.
-    """
-    if quant is Quant.INT4:
-        raise ConfigError("int4 is quantized by the static decoder (TransformersEngine), not at load")
-    import tempfile
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tdtype = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}[dtype]
-    cfg_dict = dict(config)
-    model_type = cfg_dict.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **cfg_dict)
-    cfg._attn_implementation = attn.value
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype, attn_implementation=attn.value)
-    model.eval()
-    if not quant.is_bitsandbytes:
-        return model
-    from transformers import BitsAndBytesConfig
-
-    if quant is Quant.INT8:
-        qcfg = BitsAndBytesConfig(load_in_8bit=True)
-    else:
-        qcfg = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=quant.value,
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=tdtype,
-        )
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        model.save_pretrained(tmp)
-        del model
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp,
-            quantization_config=qcfg,
-            dtype=tdtype,
-            device_map=device,
-            attn_implementation=attn.value,
-        )
-    model.eval()
-    return model
 
 
 def generate_exactly(model: Any, ids: Any, new_tokens: int) -> None:
@@ -196,7 +138,7 @@ def measure_cells(
 
 
 def fit_calibration(
-    mm: MemoryModel,
+    mm: VRAMModel,
     cells: Sequence[MeasuredCell],
     *,
     weights_allocated: int,

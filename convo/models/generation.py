@@ -1,0 +1,183 @@
+"""What one generation is: its settings, its result and how urgent it is.
+
+* :class:`Sampling` — decoding settings (greedy by default, :data:`GREEDY`);
+* :class:`Generation` — the reply text, its :class:`FinishReason` and its
+  :class:`GenerationStats` (tokens, KV bytes, device memory, timings);
+* :class:`Priority` — the order in which a batching engine serves waiting work (replies
+  before background work such as summaries).
+
+Every engine returns these values and the fast path's scheduler reads them; this module
+imports nothing of convo but :mod:`convo.errors`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from convo.errors import ConfigError
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation stopped."""
+
+    STOP = "stop"  # end-of-turn token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    TIMEOUT = "timeout"  # the wall-clock limit
+    CANCELLED = "cancelled"  # the consumer stopped reading a stream
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """Decoding settings. The default is greedy (``temperature=0``).
+
+    Args:
+        temperature: 0 for greedy, else the sampling temperature.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        repetition_penalty: 1.0 = off.
+        seed: seeds torch before sampling, for reproducible samples.
+        min_new_tokens: suppress end-of-turn before this many tokens (benchmarks use it
+            to fix reply lengths). Default 0.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_new_tokens < 0:
+            raise ConfigError("min_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ConfigError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ConfigError("repetition_penalty must be > 0")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        extra = {"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}
+        if self.temperature == 0:
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty, **extra}
+        return {
+            **extra,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationStats:
+    """What one generate call cost. Bytes are bytes, times are seconds.
+
+    On CUDA ``allocated_bytes`` / ``reserved_bytes`` are read after the call and the
+    ``peak_*`` values are the peaks during it. On CPU ``memory_kind`` is ``"rss"``: the
+    allocated / reserved fields hold the process RSS after the call and ``peak_*`` the
+    process's peak RSS so far (the OS keeps no per-call peak). An engine that cannot see
+    the memory (a remote server, a test engine) leaves the byte fields at 0.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the previous turn
+    prefill_tokens: int  # prompt tokens actually run through the model
+    new_tokens: int
+    kv_tokens: int  # tokens in the KV cache after the call
+    kv_bytes: int = 0  # measured from the cache tensors
+    kv_bytes_expected: int = 0  # 2 * layers * kv_heads * head_dim * kv_tokens * dtype bytes
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+    tokens_per_s: float
+    memory_kind: str  # "cuda", "rss", "remote" (a server's) or "none" (a test engine)
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    attention: str
+    kv_slot_bytes: int = 0  # the static KV slot the call ran in (0 without static decode)
+
+    @classmethod
+    def from_times(
+        cls,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        new_tokens: int,
+        kv_tokens: int,
+        start: float,
+        first_token_at: float | None,
+        end: float,
+        memory_kind: str,
+        attention: str,
+        **extra: Any,
+    ) -> GenerationStats:
+        """Stats of a call timed by ``time.perf_counter()`` stamps: its start, its first
+        token (``None``: no token, the whole call counts as prefill) and its end."""
+        ttft_at = first_token_at or end
+        decode_s = max(end - ttft_at, 0.0)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefill_tokens=prompt_tokens - cached_tokens,
+            new_tokens=new_tokens,
+            kv_tokens=kv_tokens,
+            prefill_s=ttft_at - start,
+            decode_s=decode_s,
+            ttft_s=ttft_at - start,
+            total_s=end - start,
+            tokens_per_s=(new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else 0.0,
+            memory_kind=memory_kind,
+            attention=attention,
+            **extra,
+        )
+
+    @classmethod
+    def untimed(cls, *, prompt_tokens: int, new_tokens: int) -> GenerationStats:
+        """Stats of an engine that neither times nor sees memory (test engines)."""
+        return cls.from_times(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=0,
+            new_tokens=new_tokens,
+            kv_tokens=prompt_tokens + new_tokens,
+            start=0.0,
+            first_token_at=None,
+            end=0.0,
+            memory_kind="none",
+            attention="none",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """A reply from the engine."""
+
+    text: str
+    finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+    @property
+    def timed_out(self) -> bool:
+        return self.finish_reason is FinishReason.TIMEOUT
+
+
+class Priority(enum.IntEnum):
+    """Order in which waiting work gets KV slots and prefill budget (lower first). Pass it
+    as the ``priority`` option of :meth:`~convo.engines.base.Engine.generate`; the rolling
+    summaries (:mod:`convo.summarize`) ask for ``BACKGROUND``."""
+
+    REPLY = 0  # a turn a user waits for
+    BACKGROUND = 1  # work nobody waits on token by token: summaries

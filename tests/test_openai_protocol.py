@@ -463,7 +463,7 @@ def test_plain_replies_carry_their_tool_calls() -> None:
     assert [(t.name, t.arguments) for t in legacy.tool_calls] == [("f", "{}")]
     assert parse_plain(ENDPOINT, reply_body({"content": "hi"}, "stop")).tool_calls == ()
     for bad in ([{"id": "x", "function": {"arguments": "{}"}}], [{"id": "x"}], "nope"):
-        with pytest.raises(RemoteEngineError, match="tool.call"):
+        with pytest.raises(RemoteEngineError, match=r"tool.call"):
             parse_plain(ENDPOINT, reply_body({"tool_calls": bad}))
 
 
@@ -614,7 +614,7 @@ def test_generate_request_checks_tools_and_tool_choice() -> None:
         {"tools": [WEATHER], "tool_choice": {"type": "function"}},
     ):
         with pytest.raises(ConfigError):
-            GenerateRequest(max_new_tokens=4, **bad)  # type: ignore[arg-type]
+            GenerateRequest(max_new_tokens=4, **bad)
 
 
 def test_engines_without_tool_support_refuse_tools() -> None:

@@ -9,17 +9,20 @@
   before background work such as summaries).
 
 Every engine returns these values and the fast path's scheduler reads them; this module
-imports nothing of convo but :mod:`convo.errors` and :mod:`convo.messages`.
+imports nothing of convo but :mod:`convo.errors` (and, for type checking only,
+:class:`~convo.messages.ToolCall`, whose module imports only errors too).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from convo.errors import ConfigError
-from convo.messages import ToolCall
+
+if TYPE_CHECKING:  # a type only: at run time this leaf imports nothing of convo but errors
+    from convo.messages import ToolCall
 
 
 class FinishReason(enum.StrEnum):

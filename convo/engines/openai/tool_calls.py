@@ -156,7 +156,8 @@ class ToolCallStream:
             index = raw.get("index", position)
             if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                 raise RemoteEngineError(f"{self.where} streamed a tool call with index {index!r}")
-            fn = raw.get("function") if isinstance(raw.get("function"), Mapping) else {}
+            got = raw.get("function")
+            fn: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
             name = fn.get("name") if isinstance(fn.get("name"), str) else None
             args = fn.get("arguments")
             args = args if isinstance(args, str) else ("" if args is None else json.dumps(args))

@@ -6,6 +6,7 @@ one type. Subclasses also derive from the builtin that fits (``ValueError``,
 
     ConvoError
     ├── ConfigError          (ValueError)    a limit or option makes no sense
+    │   └── ToolsNotSupported                this engine cannot be given tools
     ├── MessageError         (ValueError)    a message has a bad role, content or shape
     ├── BudgetError          (ValueError)    something cannot fit the token budget
     ├── AdmissionError                       the engine will not run this request now
@@ -33,6 +34,11 @@ class ConvoError(Exception):
 
 class ConfigError(ConvoError, ValueError):
     """A configuration value is out of range or inconsistent."""
+
+
+class ToolsNotSupported(ConfigError):
+    """A call asked for tools (``tools=`` / ``tool_choice=``) on an engine that declares
+    ``supports_tools = False``: it would ignore them, so it refuses the call instead."""
 
 
 class MessageError(ConvoError, ValueError):

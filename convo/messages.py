@@ -72,6 +72,23 @@ class ToolCall:
         if not self.id:
             raise MessageError("ToolCall.id must not be empty")
 
+    @property
+    def parsed_arguments(self) -> dict[str, Any] | None:
+        """The arguments as a dict, or ``None`` when they are not a JSON object (a model
+        may produce broken JSON; ``arguments`` keeps its text as it came).
+
+        Example:
+            >>> ToolCall(id="c1", name="f", arguments='{"x": 1}').parsed_arguments
+            {'x': 1}
+            >>> ToolCall(id="c1", name="f", arguments='{"x": ').parsed_arguments is None
+            True
+        """
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,

@@ -9,6 +9,12 @@ A counter answers three questions the planner asks, all in tokens of the rendere
 * ``count_prompt(messages)``: the exact count of a whole rendered prompt. The session
   checks every plan against it, so the budget holds even for templates whose cost is not
   a plain sum of per-message costs.
+* ``count_tools(tools, messages)``: what the OpenAI function-tool schemas of a call add to
+  the rendered prompt (a pinned cost: they travel with every call), and
+  ``count_with_tools(messages, tools)`` the whole prompt with them. Exact for a Hugging
+  Face template that renders tools (the prompt rendered with and without ``tools=``); an
+  estimate otherwise (:func:`estimate_tools_tokens`). :func:`check_tools_fit` refuses
+  schemas too big for a budget with a :class:`~convo.errors.BudgetError`.
 
 Implementations: :class:`HFTokenCounter` (a Hugging Face tokenizer with a chat template),
 :class:`TiktokenCounter` (cl100k / o200k offline, for models whose tokenizer is not local)
@@ -19,15 +25,95 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
-from convo.errors import ConfigError, MissingDependency, ModelLoadError
+from convo.budget import Budget
+from convo.errors import BudgetError, ConfigError, MissingDependency, ModelLoadError
 from convo.messages import Message, Role
 
 #: Marker put in the middle of a message that the TRUNCATE policy shortened.
 TRUNCATION_MARKER = "\n[... {n} tokens omitted ...]\n"
+
+#: Tokens the tools estimate adds for each tool, around its schema's JSON (the framing a
+#: template puts around one function; OpenAI's accounting of functions adds about 10).
+TOOL_OVERHEAD_TOKENS = 10
+#: Tokens the tools estimate adds once when a call has tools (the tools section's header
+#: and footer; OpenAI's accounting adds about 12).
+TOOLS_OVERHEAD_TOKENS = 12
+#: Tool schemas whose template counts a counter keeps (LRU).
+TOOLS_CACHE_SIZE = 64
+
+#: An OpenAI function tool: ``{"type": "function", "function": {"name", "description",
+#: "parameters"}}``.
+Tool = Mapping[str, Any]
+
+
+def tools_json(tools: Sequence[Tool]) -> str:
+    """The schemas as the JSON text templates usually render (``json.dumps`` with its
+    default separators, keys in their given order, non-ASCII kept)."""
+    return json.dumps([dict(t) for t in tools], ensure_ascii=False)
+
+
+def estimate_tools_tokens(counter: TokenCounter, tools: Sequence[Tool]) -> int:
+    """An estimate of what ``tools`` add to a prompt, in ``counter``'s tokens: each
+    schema's JSON text counted, plus :data:`TOOL_OVERHEAD_TOKENS` per tool and
+    :data:`TOOLS_OVERHEAD_TOKENS` once (0 for no tools).
+
+    What counters without the served template use (tiktoken for a remote model, the toy
+    counter). Templates render schemas differently (OpenAI as TypeScript-like signatures,
+    Qwen and Hermes as one JSON line per tool), so this is an estimate on the high side
+    for JSON-rendering templates; keep a margin (``Budget.margin_tokens``).
+    """
+    if not tools:
+        return 0
+    schemas = sum(counter.count_text(json.dumps(dict(t), ensure_ascii=False)) for t in tools)
+    return schemas + TOOL_OVERHEAD_TOKENS * len(tools) + TOOLS_OVERHEAD_TOKENS
+
+
+def check_tools_fit(
+    counter: TokenCounter,
+    tools: Sequence[Tool],
+    budget: Budget | int,
+    *,
+    messages: Sequence[Message] | None = None,
+) -> int:
+    """The tokens ``tools`` cost (:meth:`TokenCounter.count_tools`), checked against a
+    budget: a :class:`~convo.budget.Budget`'s pinned cap (tools are pinned: they go with
+    every call, beside the system prompt) or a number of tokens.
+
+    Lives here rather than in :mod:`convo.plan` so that an engine or a server can check a
+    request's tools before planning; the planner counts them as part of the pinned part.
+
+    Raises:
+        BudgetError: the schemas alone exceed the cap; the message names the largest tool.
+    """
+    cost = counter.count_tools(tools, messages)
+    if isinstance(budget, Budget):
+        cap, what = (
+            budget.pinned_cap,
+            "pinned cap (Budget.pinned_tokens, default a quarter of the prompt room)",
+        )
+        fix = "raise Budget.pinned_tokens or context_tokens"
+    else:
+        cap, what, fix = int(budget), "budget", "raise the budget"
+    if cost > cap:
+        sizes = [(counter.count_tools([t]), _tool_label(t)) for t in tools]
+        size, label = max(sizes)
+        raise BudgetError(
+            f"the {len(tools)} tool schema(s) take {cost} tokens, over the {cap}-token {what}; the "
+            f"largest is {label} ({size} tokens). Send fewer tools or shorter descriptions and "
+            f"parameter docs, or {fix}"
+        )
+    return cost
+
+
+def _tool_label(tool: Tool) -> str:
+    fn = tool.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    return repr(name) if isinstance(name, str) else "an unnamed tool"
 
 
 class TokenCounter(abc.ABC):
@@ -99,6 +185,18 @@ class TokenCounter(abc.ABC):
         if starts_with_system not in self._overhead:
             self._overhead[starts_with_system] = self._overhead_cost(starts_with_system)
         return self._overhead[starts_with_system]
+
+    def count_tools(self, tools: Sequence[Tool] | None, messages: Sequence[Message] | None = None) -> int:
+        """Tokens that the tool schemas ``tools`` add to the rendered prompt of ``messages``
+        (``None``: a typical prompt, one that starts with a system message); 0 for no
+        tools. This default is :func:`estimate_tools_tokens`; :class:`HFTokenCounter`
+        counts exactly through its template."""
+        return estimate_tools_tokens(self, tools) if tools else 0
+
+    def count_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> int:
+        """Tokens of the rendered prompt of ``messages`` with the schemas ``tools``
+        (:meth:`count_prompt` when there are none)."""
+        return self.count_prompt(messages) + self.count_tools(tools, messages)
 
     def estimate_prompt(self, messages: Sequence[Message]) -> int:
         """Sum of cached per-message costs plus overhead (what the planner adds up)."""
@@ -265,6 +363,14 @@ class HFTokenCounter(TokenCounter):
     """
 
     _PROBE = Message(role=Role.SYSTEM, content="probe")
+    _PROBE_TOOL: ClassVar[Tool] = {
+        "type": "function",
+        "function": {
+            "name": "probe_tool",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
         super().__init__()
@@ -277,6 +383,8 @@ class HFTokenCounter(TokenCounter):
         self._fold_context: dict[tuple[Role, int, int], int] = {}
         self._probe_len = self._render_len([self._PROBE], generation_prompt=False)
         self.additive = self._check_additive()
+        self._renders_tools: bool | None = None
+        self._tools_cache: OrderedDict[str, int] = OrderedDict()
 
     def _check_additive(self) -> bool:
         """Whether this template's cost is the sum of per-message costs.
@@ -318,17 +426,28 @@ class HFTokenCounter(TokenCounter):
             return fold
         return "as-is"  # nothing renders: the first real prompt raises a ConfigError
 
-    def _apply(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+    def _apply(
+        self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[Tool] | None = None
+    ) -> str:
         text = self.tokenizer.apply_chat_template(
             [m.to_dict() for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
             chat_template=self.chat_template,
             add_generation_prompt=generation_prompt,
             tokenize=False,
         )
         return str(text)
 
-    def render(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> str:
-        """The prompt text the model will see (``messages`` folded by :attr:`fold`).
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        generation_prompt: bool = True,
+        tools: Sequence[Tool] | None = None,
+    ) -> str:
+        """The prompt text the model will see (``messages`` folded by :attr:`fold`), with
+        the schemas ``tools`` where the template puts them (a template that ignores
+        tools renders none: see :attr:`renders_tools`).
 
         Raises:
             ConfigError: the chat template rejects the conversation even so.
@@ -336,14 +455,68 @@ class HFTokenCounter(TokenCounter):
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:
-            return self._apply(fold_messages(messages, self.fold), generation_prompt=generation_prompt)
+            return self._apply(
+                fold_messages(messages, self.fold), generation_prompt=generation_prompt, tools=tools
+            )
         except (TemplateError, ValueError) as exc:
             raise ConfigError(f"the chat template rejects this conversation: {exc}") from exc
 
-    def render_ids(self, messages: Sequence[Message], *, generation_prompt: bool = True) -> list[int]:
+    def render_ids(
+        self,
+        messages: Sequence[Message],
+        *,
+        generation_prompt: bool = True,
+        tools: Sequence[Tool] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered prompt, exactly as the engine feeds them."""
-        text = self.render(messages, generation_prompt=generation_prompt)
+        text = self.render(messages, generation_prompt=generation_prompt, tools=tools)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template puts tool schemas into the prompt (checked once, by
+        rendering a probe with and without a probe tool). SmolLM2's does not: its model
+        never sees tools, and a server that serves it with tools renders them its own way."""
+        if self._renders_tools is None:
+            probe = [self._PROBE, Message(role=Role.USER, content="probe")]
+            try:
+                plain = self.render(probe)
+                self._renders_tools = self.render(probe, tools=[self._PROBE_TOOL]) != plain
+            except Exception:  # a template that fails on tools does not render them
+                self._renders_tools = False
+        return self._renders_tools
+
+    def count_tools(self, tools: Sequence[Tool] | None, messages: Sequence[Message] | None = None) -> int:
+        """Tokens ``tools`` add to the rendered prompt of ``messages``, exactly: the prompt
+        rendered with ``tools=`` minus the prompt without (``None``: a probe prompt of a
+        system and a user message, cached per schema list). Where the template does not
+        render tools (:attr:`renders_tools` false) the count is the estimate of
+        :func:`estimate_tools_tokens`: the model serving them must see them somehow, and
+        over-counting keeps the budget safe."""
+        if not tools:
+            return 0
+        if not self.renders_tools:
+            return estimate_tools_tokens(self, tools)
+        if messages is not None:
+            return max(len(self.render_ids(messages, tools=tools)) - self.count_prompt(messages), 0)
+        key = tools_json(tools)
+        cached = self._tools_cache.get(key)
+        if cached is None:
+            probe = [self._PROBE, Message(role=Role.USER, content="probe")]
+            cached = max(len(self.render_ids(probe, tools=tools)) - len(self.render_ids(probe)), 0)
+            self._tools_cache[key] = cached
+            if len(self._tools_cache) > TOOLS_CACHE_SIZE:
+                self._tools_cache.popitem(last=False)
+        else:
+            self._tools_cache.move_to_end(key)
+        return cached
+
+    def count_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> int:
+        """Tokens of the prompt rendered with ``tools`` (one render when the template
+        renders them)."""
+        if tools and self.renders_tools:
+            return len(self.render_ids(messages, tools=tools))
+        return super().count_with_tools(messages, tools)
 
     def _render_len(self, messages: Sequence[Message], *, generation_prompt: bool) -> int:
         return len(self.render_ids(messages, generation_prompt=generation_prompt))

@@ -30,7 +30,7 @@ from convo.engines.openai.protocol import (
 )
 from convo.engines.openai.retry import Retryable, decide_retry, is_retryable_status
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
-from convo.messages import Message, Role
+from convo.messages import Message, Role, ToolCall
 
 ENDPOINT = Endpoint.parse("http://engine.test/v1")
 
@@ -385,3 +385,248 @@ def test_flat_keywords_still_work_for_one_release_with_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the grouped form does not warn
         OpenAIEngine("http://h/v1", timeouts=Timeouts(call_s=5), limits=ConnectionLimits(max_connections=2))
+
+
+# -- tools: request bodies, replies, streamed pieces, the request's checks -------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_chat_body_sends_tools_only_when_set_and_the_prompt_in_openai_shape() -> None:
+    call = ToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}')
+    msgs = [
+        Message(role=Role.USER, content="weather?"),
+        Message(role=Role.ASSISTANT, content="", tool_calls=(call,)),
+        Message(role=Role.TOOL, content='{"temp_c": 18}', tool_call_id="c1", name="get_weather"),
+    ]
+    base = {"model": "m", "max_new_tokens": 8, "sampling": Sampling(), "stop": (), "stream": False}
+    plain = chat_body(messages=msgs, extra_body={}, **base)  # type: ignore[arg-type]
+    assert not {"tools", "tool_choice", "parallel_tool_calls"} & set(plain)
+    assert plain["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
+    assert plain["messages"][2] == {
+        "role": "tool",
+        "content": '{"temp_c": 18}',
+        "tool_call_id": "c1",
+        "name": "get_weather",
+    }
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = chat_body(
+        messages=msgs,
+        extra_body={},
+        tools=(WEATHER,),
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        **base,  # type: ignore[arg-type]
+    )
+    assert (
+        body["tools"] == [WEATHER] and body["tool_choice"] == choice and body["parallel_tool_calls"] is False
+    )
+    json.dumps(body)  # a JSON body, tuples and mappings included
+
+
+def reply_body(message: dict[str, Any], finish: str = "tool_calls") -> bytes:
+    return json.dumps({"choices": [{"index": 0, "message": message, "finish_reason": finish}]}).encode()
+
+
+def test_plain_replies_carry_their_tool_calls() -> None:
+    from convo.engines.openai.protocol import parse_plain
+
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET"}}},
+        {"type": "function", "function": {"name": "ping"}},  # no id, no arguments
+    ]
+    reply = parse_plain(ENDPOINT, reply_body({"role": "assistant", "content": None, "tool_calls": calls}))
+    assert reply.text == "" and reply.finish == "tool_calls"
+    a, b, c = reply.tool_calls
+    assert (a.id, a.name, a.parsed_arguments) == ("a", "get_weather", {"city": "Oslo"})
+    assert b.arguments == '{"tz": "CET"}'  # an object is serialized
+    assert c.id.startswith("call_") and len(c.id) == 29 and c.arguments == "{}"  # a fresh id
+    legacy = parse_plain(ENDPOINT, reply_body({"function_call": {"name": "f", "arguments": "{}"}}))
+    assert [(t.name, t.arguments) for t in legacy.tool_calls] == [("f", "{}")]
+    assert parse_plain(ENDPOINT, reply_body({"content": "hi"}, "stop")).tool_calls == ()
+    for bad in ([{"id": "x", "function": {"arguments": "{}"}}], [{"id": "x"}], "nope"):
+        with pytest.raises(RemoteEngineError, match=r"tool.call"):
+            parse_plain(ENDPOINT, reply_body({"tool_calls": bad}))
+
+
+def test_arguments_that_are_not_json_are_kept_as_sent_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from convo.engines.openai.protocol import parse_plain
+
+    broken = '{"city": "Par'
+    call = {"id": "c9", "function": {"name": "get_weather", "arguments": broken}}
+    with caplog.at_level("WARNING", logger="convo.engines.openai"):
+        reply = parse_plain(ENDPOINT, reply_body({"tool_calls": [call]}))
+    (got,) = reply.tool_calls
+    assert got.arguments == broken and got.parsed_arguments is None
+    assert "c9" in caplog.text and "get_weather" in caplog.text and broken not in caplog.text
+    assert ToolCall(id="x", name="f", arguments="[1]").parsed_arguments is None  # JSON, not an object
+
+
+@pytest.mark.parametrize(
+    ("finish", "has_calls", "expected"),
+    [
+        ("tool_calls", True, FinishReason.TOOL_CALLS),
+        ("stop", True, FinishReason.TOOL_CALLS),  # vLLM / SGLang parsers may say "stop"
+        ("function_call", True, FinishReason.TOOL_CALLS),
+        ("tool_calls", False, FinishReason.STOP),  # said so, sent none
+        ("length", True, FinishReason.LENGTH),  # cut inside the arguments
+        ("stop", False, FinishReason.STOP),
+    ],
+)
+def test_finish_reason_of_tool_calls(finish: str, has_calls: bool, expected: FinishReason) -> None:
+    calls = (ToolCall(id="c", name="f"),) if has_calls else ()
+    reply = Reply("", finish, tool_calls=calls)
+    assert finish_reason(reply, cancel=None, deadline=time.monotonic() + 9, now=time.monotonic()) is expected
+
+
+def tool_events(style: str) -> list[dict[str, Any]]:
+    """Two parallel calls streamed the OpenAI way (id and name once, then fragments) or the
+    llama-cpp-python way (id and whole name repeated on every piece), with content around."""
+    pieces = [
+        (0, "c0", "get_weather", '{"city": '),
+        (1, "c1", "get_time", ""),
+        (0, "c0", "get_weather", '"Oslo"}'),
+    ]
+    pieces.append((1, "c1", "get_time", '{"tz": "CET"}'))
+    events: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Sure. "}}]}
+    ]
+    seen: set[int] = set()
+    for index, call_id, name, args in pieces:
+        first = index not in seen
+        seen.add(index)
+        tc: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+        if first or style == "llama":
+            tc.update(id=call_id, type="function")
+            tc["function"]["name"] = name
+        events.append({"choices": [{"index": 0, "delta": {"content": None, "tool_calls": [tc]}}]})
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    events.append({"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12}})
+    return events
+
+
+def sse_events(events: list[dict[str, Any]]) -> bytes:
+    return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+
+
+@pytest.mark.parametrize("style", ["openai", "llama"])
+def test_streamed_tool_calls_are_put_together_and_only_text_reaches_on_text(style: str) -> None:
+    from convo.models.generation import ToolCallDelta
+
+    raw = sse_events(tool_events(style))
+    texts: list[str] = []
+    deltas: list[ToolCallDelta] = []
+    request = GenerateRequest(
+        max_new_tokens=32, tools=[WEATHER], on_text=texts.append, on_tool_call_delta=deltas.append
+    )
+    call = Call(request, 5, {}, RetryPolicy(), time.monotonic(), time.monotonic() + 30)
+    attempt = Attempt(ENDPOINT, call, connect_s=5)
+    for i in range(len(raw)):  # split at every byte
+        attempt.feed(raw[i : i + 1])
+    reply = attempt.reply()
+    assert texts == ["Sure. "] and reply.text == "Sure. "
+    assert [(c.id, c.name, c.parsed_arguments) for c in reply.tool_calls] == [
+        ("c0", "get_weather", {"city": "Oslo"}),
+        ("c1", "get_time", {"tz": "CET"}),
+    ]
+    # The pieces passed on are OpenAI's: id and name once per call, then fragments only.
+    assert [(d.index, d.id, d.name) for d in deltas] == [
+        (0, "c0", "get_weather"),
+        (1, "c1", "get_time"),
+        (0, None, None),
+        (1, None, None),
+    ]
+    joined = {i: "".join(d.arguments for d in deltas if d.index == i) for i in (0, 1)}
+    assert joined == {0: '{"city": "Oslo"}', 1: '{"tz": "CET"}'}
+    assert reply.tool_chunks == 4 and reply.first_text_at is not None
+    assert (
+        finish_reason(reply, cancel=None, deadline=call.deadline, now=time.monotonic())
+        is FinishReason.TOOL_CALLS
+    )
+
+
+def test_tool_call_streams_cut_or_malformed() -> None:
+    from convo.engines.openai.tool_calls import ToolCallStream
+
+    cut = ToolCallStream("srv")
+    cut.feed([{"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"x": '}}])
+    cut.feed([{"index": 1, "id": "b"}])  # the name never came: the stream was cut
+    (only,) = cut.calls(cut=True)
+    assert only.arguments == '{"x": ' and only.parsed_arguments is None
+    with pytest.raises(RemoteEngineError, match="without a function name"):
+        cut.calls()
+    no_index = ToolCallStream("srv")
+    no_index.feed([{"id": "a", "function": {"name": "f"}}, {"id": "b", "function": {"name": "g"}}])
+    assert [c.name for c in no_index.calls()] == ["f", "g"]  # position stands for the index
+    for bad in ("x", [1], [{"index": -1}], [{"index": "0"}]):
+        with pytest.raises(RemoteEngineError):
+            ToolCallStream("srv").feed(bad)
+
+
+def test_a_deadline_after_a_tool_call_piece_keeps_the_partial_reply() -> None:
+    request = GenerateRequest(max_new_tokens=8, tools=[WEATHER], on_tool_call_delta=lambda d: None)
+    call = Call(request, 5, {}, RetryPolicy(), time.monotonic(), time.monotonic() + 30)
+    attempt = Attempt(ENDPOINT, call, connect_s=5)
+    attempt.responded()
+    no_text = tool_events("openai")[1:3]  # two tool-call pieces, no content
+    attempt.feed(b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in no_text))
+    attempt.deadline_hit = True
+    with attempt.errors():
+        raise httpx.ReadError("closed by the watchdog")
+    reply = attempt.reply()  # no GenerationTimeout: a tool-call piece was passed on
+    assert reply.finish is None and reply.tool_chunks == 2 and reply.chunks == 0
+    assert [c.name for c in reply.tool_calls] == ["get_weather", "get_time"]
+
+
+def test_generate_request_checks_tools_and_tool_choice() -> None:
+    request = GenerateRequest(max_new_tokens=4, tools=[WEATHER], tool_choice="required")
+    assert request.tools == (WEATHER,) and request.wants_tools and not request.streams
+    assert GenerateRequest(max_new_tokens=4, tools=[]).tools is None
+    assert not GenerateRequest(max_new_tokens=4, tool_choice="none").wants_tools
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert GenerateRequest(max_new_tokens=4, tools=[WEATHER], tool_choice=named).tool_choice == named
+    assert GenerateRequest(max_new_tokens=4, on_tool_call_delta=lambda d: None).streams
+    for bad in (
+        {"tools": [{"type": "retrieval"}]},
+        {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+        {"tools": ["get_weather"]},
+        {"tool_choice": "auto"},  # no tools
+        {"tools": [WEATHER], "tool_choice": "always"},
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function"}},
+    ):
+        with pytest.raises(ConfigError):
+            GenerateRequest(max_new_tokens=4, **bad)
+
+
+def test_engines_without_tool_support_refuse_tools() -> None:
+    from convo.errors import ToolsNotSupported
+
+    request = GenerateRequest(max_new_tokens=4, tools=[WEATHER])
+    # check_prompt's default is an engine that predates tools: it refuses them...
+    with pytest.raises(ToolsNotSupported, match="does not support tools"):
+        request.check_prompt(10, input_cap=100, cap_name="the cap")
+    with pytest.raises(ConfigError):  # (a ConfigError, for handlers that predate it)
+        request.check_tools(supports_tools=False, engine="LocalThing")
+    # ...an engine that declares support accepts them, and calls without tools pass anywhere.
+    request.check_prompt(10, input_cap=100, cap_name="the cap", supports_tools=True)
+    GenerateRequest(max_new_tokens=4).check_prompt(10, input_cap=100, cap_name="the cap")
+    assert OpenAIEngine.supports_tools is True

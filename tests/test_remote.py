@@ -286,7 +286,8 @@ Answer = Callable[[str, str, dict[str, str], Any], tuple[int, Any]]
 @contextmanager
 def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]], list[int]]]:
     """A keep-alive HTTP/1.1 server on 127.0.0.1 whose replies ``answer(method, path,
-    headers, json_body)`` gives as ``(status, json-able body)``; yields its host:port, the
+    headers, json_body)`` gives as ``(status, json-able body)`` (or ``bytes``: an event
+    stream); yields its host:port, the
     requests it saw (client port, path, headers) and the client ports whose connection
     the client closed."""
     seen: list[dict[str, Any]] = []
@@ -301,9 +302,11 @@ def loopback(answer: Answer) -> Iterator[tuple[str, list[dict[str, Any]], list[i
             headers = {k.lower(): v for k, v in self.headers.items()}
             seen.append({"port": self.client_address[1], "path": self.path, "headers": headers})
             status, payload = answer(self.command, self.path, headers, body)
-            data = json.dumps(payload).encode()
+            # bytes are an event stream, sent as they are; anything else is a JSON body
+            stream = isinstance(payload, bytes)
+            data = payload if stream else json.dumps(payload).encode()
             self.send_response(status)
-            self.send_header("content-type", "application/json")
+            self.send_header("content-type", "text/event-stream" if stream else "application/json")
             self.send_header("content-length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -450,6 +453,142 @@ def test_credentials_never_appear_in_errors_logs_or_reprs(caplog: pytest.LogCapt
     assert secret_free(logged)
 
 
+# -- tools through the engine: a fake OpenAI server on loopback ----------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = [Message(role=Role.USER, content="What is the weather in Paris?")]
+
+
+def tool_reply(arguments: str = '{"city": "Paris"}') -> dict[str, Any]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    body = ok_body("", finish="tool_calls")
+    body["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return body
+
+
+def tool_stream() -> bytes:
+    """A reply that says a few words, then streams one call the OpenAI way."""
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "content": "Let me check. "},
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_7", "type": "function", "function": {"name": "get_weather"}}
+            ]
+        },
+        *(
+            {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}
+            for a in ('{"ci', 'ty": "Pa', 'ris"}')
+        ),
+    ]
+    events: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+    ]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    events.append({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 9, "total_tokens": 59}})
+    return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+
+
+def test_tool_calls_round_trip_through_a_fake_openai_server() -> None:
+    """tools / tool_choice / parallel_tool_calls go out; the reply's calls come back with
+    finish reason tool_calls; the call and its result go back to the server in OpenAI's shape."""
+    bodies: list[dict[str, Any]] = []
+
+    def answer(method: str, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        bodies.append(body)
+        return 200, tool_reply() if len(bodies) == 1 else ok_body("18 degrees and sunny.")
+
+    with (
+        loopback(answer) as (host, _, _),
+        OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine,
+    ):
+        gen = engine.generate(
+            ASK, max_new_tokens=32, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False
+        )
+        assert gen.finish_reason is FinishReason.TOOL_CALLS and gen.text == ""
+        (call,) = gen.tool_calls
+        assert (call.id, call.name, call.parsed_arguments) == ("call_1", "get_weather", {"city": "Paris"})
+        sent = bodies[0]
+        assert sent["tools"] == [WEATHER] and sent["tool_choice"] == "auto"
+        assert sent["parallel_tool_calls"] is False and sent["stream"] is False
+        history = [
+            *ASK,
+            Message(role=Role.ASSISTANT, content="", tool_calls=gen.tool_calls),
+            Message(role=Role.TOOL, content='{"temp_c": 18}', tool_call_id=call.id, name=call.name),
+        ]
+        final = engine.generate(history, max_new_tokens=32, tools=[WEATHER])
+    assert final.text == "18 degrees and sunny." and final.finish_reason is FinishReason.STOP
+    assert final.tool_calls == ()
+    assert bodies[1]["messages"][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [call.to_dict()]},
+        {"role": "tool", "content": '{"temp_c": 18}', "tool_call_id": "call_1", "name": "get_weather"},
+    ]
+    assert "tool_choice" not in bodies[1]  # only what the call set is sent
+
+
+def test_broken_arguments_from_the_server_are_passed_on_as_sent() -> None:
+    broken = '{"city": "Paris"'  # the model stopped before the brace
+    with loopback(lambda *a: (200, tool_reply(broken))) as (host, _, _):
+        with OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine:
+            gen = engine.generate(ASK, max_new_tokens=32, tools=[WEATHER])
+    (call,) = gen.tool_calls
+    assert call.arguments == broken and call.parsed_arguments is None
+    assert gen.finish_reason is FinishReason.TOOL_CALLS
+
+
+def test_streamed_tool_calls_sync_and_async_over_loopback() -> None:
+    """A stream hands content to on_text and the call's pieces to on_tool_call_delta; the
+    Generation holds the joined call. The same on the event loop."""
+    with loopback(lambda *a: (200, tool_stream())) as (host, _, _):
+        with OpenAIEngine(f"http://{host}/v1", "m", context_window=4096) as engine:
+            texts: list[str] = []
+            deltas: list[Any] = []
+            gen = engine.generate(
+                ASK,
+                max_new_tokens=32,
+                tools=[WEATHER],
+                on_text=texts.append,
+                on_tool_call_delta=deltas.append,
+            )
+
+            async def streamed() -> Any:
+                return await engine.agenerate(
+                    ASK, max_new_tokens=32, tools=[WEATHER], on_tool_call_delta=deltas.append
+                )
+
+            agen = asyncio.run(streamed())
+    assert texts == ["Let me check. "] and gen.text == "Let me check. "
+    for g in (gen, agen):
+        assert g.finish_reason is FinishReason.TOOL_CALLS
+        assert [(c.id, c.name, c.arguments) for c in g.tool_calls] == [
+            ("call_7", "get_weather", '{"city": "Paris"}')
+        ]
+        assert g.stats.prompt_tokens == 50 and g.stats.new_tokens == 9
+    assert len(deltas) == 8  # 4 pieces per call, twice
+    assert (deltas[0].id, deltas[0].name) == ("call_7", "get_weather")
+    assert "".join(d.arguments for d in deltas[:4]) == '{"city": "Paris"}'
+
+
+def test_the_prompt_check_counts_the_tool_schemas() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:  # pragma: no cover - never reached
+        raise AssertionError("the request must not leave")
+
+    engine = mock_engine(handler)
+    bare = engine.counter.count_prompt(ASK)
+    with_tools = engine.counter.count_with_tools(ASK, [WEATHER])
+    assert with_tools == bare + engine.counter.count_tools([WEATHER]) > bare
+    with pytest.raises(BudgetError, match=f"prompt of {with_tools} tokens"):
+        engine.generate(ASK, max_new_tokens=8, tools=[WEATHER], max_prompt_tokens=with_tools - 1)
+    with pytest.raises(ConfigError, match="needs tools"):
+        engine.generate(ASK, max_new_tokens=8, tool_choice="required")
+
+
 # -- a real OpenAI-compatible server: `convo serve` with its test engine -------------------------
 
 
@@ -545,6 +684,16 @@ def test_convo_serve_engine_url_chains_to_a_remote_engine(echo_url: str, tmp_pat
 LLAMA_CTX = 512
 
 
+def require_llama_cpp() -> None:
+    """Skip without llama-cpp-python's server (fail with ``CONVO_REQUIRE_LLAMA_CPP=1``)."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CONVO_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(f"CONVO_REQUIRE_LLAMA_CPP=1 but llama-cpp-python[server] is missing: {exc}")
+        pytest.skip("llama-cpp-python[server] is not installed (.ci/llama_cpp_wheel.sh)")
+
+
 @pytest.fixture(scope="session")
 def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama-cpp-python's OpenAI server on the default GGUF, n_ctx=512, on a free port.
@@ -552,12 +701,7 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     One thread: ggml's threads spin at a barrier on every op, so when another process
     wants the CPU (a shared 2-core CI machine) two threads run several times slower than
     one; on an idle machine one thread costs about 2x, a few seconds per test."""
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CONVO_REQUIRE_LLAMA_CPP") == "1":
-            pytest.fail(f"CONVO_REQUIRE_LLAMA_CPP=1 but llama-cpp-python[server] is missing: {exc}")
-        pytest.skip("llama-cpp-python[server] is not installed (.ci/llama_cpp_wheel.sh)")
+    require_llama_cpp()
     from convo.engines.models import default_gguf_path
 
     port = free_port()
@@ -620,3 +764,58 @@ def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: st
     assert streamed.stats.ttft_s <= streamed.stats.total_s
     # The served model's tokenizer counts the prompt as the server does (give or take BOS).
     assert abs(engine.counter.count_prompt(msgs) - plain.stats.prompt_tokens) <= 1
+
+
+@pytest.fixture(scope="module")
+def llama_tools_url() -> Iterator[str]:
+    """llama-cpp-python's server on the default GGUF with ``--chat_format
+    chatml-function-calling``: its own ChatML tool prompt, and a grammar that makes the
+    model write a call to the function a named ``tool_choice`` asks for (SmolLM2's own
+    template knows no tools)."""
+    require_llama_cpp()
+    from convo.engines.models import default_gguf_path
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path())]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024"]
+    cmd += ["--n_threads", "1", "--n_threads_batch", "1", "--chat_format", "chatml-function-calling"]
+    base = f"http://127.0.0.1:{port}"
+    with process(cmd, f"{base}/v1/models", {}, timeout_s=120):
+        yield base
+
+
+@pytest.mark.slow
+def test_llama_cpp_emits_tool_calls_plain_and_streamed(llama_tools_url: str) -> None:
+    """The real server: a named tool_choice gives a call to get_weather with JSON arguments,
+    the same streamed (llama-cpp-python repeats id and name on every piece) as plain
+    (greedy); the call and a tool result go back and the model answers in text."""
+    engine = OpenAIEngine(llama_tools_url, context_window=1024, timeouts=Timeouts(call_s=120))
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    plain = engine.generate(ASK, max_new_tokens=40, tools=[WEATHER], tool_choice=choice)
+    assert plain.finish_reason is FinishReason.TOOL_CALLS, plain
+    (call,) = plain.tool_calls
+    assert call.name == "get_weather" and call.id
+    args = call.parsed_arguments
+    assert args is not None and isinstance(args.get("city"), str), call.arguments
+    texts: list[str] = []
+    deltas: list[Any] = []
+    streamed = engine.generate(
+        ASK,
+        max_new_tokens=40,
+        tools=[WEATHER],
+        tool_choice=choice,
+        on_text=texts.append,
+        on_tool_call_delta=deltas.append,
+    )
+    assert streamed.finish_reason is FinishReason.TOOL_CALLS and not "".join(texts).strip()
+    assert [(c.name, c.arguments) for c in streamed.tool_calls] == [(call.name, call.arguments)]
+    assert len(deltas) > 1 and [d.name for d in deltas if d.name] == ["get_weather"]
+    history = [
+        *ASK,
+        Message(role=Role.ASSISTANT, content="", tool_calls=plain.tool_calls),
+        Message(
+            role=Role.TOOL, content='{"temp_c": 18, "sky": "sunny"}', tool_call_id=call.id, name=call.name
+        ),
+    ]
+    final = engine.generate(history, max_new_tokens=24)
+    assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and final.text.strip()

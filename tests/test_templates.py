@@ -14,7 +14,7 @@ from convo import Budget, ConfigError, Session
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
 from convo.plan import Passage, Turn
 from convo.testing import ScriptedEngine
-from convo.tokens import TEMPLATE_FOLDS, HFTokenCounter, fold_messages
+from convo.tokens import TEMPLATE_FOLDS, HFTokenCounter, estimate_tools_tokens, fold_messages
 
 # Shortened copies of the published templates: the parts that decide what they accept.
 LLAMA2 = (
@@ -121,3 +121,17 @@ def test_a_template_that_rejects_everything_is_a_typed_error(smol_counter: Any) 
     with pytest.raises(ConfigError, match="chat template rejects"):
         HFTokenCounter(smol_counter.tokenizer, chat_template=NOTHING)
     assert HFTokenCounter(smol_counter.tokenizer, chat_template=GEMMA).fold in TEMPLATE_FOLDS
+
+
+@pytest.mark.parametrize("template", [LLAMA2, GEMMA])
+def test_strict_templates_render_with_tools_and_say_they_ignore_them(
+    smol_counter: Any, template: str
+) -> None:
+    """Strict templates that know no tools still render a folded prompt when tools are
+    passed; they say they do not render them, so their tool cost is the estimate."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+    counter = HFTokenCounter(smol_counter.tokenizer, chat_template=template)
+    prompt = [system("Be brief."), user("hi")]
+    assert counter.render(prompt, tools=tools) == counter.render(prompt)
+    assert not counter.renders_tools
+    assert counter.count_tools(tools, prompt) == estimate_tools_tokens(counter, tools)

@@ -26,18 +26,18 @@ import contextlib
 import importlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
-from convo.errors import BudgetError, ConfigError
+from convo.errors import BudgetError, ConfigError, ToolsNotSupported
 from convo.messages import Message
 from convo.models import generation as _generation
 from convo.models.legacy import warn_moved
 from convo.tokens import TokenCounter
 
 if TYPE_CHECKING:
-    from convo.models.generation import Generation, Priority, Sampling
+    from convo.models.generation import Generation, Priority, Sampling, ToolCallDelta
 
 #: Names that moved to :mod:`convo.models`: served from their old home here for one
 #: release, with a ``DeprecationWarning`` (not to convo's own modules that still import
@@ -75,7 +75,19 @@ class GenerateOptions(TypedDict, total=False):
     * ``priority``: a :class:`~convo.models.generation.Priority`: how urgent the call is
       to an engine that batches calls (its scheduler serves ``REPLY`` before
       ``BACKGROUND``, the rolling summaries' priority); other engines ignore it. Default:
-      a reply's.
+      a reply's;
+    * ``tools``: OpenAI function tools the model may call (``[{"type": "function",
+      "function": {"name", "description", "parameters"}}]``); the reply's calls come back
+      in :attr:`Generation.tool_calls <convo.models.generation.Generation.tool_calls>`.
+      An engine whose ``supports_tools`` is false refuses a call with tools
+      (:class:`~convo.errors.ToolsNotSupported`);
+    * ``tool_choice``: ``"auto"``, ``"none"``, ``"required"`` or
+      ``{"type": "function", "function": {"name": ...}}`` (OpenAI's), default the server's;
+    * ``parallel_tool_calls``: whether the model may ask for several calls at once
+      (``None``: the server's default);
+    * ``on_tool_call_delta``: called with each :class:`~convo.models.generation.ToolCallDelta`
+      while a reply streams (``on_text`` keeps getting only content text); giving it
+      streams the reply. A server relaying tool calls to its own streaming client uses it.
     """
 
     timeout_s: float | None
@@ -86,6 +98,14 @@ class GenerateOptions(TypedDict, total=False):
     cancel: threading.Event | None
     max_prompt_tokens: int | None
     priority: Priority | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
+    on_tool_call_delta: Callable[[ToolCallDelta], None] | None
+
+
+#: The string values of ``tool_choice`` (OpenAI's).
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +114,12 @@ class GenerateRequest:
     (:class:`GenerateOptions` says what each is). ``GenerateRequest(max_new_tokens=n,
     **options)`` refuses an unknown keyword with ``TypeError``, as a signature would.
 
+    ``tools`` is kept as a tuple of the given mappings (an empty list is no tools); each
+    must be an OpenAI function tool with a function ``name``. ``tool_choice`` other than
+    ``"none"`` needs tools, and a named choice must name one of them.
+
     Raises:
-        ConfigError: ``max_new_tokens`` < 1.
+        ConfigError: ``max_new_tokens`` < 1, a malformed tool or ``tool_choice``.
     """
 
     max_new_tokens: int
@@ -108,23 +132,83 @@ class GenerateRequest:
     max_prompt_tokens: int | None = None
     #: ``None``: a reply's (:attr:`Priority.REPLY <convo.models.generation.Priority.REPLY>`).
     priority: Priority | None = None
+    #: ``None`` (or an empty list): no tools.
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    on_tool_call_delta: Callable[[ToolCallDelta], None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be >= 1")
+        tools = tuple(self.tools or ())
+        names = [tool_name(t) for t in tools]
+        object.__setattr__(self, "tools", tools or None)
+        choice = self.tool_choice
+        if choice is None:
+            return
+        if isinstance(choice, str):
+            if choice not in TOOL_CHOICES:
+                raise ConfigError(
+                    f"tool_choice must be one of {TOOL_CHOICES} or a named function, got {choice!r}"
+                )
+            wanted = None
+        elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+            wanted = choice["function"].get("name")
+            if not isinstance(wanted, str) or not wanted:
+                raise ConfigError("a named tool_choice needs {'function': {'name': ...}}")
+        else:
+            raise ConfigError(
+                "tool_choice must be 'auto', 'none', 'required' or "
+                f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}"
+            )
+        if choice != "none" and not tools:
+            raise ConfigError(f"tool_choice={choice!r} needs tools")
+        if wanted is not None and wanted not in names:
+            raise ConfigError(f"tool_choice names {wanted!r}, which is not among the tools {names}")
 
     @property
     def streams(self) -> bool:
-        """The caller wants text piece by piece, or may cancel the call."""
-        return self.on_text is not None or self.cancel is not None
+        """The caller wants text (or tool-call pieces) as they come, or may cancel the call."""
+        return self.on_text is not None or self.cancel is not None or self.on_tool_call_delta is not None
 
-    def check_prompt(self, prompt_tokens: int, *, input_cap: int, cap_name: str) -> None:
-        """Refuse a prompt over ``max_prompt_tokens``, or one that leaves no room for
-        ``max_new_tokens`` under the engine's ``input_cap`` (``cap_name`` says which cap).
+    @property
+    def wants_tools(self) -> bool:
+        """The call gives the model tools (or a ``tool_choice`` other than ``"none"``)."""
+        return bool(self.tools) or (self.tool_choice is not None and self.tool_choice != "none")
+
+    def check_tools(self, *, supports_tools: bool, engine: str) -> None:
+        """Refuse tools on an engine that cannot use them (``supports_tools`` false).
 
         Raises:
-            BudgetError: either.
+            ToolsNotSupported: the call has tools and the engine does not support them.
         """
+        if self.wants_tools and not supports_tools:
+            raise ToolsNotSupported(
+                f"{engine} does not support tools yet; drop tools= / tool_choice=, or use an "
+                "engine that declares supports_tools (OpenAIEngine, --engine-url)"
+            )
+
+    def check_prompt(
+        self,
+        prompt_tokens: int,
+        *,
+        input_cap: int,
+        cap_name: str,
+        supports_tools: bool = False,
+        engine: str = "this engine",
+    ) -> None:
+        """Refuse a prompt over ``max_prompt_tokens``, or one that leaves no room for
+        ``max_new_tokens`` under the engine's ``input_cap`` (``cap_name`` says which cap),
+        and tools on an engine without ``supports_tools`` (:meth:`check_tools`; the default
+        ``False`` makes an engine that predates tools refuse them rather than drop them;
+        ``engine`` names it in the message).
+
+        Raises:
+            BudgetError: the prompt does not fit.
+            ToolsNotSupported: tools on an engine that cannot use them.
+        """
+        self.check_tools(supports_tools=supports_tools, engine=engine)
         cap = self.max_prompt_tokens
         if cap is not None and prompt_tokens > cap:
             raise BudgetError(f"prompt of {prompt_tokens} tokens is over the budget's {cap}")
@@ -132,6 +216,26 @@ class GenerateRequest:
             raise BudgetError(
                 f"prompt of {prompt_tokens} tokens + max_new_tokens={self.max_new_tokens} exceeds {cap_name}"
             )
+
+
+def tool_name(tool: Any) -> str:
+    """The function name of an OpenAI function tool (``{"type": "function", "function":
+    {"name": ...}}``).
+
+    Raises:
+        ConfigError: not a function tool with a non-empty name.
+    """
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    if (
+        not isinstance(tool, Mapping)
+        or tool.get("type", "function") != "function"
+        or not isinstance(fn, Mapping)
+    ):
+        raise ConfigError(f"a tool must be {{'type': 'function', 'function': {{'name': ...}}}}, got {tool!r}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a function tool needs a non-empty 'name', got {fn!r}")
+    return name
 
 
 class Engine(Protocol):

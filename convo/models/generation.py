@@ -1,22 +1,28 @@
 """What one generation is: its settings, its result and how urgent it is.
 
 * :class:`Sampling` — decoding settings (greedy by default, :data:`GREEDY`);
-* :class:`Generation` — the reply text, its :class:`FinishReason` and its
+* :class:`Generation` — the reply text, the tool calls it asks for
+  (:class:`~convo.messages.ToolCall`), its :class:`FinishReason` and its
   :class:`GenerationStats` (tokens, KV bytes, device memory, timings);
+* :class:`ToolCallDelta` — one piece of a tool call as a streaming engine sees it form;
 * :class:`Priority` — the order in which a batching engine serves waiting work (replies
   before background work such as summaries).
 
 Every engine returns these values and the fast path's scheduler reads them; this module
-imports nothing of convo but :mod:`convo.errors`.
+imports nothing of convo but :mod:`convo.errors` (and, for type checking only,
+:class:`~convo.messages.ToolCall`, whose module imports only errors too).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from convo.errors import ConfigError
+
+if TYPE_CHECKING:  # a type only: at run time this leaf imports nothing of convo but errors
+    from convo.messages import ToolCall
 
 
 class FinishReason(enum.StrEnum):
@@ -26,6 +32,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_new_tokens reached
     TIMEOUT = "timeout"  # the wall-clock limit
     CANCELLED = "cancelled"  # the consumer stopped reading a stream
+    TOOL_CALLS = "tool_calls"  # the reply asks for tool calls (Generation.tool_calls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,13 +168,42 @@ class GenerationStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToolCallDelta:
+    """One piece of a tool call while a reply streams (OpenAI's ``delta.tool_calls[i]``).
+
+    A call is identified by its ``index`` in the reply; its first piece usually carries the
+    ``id`` and the function ``name``, the following ones fragments of the ``arguments``
+    JSON text. Joining every piece of one index, in order, gives the finished call that
+    :attr:`Generation.tool_calls` holds at the end.
+
+    Args:
+        index: position of the call in the reply (0, 1, ... for parallel calls).
+        id: the call id, on the piece that first carries it (else ``None``).
+        name: a fragment of the function name (usually all of it, on the first piece).
+        arguments: a fragment of the arguments' JSON text (may be empty).
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Generation:
-    """A reply from the engine."""
+    """A reply from the engine.
+
+    ``tool_calls`` holds the function calls the reply asks for (then ``finish_reason`` is
+    usually :attr:`FinishReason.TOOL_CALLS`); their ``arguments`` are the JSON text the
+    model produced, kept as it came (check :attr:`~convo.messages.ToolCall.parsed_arguments`).
+    ``text`` is the content beside them (often empty).
+    """
 
     text: str
     finish_reason: FinishReason
     token_ids: tuple[int, ...]
     stats: GenerationStats
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def timed_out(self) -> bool:

@@ -33,6 +33,16 @@ whether the prompt really fits:
   reports the server's own ``usage.prompt_tokens``; :attr:`OpenAIEngine.observed_token_ratio`
   keeps the largest real/estimated ratio seen, to check the margin against real traffic.
 
+Tools (``supports_tools = True``): ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+are passed through to the server (vLLM, SGLang and llama.cpp render them with the served
+model's template and parse its calls); the reply's calls come back in
+:attr:`Generation.tool_calls <convo.models.generation.Generation.tool_calls>` with finish
+reason ``tool_calls``. A stream hands content to ``on_text`` and the calls' pieces to
+``on_tool_call_delta``. The prompt check counts the tool schemas too
+(:meth:`~convo.tokens.TokenCounter.count_tools`: exact with the served model's template
+when it renders tools, else an estimate inside the margin). Broken arguments from the
+server are kept as sent (:mod:`.tool_calls` has the policy).
+
 Errors: :class:`~convo.errors.RemoteEngineError` (refused, unreachable, bad answer; its
 ``status`` is the HTTP status or ``None``), :class:`~convo.errors.GenerationTimeout` (no
 text before ``timeout_s``; a stream cut by the deadline returns its partial text with
@@ -125,6 +135,9 @@ class OpenAIEngine:
         ...                       timeouts=Timeouts(call_s=120))  # doctest: +SKIP
         >>> session = Session(engine, budget=engine.budget(max_new_tokens=128))  # doctest: +SKIP
     """
+
+    #: Tools are passed through to the server (see the module docstring).
+    supports_tools = True
 
     def __init__(
         self,
@@ -300,7 +313,10 @@ class OpenAIEngine:
                 as ``stop``; ``cache_key`` is unused (the server caches prefixes itself);
                 with ``on_text`` or ``cancel`` the reply is streamed (SSE), and ``cancel``
                 closes the stream (finish reason ``cancelled``); ``max_prompt_tokens``
-                refuses a prompt whose local count exceeds it.
+                refuses a prompt whose local count (tool schemas included) exceeds it;
+                ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are sent as they
+                are, the calls come back in ``Generation.tool_calls``;
+                ``on_tool_call_delta`` streams the reply and gets each tool-call piece.
 
         Raises:
             BudgetError: the prompt does not fit (local count, or the server said so).
@@ -329,7 +345,7 @@ class OpenAIEngine:
 
     def _prepare(self, messages: Sequence[Message], request: GenerateRequest) -> Call:
         """Check the prompt against the budget and build the body: the call's state."""
-        local = self._counter.count_prompt(messages)
+        local = self._counter.count_with_tools(messages, request.tools)
         request.check_prompt(
             local,
             input_cap=self.context_window,
@@ -337,6 +353,8 @@ class OpenAIEngine:
                 f"this engine's context_window={self.context_window} (server window "
                 f"{self.server_context_window} minus a {self.margin_tokens}-token counting margin)"
             ),
+            supports_tools=self.supports_tools,
+            engine=repr(self),
         )
         body = chat_body(
             model=self.model,
@@ -346,6 +364,9 @@ class OpenAIEngine:
             stop=request.stop,
             stream=request.streams,
             extra_body=self.extra_body,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
         )
         start = time.monotonic()
         deadline = start + (request.timeout_s or self.timeouts.call_s)
@@ -365,8 +386,10 @@ class OpenAIEngine:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         cached = int(cached) if isinstance(cached, int) else 0
         new = usage.get("completion_tokens")
-        if not isinstance(new, int):  # no usage: the stream's chunks, else a local count
-            new = reply.chunks or self._counter.count_text(reply.text)
+        if not isinstance(new, int):  # no usage: the stream's pieces, else a local count
+            new = reply.chunks + reply.tool_chunks or self._counter.count_text(
+                reply.text + "".join(c.name + c.arguments for c in reply.tool_calls)
+            )
         new = min(int(new), max_new_tokens) if reason is not FinishReason.LENGTH else int(new)
         stats = GenerationStats.from_times(
             prompt_tokens=prompt,
@@ -379,7 +402,9 @@ class OpenAIEngine:
             memory_kind="remote",
             attention="remote",
         )
-        return Generation(text=reply.text, finish_reason=reason, token_ids=(), stats=stats)
+        return Generation(
+            text=reply.text, finish_reason=reason, token_ids=(), stats=stats, tool_calls=reply.tool_calls
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def release(self, cache_key: str) -> None:

@@ -29,7 +29,20 @@ deadline or cancel after some text            the partial reply (finish ``timeou
 stream broke before any text                  :class:`~.retry.Retryable`
 stream broke mid-reply                        :class:`~convo.errors.RemoteEngineError`
 a body that is not JSON, an error event       :class:`~convo.errors.RemoteEngineError`
+a malformed tool call                         :class:`~convo.errors.RemoteEngineError`
 ============================================  ==========================================
+
+("Text" above means any output: content pieces or tool-call pieces.)
+
+Tools. :func:`chat_body` sends ``tools``, ``tool_choice`` and ``parallel_tool_calls`` when
+the call sets them, and the prompt's messages in OpenAI's shape (:meth:`Message.to_dict
+<convo.messages.Message.to_dict>`): an assistant message's ``tool_calls`` as
+``[{id, type: "function", function: {name, arguments}}]`` (its ``content`` ``""`` when it
+only calls tools: every server's template takes a string, not all take ``null``), a tool
+result as ``{"role": "tool", "content", "tool_call_id"}`` (plus ``name`` when set). The
+reply's calls are read by :mod:`.tool_calls` (its docstring has the policy for broken
+arguments) into :attr:`Reply.tool_calls`; :func:`finish_reason` says ``tool_calls``
+whenever the reply carries calls and the server stopped normally.
 
 No message built here carries the credentials of the base URL or the API key
 (:class:`Endpoint` keeps them apart from the URL that is shown).
@@ -53,8 +66,10 @@ import httpx
 
 from convo.engines.base import FinishReason, GenerateRequest, Sampling
 from convo.engines.openai.retry import Retryable, RetryPolicy, is_retryable_status, parse_retry_after
+from convo.engines.openai.tool_calls import ToolCallStream, message_tool_calls
 from convo.errors import BudgetError, ConfigError, ConvoError, GenerationTimeout, RemoteEngineError
-from convo.messages import Message
+from convo.messages import Message, ToolCall
+from convo.models.generation import ToolCallDelta
 from convo.store import redact_url
 
 #: The server's ``finish_reason`` values and convo's.
@@ -62,8 +77,8 @@ FINISH_REASONS: Mapping[str, FinishReason] = {
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
     "eos": FinishReason.STOP,
-    "tool_calls": FinishReason.STOP,
-    "function_call": FinishReason.STOP,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,
     "content_filter": FinishReason.STOP,
 }
 #: Characters of a server's error text kept in an exception message.
@@ -165,12 +180,17 @@ def chat_body(
     stop: Sequence[str],
     stream: bool,
     extra_body: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> dict[str, Any]:
     """The JSON body of ``POST /v1/chat/completions``.
 
     ``top_k`` (when > 0), ``repetition_penalty`` (when != 1) and ``min_tokens``
-    (``min_new_tokens`` > 0) are sent only when set, as vLLM names them; a stream asks
-    for usage in its last event; ``extra_body`` is merged last (server-specific options).
+    (``min_new_tokens`` > 0) are sent only when set, as vLLM names them; so are ``tools``
+    (non-empty), ``tool_choice`` and ``parallel_tool_calls`` (not ``None``), as OpenAI
+    names them; a stream asks for usage in its last event; ``extra_body`` is merged last
+    (server-specific options).
     """
     body: dict[str, Any] = {
         "model": model,
@@ -192,6 +212,12 @@ def chat_body(
         body["min_tokens"] = sampling.min_new_tokens
     if stop:
         body["stop"] = list(stop)
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice if isinstance(tool_choice, str) else dict(tool_choice)
+    if parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = parallel_tool_calls
     body.update(extra_body)
     return body
 
@@ -217,9 +243,10 @@ class Call:
 @dataclass(frozen=True)
 class Reply:
     """What the server answered in one attempt: the text, its ``finish_reason`` (``None``
-    when the stream was cut), the ``usage`` object, when the first text came
-    (``time.monotonic()``), the streamed pieces, and whether the call was cancelled
-    before any attempt answered."""
+    when the stream was cut), the ``usage`` object, when the first output came
+    (``time.monotonic()``: text or a tool-call piece), the streamed text pieces, whether
+    the call was cancelled before any attempt answered, the tool calls and the streamed
+    tool-call pieces."""
 
     text: str = ""
     finish: str | None = None
@@ -227,6 +254,8 @@ class Reply:
     first_text_at: float | None = None
     chunks: int = 0
     cancelled: bool = False
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_chunks: int = 0
 
 
 #: What a call cancelled during a retry wait got from the server: nothing.
@@ -237,14 +266,19 @@ def finish_reason(
     reply: Reply, *, cancel: threading.Event | None, deadline: float, now: float
 ) -> FinishReason:
     """convo's finish reason for ``reply``: cancelled or timed out when the server did not
-    say (a cut stream), else the server's."""
+    say (a cut stream), else the server's, where a reply that carries tool calls and
+    stopped normally says ``tool_calls`` (some servers say ``stop``) and one that says
+    ``tool_calls`` without any says ``stop``."""
     if reply.cancelled:
         return FinishReason.CANCELLED
     if cancel is not None and cancel.is_set() and reply.finish is None:
         return FinishReason.CANCELLED
     if reply.finish is None and now >= deadline:
         return FinishReason.TIMEOUT
-    return FINISH_REASONS.get(reply.finish or "stop", FinishReason.STOP)
+    reason = FINISH_REASONS.get(reply.finish or "stop", FinishReason.STOP)
+    if reason in (FinishReason.STOP, FinishReason.TOOL_CALLS):
+        return FinishReason.TOOL_CALLS if reply.tool_calls else FinishReason.STOP
+    return reason
 
 
 def error_message(body: bytes) -> str:
@@ -306,7 +340,8 @@ def parse_plain(endpoint: Endpoint, body: bytes) -> Reply:
     message = choice.get("message") or {}
     text = message.get("content") or ""
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
-    return Reply(str(text), choice.get("finish_reason"), usage)
+    calls = message_tool_calls(message, where=endpoint.shown) if isinstance(message, dict) else ()
+    return Reply(str(text), choice.get("finish_reason"), usage, tool_calls=calls)
 
 
 @dataclass(frozen=True)
@@ -434,16 +469,29 @@ def _json_event(payload: str) -> dict[str, Any]:
 
 class StreamState:
     """What a streamed reply has said so far: the text pieces (each passed to
-    ``on_text``), the finish reason, the usage of the last event."""
+    ``on_text``), the tool-call pieces (each passed to ``on_tool_call_delta``, joined by
+    :class:`~.tool_calls.ToolCallStream`), the finish reason, the usage of the last event."""
 
-    def __init__(self, endpoint: Endpoint, on_text: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        on_text: Callable[[str], None] | None,
+        on_tool_call_delta: Callable[[ToolCallDelta], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.on_text = on_text
         self.text: list[str] = []
+        self.tools = ToolCallStream(endpoint.shown, on_tool_call_delta)
         self.finish: str | None = None
         self.usage: Mapping[str, Any] | None = None
         self.first_at: float | None = None
         self.chunks = 0
+
+    @property
+    def emitted(self) -> bool:
+        """Some output (text or a tool-call piece) came, and was passed on: the call
+        cannot be retried from scratch any more."""
+        return self.chunks > 0 or self.tools.pieces > 0
 
     def feed(self, event: Mapping[str, Any]) -> None:
         """Take one event.
@@ -458,7 +506,12 @@ class StreamState:
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         for choice in event.get("choices") or []:
-            piece = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            if delta.get("tool_calls"):
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
+                self.tools.feed(delta["tool_calls"])
+            piece = delta.get("content")
             if piece:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
@@ -470,7 +523,16 @@ class StreamState:
                 self.finish = choice["finish_reason"]
 
     def reply(self) -> Reply:
-        return Reply("".join(self.text), self.finish, self.usage, self.first_at, self.chunks)
+        calls = self.tools.calls(cut=self.finish is None)
+        return Reply(
+            "".join(self.text),
+            self.finish,
+            self.usage,
+            self.first_at,
+            self.chunks,
+            tool_calls=calls,
+            tool_chunks=self.tools.pieces,
+        )
 
 
 # -- one attempt -------------------------------------------------------------------------------
@@ -499,7 +561,7 @@ class Attempt:
         self.answered = False
         self.deadline_hit = False
         self.cancelled = False
-        self._stream = StreamState(endpoint, call.request.on_text)
+        self._stream = StreamState(endpoint, call.request.on_text, call.request.on_tool_call_delta)
         self._sse = SSEDecoder()
         self._plain: Reply | None = None
 
@@ -546,7 +608,7 @@ class Attempt:
         """
         if self._plain is not None:
             return self._plain
-        if self.deadline_hit and not self._stream.chunks:
+        if self.deadline_hit and not self._stream.emitted:
             raise GenerationTimeout(f"no text from {self.endpoint} before the deadline")
         return self._stream.reply()
 
@@ -565,7 +627,7 @@ class Attempt:
             raise
         except TimeoutError as exc:  # the async deadline (asyncio.timeout)
             self.deadline_hit = True
-            if not self._stream.chunks:
+            if not self._stream.emitted:
                 raise GenerationTimeout(f"no text from {self.endpoint} before the deadline") from exc
         except (httpx.HTTPError, httpx.StreamError) as exc:  # (StreamError is no HTTPError)
             error = self._outcome(exc)
@@ -584,7 +646,7 @@ class Attempt:
             if isinstance(exc, httpx.TimeoutException):
                 return GenerationTimeout(f"no reply from {where} before the deadline: {what}")
             return Retryable(what)
-        emitted = self._stream.chunks > 0
+        emitted = self._stream.emitted
         if self.deadline_hit:  # we closed it at the deadline
             return None if emitted else GenerationTimeout(f"no reply from {where} before the deadline")
         if self.stopped:  # we closed it on cancel

@@ -24,8 +24,8 @@ from convo.models.legacy import warn_moved
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.models.units import format_size, parse_size
 from convo.planner.calibration import Calibration, load_calibration
-from convo.planner.grid import CellPrediction, Plan, plan_grid
-from convo.planner.memory import VRAMModel
+from convo.planner.grid import Plan, plan_grid
+from convo.planner.memory import CellPrediction, VRAMModel
 from convo.planner.weights import WeightReport, weight_bytes
 
 __all__ = [

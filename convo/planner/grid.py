@@ -5,48 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from convo.errors import ConfigError
 from convo.models.units import parse_size
-
-if TYPE_CHECKING:
-    from convo.planner.memory import VRAMModel
-
-
-@dataclass(frozen=True, kw_only=True)
-class CellPrediction:
-    """Predicted peak of ``concurrency`` requests of ``context`` tokens each.
-
-    Without KV slots that is one ``generate`` call of ``concurrency`` rows, each with its own
-    growing KV cache. With ``kv_slots`` (the static decoder of ``convo serve``) the KV memory
-    is the slot pool, taken once whatever the concurrency: ``running`` requests (at most one
-    per slot) decode together and the other ``queued`` ones wait for a slot, so they cost
-    time, not memory.
-
-    All byte counts are for the whole batch; ``peak_*`` include the weights.
-    ``headroom_bytes`` is the device memory minus ``peak_reserved_bytes`` (negative: over).
-    """
-
-    context: int
-    concurrency: int
-    prompt_tokens: int
-    new_tokens: int
-    weights_bytes: int
-    kv_bytes: int
-    activation_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    phase: str  # "prefill" or "decode": where the peak is; "slots" with a KV slot pool
-    safe: bool | None = None
-    headroom_bytes: int | None = None
-    kv_slots: int | None = None
-    running: int = 0  # requests decoding at once (all of them without slots)
-    queued: int = 0  # requests waiting for a free slot
-
-    def __post_init__(self) -> None:
-        if not self.running:
-            object.__setattr__(self, "running", self.concurrency - self.queued)
+from convo.planner.memory import CellPrediction, VRAMModel
 
 
 @dataclass(frozen=True, kw_only=True)

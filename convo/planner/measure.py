@@ -14,8 +14,7 @@ from typing import Any
 from convo.models.random_model import build_random_model
 from convo.models.units import GiB
 from convo.planner.calibration import Calibration
-from convo.planner.grid import CellPrediction
-from convo.planner.memory import VRAMModel, kv_generations
+from convo.planner.memory import CellPrediction, VRAMModel, kv_generations
 
 __all__ = ["MeasuredCell", "build_random_model", "fit_calibration", "generate_exactly", "measure_cells"]
 

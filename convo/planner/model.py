@@ -4,7 +4,7 @@
   :class:`~convo.planner.weights.WeightReport`);
 * :mod:`convo.planner.memory` — :class:`~convo.planner.memory.VRAMModel` (was ``MemoryModel``);
 * :mod:`convo.planner.grid` — :class:`~convo.planner.grid.Plan`,
-  :func:`~convo.planner.grid.plan_grid`, :class:`~convo.planner.grid.CellPrediction`;
+  :func:`~convo.planner.grid.plan_grid`, :class:`~convo.planner.memory.CellPrediction`;
 * :mod:`convo.models` — model shapes, dtypes, sizes, int4 groups and defaults.
 """
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.engines.base import KVCall, KVRun
+from convo.engines.local.replytext import IncrementalDecoder, StopMatcher
 from convo.errors import DeviceOutOfMemory, is_out_of_memory
 from convo.fast.scheduler import DecodeRequest, DecodeScheduler
 from convo.models.device import empty_device_cache
@@ -40,20 +41,32 @@ ModelIds = Callable[[Sequence[int]], list[int]]
 
 
 class _Streamer:
-    """Receives tokens from ``generate``; decodes incrementally; notes the first token."""
+    """Receives a reply's tokens (from ``generate`` or the scheduler), decodes them
+    incrementally when someone needs the text, watches for stop strings and notes the
+    first token.
+
+    ``on_text`` gets the text piece by piece, never past a stop string: with stop strings,
+    the last ``longest stop - 1`` characters are held back until they cannot start one.
+    Everything costs O(reply), whatever the stop strings (:mod:`.replytext`).
+    """
 
     def __init__(
-        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, keep_text: bool = False
+        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, stops: Sequence[str] = ()
     ) -> None:
-        self.tokenizer = tokenizer
         self.on_text = on_text
-        self.keep_text = keep_text or on_text is not None
         self.ids: list[int] = []
-        #: The reply decoded so far (kept when streaming or when asked: stop strings).
-        self.text = ""
         self.first_token_at: float | None = None
+        self._decoder = IncrementalDecoder(tokenizer) if on_text is not None or stops else None
+        self._stops = StopMatcher(stops)
+        self._hold = max((len(s) for s in self._stops.stops), default=1) - 1
         self._prompt_seen = False
-        self._emitted = ""
+        self._pending = ""  # decoded, not passed to on_text yet
+        self._sent = 0  # characters passed to on_text
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has appeared in the reply."""
+        return self._stops.found is not None
 
     def put(self, value: Any) -> None:
         if not self._prompt_seen:  # generate pushes the prompt first
@@ -65,23 +78,48 @@ class _Streamer:
         """New token ids of the reply."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.ids.extend(ids)
-        if self.keep_text:
-            self.text = text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.on_text is not None:
-            # Hold back an incomplete multi-byte character.
-            if text.endswith("\ufffd"):
-                return
-            if text.startswith(self._emitted) and len(text) > len(self._emitted):
-                self.on_text(text[len(self._emitted) :])
-                self._emitted = text
+        new = list(ids)
+        self.ids.extend(new)
+        if self._decoder is not None and not self.stopped:
+            self._text(self._decoder.add(new), final=False)
+
+    def _text(self, piece: str, *, final: bool) -> None:
+        if piece:
+            self._stops.feed(piece)
+            self._pending += piece
+        if self.on_text is None:
+            self._pending = ""
+            return
+        found = self._stops.found
+        if found is not None:
+            ready = max(found - self._sent, 0)
+        else:
+            ready = len(self._pending) if final else len(self._pending) - self._hold
+        if ready > 0:
+            self.on_text(self._pending[:ready])
+            self._sent += ready
+            self._pending = self._pending[ready:]
+        if found is not None:
+            self._pending = ""
 
     def end(self) -> None:
-        if self.on_text is not None:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if text.startswith(self._emitted) and len(text) > len(self._emitted):
-                self.on_text(text[len(self._emitted) :])
-                self._emitted = text
+        if self._decoder is not None and not self.stopped:
+            self._text(self._decoder.flush(), final=True)
+
+
+class _StopSeen:
+    """A stopping criterion for ``generate``: the reply holds a stop string (watched by the
+    :class:`_Streamer`, so transformers' own ``stop_strings``, whose tables grow with the
+    strings' length times the vocabulary, are never built)."""
+
+    def __init__(self, streamer: _Streamer) -> None:
+        self.streamer = streamer
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        stopped = self.streamer.stopped
+        return torch.full((input_ids.shape[0],), stopped, dtype=torch.bool, device=input_ids.device)
 
 
 # -- a growing cache per session ---------------------------------------------------------------------
@@ -276,7 +314,7 @@ class DynamicKV:
                     timed_out = time.monotonic() >= deadline
                     break
 
-            streamer = _Streamer(self.tokenizer, call.on_text)
+            streamer = _Streamer(self.tokenizer, call.on_text, stops=call.stop)
             criterion = _Deadline(deadline, cancel)
             new_ids: list[int] = []
             if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
@@ -294,9 +332,7 @@ class DynamicKV:
                         **{self.cache_kw: cache},
                         max_new_tokens=call.max_new_tokens,
                         max_time=max(deadline - time.monotonic(), 0.001),
-                        stopping_criteria=StoppingCriteriaList([criterion]),
-                        stop_strings=list(call.stop) or None,
-                        tokenizer=self.tokenizer if call.stop else None,
+                        stopping_criteria=StoppingCriteriaList([criterion, _StopSeen(streamer)]),
                         eos_token_id=self.eos,
                         pad_token_id=self.tokenizer.pad_token_id or self.eos[0],
                         streamer=streamer,
@@ -384,12 +420,11 @@ class SlotKV:
 
     def generate(self, call: KVCall) -> KVRun:
         start = time.monotonic()
-        stops = list(call.stop)
-        streamer = _Streamer(self.tokenizer, call.on_text, keep_text=bool(stops))
+        streamer = _Streamer(self.tokenizer, call.on_text, stops=call.stop)
 
         def on_token(token: int) -> bool:  # True: a stop string appeared
             streamer.add([token])
-            return any(s in streamer.text for s in stops)
+            return streamer.stopped
 
         request = DecodeRequest(
             ids=self.model_ids(call.ids),

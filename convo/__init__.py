@@ -14,9 +14,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from convo.budget import Budget, OversizePolicy
-from convo.engines.base import FinishReason, Sampling
 from convo.errors import BudgetError, ConvoError
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
+from convo.models import FinishReason, Sampling
 from convo.plan import PromptPlan, fit, plan_prompt
 from convo.session import Reply, Session
 from convo.stores import InMemoryStore, RedisStore, SQLiteStore
@@ -24,9 +24,8 @@ from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
 
 if TYPE_CHECKING:
     from convo.admission import AdmissionController
+    from convo.engines.local.engine import TransformersEngine
     from convo.engines.openai import OpenAIEngine
-    from convo.engines.transformers import TransformersEngine
-    from convo.planner.model import MemoryModel
     from convo.retrieval import DocumentCollection, RetrievalMemory
 
 __version__ = "0.1.0"
@@ -40,7 +39,6 @@ __all__ = [
     "FinishReason",
     "HFTokenCounter",
     "InMemoryStore",
-    "MemoryModel",
     "Message",
     "OpenAIEngine",
     "OversizePolicy",
@@ -68,10 +66,9 @@ __all__ = [
 _LAZY = {
     "AdmissionController": "convo.admission",
     "DocumentCollection": "convo.retrieval",
-    "MemoryModel": "convo.planner.model",
     "OpenAIEngine": "convo.engines.openai",
     "RetrievalMemory": "convo.retrieval",
-    "TransformersEngine": "convo.engines.transformers",
+    "TransformersEngine": "convo.engines.local.engine",
 }
 
 # Names ``convo`` exported before 0.2, with their home now: still served, with a
@@ -99,7 +96,7 @@ _MOVED = {
     **dict.fromkeys(
         ["BM25Index", "Chunk", "RetrievalConfig", "VectorIndex", "chunk_text"], "convo.retrieval"
     ),
-    **dict.fromkeys(["Generation", "GenerationStats", "Quant"], "convo.engines.base"),
+    **dict.fromkeys(["Generation", "GenerationStats", "Quant"], "convo.models"),
     **dict.fromkeys(["Passage", "Turn"], "convo.plan"),
     **dict.fromkeys(["SessionState", "Store"], "convo.stores"),
     **dict.fromkeys(["ModelSummarizer", "Summarizer"], "convo.summarize"),
@@ -109,11 +106,12 @@ _MOVED = {
     "CharCounter": "convo.tokens",
     "Embedder": "convo.embeddings",
     "ServingMetrics": "convo.metrics",
-    "parse_size": "convo.planner.model",
+    "parse_size": "convo.models",
 }
 _RENAMED = {
     "Memory": ("RetrievalMemory", "convo.retrieval"),
     "MemoryStore": ("InMemoryStore", "convo.stores"),
+    "MemoryModel": ("VRAMModel", "convo.planner"),
 }
 
 
@@ -131,7 +129,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     if name in _RENAMED:
         new, module = _RENAMED[name]
-        warnings.warn(f"convo.{name} is deprecated; use convo.{new}", DeprecationWarning, stacklevel=2)
+        home = "convo" if new in __all__ else module
+        warnings.warn(f"convo.{name} is deprecated; use {home}.{new}", DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(module), new)
     if name == "memory":  # the planner module's old name (``import convo.memory`` warns too)
         return importlib.import_module("convo.memory")

@@ -14,7 +14,7 @@ refuse; :class:`Batcher` groups admitted requests into one ``generate``::
       └─ waited > queue_timeout_s ──> QueueTimeoutError
 
 A request's cost is its KV bytes for ``prompt + max_new_tokens`` plus its share of the
-activations (:meth:`convo.planner.model.MemoryModel.request_bytes`); inject any ``cost_fn``.
+activations (:meth:`convo.planner.VRAMModel.request_bytes`); inject any ``cost_fn``.
 
 The core is thread-based; :meth:`AdmissionController.acquire` blocks the calling thread,
 :meth:`AdmissionController.acquire_async` awaits the same core without blocking the event

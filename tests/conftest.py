@@ -65,7 +65,7 @@ def oom() -> DeviceOutOfMemory:
 @pytest.fixture(scope="session")
 def real_engine() -> Any:
     """The embedded default model (SmolLM2-135M-Instruct), greedy, loaded once."""
-    from convo.engines.transformers import TransformersEngine
+    from convo.engines.local.engine import TransformersEngine
 
     return TransformersEngine()
 
@@ -75,7 +75,7 @@ def smol_counter() -> TokenCounter:
     """The exact counter of the default model's tokenizer and chat template (no weights)."""
     from transformers import AutoTokenizer
 
-    from convo.engines.transformers import default_model_path
+    from convo.engines.local.loading import default_model_path
     from convo.tokens import HFTokenCounter
 
     return HFTokenCounter(AutoTokenizer.from_pretrained(str(default_model_path()), local_files_only=True))

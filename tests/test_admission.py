@@ -384,7 +384,7 @@ def test_stress_real_tiny_model() -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from benchmarks.concurrency import TinyRunner, build_model
-    from convo.planner.model import MemoryModel
+    from convo.planner import VRAMModel as MemoryModel
 
     torch.manual_seed(0)
     model = build_model("random:tiny-llama", device="cpu", quant="none")

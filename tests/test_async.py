@@ -12,7 +12,7 @@ import pytest
 from test_server import serve
 
 from convo import Budget, OpenAIEngine, Session
-from convo.engines.base import FinishReason
+from convo.models import FinishReason
 from convo.testing import EchoEngine
 
 BUDGET = Budget(context_tokens=2048, max_new_tokens=64, window_turns=4, summary_tokens=0)

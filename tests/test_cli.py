@@ -211,7 +211,7 @@ def test_a_scripted_reply_cut_by_the_timeout_says_so_and_exits_3(
     import dataclasses
 
     from convo.cli.chat import EXIT_TIMEOUT, _script
-    from convo.engines.base import FinishReason
+    from convo.models import FinishReason
     from convo.testing import ScriptedEngine
 
     class SlowEngine(ScriptedEngine):
@@ -263,7 +263,7 @@ def test_a_too_long_system_prompt_is_a_flag_error(tmp_path: Path) -> None:
 
 def test_quant_choices_come_from_the_quant_enum() -> None:
     from convo.cli import build_parser
-    from convo.engines.base import Quant
+    from convo.models import Quant
 
     parser = build_parser()
     for command in ("chat", "serve"):
@@ -282,7 +282,7 @@ def test_int4_kernel_flag_is_one_choice_for_serve_chat_and_plan(capsys: pytest.C
     """``--int4-kernel`` takes the engine's choices in every command, and ``convo plan``
     prices what it keeps: both int4 layouts by default, one with ``triton``."""
     from convo.cli import build_parser, main
-    from convo.engines.base import INT4_KERNELS
+    from convo.models import INT4_KERNELS
 
     parser = build_parser()
     for command in ("chat", "serve", "plan"):

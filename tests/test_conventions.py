@@ -62,7 +62,7 @@ def test_library_loads_keep_transformers_bars_off_and_restore_them() -> None:
     pytest.importorskip("transformers")
     from transformers.utils import logging as hf_logging
 
-    from convo.engines.models import progress_bars
+    from convo.engines.local.loading import progress_bars
 
     hf_logging.enable_progress_bar()
     with progress_bars(False):

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from convo.engines.base import FinishReason, GenerateRequest, Sampling
+from convo.engines.base import GenerateRequest
 from convo.engines.openai import ConnectionLimits, OpenAIEngine, RetryPolicy, Timeouts
 from convo.engines.openai.protocol import (
     Attempt,
@@ -31,6 +31,7 @@ from convo.engines.openai.protocol import (
 from convo.engines.openai.retry import Retryable, decide_retry, is_retryable_status
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role, ToolCall
+from convo.models import FinishReason, Sampling
 
 ENDPOINT = Endpoint.parse("http://engine.test/v1")
 

@@ -60,7 +60,7 @@ def test_import_is_light() -> None:
 
 
 def test_public_api_is_small() -> None:
-    assert len(convo.__all__) <= 32, len(convo.__all__)
+    assert len(convo.__all__) <= 30, len(convo.__all__)
 
 
 def test_no_library_module_imports_the_cli() -> None:

@@ -26,10 +26,10 @@ import openai
 import pytest
 
 from convo import Session
-from convo.engines.base import FinishReason
 from convo.engines.openai import OpenAIEngine, RetryPolicy, Timeouts, parse_retry_after
 from convo.errors import BudgetError, ConfigError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, Role
+from convo.models import FinishReason
 from convo.summarize import SummaryStatus, SummaryWorker
 from convo.testing import wait_until_serving
 
@@ -702,7 +702,7 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     wants the CPU (a shared 2-core CI machine) two threads run several times slower than
     one; on an idle machine one thread costs about 2x, a few seconds per test."""
     require_llama_cpp()
-    from convo.engines.models import default_gguf_path
+    from convo.engines.local.loading import default_gguf_path
 
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path())]
@@ -739,7 +739,7 @@ def test_llama_cpp_session_keeps_the_budget_and_summarizes(llama_url: str) -> No
 
 @pytest.mark.slow
 def test_llama_cpp_greedy_stream_matches_plain_and_exact_tokenizer(llama_url: str) -> None:
-    from convo.engines.transformers import default_model_path
+    from convo.engines.local.loading import default_model_path
 
     engine = OpenAIEngine(
         llama_url, context_window=LLAMA_CTX, tokenizer=default_model_path(), timeouts=Timeouts(call_s=120)
@@ -773,7 +773,7 @@ def llama_tools_url() -> Iterator[str]:
     model write a call to the function a named ``tool_choice`` asks for (SmolLM2's own
     template knows no tools)."""
     require_llama_cpp()
-    from convo.engines.models import default_gguf_path
+    from convo.engines.local.loading import default_gguf_path
 
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path())]

@@ -29,10 +29,10 @@ from convo.cli.common import (
     progress_bars_only_on_a_terminal,
     spinner,
 )
-from convo.engines.base import FinishReason
-from convo.engines.models import DEFAULT_MODEL_NAME
+from convo.engines.local.loading import DEFAULT_MODEL_NAME
 from convo.errors import ConfigError, ConvoError, MissingDependency
 from convo.messages import system
+from convo.models import FinishReason
 from convo.paths import cache_dir
 from convo.session import DEFAULT_SUMMARY_WAIT_S, SUMMARY_WAIT_AUTO, Session
 from convo.summarize import SummaryStatus

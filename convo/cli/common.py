@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
-from convo.engines.base import INT4_KERNELS, Quant
-from convo.engines.models import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
+from convo.engines.local.engine import TransformersEngine
+from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
-from convo.engines.transformers import TransformersEngine
 from convo.errors import ConfigError, ConvoError
+from convo.models import BUILTIN_CONFIGS, INT4_KERNELS, Quant
 from convo.paths import cache_dir
-from convo.planner.model import BUILTIN_CONFIGS
 from convo.stores import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
@@ -315,7 +314,7 @@ def model_context_tokens(model: str | os.PathLike[str] | None) -> int | None:
     """The context length ``model`` declares, from its config alone: no weights, no network.
 
     ``None`` or ``"default"``: the embedded model (its converted folder, else its GGUF);
-    ``random:NAME``: :data:`~convo.planner.model.BUILTIN_CONFIGS`; a folder: its
+    ``random:NAME``: :data:`~convo.models.BUILTIN_CONFIGS`; a folder: its
     ``config.json`` (:data:`CONTEXT_LENGTH_KEYS`, also under ``text_config``); a ``.gguf``
     file: ``<arch>.context_length`` in its header; a hub id: its cached ``config.json``.
     ``None`` when it cannot be known that cheaply (a hub id not downloaded yet).

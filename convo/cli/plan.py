@@ -13,9 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from convo.cli.common import add_int4_kernel_argument, positive_int
-from convo.engines.transformers import AUTO_SLOTS_MEMORY_FRACTION, DEFAULT_KV_SLOTS
 from convo.errors import ConfigError, require
+from convo.models import (
+    AUTO_SLOTS_MEMORY_FRACTION,
+    BUILTIN_CONFIGS,
+    DEFAULT_KV_SLOTS,
+    Attn,
+    DType,
+    GiB,
+    Quant,
+    format_size,
+    load_config,
+    model_key,
+    parse_size,
+)
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
+from convo.planner.grid import Plan, parse_int_list, plan_grid
 from convo.planner.measure import (
     MeasuredCell,
     _device_info,
@@ -23,24 +36,8 @@ from convo.planner.measure import (
     fit_calibration,
     measure_cells,
 )
-from convo.planner.model import (
-    BUILTIN_CONFIGS,
-    INT4_CUDA_LAYOUTS,
-    Attn,
-    CellPrediction,
-    DType,
-    GiB,
-    MemoryModel,
-    Plan,
-    Quant,
-    _model_key,
-    _parse_int_list,
-    format_size,
-    load_config,
-    parse_size,
-    plan_grid,
-    planned_quant,
-)
+from convo.planner.memory import CellPrediction, VRAMModel
+from convo.planner.weights import INT4_CUDA_LAYOUTS, planned_quant
 
 #: What ``convo plan`` plans against when no ``--gpu-memory`` is given and no GPU is visible.
 DEFAULT_PLAN_MEMORY = "24GiB"
@@ -169,18 +166,18 @@ def plan_memory(flag: str | None) -> DeviceMemory:
     )
 
 
-def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
+def _build_memory_model(args: argparse.Namespace) -> tuple[VRAMModel, str]:
     quant = planned_quant(args.quant, None)[0]
     attn = Attn.parse(args.attn)
     cal: Calibration | None = None
     source = str(getattr(args, "calibration", "auto") or "auto")
     if source == "auto":
-        path = find_calibration(_model_key(args.model), quant, attn)
+        path = find_calibration(model_key(args.model), quant, attn)
         if path is not None:
             cal = load_calibration(path)
     elif source != "none":
         cal = load_calibration(source)
-    mm = MemoryModel.from_model(
+    mm = VRAMModel.from_model(
         args.model,
         quant=quant,
         dtype=args.dtype,
@@ -192,7 +189,7 @@ def _build_memory_model(args: argparse.Namespace) -> tuple[MemoryModel, str]:
     return mm, source
 
 
-def plan_to_json(plan: Plan, mm: MemoryModel, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def plan_to_json(plan: Plan, mm: VRAMModel, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``--json`` object (field names are a contract; new ones are only added).
 
     Each cell carries ``headroom_bytes`` (memory minus the reserved peak; negative: over),
@@ -318,8 +315,8 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         The exit status: 0, or 2 for a configuration error (message on stderr).
     """
     try:
-        contexts = _parse_int_list(str(args.context), "context")
-        concs = _parse_int_list(str(args.concurrency), "concurrency")
+        contexts = parse_int_list(str(args.context), "context")
+        concs = parse_int_list(str(args.concurrency), "concurrency")
         device = plan_memory(args.gpu_memory)
         memory = device.total_bytes
         measure = bool(getattr(args, "measure", False))
@@ -355,7 +352,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     return _run_measure(args, mm, plan, contexts, concs, device, new_tokens)
 
 
-def _quant_label(mm: MemoryModel, asked: str) -> str:
+def _quant_label(mm: VRAMModel, asked: str) -> str:
     if mm.quant is Quant.NONE:
         return f"dense {mm.compute_dtype.value}"
     group = ""
@@ -372,7 +369,7 @@ def _memory_json(device: DeviceMemory) -> dict[str, Any]:
 
 def _run_measure(
     args: argparse.Namespace,
-    mm: MemoryModel,
+    mm: VRAMModel,
     plan: Plan,
     contexts: list[int],
     concs: list[int],
@@ -427,7 +424,7 @@ def _run_measure(
     )
     record = {
         "model": args.model,
-        "model_key": _model_key(args.model),
+        "model_key": model_key(args.model),
         "quant": mm.quant.value,
         "attn": mm.attn.value,
         "dtype": mm.compute_dtype.value,
@@ -442,7 +439,7 @@ def _run_measure(
             for m in cells
         ],
     }
-    path = calibration_path(_model_key(args.model), mm.quant, mm.attn, str(info.get("device")))
+    path = calibration_path(model_key(args.model), mm.quant, mm.attn, str(info.get("device")))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2))

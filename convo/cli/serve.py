@@ -10,7 +10,7 @@ from typing import Any
 
 from convo.budget import Budget
 from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
-from convo.engines.models import DEFAULT_MODEL_NAME, check_model
+from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits

@@ -71,13 +71,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from convo.budget import Budget
-from convo.engines.base import FinishReason, GenerateOptions, GenerateRequest, Generation, GenerationStats
+from convo.engines.base import GenerateOptions, GenerateRequest
 from convo.engines.openai.config import ConnectionLimits, Timeouts, from_legacy
 from convo.engines.openai.protocol import Call, Endpoint, Reply, chat_body, finish_reason, parse_models
 from convo.engines.openai.retry import RetryPolicy
 from convo.engines.openai.transports import AsyncTransport, SyncTransport
 from convo.errors import ConfigError, MissingDependency
 from convo.messages import Message
+from convo.models import FinishReason, Generation, GenerationStats
 from convo.tokens import HFTokenCounter, TiktokenCounter, TokenCounter
 
 if TYPE_CHECKING:

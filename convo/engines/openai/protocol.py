@@ -64,13 +64,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
-from convo.engines.base import FinishReason, GenerateRequest, Sampling
+from convo.engines.base import GenerateRequest
 from convo.engines.openai.retry import Retryable, RetryPolicy, is_retryable_status, parse_retry_after
 from convo.engines.openai.tool_calls import ToolCallStream, message_tool_calls
 from convo.errors import BudgetError, ConfigError, ConvoError, GenerationTimeout, RemoteEngineError
 from convo.messages import Message, ToolCall
+from convo.models import FinishReason, Sampling
 from convo.models.generation import ToolCallDelta
-from convo.store import redact_url
+from convo.stores import redact_url
 
 #: The server's ``finish_reason`` values and convo's.
 FINISH_REASONS: Mapping[str, FinishReason] = {

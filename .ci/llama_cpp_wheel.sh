@@ -4,7 +4,7 @@
 # llama-cpp-python ships no binary wheel on PyPI: it compiles llama.cpp from source
 # (about 4.5 minutes on an idle 2-core machine). Build it once into $CACHE and reuse it; the
 # server extra's own dependencies (fastapi, uvicorn, sse-starlette, ...) are wheels.
-# tests/test_remote.py starts `python -m llama_cpp.server` on the default GGUF.
+# tests/engines/test_openai_engine.py starts `python -m llama_cpp.server` on the default GGUF.
 #
 #   CACHE=~/.cache/convo-ci/wheels .ci/llama_cpp_wheel.sh
 set -euo pipefail

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from convo.errors import DeviceOutOfMemory
+from convo.retrieval.indexes.bm25 import terms
 from convo.testing import ScriptedEngine
 from convo.tokens import CharCounter, TokenCounter
 
@@ -125,3 +130,69 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         yield url, proc
     finally:
         stop_redis(proc)
+
+
+# -- a live server on loopback (the server tests and the async tests share it) -------------
+
+REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def redis_or_skip() -> str:
+    """The test Redis URL; skip when unreachable, unless CONVO_REQUIRE_REDIS=1 (CI)."""
+    try:
+        import redis
+
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping()
+    except Exception as exc:
+        if os.environ.get("CONVO_REQUIRE_REDIS") == "1":
+            pytest.fail(f"CONVO_REQUIRE_REDIS=1 but Redis at {REDIS_URL} is unreachable: {exc}")
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    return REDIS_URL
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run ``app`` on a free loopback port in a thread; yields the base URL."""
+    port = free_port()
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class HashEncoder:
+    """Bag-of-words hashed into ``dim`` buckets, L2-normalized: deterministic and fast."""
+
+    def __init__(self, dim: int = 256) -> None:
+        self.dim = dim
+        self.calls = 0
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for w in terms(text):
+                h = int(hashlib.md5(w.encode()).hexdigest(), 16)
+                out[i, h % self.dim] += 1.0
+            norm = np.linalg.norm(out[i])
+            if norm:
+                out[i] /= norm
+        return out

@@ -311,7 +311,7 @@ def test_session_resumes_in_a_new_process(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
     script = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from conftest import FakeEngine
 from convo import Budget, Session, SQLiteStore
 s = Session(FakeEngine(), store=SQLiteStore({str(db)!r}), session_id="resume-me",

@@ -338,7 +338,7 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
     code = (
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_decode import tiny_model\n"
+        "from test_decoder import tiny_model\n"
         "from convo.fast import DecoderConfig, Int4Linear, StaticDecoder\n"
         "from convo.fast.int4 import W4_KERNEL_MAX_ROWS\n"
         "w = torch.randn(96, 256)\n"

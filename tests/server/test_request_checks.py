@@ -21,8 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import start_redis, stop_redis
-from test_server import serve
+from conftest import serve, start_redis, stop_redis
 
 from convo import Budget, InMemoryStore, SQLiteStore
 from convo.errors import ConfigError, RemoteEngineError

@@ -6,7 +6,6 @@ the index, fusion, isolation and persistence logic; a few load the real MiniLM m
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -20,6 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+from conftest import HashEncoder
 
 from convo.budget import Budget
 from convo.errors import ConfigError, MissingDependency, StoreError
@@ -38,27 +38,7 @@ from convo.retrieval import (
 )
 from convo.tokens import TiktokenCounter
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class HashEncoder:
-    """Bag-of-words hashed into ``dim`` buckets, L2-normalized: deterministic and fast."""
-
-    def __init__(self, dim: int = 256) -> None:
-        self.dim = dim
-        self.calls = 0
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        self.calls += 1
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for w in terms(text):
-                h = int(hashlib.md5(w.encode()).hexdigest(), 16)
-                out[i, h % self.dim] += 1.0
-            norm = np.linalg.norm(out[i])
-            if norm:
-                out[i] /= norm
-        return out
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

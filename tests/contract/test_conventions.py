@@ -17,7 +17,7 @@ from convo.errors import DeviceOutOfMemory, MissingDependency
 from convo.integrations import require
 from convo.tokens import CharCounter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_py_typed_ships() -> None:

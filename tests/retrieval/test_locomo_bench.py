@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import HashEncoder
 
 from benchmarks import locomo
 from convo.retrieval import RetrievalConfig, RetrievalMemory
 from convo.tokens import TiktokenCounter
-from tests.test_retrieval import HashEncoder
 
 FILLER = ["How was your day?", "Fine, thanks.", "Any news?", "Not much.", "Nice weather.", "Indeed."]
 

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import serve  # the suite's live-server helper
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_server import serve  # the suite's live-server helper
 
 from convo import Budget, Message, SQLiteStore
 from convo.server.app import create_app

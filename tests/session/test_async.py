@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_server import serve
+from conftest import serve
 
 from convo import Budget, OpenAIEngine, Session
 from convo.models import FinishReason

@@ -327,7 +327,7 @@ def test_a_clock_dates_each_turn_and_the_question(fake_engine: FakeEngine) -> No
 
 
 def test_yesterday_finds_yesterdays_turn_through_retrieval_memory() -> None:
-    from test_retrieval import HashEncoder
+    from conftest import HashEncoder
 
     from convo.retrieval import RetrievalConfig, RetrievalMemory
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import REDIS_URL, free_port, redis_or_skip, serve  # noqa: F401  (also imported from here)
 
 from convo import AdmissionController, Budget, InMemoryStore, SQLiteStore
 from convo.admission import AdmissionLimits
@@ -30,47 +29,7 @@ from convo.server.limits import ServerLimits
 from convo.stores import Store
 from convo.testing import EchoEngine
 
-REDIS_URL = os.environ.get("CONVO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)
-
-
-def redis_or_skip() -> str:
-    """The test Redis URL; skip when unreachable, unless CONVO_REQUIRE_REDIS=1 (CI)."""
-    try:
-        import redis
-
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping()
-    except Exception as exc:
-        if os.environ.get("CONVO_REQUIRE_REDIS") == "1":
-            pytest.fail(f"CONVO_REQUIRE_REDIS=1 but Redis at {REDIS_URL} is unreachable: {exc}")
-        pytest.skip(f"no Redis at {REDIS_URL}")
-    return REDIS_URL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run ``app`` on a free loopback port in a thread; yields the base URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.budget import Budget
 from convo.messages import Message, Role
-from convo.plan import GROUP_LABEL, MEMORY_HEADER, PromptPlan, Turn, plan_prompt
+from convo.plan import GROUP_LABEL, MEMORY_HEADER, PromptPlan, Retriever, Turn, plan_prompt
 from convo.tokens import TiktokenCounter, TokenCounter
 
 #: Tokens reserved for the reply (the question itself is in the prompt).
@@ -423,7 +423,7 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-class KnapsackOrder:
+class KnapsackOrder(Retriever):
     """A retriever whose candidates reach the planner in a knapsack's greedy order:
     ``(score - min_score) / tokens ** exponent``, best first (the planner takes them in
     the order given, skipping one that does not fit). ``exponent`` 0 is the library's
@@ -434,7 +434,7 @@ class KnapsackOrder:
         self.counter = counter
         self.exponent = exponent
 
-    @property
+    @property  # type: ignore[override]
     def min_score(self) -> float:
         return float(self.inner.min_score)
 

@@ -36,7 +36,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack
+from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack, runtime_checkable
 
 from convo.budget import Budget, OversizePolicy
 from convo.errors import BudgetError, ConfigError, MessageError
@@ -672,6 +672,7 @@ def _starts_turn(message: MessageLike) -> bool:
     return isinstance(message, Message) and message.role is Role.USER
 
 
+@runtime_checkable
 class Retriever(Protocol):
     """A retrieval memory: passages about a question, from turns handed to it (e.g.
     :class:`convo.RetrievalMemory`).
@@ -682,19 +683,41 @@ class Retriever(Protocol):
     completed turn, once, through :meth:`remember_turns`; :func:`fit` never does (it owns no
     history), so an object given only to :func:`fit` needs only :meth:`retrieve`.
     (``PassageSource``, this protocol's former name in this module, is a deprecated alias.)
+
+    Capabilities are declared, never probed: subclass ``Retriever`` to inherit the defaults
+    (``min_score = -inf``: keep every passage; ``supports_today = False``: :meth:`retrieve`
+    takes no ``today=``), or declare both attributes.
     """
 
-    min_score: float
+    #: Passages scoring below this are dropped by the planner.
+    min_score: float = float("-inf")
+    #: :meth:`retrieve` takes ``today=`` (a date), to read "yesterday" or "last week".
+    supports_today: bool = False
 
     def remember_turns(
         self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
     ) -> None:
-        """Index ``turns`` of ``session_id`` (``dates``: turn index -> its date)."""
-        ...
+        """Index ``turns`` of ``session_id`` (``dates``: turn index -> its date). The default
+        indexes nothing (a retriever over a fixed corpus)."""
+        return None
 
     def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
-        """At most ``top_k`` passages about ``query``, best first."""
+        """At most ``top_k`` passages about ``query``, best first (a retriever that declares
+        ``supports_today`` also takes ``today=``: the date the question is asked on)."""
         ...
+
+
+def check_retriever(retriever: object) -> None:
+    """Refuse a retriever that does not declare what :class:`Retriever` declares.
+
+    Raises:
+        ConfigError: it lacks ``retrieve``, ``min_score`` or ``supports_today``.
+    """
+    if retriever is not None and not isinstance(retriever, Retriever):
+        raise ConfigError(
+            f"{type(retriever).__name__} is not a convo.plan.Retriever: subclass it, or declare "
+            "min_score, supports_today, retrieve() and remember_turns()"
+        )
 
 
 class Fitted(NamedTuple):
@@ -834,6 +857,7 @@ def _fit(
         raise ConfigError(f"fit() needs budget=Budget(...), got {type(budget).__name__}")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes, Mapping)):
         raise MessageError("fit() takes a list of messages")
+    check_retriever(retriever)
     pinned, turns, originals = _candidate_turns(messages, budget, counter)
     rest = [m for t in turns for m in t.messages]
     passages: list[Passage] = []
@@ -848,7 +872,7 @@ def _fit(
         pinned=pinned,
         summary=summary or "",
         passages=passages,
-        min_score=float(getattr(retriever, "min_score", float("-inf"))),
+        min_score=float(retriever.min_score) if retriever is not None else float("-inf"),
         exact=bool(messages),  # count through the template (which refuses an empty list)
     )
     return plan, originals

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import enum
-import inspect
 import logging
 import threading
 import time
@@ -54,7 +53,15 @@ DEFAULT_TEMPLATE = (
 
 
 class Summarizer(Protocol):
-    """Folds messages into a summary. The session injects one of these."""
+    """Folds messages into a summary. The session injects one of these.
+
+    Subclass it to inherit ``supports_cancel = False``, or declare that attribute: a
+    summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
+    :class:`threading.Event`) and stops its generation when it is set.
+    """
+
+    #: :meth:`summarize` takes ``cancel=``.
+    supports_cancel: bool = False
 
     def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
         """Return the new summary, at most ``max_tokens`` tokens long."""
@@ -80,7 +87,7 @@ MIN_SUMMARY_TOKENS = 32
 
 
 @dataclass(kw_only=True)
-class ModelSummarizer:
+class ModelSummarizer(Summarizer):
     """Summarizes with an engine (the same model that chats, typically 4-bit).
 
     The summary's cap follows the model's context (:meth:`summary_cap`): one summary call
@@ -152,7 +159,9 @@ class ModelSummarizer:
         )
         return [Message(role=Role.USER, content=text)]
 
-    def summarize(
+    supports_cancel = True
+
+    def summarize(  # type: ignore[override]  (adds the declared cancel=)
         self,
         *,
         previous: str,
@@ -356,13 +365,6 @@ class SummaryJob:
         """Drop the job if it has not started; ask a running one to stop (a summarizer
         that takes ``cancel=`` stops its generation; the result is discarded either way)."""
         self._cancel.set()
-
-
-def _accepts_cancel(summarizer: Summarizer) -> bool:
-    try:
-        return "cancel" in inspect.signature(summarizer.summarize).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class SummaryWorker:
@@ -584,7 +586,7 @@ class SummaryWorker:
             self._run(job)
 
     def _run(self, job: SummaryJob) -> None:
-        kwargs: dict[str, Any] = {"cancel": job._cancel} if _accepts_cancel(job.summarizer) else {}
+        kwargs: dict[str, Any] = {"cancel": job._cancel} if job.summarizer.supports_cancel else {}
         try:
             # The summarizer asks for background priority in its generate options
             # (ModelSummarizer does), so a batching engine serves replies first.

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from convo.engines.base import FinishReason, Generation, GenerationStats
+from convo.engines.base import Engine
 from convo.errors import BudgetError
 from convo.messages import Message, Role
+from convo.models import FinishReason, Generation, GenerationStats
 from convo.tokens import CharCounter, TokenCounter
 
 __all__ = ["CharCounter", "EchoEngine", "ScriptedEngine", "wait_until_serving"]
@@ -53,9 +54,13 @@ def wait_until_serving(url: str, proc: subprocess.Popen[Any], timeout_s: float) 
         time.sleep(SERVING_POLL_S)
 
 
-class _ModelFree:
+class _ModelFree(Engine):
     """What both engines share: a counter, a context window and a record of prompts and
-    released cache keys."""
+    released cache keys. Their capabilities are plain attributes a test may set (a batching
+    engine: ``engine.concurrent_calls = 4``)."""
+
+    context_window: int = 0
+    concurrent_calls: int = 1
 
     def __init__(self, counter: TokenCounter | None, context_window: int) -> None:
         self._counter = counter or CharCounter()

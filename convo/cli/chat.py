@@ -336,9 +336,7 @@ def run_chat(args: argparse.Namespace) -> int:
         return _script(session, args) if args.script else _interactive(session, args)
     finally:
         session.close()
-        close = getattr(session.engine, "close", None)
-        if close is not None:  # join the engine's threads before the interpreter exits
-            close()
+        session.engine.close()  # join the engine's threads before the interpreter exits
 
 
 def read_script(path: str) -> list[str]:

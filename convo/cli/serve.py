@@ -121,7 +121,5 @@ def run_server(args: argparse.Namespace) -> int:
         Server(config).run()
     finally:
         store.close()
-        close = getattr(engine, "close", None)
-        if close is not None:  # join the engine's threads before the interpreter exits
-            close()
+        engine.close()  # join the engine's threads before the interpreter exits
     return 0

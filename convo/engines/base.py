@@ -37,7 +37,7 @@ from convo.models.legacy import warn_moved
 from convo.tokens import TokenCounter
 
 if TYPE_CHECKING:
-    from convo.models.generation import Generation, Priority, Sampling, ToolCallDelta
+    from convo.models.generation import Generation, Priority, Sampling, SchedulerStats, ToolCallDelta
 
 #: Names that moved to :mod:`convo.models`: served from their old home here for one
 #: release, with a ``DeprecationWarning`` (not to convo's own modules that still import
@@ -239,7 +239,48 @@ def tool_name(tool: Any) -> str:
 
 
 class Engine(Protocol):
-    """What a :class:`~convo.session.Session` needs from an engine."""
+    """What a :class:`~convo.session.Session` needs from an engine, capabilities included.
+
+    Capabilities are declared, never probed: callers read these attributes and do not
+    ``getattr`` or ``inspect``. Subclass ``Engine`` to inherit the defaults below (as the
+    engines of convo and :mod:`convo.testing` do), or declare each attribute yourself.
+
+    ==========================  =========  ===================================================
+    capability                  default    meaning
+    ==========================  =========  ===================================================
+    ``concurrent_calls``        1          calls run together rather than one after another
+                                           (a batching local engine: its KV slots; a client
+                                           of a server: its connections)
+    ``margin_tokens``           0          tokens a budget over this engine holds back for
+                                           counting errors (a counter of another tokenizer)
+    ``supports_async``          False      :meth:`agenerate` runs on the event loop (else the
+                                           session runs :meth:`generate` in a worker thread)
+    ``supports_tools``          False      the ``tools`` options are honoured (else they are
+                                           refused with :class:`~convo.errors.ToolsNotSupported`)
+    ``scheduler_stats``         None       counters of the engine's decode scheduler
+                                           (:class:`~convo.models.generation.SchedulerStats`)
+    ==========================  =========  ===================================================
+    """
+
+    @property
+    def concurrent_calls(self) -> int:
+        return 1
+
+    @property
+    def margin_tokens(self) -> int:
+        return 0
+
+    @property
+    def supports_async(self) -> bool:
+        return False
+
+    @property
+    def supports_tools(self) -> bool:
+        return False
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
+        return None
 
     @property
     def counter(self) -> TokenCounter: ...
@@ -251,14 +292,22 @@ class Engine(Protocol):
         self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Generation: ...
 
+    async def agenerate(
+        self, messages: Sequence[Message], *, max_new_tokens: int, **options: Unpack[GenerateOptions]
+    ) -> Generation:
+        """The async twin of :meth:`generate`, for engines that declare ``supports_async``."""
+        raise NotImplementedError(f"{type(self).__name__} declares no async generate")
+
     def release(self, cache_key: str) -> None: ...
 
+    def close(self) -> None:
+        """Stop the engine's threads and close its clients. Idempotent."""
 
-def concurrent_calls(engine: object) -> int:
-    """Calls ``engine`` runs together rather than one after another: its
-    ``concurrent_calls`` attribute (a batching local engine: its KV slots; a client of a
-    server: its connections), 1 for an engine without one."""
-    return max(int(getattr(engine, "concurrent_calls", 1) or 1), 1)
+
+def concurrent_calls(engine: Engine) -> int:
+    """Calls ``engine`` runs together rather than one after another (its declared
+    ``concurrent_calls``, at least 1)."""
+    return max(int(engine.concurrent_calls), 1)
 
 
 # -- the KV cache of a local engine ------------------------------------------------------------------

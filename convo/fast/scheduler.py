@@ -43,7 +43,7 @@ from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PrefillChunk
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
-from convo.models.generation import FinishReason, Priority
+from convo.models.generation import FinishReason, Priority, SchedulerStats
 from convo.tokens import common_prefix_length
 
 __all__ = [
@@ -72,27 +72,6 @@ SLOT_POLL_S = 0.02
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
 STEP_KINDS = ("decode", "mixed", "prefill")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerStats:
-    """What a :class:`DecodeScheduler` has run since it started (``convo serve`` exports it
-    on ``/metrics`` as ``convo_engine_*``).
-
-    Attributes:
-        steps: steps run, by kind (:data:`STEP_KINDS`).
-        busy_s: seconds spent in steps, by kind, from launch until the step's tokens were
-            read back (so device time is included).
-        decode_rows: tokens decoded (the rows of decode and mixed steps).
-        prompt_tokens: prompt tokens prefilled.
-        preemptions: requests stopped to free a slot for a reply (they went on later).
-    """
-
-    steps: dict[str, int]
-    busy_s: dict[str, float]
-    decode_rows: int
-    prompt_tokens: int
-    preemptions: int
 
 
 _ARRIVALS = itertools.count()

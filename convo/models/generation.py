@@ -217,3 +217,24 @@ class Priority(enum.IntEnum):
 
     REPLY = 0  # a turn a user waits for
     BACKGROUND = 1  # work nobody waits on token by token: summaries
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerStats:
+    """What a :class:`~convo.fast.scheduler.DecodeScheduler` has run since it started
+    (``convo serve`` exports it on ``/metrics`` as ``convo_engine_*``).
+
+    Attributes:
+        steps: steps run, by kind (:data:`~convo.fast.scheduler.STEP_KINDS`).
+        busy_s: seconds spent in steps, by kind, from launch until the step's tokens were
+            read back (so device time is included).
+        decode_rows: tokens decoded (the rows of decode and mixed steps).
+        prompt_tokens: prompt tokens prefilled.
+        preemptions: requests stopped to free a slot for a reply (they went on later).
+    """
+
+    steps: dict[str, int]
+    busy_s: dict[str, float]
+    decode_rows: int
+    prompt_tokens: int
+    preemptions: int

@@ -23,7 +23,7 @@ from convo.dates import as_day, day_label
 from convo.embeddings import Embedder, TextEncoder
 from convo.errors import ConfigError
 from convo.messages import Message
-from convo.plan import Passage, Turn, turn_key
+from convo.plan import Passage, Retriever, Turn, turn_key
 from convo.retrieval._io import FORMAT, child_folder, damaged, read_json, write_json
 from convo.retrieval.config import Fusion, RetrievalConfig
 from convo.retrieval.documents import DocumentCollection
@@ -61,7 +61,7 @@ def _speaker_line(message: Message) -> str:
     return f"{name}: {content}"
 
 
-class RetrievalMemory:
+class RetrievalMemory(Retriever):
     """Per-session turn memory plus shared document collections, for a Session.
 
     The session calls :meth:`remember_turns` with each completed turn and
@@ -83,6 +83,9 @@ class RetrievalMemory:
         >>> memory = RetrievalMemory(collections=[docs])                              # doctest: +SKIP
         >>> session = Session(engine=engine, retriever=memory, session_id="a")  # doctest: +SKIP
     """
+
+    #: :meth:`retrieve` reads relative dates ("yesterday", "last week") against ``today=``.
+    supports_today = True
 
     def __init__(
         self,

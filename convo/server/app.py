@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from convo.admission import AdmissionController, AdmissionLimits
 from convo.budget import Budget
+from convo.engines.base import concurrent_calls
 from convo.errors import ConfigError, MessageError, MissingDependency
 from convo.messages import check_text
 from convo.metrics import ServingMetrics
@@ -195,6 +196,7 @@ def _summary_worker(engine: Engine) -> SummaryWorker:
 
 
 def _batch(engine: Engine) -> int | None:
-    """Calls the engine runs together (its KV slots), if it batches them."""
-    decoder = getattr(engine, "decoder", None)
-    return decoder.pool.slots if decoder is not None else None
+    """Calls the engine runs together (its declared ``concurrent_calls``: KV slots, a remote
+    server's connections), if it runs more than one."""
+    calls = concurrent_calls(engine)
+    return calls if calls > 1 else None

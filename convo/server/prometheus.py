@@ -61,13 +61,13 @@ class ServingCollector(Collector):
 
 class EngineCollector(Collector):
     """Reads the engine's scheduler counters at scrape time (``scheduler_stats``: a
-    :class:`~convo.fast.scheduler.SchedulerStats`, or ``None`` when it has no scheduler)."""
+    :class:`~convo.models.generation.SchedulerStats`, or ``None`` when it has no scheduler)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
-        stats = getattr(self.engine, "scheduler_stats", None)
+        stats = self.engine.scheduler_stats
         if stats is None:
             return
         steps = CounterMetricFamily("convo_engine_steps", "scheduler steps run, by kind", labels=["kind"])

@@ -169,7 +169,7 @@ def check_budget_fits(budget: Budget, engine: Engine | None) -> None:
         return
     # A remote engine's window is the server's less the margin it holds back for an
     # inexact counter; a budget may span the server's whole window (it holds its own margin).
-    window += int(getattr(engine, "margin_tokens", 0) or 0)
+    window += int(engine.margin_tokens)
     if budget.context_tokens > window:
         raise ConfigError(
             f"Budget.context_tokens={budget.context_tokens} is larger than the model's "

@@ -25,7 +25,6 @@ stored before it adds anything.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 import uuid
@@ -43,7 +42,7 @@ from convo.engines.base import (
 )
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
-from convo.plan import Passage, PromptPlan, Retriever, Turn, plan_checked
+from convo.plan import Passage, PromptPlan, Retriever, Turn, check_retriever, plan_checked
 from convo.session import window
 from convo.session.config import (
     LegacyKwargs,
@@ -66,16 +65,6 @@ from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWo
 from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__package__)
-
-
-def _takes_today(retriever: Retriever) -> bool:
-    """Whether ``retriever.retrieve`` takes ``today`` (:class:`convo.RetrievalMemory` does;
-    a retriever written to the :class:`Retriever` protocol need not)."""
-    try:
-        params = inspect.signature(retriever.retrieve).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "today" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class Session:
@@ -166,6 +155,7 @@ class Session:
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
         self.store: Store = store if store is not None else MemoryStore()
+        check_retriever(retriever)
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
         self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync)
@@ -598,11 +588,10 @@ class Session:
             )
 
     async def _agenerate(self, plan: PromptPlan, args: TurnArgs) -> Generation:
-        agenerate = getattr(self.engine, "agenerate", None)
-        if agenerate is None:  # a synchronous engine: its own call, in a worker thread
+        if not self.engine.supports_async:  # a synchronous engine: its own call, in a worker thread
             return await asyncio.to_thread(self._generate, plan, args)
         with self.summaries.replying():  # background summaries defer to replies
-            result = await agenerate(
+            result = await self.engine.agenerate(
                 plan.messages, max_new_tokens=self.budget.max_new_tokens, **self._generate_options(plan, args)
             )
         return cast(Generation, result)
@@ -680,11 +669,11 @@ class Session:
             asked_on = self._history.dates.get(asker.index) if asker is not None else None
             if asked_on is None and query is not None:
                 asked_on = clock_date(self.clock)  # a hypothetical question is asked now
-            extra = {"today": asked_on} if asked_on is not None and _takes_today(self.retriever) else {}
+            extra = {"today": asked_on} if asked_on is not None and self.retriever.supports_today else {}
             passages = self.retriever.retrieve(
                 last_user, session_id=self.id, top_k=budget.retrieval_top_k, **extra
             )
-            min_score = getattr(self.retriever, "min_score", min_score)
+            min_score = self.retriever.min_score
         return plan_checked(
             budget=budget,
             counter=self.counter,

@@ -224,3 +224,38 @@ def test_the_checks_see_a_circle_and_an_import_in_a_function(tmp_path: Path) -> 
     path.write_text("def f():\n    from convo.fast import decoder\n", encoding="utf-8")
     found = list(_imports("convo.synthetic", path, {"convo.fast.decoder"}))
     assert any(i.in_function and i.target == "convo.fast.decoder" for i in found)
+
+
+#: Capabilities an engine, a retriever or a summarizer declares (``convo.engines.base.Engine``,
+#: ``convo.plan.Retriever``, ``convo.summarize.Summarizer``): read, never probed.
+DECLARED = frozenset(
+    {
+        "agenerate",
+        "close",
+        "concurrent_calls",
+        "decoder",
+        "margin_tokens",
+        "min_score",
+        "scheduler_stats",
+        "supports_async",
+        "supports_cancel",
+        "supports_today",
+        "supports_tools",
+    }
+)
+
+
+def test_capabilities_are_read_not_probed() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            args = node.args
+            probe = name in ("getattr", "hasattr") and len(args) >= 2
+            if probe and isinstance(args[1], ast.Constant) and args[1].value in DECLARED:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+            if name == "inspect.signature" and "forward" not in ast.unparse(args[0]):  # a torch model's
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from convo import Budget, BudgetError, Message, MessageError, Role, Session, ToolCall
-from convo.plan import Passage, fit
+from convo.plan import Passage, Retriever, fit
 from convo.tokens import CharCounter, TokenCounter
 
 # -- Message.from_openai / to_openai ----------------------------------------------------
@@ -190,7 +190,7 @@ def test_fit_exactly_on_the_limit(counter: CharCounter) -> None:
 
 
 def test_fit_adds_summary_and_passages(counter: CharCounter) -> None:
-    class Source:
+    class Source(Retriever):
         min_score = 0.0
 
         def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:

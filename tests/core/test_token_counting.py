@@ -12,7 +12,7 @@ import pytest
 
 from convo import Budget, ConfigError, Session
 from convo.messages import Message, Role, ToolCall, assistant, system, tool, user
-from convo.plan import Passage, Turn
+from convo.plan import Passage, Retriever, Turn
 from convo.testing import ScriptedEngine
 from convo.tokens import TEMPLATE_FOLDS, HFTokenCounter, estimate_tools_tokens, fold_messages
 
@@ -76,7 +76,7 @@ def test_fold_keeps_tool_calls_and_tool_results_apart() -> None:
     assert fold_messages(msgs, "merge-system") == msgs
 
 
-class _Memory:
+class _Memory(Retriever):
     """A retriever that always offers the same passage (the memory message)."""
 
     min_score = float("-inf")

@@ -12,12 +12,12 @@ from conftest import FakeEngine
 from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
 from convo.errors import ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import assistant, tool
-from convo.plan import Passage, Turn, turn_key
-from convo.summarize import ModelSummarizer
+from convo.plan import Passage, Retriever, Turn, turn_key
+from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import CharCounter
 
 
-class CountingSummarizer:
+class CountingSummarizer(Summarizer):
     def __init__(self) -> None:
         self.calls: list[int] = []
 
@@ -138,7 +138,7 @@ def test_stream_and_async(fake_engine: FakeEngine) -> None:
     assert reply.stats.turn == 2
 
 
-class FakeRetriever:
+class FakeRetriever(Retriever):
     min_score = 0.0
 
     def __init__(self) -> None:
@@ -284,6 +284,8 @@ def test_turn_keywords_are_checked_before_anything_is_stored() -> None:
 
 class DatedRetriever(FakeRetriever):
     """A retriever that takes ``today`` and records the dates it is given."""
+
+    supports_today = True
 
     def __init__(self) -> None:
         super().__init__()

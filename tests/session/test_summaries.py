@@ -25,6 +25,7 @@ from convo.store import MemoryStore, SessionState, SQLiteStore
 from convo.summarize import (
     PROVISIONAL_HEADER,
     JobStatus,
+    Summarizer,
     SummaryJob,
     SummaryStatus,
     SummaryWorker,
@@ -35,7 +36,7 @@ from convo.tokens import CharCounter
 WAIT = 10.0  # seconds a test waits for something that happens at once; a hang fails, not blocks
 
 
-class GatedSummarizer:
+class GatedSummarizer(Summarizer):
     """Writes ``S[start..]`` summaries, but only once ``gate`` is set; can fail on demand."""
 
     def __init__(self, *, open_gate: bool = False, fail_times: int = 0) -> None:

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Unpack
 
 import convo.fast as fast  # its torch-importing StaticDecoder loads on first use
-from convo.engines.base import GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
+from convo.engines.base import Engine, GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
 from convo.engines.local.config import KVConfig, LoadConfig
 from convo.engines.local.kv import DynamicKV, SlotKV
 from convo.engines.local.loading import default_model_path, progress_bars, resolve_model
@@ -78,7 +78,7 @@ def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
         engine.close()
 
 
-class TransformersEngine:
+class TransformersEngine(Engine):
     """A Hugging Face causal LM behind a capped, measured ``generate``.
 
     Args:

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from convo.budget import Budget
-from convo.engines.base import GenerateOptions, GenerateRequest
+from convo.engines.base import Engine, GenerateOptions, GenerateRequest
 from convo.engines.openai.config import ConnectionLimits, Timeouts, from_legacy
 from convo.engines.openai.protocol import Call, Endpoint, Reply, chat_body, finish_reason, parse_models
 from convo.engines.openai.retry import RetryPolicy
@@ -91,7 +91,7 @@ DEFAULT_TIKTOKEN_MARGIN = 0.25
 TEMPLATE_MARGIN_TOKENS = 32
 
 
-class OpenAIEngine:
+class OpenAIEngine(Engine):
     """An engine that generates on an OpenAI-compatible server.
 
     Args:
@@ -139,6 +139,7 @@ class OpenAIEngine:
 
     #: Tools are passed through to the server (see the module docstring).
     supports_tools = True
+    supports_async = True
 
     def __init__(
         self,
@@ -186,7 +187,6 @@ class OpenAIEngine:
         )
         #: Calls that run together (:func:`~convo.engines.base.concurrent_calls`): one per
         #: connection; the server decides how it runs them.
-        self.concurrent_calls = self.limits.max_connections
         self._lock = threading.Lock()
         #: The largest ``usage.prompt_tokens / local count`` seen so far (1.0 = exact).
         self.observed_token_ratio = 0.0
@@ -268,6 +268,11 @@ class OpenAIEngine:
             return 0
         room = max(context_tokens - max_new_tokens, 0)
         return math.ceil(room * DEFAULT_TIKTOKEN_MARGIN) + TEMPLATE_MARGIN_TOKENS
+
+    @property
+    def concurrent_calls(self) -> int:
+        """Calls this engine runs together: its connections (``limits.max_connections``)."""
+        return self.limits.max_connections
 
     @property
     def margin_tokens(self) -> int:

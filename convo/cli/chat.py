@@ -96,7 +96,9 @@ def _turn_json(session: Any, reply: Any) -> dict[str, Any]:
         "parts": dict(s.parts),
         "budget": s.context_tokens,
         "max_new_tokens": s.max_new_tokens,
-        "summary_tokens": s.summary_tokens,
+        "summary_tokens": s.summary_tokens,  # tokens the summary takes in this prompt (kept: a contract)
+        "summary_tokens_used": s.summary_tokens,
+        "summary_tokens_cap": session.budget.summary_tokens,
         "evicted_turns": s.evicted_turns,
         "latency_s": round(s.latency_s, 4),
         "session_id": session.id,

@@ -18,6 +18,8 @@ REQUIRED = {
     "budget": int,
     "max_new_tokens": int,
     "summary_tokens": int,
+    "summary_tokens_used": int,
+    "summary_tokens_cap": int,
     "evicted_turns": int,
     "latency_s": float,
 }
@@ -46,6 +48,7 @@ def test_chat_script_json_lines_and_resume(tmp_path: Path) -> None:
             assert isinstance(row[key], typ), (key, row[key])
         assert row["prompt_tokens"] + row["max_new_tokens"] <= row["budget"] == 512
         assert row["prompt_tokens"] == sum(v for k, v in row["parts"].items() if k != "reserve")
+        assert row["summary_tokens_used"] == row["parts"].get("summary", 0) <= row["summary_tokens_cap"] == 32
         assert row["reply"].strip()
     assert "loading model" in first.stderr  # the progress indicator
     # Resumed in a new process: numbering and settings continue.

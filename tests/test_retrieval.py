@@ -1306,3 +1306,56 @@ def test_room_the_whole_recent_turns_leave_goes_to_retrieval(cl100k: TiktokenCou
     assert plan.parts["recent"] + plan.parts["retrieved"] <= avail
     assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
     assert plan.total_tokens <= budget.context_tokens
+
+
+class RecordingEncoder(HashEncoder):
+    """A HashEncoder that keeps every text it was asked to embed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.seen += list(texts)
+        return super().encode(texts)
+
+
+def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() -> None:
+    # Issue 24: each message is embedded with the previous one as context; a long previous
+    # message filled MiniLM's 256 word pieces and none of the message's own text was read.
+    enc = RecordingEncoder()
+    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    long_reply = "word " * 2000
+    turns = [
+        Turn(
+            index=0,
+            messages=(
+                Message(role=Role.USER, content="hi"),
+                Message(role=Role.ASSISTANT, content=long_reply),
+            ),
+        ),
+        Turn(index=1, messages=(Message(role=Role.USER, content="My dog is called Biscuit."),)),
+    ]
+    mem.remember_turns("s", turns, dates={0: "2023/05/01 (Mon) 10:00", 1: "2023/05/01 (Mon) 10:05"})
+    text = next(t for t in enc.seen if "Biscuit" in t)
+    assert text.endswith("user: My dog is called Biscuit.")
+    assert "word" in text and len(text) <= 500  # some context, capped
+
+
+def test_a_new_session_is_not_embedded_with_the_last_reply_of_an_earlier_one() -> None:
+    enc = RecordingEncoder()
+    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    first = Turn(index=0, messages=(Message(role=Role.ASSISTANT, content="Anything else about your trip?"),))
+    mem.remember_turns("s", [first], dates={0: "2023/05/01 (Mon) 10:00"})
+    later = Turn(index=1, messages=(Message(role=Role.ASSISTANT, content="Welcome back! Your new job?"),))
+    mem.remember_turns("s", [later], dates={1: "2023/06/01 (Thu) 09:00"})
+    assert enc.seen[-1] == "assistant: Welcome back! Your new job?"
+    # Within one call too, and the same day still reads its context.
+    enc2 = RecordingEncoder()
+    mem2 = RetrievalMemory(enc2, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    same = Turn(index=2, messages=(Message(role=Role.USER, content="Yes, it starts Monday."),))
+    mem2.remember_turns("s", [first, later, same], dates={0: "2023/05/01", 1: "2023/06/01", 2: "2023/06/01"})
+    assert "assistant: Welcome back! Your new job?" in enc2.seen
+    assert "assistant: Welcome back! Your new job?\nuser: Yes, it starts Monday." in enc2.seen
+    found = mem2.retrieve("new job", session_id="s", top_k=3, today="2023/06/02")
+    assert any("2023/06/01" in str(p.meta.get("date")) for p in found)

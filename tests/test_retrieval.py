@@ -1359,3 +1359,26 @@ def test_a_new_session_is_not_embedded_with_the_last_reply_of_an_earlier_one() -
     assert "assistant: Welcome back! Your new job?\nuser: Yes, it starts Monday." in enc2.seen
     found = mem2.retrieve("new job", session_id="s", top_k=3, today="2023/06/02")
     assert any("2023/06/01" in str(p.meta.get("date")) for p in found)
+
+
+def test_embedder_encodes_short_texts_in_bigger_batches_in_order() -> None:
+    # A vocabulary of thousands of words is embedded in one call; short texts go
+    # SHORT_BATCH_FACTOR times as many per forward pass, and rows keep the input order.
+    from convo import embeddings
+
+    class FakeModel:
+        def __init__(self) -> None:
+            self.batches: list[tuple[int, int]] = []
+
+        def encode(self, texts: list[str], *, batch_size: int, **_: object) -> np.ndarray:
+            self.batches.append((len(texts), batch_size))
+            return HashEncoder(8).encode(texts)
+
+    emb = embeddings.Embedder(batch_size=4, cache_size=0)
+    fake = FakeModel()
+    emb._model, emb._dim = fake, 8
+    long = "a sentence well over forty characters long, number "
+    texts = ["cat", long + "one", "dog", long + "two", "fish"]
+    out = emb.encode(texts)
+    assert np.allclose(out, HashEncoder(8).encode(texts))
+    assert sorted(fake.batches) == [(2, 4), (3, 4 * embeddings.SHORT_BATCH_FACTOR)]

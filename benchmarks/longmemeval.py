@@ -83,6 +83,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-time": {"time_weight": 0.0},
     "no-expansion": {"expand_terms": 0, "expand_query_words": 0},
     "lexical-heavy": {"dense_weight": 0.3},
+    "recency": {"recency_weight": 0.1},
+    "recency-lexical": {"recency_weight": 0.1, "dense_weight": 0.3},
 }
 
 

@@ -1382,3 +1382,29 @@ def test_embedder_encodes_short_texts_in_bigger_batches_in_order() -> None:
     out = emb.encode(texts)
     assert np.allclose(out, HashEncoder(8).encode(texts))
     assert sorted(fake.batches) == [(2, 4), (3, 4 * embeddings.SHORT_BATCH_FACTOR)]
+
+
+def test_recency_weight_prefers_the_newest_of_changed_facts() -> None:
+    # Knowledge updates (issue 24): the same fact told twice, the newest should win.
+    turns = [
+        Turn(index=0, messages=(Message(role=Role.USER, content="My car is a red Honda, sadly old."),)),
+        Turn(index=1, messages=(Message(role=Role.USER, content="I bake bread on Sundays."),)),
+        Turn(index=2, messages=(Message(role=Role.USER, content="My car is a blue Honda, brand new."),)),
+    ]
+    dates = {0: "2023/01/02 (Mon) 10:00", 1: "2023/02/01 (Wed) 10:00", 2: "2023/03/01 (Wed) 10:00"}
+
+    def ranked(weight: float) -> list[Passage]:
+        mem = RetrievalMemory(HashEncoder(), config=RetrievalConfig(recency_weight=weight, min_score=-1.0))
+        mem.remember_turns("s", turns, dates=dates)
+        return [
+            p
+            for p in mem.retrieve("What car do I have, a Honda?", session_id="s", top_k=3)
+            if "Honda" in p.text
+        ]
+
+    off, on = ranked(0.0), ranked(0.5)
+    gap = {k: {p.meta["turn"]: p.score for p in r} for k, r in (("off", off), ("on", on))}
+    assert gap["on"][2] - gap["on"][0] > gap["off"][2] - gap["off"][0] + 0.3
+    assert on[0].meta["turn"] == 2 and "2023/03/01" in str(on[0].meta.get("group", on[0].text))
+    with pytest.raises(ConfigError):
+        RetrievalConfig(recency_weight=-1.0)

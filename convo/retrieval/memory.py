@@ -357,6 +357,8 @@ class RetrievalMemory:
         if cfg.time_weight > 0:
             days, years = self._days(store)
             fused = time_scored(fused, days, years, asked or query, today, cfg)
+        if cfg.recency_weight > 0:
+            fused = self._recency_scored(store, fused, cfg.recency_weight)
         if cfg.neighbour_weight > 0:
             fused = propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
         if cfg.content_weight > 0:
@@ -383,6 +385,21 @@ class RetrievalMemory:
             if len(out) >= n:
                 break
         return out[:n]
+
+    def _recency_scored(self, store: UnitStore, fused: dict[int, float], weight: float) -> dict[int, float]:
+        """``fused`` with each dated unit raised by up to ``weight``, by how late its day
+        falls between the store's first and last dated day (see ``recency_weight``)."""
+        days, _ = self._days(store)
+        known = days[days >= 0]
+        if not len(known):
+            return fused
+        lo, span = int(known.min()), max(int(known.max() - known.min()), 1)
+        out = dict(fused)
+        for u in out:
+            d = int(days[u]) if 0 <= u < len(days) else -1
+            if d >= 0:
+                out[u] += weight * (d - lo) / span
+        return out
 
     def _line_passage(
         self, store: UnitStore, uid: int, score: float, cosine: float | None, bm25: float

@@ -167,6 +167,15 @@ def evidence_in(item: Item, prompt: Sequence[str]) -> tuple[int, int, float]:
     return sum(hit), len(hit), srec
 
 
+def newest_in(item: Item, prompt: Sequence[str]) -> bool:
+    """Whether the evidence of the latest answer session (the newest value, where a fact
+    changed: knowledge-update questions) is all in the prompt texts."""
+    if not item.evidence:
+        return False
+    last = max(item.evidence)[2]
+    return all(any(text in p for p in prompt) for _, _, sid, text in item.evidence if sid == last)
+
+
 # ---------------------------------------------------------------------------------------
 # Baseline retrievers over messages (same passage shape as RetrievalMemory's lines)
 # ---------------------------------------------------------------------------------------
@@ -240,6 +249,7 @@ class Tally:
     seconds: float = 0.0
     abstention: int = 0
     abs_tokens: int = 0
+    newest: int = 0
 
     def summary(self) -> dict[str, Any]:
         n = self.n or 1
@@ -247,6 +257,7 @@ class Tally:
             "questions": self.n,
             "recall_all": round(self.all_ / n, 4) if self.n else None,
             "session_recall": round(self.srec / n, 4) if self.n else None,
+            "newest_recall": round(self.newest / n, 4) if self.n else None,
             "mean_prompt_tokens": round(self.tokens / n, 1) if self.n else None,
             "seconds_per_question": round(self.seconds / n, 3) if self.n else None,
             "abstention_questions": self.abstention,
@@ -285,8 +296,9 @@ def run_item(
     counter: TokenCounter,
     name: str,
     top_k: int,
-) -> dict[int, tuple[int, int, float, int]]:
-    """Per budget ``(found, known, session recall, prompt tokens)`` of one question."""
+) -> dict[int, tuple[int, int, float, int, bool]]:
+    """Per budget ``(found, known, session recall, prompt tokens, newest value found)`` of
+    one question."""
     turns = [
         *item.turns,
         Turn(index=len(item.turns), messages=(Message(role=Role.USER, content=item.question),)),
@@ -304,8 +316,9 @@ def run_item(
         plan = plan_prompt(
             budget=budget, counter=counter, turns=turns, passages=passages, min_score=min_score
         )
-        found, known, srec = evidence_in(item, [m.content for m in plan.messages])
-        out[b] = (found, known, srec, plan.prompt_tokens)
+        prompt = [m.content for m in plan.messages]
+        found, known, srec = evidence_in(item, prompt)
+        out[b] = (found, known, srec, plan.prompt_tokens, newest_in(item, prompt))
     return out
 
 
@@ -330,7 +343,7 @@ def evaluate(
             built = time.perf_counter() - t0
             got = run_item(item, retriever, budgets, counter, name, top_k)
             secs = (time.perf_counter() - t0) / len(budgets)
-            for b, (found, known, srec, tokens) in got.items():
+            for b, (found, known, srec, tokens, newest) in got.items():
                 rows[b].append(
                     {
                         "id": item.qid,
@@ -339,6 +352,7 @@ def evaluate(
                         "found": found,
                         "known": known,
                         "srec": round(srec, 4),
+                        "newest": newest,
                         "tokens": tokens,
                         "seconds": round(secs, 3),
                         "index_seconds": round(built, 3),
@@ -366,6 +380,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             t.n += 1
             t.all_ += r["found"] == r["known"]
             t.srec += r["srec"]
+            t.newest += bool(r.get("newest"))
             t.tokens += r["tokens"]
             t.seconds += r["seconds"]
     out = per.pop("all", Tally()).summary()
@@ -398,7 +413,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = []
     for b in report["budgets"]:
         lines.append(f"\n### {b} tokens\n")
-        head = ["strategy", "recall_all", "session", "tokens", "s/q", *SHORT]
+        head = ["strategy", "recall_all", "session", "tokens", "s/q", *SHORT, "update newest"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         entries = [(n, s[str(b)]) for n, s in report["strategies"].items()]
         cv = report.get("cross_validation", {}).get(str(b))
@@ -414,6 +429,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{s['seconds_per_question']}",
             ]
             cells += [f"{per[t]['recall_all']}" if t in per else "" for t in TYPES]
+            ku = per.get("knowledge-update", {})
+            cells.append(f"{ku.get('newest_recall', '')}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -90,6 +90,7 @@ def test_items_split_sessions_and_find_the_evidence(tmp_path: Path) -> None:
     assert bm25["recall_all"] == 1.0 and bm25["session_recall"] == 1.0
     assert bm25["abstention_questions"] == 1 and bm25["abstention_mean_tokens"] > 0
     assert bm25["per_type"]["multi-session"]["recall_all"] == 1.0
+    assert bm25["newest_recall"] == 1.0 and window["newest_recall"] == 0.0
     assert results["retrieval"]["600"]["recall_all"] == 1.0
     cv = lme.cross_validate(results, items, 600)
     assert cv["candidates"] == ["retrieval"] and len(cv["folds"]) == 2

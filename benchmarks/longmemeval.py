@@ -18,7 +18,7 @@ the same token room (``Budget.retrieval_tokens = context_tokens``):
 ``retrieval``       recent window + :class:`convo.RetrievalMemory` (library defaults)
 ``retrieval:NAME``  the same with :data:`VARIANTS` ``NAME`` on top
 ``defaults``        the library's ``Budget`` defaults (``retrieval_tokens`` 384, top-k 6)
-``budget:S,K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
+``budget:S/K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
 ==================  ==============================================================
 
 With ``--folds 2`` (default) the questions are cut into two folds (alternating, so each
@@ -270,8 +270,8 @@ class Tally:
 def budget_for(name: str, context_tokens: int, top_k: int) -> Budget:
     if name == "defaults":
         return Budget(context_tokens=context_tokens, max_new_tokens=REPLY_TOKENS)
-    if name.startswith("budget:"):  # "budget:SHARE,TOP_K": Budget defaults but these two
-        share, k = name.split(":", 1)[1].split(",")
+    if name.startswith("budget:"):  # "budget:SHARE/TOP_K": Budget defaults but these two
+        share, k = name.split(":", 1)[1].split("/")
         return Budget(
             context_tokens=context_tokens,
             max_new_tokens=REPLY_TOKENS,

@@ -37,7 +37,8 @@ def _m(name: str) -> str:
 # "8 May, 2023", "8th of May 2023", "May 8, 2023", "May 8th" (the year optional).
 _DMY = rf"{_DAY.format('d1')}\s+(?:of\s+)?{_m('m1')}(?:,?\s+{_YEAR.format('y1')})?"
 _MDY = rf"{_m('m2')}\s+{_DAY.format('d2')}(?!\d)(?:,?\s+{_YEAR.format('y2')})?"
-_ISO = r"(?P<iy>(?:19|20)\d\d)-(?P<im>[01]\d)-(?P<id>[0-3]\d)(?=T|\b)"
+# "2023-05-08", and "2023/05/20 (Sat) 02:21" as LongMemEval dates its sessions.
+_ISO = r"(?P<iy>(?:19|20)\d\d)(?P<sep>[-/])(?P<im>[01]\d)(?P=sep)(?P<id>[0-3]\d)(?=T|\b)"
 _DAY_RE = re.compile(rf"\b(?:{_ISO}|(?:{_DMY}|{_MDY})\b)", re.I)
 
 _PART = (
@@ -114,7 +115,8 @@ def parse_day(text: str) -> date | None:
     """The calendar day of a turn's date string, or ``None`` when it names none.
 
     Reads ``"1:56 pm on 8 May, 2023"``, ``"8 May 2023"``, ``"May 8, 2023"``,
-    ``"2023-05-08"`` and ISO date-times; a date without a year is ``None``.
+    ``"2023-05-08"``, ``"2023/05/20 (Sat) 02:21"`` (LongMemEval) and ISO date-times; a date
+    without a year is ``None``.
     """
     m = _DAY_RE.search(_TIME_OF_DAY.sub("", text.strip(), count=1))
     if m is None:
@@ -290,15 +292,21 @@ def time_spans(query: str, years: Iterable[int] = (), *, today: date | None = No
 
 
 _ISO_DAY = re.compile(r"^(\d{4}-\d{2}-\d{2})[T ]\d{2}:\d{2}\S*$")
+# LongMemEval's "2023/05/20 (Sat) 02:21": the day with its weekday, without the time.
+_SLASH_DAY = re.compile(r"^(\d{4}/\d{2}/\d{2}(?:\s*\(\w{3}\))?)\s+\d{1,2}:\d{2}$")
 
 
 @functools.lru_cache(maxsize=4096)
 def day_label(date: str) -> str:
     """The day of a turn's date, as a short group label: the time of day is dropped
     (``"1:56 pm on 8 May, 2023"`` -> ``"8 May 2023"``, ``"2023-05-08T13:56"`` ->
-    ``"2023-05-08"``); a date in another form is kept as it is."""
+    ``"2023-05-08"``, ``"2023/05/20 (Sat) 02:21"`` -> ``"2023/05/20 (Sat)"``); a date in
+    another form is kept as it is."""
     text = date.strip()
     m = _ISO_DAY.match(text)
+    if m:
+        return m.group(1)
+    m = _SLASH_DAY.match(text)
     if m:
         return m.group(1)
     day = _TIME_OF_DAY.sub("", text, count=1)

@@ -128,6 +128,11 @@ class RetrievalConfig:
             play?" brings "music", "piano", "violin"; "What does she do to destress?"
             "therapy" and "comfort". Default 4; 0 turns it off.
         expand_query_min_cosine: how near a word must be to the query. Default 0.4.
+        recency_weight: where facts changed, prefer the newest (knowledge updates): a
+            message of a dated turn gains up to ``recency_weight``, in proportion to how
+            late its day falls between the session's first and last dated day (undated
+            turns gain nothing). Default 0.0 (off; measured on LongMemEval with
+            ``benchmarks/longmemeval.py --variants recency``).
 
     Raises:
         ConfigError: a value is out of range.
@@ -166,6 +171,7 @@ class RetrievalConfig:
     expand_max_share: float = 0.05
     expand_query_words: int = 4
     expand_query_min_cosine: float = 0.4
+    recency_weight: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -209,6 +215,7 @@ class RetrievalConfig:
             "content_weight",
             "neighbour_weight",
             "time_weight",
+            "recency_weight",
         ):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -52,6 +52,31 @@ def _owner(session_id: str) -> str:
     return f"session:{session_id}"
 
 
+#: Characters of the previous message kept as context in a message's vector (its tail).
+#: MiniLM reads 256 word pieces; a long previous message would otherwise fill them all and
+#: leave none of the message's own text embedded (issue 24). About 100 word pieces.
+CONTEXT_CHARS = 400
+
+
+def _with_context(context: str, line: str) -> str:
+    """The text a message is embedded as: the tail of ``context`` (at most
+    :data:`CONTEXT_CHARS` characters, cut at a word), then the message's own ``line``."""
+    if not context:
+        return line
+    if len(context) > CONTEXT_CHARS:
+        tail = context[-CONTEXT_CHARS:]
+        context = tail.split(" ", 1)[-1] if " " in tail else tail
+    return f"{context}\n{line}"
+
+
+def _same_day(a: str | None, b: str | None) -> bool:
+    """Whether two turn dates name the same day (two unreadable dates: if equal)."""
+    if a == b:
+        return True
+    da, db = as_day(a), as_day(b)
+    return da is not None and da == db
+
+
 def _speaker_line(message: Message) -> str:
     """A message as one ``Speaker: content`` line (the name is not repeated)."""
     name = message.name or message.role.value
@@ -127,6 +152,7 @@ class RetrievalMemory(Retriever):
         store = self._store(session_id)
         items = []
         last_lines: dict[int, str] = {}  # of this call's turns: not in the store yet
+        last_dates: dict[int, str | None] = {}
         for turn in turns:
             msgs = [m for m in turn.messages if m.content.strip()]
             if not msgs:
@@ -134,14 +160,22 @@ class RetrievalMemory(Retriever):
             lines = [_speaker_line(m) for m in msgs]
             last_lines[turn.index] = lines[-1]
             date = (dates or {}).get(turn.index)
+            last_dates[turn.index] = date
             head = f"[{date}]\n" if date and self.config.date_in_text else ""
             dense = list(lines)
             if self.config.neighbours:
                 # A short reply ("Yes, last week!") is findable by what it answers.
-                # The previous turn's last line: indexed with this one or before.
-                prev = last_lines.get(turn.index - 1) or self._last_line(store, turn.index)
+                # The previous turn's last line (indexed with this one or before), if it
+                # was said the same day: a new session's first message is not read
+                # with the last reply of an earlier one.
+                prev = ""
+                if (turn.index - 1) in last_lines:
+                    if _same_day(last_dates.get(turn.index - 1), date):
+                        prev = last_lines[turn.index - 1]
+                else:
+                    prev = self._last_line(store, turn.index, date)
                 ctx = [prev, *lines[:-1]]
-                dense = [f"{c}\n{line}" if c else line for c, line in zip(ctx, lines, strict=True)]
+                dense = [_with_context(c, line) for c, line in zip(ctx, lines, strict=True)]
             meta: dict[str, Any] = {
                 "session_id": session_id,
                 "turn": turn.index,
@@ -326,6 +360,8 @@ class RetrievalMemory(Retriever):
         if cfg.time_weight > 0:
             days, years = self._days(store)
             fused = time_scored(fused, days, years, asked or query, today, cfg)
+        if cfg.recency_weight > 0:
+            fused = self._recency_scored(store, fused, cfg.recency_weight)
         if cfg.neighbour_weight > 0:
             fused = propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
         if cfg.content_weight > 0:
@@ -352,6 +388,21 @@ class RetrievalMemory(Retriever):
             if len(out) >= n:
                 break
         return out[:n]
+
+    def _recency_scored(self, store: UnitStore, fused: dict[int, float], weight: float) -> dict[int, float]:
+        """``fused`` with each dated unit raised by up to ``weight``, by how late its day
+        falls between the store's first and last dated day (see ``recency_weight``)."""
+        days, _ = self._days(store)
+        known = days[days >= 0]
+        if not len(known):
+            return fused
+        lo, span = int(known.min()), max(int(known.max() - known.min()), 1)
+        out = dict(fused)
+        for u in out:
+            d = int(days[u]) if 0 <= u < len(days) else -1
+            if d >= 0:
+                out[u] += weight * (d - lo) / span
+        return out
 
     def _line_passage(
         self, store: UnitStore, uid: int, score: float, cosine: float | None, bm25: float
@@ -476,9 +527,10 @@ class RetrievalMemory(Retriever):
         return passage_of(rec, hit, head + "\n".join(keep))
 
     @staticmethod
-    def _last_line(store: UnitStore, index: int) -> str:
+    def _last_line(store: UnitStore, index: int, date: str | None = None) -> str:
+        """The last line of turn ``index - 1`` if it was said on the day of ``date``."""
         pid = store.by_key.get(turn_key(index - 1))
-        if pid is None:
+        if pid is None or not _same_day(store.records[pid].meta.get("date"), date):
             return ""
         lines = store.records[pid].meta.get("_lines") or []
         return str(lines[-1]) if lines else ""

@@ -129,3 +129,11 @@ def test_day_label_keeps_the_day_of_a_turn_date() -> None:
     assert day_label("10:37 am on 27 June, 2023") == "27 June 2023"
     assert day_label("2023-06-27 10:37") == "2023-06-27"
     assert day_label("last spring") == "last spring"
+
+
+def test_longmemeval_dates_are_read() -> None:
+    # LongMemEval dates its sessions "2023/05/20 (Sat) 02:21" (issue 24).
+    assert parse_day("2023/05/20 (Sat) 02:21") == date(2023, 5, 20)
+    assert as_day("2023/05/20 (Sat) 02:21") == date(2023, 5, 20)
+    assert day_label("2023/05/20 (Sat) 02:21") == "2023/05/20 (Sat)"
+    assert parse_day("2023/05-20") is None  # mixed separators are not a date

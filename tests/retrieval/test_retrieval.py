@@ -1286,3 +1286,105 @@ def test_room_the_whole_recent_turns_leave_goes_to_retrieval(cl100k: TiktokenCou
     assert plan.parts["recent"] + plan.parts["retrieved"] <= avail
     assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
     assert plan.total_tokens <= budget.context_tokens
+
+
+class RecordingEncoder(HashEncoder):
+    """A HashEncoder that keeps every text it was asked to embed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.seen += list(texts)
+        return super().encode(texts)
+
+
+def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() -> None:
+    # Issue 24: each message is embedded with the previous one as context; a long previous
+    # message filled MiniLM's 256 word pieces and none of the message's own text was read.
+    enc = RecordingEncoder()
+    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    long_reply = "word " * 2000
+    turns = [
+        Turn(
+            index=0,
+            messages=(
+                Message(role=Role.USER, content="hi"),
+                Message(role=Role.ASSISTANT, content=long_reply),
+            ),
+        ),
+        Turn(index=1, messages=(Message(role=Role.USER, content="My dog is called Biscuit."),)),
+    ]
+    mem.remember_turns("s", turns, dates={0: "2023/05/01 (Mon) 10:00", 1: "2023/05/01 (Mon) 10:05"})
+    text = next(t for t in enc.seen if "Biscuit" in t)
+    assert text.endswith("user: My dog is called Biscuit.")
+    assert "word" in text and len(text) <= 500  # some context, capped
+
+
+def test_a_new_session_is_not_embedded_with_the_last_reply_of_an_earlier_one() -> None:
+    enc = RecordingEncoder()
+    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    first = Turn(index=0, messages=(Message(role=Role.ASSISTANT, content="Anything else about your trip?"),))
+    mem.remember_turns("s", [first], dates={0: "2023/05/01 (Mon) 10:00"})
+    later = Turn(index=1, messages=(Message(role=Role.ASSISTANT, content="Welcome back! Your new job?"),))
+    mem.remember_turns("s", [later], dates={1: "2023/06/01 (Thu) 09:00"})
+    assert enc.seen[-1] == "assistant: Welcome back! Your new job?"
+    # Within one call too, and the same day still reads its context.
+    enc2 = RecordingEncoder()
+    mem2 = RetrievalMemory(enc2, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    same = Turn(index=2, messages=(Message(role=Role.USER, content="Yes, it starts Monday."),))
+    mem2.remember_turns("s", [first, later, same], dates={0: "2023/05/01", 1: "2023/06/01", 2: "2023/06/01"})
+    assert "assistant: Welcome back! Your new job?" in enc2.seen
+    assert "assistant: Welcome back! Your new job?\nuser: Yes, it starts Monday." in enc2.seen
+    found = mem2.retrieve("new job", session_id="s", top_k=3, today="2023/06/02")
+    assert any("2023/06/01" in str(p.meta.get("date")) for p in found)
+
+
+def test_embedder_encodes_short_texts_in_bigger_batches_in_order() -> None:
+    # A vocabulary of thousands of words is embedded in one call; short texts go
+    # SHORT_BATCH_FACTOR times as many per forward pass, and rows keep the input order.
+    from convo import embeddings
+
+    class FakeModel:
+        def __init__(self) -> None:
+            self.batches: list[tuple[int, int]] = []
+
+        def encode(self, texts: list[str], *, batch_size: int, **_: object) -> np.ndarray:
+            self.batches.append((len(texts), batch_size))
+            return HashEncoder(8).encode(texts)
+
+    emb = embeddings.Embedder(batch_size=4, cache_size=0)
+    fake = FakeModel()
+    emb._model, emb._dim = fake, 8
+    long = "a sentence well over forty characters long, number "
+    texts = ["cat", long + "one", "dog", long + "two", "fish"]
+    out = emb.encode(texts)
+    assert np.allclose(out, HashEncoder(8).encode(texts))
+    assert sorted(fake.batches) == [(2, 4), (3, 4 * embeddings.SHORT_BATCH_FACTOR)]
+
+
+def test_recency_weight_prefers_the_newest_of_changed_facts() -> None:
+    # Knowledge updates (issue 24): the same fact told twice, the newest should win.
+    turns = [
+        Turn(index=0, messages=(Message(role=Role.USER, content="My car is a red Honda, sadly old."),)),
+        Turn(index=1, messages=(Message(role=Role.USER, content="I bake bread on Sundays."),)),
+        Turn(index=2, messages=(Message(role=Role.USER, content="My car is a blue Honda, brand new."),)),
+    ]
+    dates = {0: "2023/01/02 (Mon) 10:00", 1: "2023/02/01 (Wed) 10:00", 2: "2023/03/01 (Wed) 10:00"}
+
+    def ranked(weight: float) -> list[Passage]:
+        mem = RetrievalMemory(HashEncoder(), config=RetrievalConfig(recency_weight=weight, min_score=-1.0))
+        mem.remember_turns("s", turns, dates=dates)
+        return [
+            p
+            for p in mem.retrieve("What car do I have, a Honda?", session_id="s", top_k=3)
+            if "Honda" in p.text
+        ]
+
+    off, on = ranked(0.0), ranked(0.5)
+    gap = {k: {p.meta["turn"]: p.score for p in r} for k, r in (("off", off), ("on", on))}
+    assert gap["on"][2] - gap["on"][0] > gap["off"][2] - gap["off"][0] + 0.3
+    assert on[0].meta["turn"] == 2 and "2023/03/01" in str(on[0].meta.get("group", on[0].text))
+    with pytest.raises(ConfigError):
+        RetrievalConfig(recency_weight=-1.0)

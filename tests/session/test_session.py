@@ -333,7 +333,7 @@ def test_yesterday_finds_yesterdays_turn_through_retrieval_memory() -> None:
 
     from convo.retrieval import RetrievalConfig, RetrievalMemory
 
-    def first_passage(time_weight: float) -> str:
+    def first_passage(time_weight: float, asked_on: date) -> str:
         now = [date(2026, 11, 20)]
         session = Session(
             counter=CharCounter(),
@@ -351,11 +351,15 @@ def test_yesterday_finds_yesterdays_turn_through_retrieval_memory() -> None:
         for i in range(2):  # the window moves on
             session.add(Message(role=Role.USER, content=f"Small talk {i}."))
             session.add(assistant("Sure."))
-        (passage,) = session.plan("Where did we hike yesterday?").passages_used  # asked on 1 December
+        now[0] = asked_on
+        (passage,) = session.plan("Where did we hike yesterday?").passages_used
         return passage.text
 
-    assert first_passage(0.25) == "user: We hiked to the ridge today."
-    assert first_passage(0.0) != "user: We hiked to the ridge today."  # the words alone do not say
+    assert first_passage(0.25, date(2026, 12, 1)) == "user: We hiked to the ridge today."
+    assert first_passage(0.25, date(2026, 11, 28)) == "user: We hiked to the mill today."
+    # The words alone do not say which day: without the time score the date asked on
+    # changes nothing.
+    assert first_passage(0.0, date(2026, 12, 1)) == first_passage(0.0, date(2026, 11, 28))
 
 
 def test_a_resumed_session_dates_its_stored_turns_by_when_they_were_written(fake_engine: FakeEngine) -> None:

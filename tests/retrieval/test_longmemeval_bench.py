@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from conftest import HashEncoder
+
 from benchmarks import longmemeval as lme
 from convo.retrieval import RetrievalConfig, RetrievalMemory
 from convo.tokens import TiktokenCounter
-from tests.test_retrieval import HashEncoder
 
 FILLER = "Tell me about the weather in general and some other unrelated things please. " * 4
 

@@ -13,7 +13,7 @@ with awaited ones (``Session.asend``). Nothing else differs between the two fron
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
@@ -32,7 +32,16 @@ class TurnOptions(TypedDict, total=False):
     * ``timeout_s``: wall-clock limit of the generate call (default: the session's);
     * ``on_text``: called with each new piece of the reply;
     * ``cancel``: a ``threading.Event``; set it to stop generation early;
-    * ``stop``: strings that end the reply where they first appear (not part of it).
+    * ``stop``: strings that end the reply where they first appear (not part of it);
+    * ``tools``: OpenAI function tools the model may call (``[{"type": "function",
+      "function": {"name", "description", "parameters"}}]``). Their schemas are a pinned
+      part of the prompt (``parts["tools"]``); the reply's calls are stored on the
+      assistant message (:attr:`Reply.tool_calls <convo.session.Reply.tool_calls>`);
+    * ``tool_choice``: ``"auto"``, ``"none"``, ``"required"`` or a named function
+      (OpenAI's; default the engine's);
+    * ``parallel_tool_calls``: whether the model may ask for several calls at once;
+    * ``on_tool_call_delta``: called with each
+      :class:`~convo.models.generation.ToolCallDelta` while the reply streams.
     """
 
     sampling: Sampling | None
@@ -40,6 +49,10 @@ class TurnOptions(TypedDict, total=False):
     on_text: Any
     cancel: threading.Event | None
     stop: Sequence[str]
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
+    on_tool_call_delta: Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,15 @@ class TurnArgs:
     on_text: Any = None
     cancel: threading.Event | None = None
     stop: Sequence[str] = ()
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    on_tool_call_delta: Any = None
+
+    @property
+    def wants_tools(self) -> bool:
+        """The turn offers the model tools (or a ``tool_choice`` other than ``"none"``)."""
+        return bool(self.tools) or (self.tool_choice is not None and self.tool_choice != "none")
 
 
 @dataclass(frozen=True)

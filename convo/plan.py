@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack
 from convo.budget import Budget, OversizePolicy
 from convo.errors import BudgetError, ConfigError, MessageError
 from convo.messages import Message, MessageLike, Role, group_blocks
-from convo.tokens import Tool, TokenCounter
+from convo.tokens import TokenCounter, Tool
 
 #: How the rolling summary is shown to the model (a system message).
 SUMMARY_HEADER = "Summary of the earlier conversation:\n"

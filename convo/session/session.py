@@ -38,11 +38,10 @@ from convo.engines.base import (
     AsyncTextStream,
     Engine,
     GenerateOptions,
-    GenerateRequest,
     Generation,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError, ToolsNotSupported
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Retriever, Turn, plan_checked
 from convo.session import window
@@ -61,10 +60,10 @@ from convo.session.summaries import (
     SessionSummary,
     summary_wait_limit,
 )
-from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, drive
+from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, check_turn_tools, drive
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWorker
-from convo.tokens import TokenCounter, Tool, check_tools_fit
+from convo.tokens import TokenCounter, Tool
 
 logger = logging.getLogger(__package__)
 
@@ -487,38 +486,14 @@ class Session:
             return drive(self._turn(time.monotonic(), args.tools), lambda step: self._do_step(step, args))
 
     def _check_tools(self, args: TurnArgs) -> None:
-        """Refuse a turn's tools before anything is stored: an engine that does not declare
-        ``supports_tools``, a malformed tool or ``tool_choice``, or schemas that do not fit
-        beside the pinned part under ``budget.pinned_cap``.
-
-        Raises:
-            ToolsNotSupported / ConfigError / BudgetError: as said.
-        """
-        if not args.wants_tools:
-            return
-        # The capability an engine declares (an engine that predates tools lacks it: False).
-        if not getattr(self.engine, "supports_tools", False):
-            raise ToolsNotSupported(
-                f"{type(self.engine).__name__} does not support tools; drop tools= / "
-                "tool_choice=, or use an engine that declares supports_tools (OpenAIEngine, "
-                "--engine-url)"
-            )
-        GenerateRequest(
-            max_new_tokens=self.budget.max_new_tokens,
-            tools=args.tools,
-            tool_choice=args.tool_choice,
-            parallel_tool_calls=args.parallel_tool_calls,
-        )  # ConfigError: a malformed tool or tool_choice
-        if not args.tools:
-            return
-        cost = check_tools_fit(self.counter, args.tools, self.budget)
-        pinned = sum(self.counter.message_tokens(m) for m in self._history.pinned)
-        if pinned + cost > self.budget.pinned_cap:
-            raise BudgetError(
-                f"the {len(args.tools)} tool schema(s) take {cost} tokens and the pinned messages "
-                f"{pinned}, over pinned_tokens={self.budget.pinned_cap}; send fewer or shorter "
-                "tools, or raise Budget.pinned_tokens or context_tokens"
-            )
+        """Refuse a turn's tools before anything is stored (:func:`check_turn_tools`)."""
+        check_turn_tools(
+            args,
+            engine=self.engine,
+            counter=self.counter,
+            budget=self.budget,
+            pinned_tokens=sum(self.counter.message_tokens(m) for m in self._history.pinned),
+        )
 
     def _accept(self, content: str | MessageLike | Sequence[MessageLike]) -> float:
         """Store the incoming messages of a turn (all or none); when the turn started."""

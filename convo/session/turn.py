@@ -17,9 +17,12 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
-from convo.engines.base import Sampling
+from convo.budget import Budget
+from convo.engines.base import GenerateRequest, Sampling
+from convo.errors import BudgetError, ToolsNotSupported
 from convo.plan import PromptPlan
 from convo.summarize import SummaryJob
+from convo.tokens import TokenCounter, check_tools_fit
 
 R = TypeVar("R")
 
@@ -73,6 +76,43 @@ class TurnArgs:
     def wants_tools(self) -> bool:
         """The turn offers the model tools (or a ``tool_choice`` other than ``"none"``)."""
         return bool(self.tools) or (self.tool_choice is not None and self.tool_choice != "none")
+
+
+def check_turn_tools(
+    args: TurnArgs, *, engine: Any, counter: TokenCounter, budget: Budget, pinned_tokens: int
+) -> None:
+    """Refuse a turn's tools before anything is stored: an engine that does not declare
+    ``supports_tools``, a malformed tool or ``tool_choice``, or schemas that do not fit
+    beside the pinned messages (``pinned_tokens``) under ``budget.pinned_cap``.
+
+    Raises:
+        ToolsNotSupported: tools on an engine without them.
+        ConfigError: a malformed tool or ``tool_choice``.
+        BudgetError: the schemas do not fit.
+    """
+    if not args.wants_tools:
+        return
+    # The capability an engine declares (an engine that predates tools lacks it: False).
+    if not getattr(engine, "supports_tools", False):
+        raise ToolsNotSupported(
+            f"{type(engine).__name__} does not support tools; drop tools= / tool_choice=, or "
+            "use an engine that declares supports_tools (OpenAIEngine, --engine-url)"
+        )
+    GenerateRequest(
+        max_new_tokens=budget.max_new_tokens,
+        tools=args.tools,
+        tool_choice=args.tool_choice,
+        parallel_tool_calls=args.parallel_tool_calls,
+    )  # ConfigError: a malformed tool or tool_choice
+    if not args.tools:
+        return
+    cost = check_tools_fit(counter, args.tools, budget)
+    if pinned_tokens + cost > budget.pinned_cap:
+        raise BudgetError(
+            f"the {len(args.tools)} tool schema(s) take {cost} tokens and the pinned messages "
+            f"{pinned_tokens}, over pinned_tokens={budget.pinned_cap}; send fewer or shorter "
+            "tools, or raise Budget.pinned_tokens or context_tokens"
+        )
 
 
 @dataclass(frozen=True)

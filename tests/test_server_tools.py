@@ -269,7 +269,7 @@ def test_refusals_name_the_field_and_store_nothing() -> None:
 def test_an_engine_without_tools_answers_400_naming_tools() -> None:
     store = InMemoryStore()
     with serve(app_with(EchoEngine(), store)) as base, httpx.Client(base_url=base) as http:
-        for session in ({"metadata": {"session_id": "e"}}, {}):
+        for session in ({"metadata": {"session_id": "e"}}, {}, {"stream": True}):
             response = http.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **session},

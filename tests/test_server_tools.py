@@ -15,7 +15,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from test_server import serve
 
@@ -324,6 +324,21 @@ def test_agents_sdk_chat_completions_model_runs_a_tool_loop() -> None:
 # -- --engine-url: OpenAIEngine in front of a fake OpenAI-compatible server ----------------------
 
 
+def upstream_stream() -> bytes:
+    """A streamed upstream reply: a few words, then one call in OpenAI's deltas."""
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "content": "Checking. "},
+        {"tool_calls": [{"index": 0, "id": "up_7", "type": "function", "function": {"name": "get_weather"}}]},
+        *({"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in ('{"ci', 'ty":"Os', 'lo"}')),
+    ]
+    events: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+    ]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    events.append({"choices": [], "usage": {"prompt_tokens": 90, "completion_tokens": 9, "total_tokens": 99}})
+    return ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+
+
 def fake_upstream(seen: list[dict[str, Any]]) -> Starlette:
     """An OpenAI-compatible server that calls the first tool for a user message and
     answers a tool result in text."""
@@ -332,6 +347,8 @@ def fake_upstream(seen: list[dict[str, Any]]) -> Starlette:
         body = await request.json()
         seen.append(body)
         last = body["messages"][-1]
+        if body.get("stream"):
+            return Response(upstream_stream(), media_type="text/event-stream")
         message: dict[str, Any]
         if body.get("tools") and last["role"] == "user":
             name = body["tools"][0]["function"]["name"]
@@ -414,3 +431,31 @@ def test_session_send_refuses_tools_before_storing() -> None:
     assert reply.stats.parts["tools"] == CharCounter().count_tools([WEATHER])
     assert reply.stats.prompt_tokens + reply.stats.max_new_tokens <= 600
     assert reply.message.tool_calls == reply.tool_calls
+
+
+def test_engine_url_streams_the_upstream_tool_call_deltas() -> None:
+    seen: list[dict[str, Any]] = []
+    store = InMemoryStore()
+    with serve(fake_upstream(seen)) as upstream:
+        engine = OpenAIEngine(f"{upstream}/v1", "m", context_window=8192)
+        with serve(app_with(engine, store)) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
+            chunks = list(
+                client.chat.completions.create(
+                    model="tools",
+                    messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                    tools=[WEATHER],
+                    stream=True,
+                    extra_body={"metadata": {"session_id": "ups"}},
+                )
+            )
+        engine.close()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+    assert text == "Checking. "
+    assert [p.id for p in pieces if p.id] == ["up_7"]
+    assert "".join(p.function.arguments or "" for p in pieces if p.function) == '{"city":"Oslo"}'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert seen[0]["stream"] is True and seen[0]["tools"] == [WEATHER]
+    (_, answer) = stored(store, "ups")
+    assert answer.tool_calls == (ToolCall(id="up_7", name="get_weather", arguments='{"city":"Oslo"}'),)

@@ -646,9 +646,9 @@ class Session:
             max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
         )
         if args.wants_tools:
-            options.update(
-                tools=args.tools, tool_choice=args.tool_choice, parallel_tool_calls=args.parallel_tool_calls
-            )
+            options["tools"] = args.tools
+            options["tool_choice"] = args.tool_choice
+            options["parallel_tool_calls"] = args.parallel_tool_calls
         if args.on_tool_call_delta is not None:
             options["on_tool_call_delta"] = args.on_tool_call_delta
         return options

@@ -224,7 +224,9 @@ def test_resend_all_stores_each_message_once_tool_messages_included() -> None:
         third = client.chat.completions.create(
             model="tools", messages=history, tools=[WEATHER], extra_body=extra
         )
-    assert third.model_extra["convo"]["forked"] is None  # type: ignore[index]
+    for reply in (first, second, third):  # the resent history matched what was stored
+        assert reply.model_extra["convo"]["forked"] is None  # type: ignore[index]
+    assert not store.exists("all~1")
     roles = [m.role for m in stored(store, "all")]
     assert roles == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.ASSISTANT, Role.USER, Role.ASSISTANT]
     assert [m.content for m in stored(store, "all")][:4] == ["Weather in Paris?", "", "sunny", "It is sunny."]

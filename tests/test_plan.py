@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
 from convo.messages import assistant, system, tool, user
-from convo.plan import Passage, Turn, passage_message, plan_prompt, summary_message, turn_key
+from convo.plan import Passage, Turn, passage_message, plan_checked, plan_prompt, summary_message, turn_key
 from convo.tokens import CharCounter, TokenCounter
 
 
@@ -366,3 +366,15 @@ def test_tool_schemas_over_the_pinned_cap_are_refused(counter: CharCounter) -> N
         plan_prompt(
             budget=b, counter=counter, turns=make_turns(2), pinned=[system("sys")], tools=[WEATHER_TOOL]
         )
+
+
+@pytest.mark.slow
+def test_tool_schemas_are_counted_exactly_through_the_real_template(smol_counter: TokenCounter) -> None:
+    """A non-additive counter: the plan's prompt is the prompt rendered with the tools."""
+    b = Budget(context_tokens=2048, max_new_tokens=128, window_turns=8)
+    turns = make_turns(6)
+    plan = plan_checked(
+        budget=b, counter=smol_counter, turns=turns, pinned=[system("sys")], tools=[WEATHER_TOOL]
+    )
+    assert plan.prompt_tokens == smol_counter.count_with_tools(plan.messages, [WEATHER_TOOL])
+    assert plan.parts["tools"] > 0 and plan.total_tokens <= b.context_tokens

@@ -8,7 +8,7 @@ I/O and calls no model; the session summarizes, retrieves and stores around it.
 
     | system (pinned) | summary | retrieved | recent turns          | reserve for reply |
       never evicted     <= cap    <= cap,     newest first, whole     max_new_tokens
-                                  top-k       turns; >= recent_min
+      + tool schemas              top-k       turns; >= recent_min
 
 The diagram shows the shares. In the prompt the memory message (the retrieved passages)
 sits between the earlier turns and the turn being answered: system, summary, earlier
@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Protocol, Required, TypedDict, Unpack, runti
 from convo.budget import Budget, OversizePolicy
 from convo.errors import BudgetError, ConfigError, MessageError
 from convo.messages import Message, MessageLike, Role, group_blocks
-from convo.tokens import TokenCounter
+from convo.tokens import TokenCounter, Tool
 
 #: How the rolling summary is shown to the model (a system message).
 SUMMARY_HEADER = "Summary of the earlier conversation:\n"
@@ -108,10 +108,12 @@ class PromptPlan:
 
     Attributes:
         messages: the messages to render, in order.
-        parts: tokens per part: ``system``, ``summary``, ``retrieved``, ``recent``,
-            ``template`` (tokens the chat template adds around messages) and ``reserve``
-            (the reply reserve, ``max_new_tokens``).
-        prompt_tokens: tokens of the rendered prompt (all parts but ``reserve``).
+        parts: tokens per part: ``system``, ``tools`` (the function-tool schemas the
+            call offers, pinned beside the system part; 0 without tools), ``summary``,
+            ``retrieved``, ``recent``, ``template`` (tokens the chat template adds around
+            messages) and ``reserve`` (the reply reserve, ``max_new_tokens``).
+        prompt_tokens: tokens of the rendered prompt (all parts but ``reserve``), tool
+            schemas included.
         context_tokens: the budget's context size.
         turns_shown: indices of the turns shown (whole or in part), oldest first.
         first_shown_turn: every turn before this index is out of the prompt.
@@ -415,6 +417,7 @@ def plan_prompt(
     summary: str = "",
     passages: Sequence[Passage] = (),
     min_score: float = float("-inf"),
+    tools: Sequence[Tool] = (),
 ) -> PromptPlan:
     """Plan the next prompt under ``budget``.
 
@@ -427,25 +430,34 @@ def plan_prompt(
         summary: the rolling summary of older turns (``""`` for none).
         passages: retrieved candidates, best first.
         min_score: passages scoring below this are dropped.
+        tools: OpenAI function tools the call offers. Their schemas travel with every call,
+            so they are pinned: counted (:meth:`TokenCounter.count_tools`) with the pinned
+            messages against ``budget.pinned_cap``, in ``parts["tools"]``.
 
     Returns:
         A :class:`PromptPlan` whose ``prompt_tokens + max_new_tokens <= context_tokens``
         when the counter is additive (the session re-checks with an exact count).
 
     Raises:
-        BudgetError: the pinned part exceeds its cap, or a message is too large and the
-            oversize policy is RAISE (or nothing can make it fit).
+        BudgetError: the pinned part (pinned messages and tool schemas) exceeds its cap, or
+            a message is too large and the oversize policy is RAISE (or nothing can make it
+            fit).
     """
     overhead = max(counter.overhead_tokens(True), counter.overhead_tokens(False))
     avail = budget.available_prompt_tokens - overhead
     pinned = list(pinned)
     pinned_cost = sum(counter.message_tokens(m) for m in pinned)
-    if pinned_cost > budget.pinned_cap:
+    tools_cost = counter.count_tools(tools) if tools else 0
+    if pinned_cost + tools_cost > budget.pinned_cap:
+        what = f"pinned messages take {pinned_cost} tokens"
+        if tools_cost:
+            what += f" and the {len(tools)} tool schema(s) {tools_cost}"
         raise BudgetError(
-            f"pinned messages take {pinned_cost} tokens, over pinned_tokens={budget.pinned_cap}; "
-            "unpin something or raise the cap"
+            f"{what}, over pinned_tokens={budget.pinned_cap}; "
+            + ("send fewer or shorter tools, " if tools_cost else "")
+            + "unpin something or raise the cap"
         )
-    avail -= pinned_cost
+    avail -= pinned_cost + tools_cost
 
     window = list(turns[-budget.window_turns :])
     turn_costs = [sum(counter.message_tokens(m) for m in t.messages) for t in window]
@@ -525,6 +537,7 @@ def plan_prompt(
     template = counter.overhead_tokens(starts_system)
     parts = {
         "system": pinned_cost,
+        "tools": tools_cost,
         "summary": summary_cost,
         "retrieved": retrieved_cost,
         "recent": recent_cost,
@@ -535,7 +548,7 @@ def plan_prompt(
     return PromptPlan(
         messages=messages,
         parts=parts,
-        prompt_tokens=pinned_cost + summary_cost + retrieved_cost + recent_cost + template,
+        prompt_tokens=pinned_cost + tools_cost + summary_cost + retrieved_cost + recent_cost + template,
         context_tokens=budget.context_tokens,
         turns_shown=tuple(shown),
         first_shown_turn=first_shown,
@@ -562,6 +575,7 @@ class PlanInputs(TypedDict, total=False):
     summary: str
     passages: Sequence[Passage]
     min_score: float
+    tools: Sequence[Tool]
 
 
 def plan_checked(*, budget: Budget, exact: bool = False, **inputs: Unpack[PlanInputs]) -> PromptPlan:
@@ -592,7 +606,13 @@ def plan_checked(*, budget: Budget, exact: bool = False, **inputs: Unpack[PlanIn
             raise BudgetError(f"the chat template leaves no room for this prompt: {exc}") from exc
         plan = plan_prompt(budget=b, **inputs)
         # An additive counter's sum is exact (the engine re-checks the real length).
-        count = plan.prompt_tokens if counter.additive and not exact else counter.count_prompt(plan.messages)
+        tools = inputs.get("tools") or ()
+        if counter.additive and not exact:
+            count = plan.prompt_tokens
+        elif tools:  # the prompt rendered with the schemas where the template puts them
+            count = counter.count_with_tools(plan.messages, tools)
+        else:
+            count = counter.count_prompt(plan.messages)
         if count <= budget.available_prompt_tokens:  # the margin stays free too
             if count != plan.prompt_tokens:
                 parts = dict(plan.parts)

@@ -11,13 +11,65 @@ import uuid
 from typing import Any
 
 from convo.engines.base import FinishReason
+from convo.messages import ToolCall
 from convo.metrics import ServingMetrics
+from convo.models.generation import ToolCallDelta
 from convo.session import Reply
 
+#: OpenAI's ``finish_reason`` for each of convo's: a cancelled reply ended (``stop``), a
+#: timed-out one was cut (``length``), as a reply that reached ``max_tokens``.
+FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TIMEOUT: "length",
+    FinishReason.TOOL_CALLS: "tool_calls",
+}
 
-def finish_reason(reason: FinishReason) -> str:
-    """OpenAI's ``finish_reason``: ``"stop"`` for an ended or cancelled reply, else ``"length"``."""
-    return "stop" if reason in (FinishReason.STOP, FinishReason.CANCELLED) else "length"
+
+def finish_reason(reason: FinishReason, tool_calls: bool = False) -> str:
+    """OpenAI's ``finish_reason`` (:data:`FINISH_REASONS`); ``"tool_calls"`` too for a
+    reply that ended with tool calls (``tool_calls``) whatever reason its engine gave for
+    ending it (an engine reporting ``stop`` after a call), unless the reply was cut."""
+    if tool_calls and reason in (FinishReason.STOP, FinishReason.TOOL_CALLS):
+        return "tool_calls"
+    return FINISH_REASONS.get(reason, "length")
+
+
+def reply_finish_reason(reply: Reply) -> str:
+    """OpenAI's ``finish_reason`` of a reply."""
+    return finish_reason(reply.finish_reason, bool(reply.tool_calls))
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """One item of OpenAI's ``message.tool_calls``."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+    """One item of a stream chunk's ``delta.tool_calls``: ``index``, then ``id`` and
+    ``type`` on the call's first piece, and ``function`` with the ``name`` (when the piece
+    carries it) and an ``arguments`` fragment."""
+    item: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        item["id"] = delta.id
+        item["type"] = "function"
+    function: dict[str, Any] = {}
+    if delta.name is not None:
+        function["name"] = delta.name
+    function["arguments"] = delta.arguments
+    item["function"] = function
+    return item
+
+
+def message_json(reply: Reply) -> dict[str, Any]:
+    """The response's ``message``: ``content`` is ``null`` when a reply with tool calls
+    has no text beside them (OpenAI's shape)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.tool_calls:
+        message["content"] = reply.text or None
+        message["tool_calls"] = [tool_call_json(c) for c in reply.tool_calls]
+    return message
 
 
 def usage(reply: Reply) -> dict[str, int]:
@@ -75,8 +127,8 @@ class Completion:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": reply.text},
-                    "finish_reason": finish_reason(reply.finish_reason),
+                    "message": message_json(reply),
+                    "finish_reason": reply_finish_reason(reply),
                     "logprobs": None,
                 }
             ],

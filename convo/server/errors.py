@@ -26,7 +26,9 @@ from convo.errors import (
     SessionBusy,
     SessionNotFound,
     StoreError,
+    ToolsNotSupported,
 )
+from convo.tools.spec import ToolSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (QueueTimeoutError, 503, "queue_timeout"),
     (AdmissionError, 400, "request_too_large"),
     (BudgetError, 400, "context_length_exceeded"),
+    (ToolSpecError, 400, "invalid_value"),
     (MessageError, 400, "invalid_message"),
+    (ToolsNotSupported, 400, "unsupported_parameter"),
     (ConfigError, 400, "invalid_value"),
     (SessionNotFound, 404, "session_not_found"),
     (SessionBusy, 409, "session_busy"),
@@ -123,6 +127,16 @@ _HIDDEN = {
 }
 
 
+def error_param(exc: BaseException) -> str | None:
+    """The request field an exception is about, for the error's ``param``: ``tools`` for
+    tools on an engine that cannot use them, the field a :class:`ToolSpecError` names."""
+    if isinstance(exc, ToolSpecError):
+        return exc.field
+    if isinstance(exc, ToolsNotSupported):
+        return "tools"
+    return None
+
+
 def error_status(exc: BaseException) -> ApiError:
     """The HTTP error for an exception (the single ConvoError -> HTTP mapping).
 
@@ -142,7 +156,7 @@ def error_status(exc: BaseException) -> ApiError:
             if status >= 500 and not isinstance(exc, _SHOWN_5XX):
                 logger.error("%s: %s", code, exc, exc_info=exc)
                 message = _HIDDEN.get(code, _HIDDEN["internal_error"])
-            return ApiError(status, message, code=code, headers=headers)
+            return ApiError(status, message, code=code, param=error_param(exc), headers=headers)
     logger.error("unexpected error", exc_info=exc)
     return ApiError(500, _HIDDEN["internal_error"], code="internal_error")
 

@@ -5,7 +5,9 @@ The model is strict where OpenAI's API is loose in practice and a loose server i
 JSON types are not coerced (``"1"`` is not a number, ``0`` is not ``false``), numbers are
 finite, and the OpenAI parameters this server does not implement get 400
 ``unsupported_parameter`` unless they ask for what it does anyway (``n: 1``,
-``tools: []``...). Other unknown fields are ignored, as OpenAI-compatible servers do. A
+``functions: []``...). ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
+validated by :func:`convo.tools.parse_tool_request` (400 whose ``param`` names the field,
+``tools[0].function.name``). Other unknown fields are ignored, as OpenAI-compatible servers do. A
 failure is one 400 in OpenAI's error JSON whose ``param`` names the field
 (:func:`convo.server.errors.validation_error`). What depends on the server's configuration
 (``max_tokens`` against the budget, the message count and the length of each ``stop``
@@ -37,6 +39,7 @@ from convo.errors import MessageError
 from convo.messages import Message, check_text
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
+from convo.tools.spec import ToolSpecError, parse_tool_request
 
 #: Most stop sequences a request may give (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
@@ -173,9 +176,11 @@ class TextFormat(_Body):
 class ChatCompletionBody(_Body):
     """The body of ``POST /v1/chat/completions`` (OpenAI's Chat Completions request).
 
-    ``n``, ``tools``, ``functions``, ``tool_choice``, ``function_call``, ``logprobs``,
-    ``top_logprobs``, ``response_format``, ``audio`` and ``modalities`` are not supported:
-    only values that ask for what the server does anyway pass (``n: 1``, ``tools: []``,
+    ``tools`` (function tools), ``tool_choice`` and ``parallel_tool_calls`` are OpenAI's,
+    checked by :func:`~convo.tools.parse_tool_request` in :meth:`to_request`. ``n``, the
+    legacy ``functions`` and ``function_call``, ``logprobs``, ``top_logprobs``,
+    ``response_format``, ``audio`` and ``modalities`` are not supported: only values that
+    ask for what the server does anyway pass (``n: 1``, ``functions: []``,
     ``response_format: {"type": "text"}``...); any other gets 400 ``unsupported_parameter``.
     Other fields OpenAI defines (``frequency_penalty``...) are ignored.
     """
@@ -208,9 +213,12 @@ class ChatCompletionBody(_Body):
     metadata: Metadata | None = None
     user: str | None = Field(None, description="an end user; the session id only with --session-from-user")
     n: Annotated[Literal[1] | None, _Unsupported] = None
-    tools: Annotated[_NoList | None, _Unsupported] = None
+    tools: Any = Field(
+        None, description="OpenAI function tools: [{type: function, function: {name, parameters...}}]"
+    )
     functions: Annotated[_NoList | None, _Unsupported] = None
-    tool_choice: Annotated[_NoTool | None, _Unsupported] = None
+    tool_choice: Any = Field(None, description="auto, none, required or {type: function, function: {name}}")
+    parallel_tool_calls: Any = Field(None, description="whether the model may ask for several calls at once")
     function_call: Annotated[_NoTool | None, _Unsupported] = None
     logprobs: Annotated[Literal[False] | None, _Unsupported] = None
     top_logprobs: Annotated[Literal[0] | None, _Unsupported] = None
@@ -274,6 +282,11 @@ class ChatCompletionBody(_Body):
         if temperature < MIN_SAMPLING_TEMPERATURE:
             temperature = 0.0  # greedy: what a temperature this close to 0 means
         sampling = Sampling(temperature=temperature, top_p=self.top_p or 1.0, seed=self.seed)
+        try:
+            offered = parse_tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolSpecError as exc:
+            raise ApiError(400, str(exc), code="invalid_value", param=exc.field) from None
+        tools = tuple(t.to_openai() for t in offered.tools)
         return ChatRequest(
             messages=tuple(m.message for m in self.messages),
             max_tokens=max_tokens,
@@ -282,6 +295,13 @@ class ChatCompletionBody(_Body):
             session_id=session_id,
             sampling=sampling,
             stop=tuple(stops),
+            tools=tools,
+            # Only what the client chose (else the engine's defaults), and only with tools:
+            # "tool_choice": "none" or "auto" without tools asks for nothing.
+            tool_choice=offered.choice.to_openai() if tools and self.tool_choice is not None else None,
+            parallel_tool_calls=offered.parallel_tool_calls
+            if tools and self.parallel_tool_calls is not None
+            else None,
         )
 
 
@@ -296,3 +316,20 @@ class ChatRequest:
     session_id: str | None = None
     sampling: Sampling = GREEDY
     stop: tuple[str, ...] = ()
+    #: OpenAI function tools offered to the model (validated, in OpenAI's shape).
+    tools: tuple[dict[str, Any], ...] = ()
+    #: The client's ``tool_choice`` (``None``: the engine's default).
+    tool_choice: str | dict[str, Any] | None = None
+    #: The client's ``parallel_tool_calls`` (``None``: the engine's default).
+    parallel_tool_calls: bool | None = None
+
+    def tool_options(self) -> dict[str, Any]:
+        """The turn's tool keywords (:class:`~convo.session.TurnOptions`); empty without tools."""
+        if not self.tools:
+            return {}
+        options: dict[str, Any] = {"tools": list(self.tools)}
+        if self.tool_choice is not None:
+            options["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            options["parallel_tool_calls"] = self.parallel_tool_calls
+        return options

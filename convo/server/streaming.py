@@ -7,21 +7,29 @@ going away, and then cancels the generation at once (the worker stores the parti
 However the response ends (the last event, a disconnect, an error, the server stopping),
 its ``close`` runs before the request's task does: the admission slot and the session's
 queue are given back then, not when the garbage collector finds a suspended generator.
+
+A reply with tool calls streams them as OpenAI does: ``delta.tool_calls`` items (the
+call's ``index``, ``id``, ``type`` and function ``name`` first, then ``arguments``
+fragments), from the engine's ``on_tool_call_delta`` in order with the text, then a last
+chunk whose ``finish_reason`` is ``tool_calls``. An engine that hands its calls over only
+at the end gets them sent whole, one item per call, before that last chunk.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import cast
+from typing import Any, cast
 
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from convo.engines.base import TextStream
-from convo.server.completions import Completion, finish_reason
+from convo.models.generation import ToolCallDelta
+from convo.server.completions import Completion, reply_finish_reason, tool_call_delta_json
 from convo.server.errors import error_status
 from convo.server.state import ServerState
 from convo.server.turns import Turn
@@ -98,9 +106,15 @@ async def stream_turn(
         started: when the request was admitted (``time.monotonic()``), for the TTFT metric.
         release: gives back the admission slot and the session's queue; called once.
     """
-    stream: TextStream[Reply] = TextStream(turn.run, {})
-    # aiter() is an async generator (typed as an iterator): aclose() finishes it.
-    pieces = cast("AsyncGenerator[str, None]", stream.aiter())
+
+    def run(on_text: Callable[[Any], None], cancel: threading.Event) -> Reply:
+        # Text and tool-call pieces share the stream's queue: they go out in their order.
+        return turn.run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_text)
+
+    stream: TextStream[Reply] = TextStream(run, {})
+    # aiter() is an async generator (typed as an iterator): aclose() finishes it. Its items
+    # are text (str) or ToolCallDelta.
+    pieces = cast("AsyncGenerator[str | ToolCallDelta, None]", stream.aiter())
     end = object()
     released = False
 
@@ -130,15 +144,23 @@ async def stream_turn(
     async def events() -> AsyncIterator[str]:
         try:
             yield completion.chunk({"role": "assistant", "content": ""})
-            text = first
-            while text is not end:
-                if text:
-                    yield completion.chunk({"content": text})
-                text = await anext(pieces, end)
+            item = first
+            calls_sent = False
+            while item is not end:
+                if isinstance(item, ToolCallDelta):
+                    calls_sent = True
+                    yield completion.chunk({"tool_calls": [tool_call_delta_json(item)]})
+                elif item:
+                    yield completion.chunk({"content": item})
+                item = await anext(pieces, end)
             reply = stream.result
             assert reply is not None
             completion.count(reply)
-            yield completion.chunk({}, finish_reason(reply.finish_reason))
+            if reply.tool_calls and not calls_sent:  # an engine that gave them only at the end
+                for i, call in enumerate(reply.tool_calls):
+                    whole = ToolCallDelta(index=i, id=call.id, name=call.name, arguments=call.arguments)
+                    yield completion.chunk({"tool_calls": [tool_call_delta_json(whole)]})
+            yield completion.chunk({}, reply_finish_reason(reply))
             if include_usage:
                 yield completion.usage_chunk(reply)
             yield "data: [DONE]\n\n"

@@ -29,6 +29,7 @@ from convo.summarize import SummaryWorker
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
+    from convo.models.generation import ToolCallDelta
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +68,22 @@ class Turn:
         return replace(self.budget, max_new_tokens=cap)
 
     def run(
-        self, on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None
+        self,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        on_tool_call_delta: Callable[[ToolCallDelta], None] | None = None,
     ) -> Reply:
+        """Run the turn (blocking). ``on_text`` gets the reply's text as it comes,
+        ``on_tool_call_delta`` the pieces of its tool calls (a streaming response)."""
         kwargs: dict[str, Any] = {
             "sampling": self.request.sampling,
             "on_text": on_text,
             "cancel": cancel,
             "stop": self.request.stop,
+            **self.request.tool_options(),
         }
+        if on_tool_call_delta is not None:
+            kwargs["on_tool_call_delta"] = on_tool_call_delta
         if self.request.session_id is None:
             return self._stateless(kwargs)
         with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
@@ -227,4 +236,7 @@ def prompt_estimate(turn: Turn) -> int:
     bound = budget.context_tokens - budget.max_new_tokens
     if turn.request.session_id is not None:
         return bound
-    return min(bound, turn.engine.counter.count_prompt(list(turn.request.messages)))
+    messages = list(turn.request.messages)
+    if turn.request.tools:
+        return min(bound, turn.engine.counter.count_with_tools(messages, turn.request.tools))
+    return min(bound, turn.engine.counter.count_prompt(messages))

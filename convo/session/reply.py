@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from convo.engines.base import FinishReason, GenerationStats
-from convo.messages import Message, Role
+from convo.messages import Message, Role, ToolCall
 from convo.plan import PromptPlan
 from convo.summarize import SummaryState
 
@@ -68,18 +68,24 @@ class TurnStats:
 
 @dataclass(frozen=True, kw_only=True)
 class Reply:
-    """The assistant's answer to one turn."""
+    """The assistant's answer to one turn.
+
+    ``tool_calls`` holds the function calls the reply asks for (``finish_reason`` is then
+    :attr:`FinishReason.TOOL_CALLS`); they are stored on the assistant message, and the
+    ``tool`` results answering them go in the next turn (``send([tool(...), ...])``).
+    """
 
     text: str
     finish_reason: FinishReason
     stats: TurnStats
     plan: PromptPlan = field(repr=False)
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def message(self) -> Message:
         """The reply as an assistant :class:`~convo.messages.Message` (``.to_openai()``
-        gives the dict an agent loop appends to its history)."""
-        return Message(role=Role.ASSISTANT, content=self.text)
+        gives the dict an agent loop appends to its history), its tool calls included."""
+        return Message(role=Role.ASSISTANT, content=self.text, tool_calls=self.tool_calls)
 
     @property
     def timed_out(self) -> bool:

@@ -59,10 +59,10 @@ from convo.session.summaries import (
     SessionSummary,
     summary_wait_limit,
 )
-from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, drive
+from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, check_turn_tools, drive
 from convo.store import MemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWorker
-from convo.tokens import TokenCounter
+from convo.tokens import TokenCounter, Tool
 
 logger = logging.getLogger(__package__)
 
@@ -403,22 +403,30 @@ class Session:
                 an OpenAI dict); or a list of them, e.g. the results of every tool an
                 assistant message called. The last one must be a user or tool message.
             **options: :class:`TurnOptions` (``sampling``, ``timeout_s``, ``on_text``,
-                ``cancel``, ``stop``).
+                ``cancel``, ``stop``, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+                ``on_tool_call_delta``).
 
-        The messages are stored (all or none) before generation starts.
+        The messages are stored (all or none) before generation starts. With ``tools``,
+        the reply may ask for calls (``reply.tool_calls``, ``finish_reason``
+        ``tool_calls``); they are stored on the assistant message, and the results go in
+        the next turn: ``send([tool(result, tool_call_id=call.id), ...], tools=...)``.
 
         Raises:
             MessageError: a malformed message, a tool result answering no pending call,
                 or a last message that is neither user nor tool.
-            BudgetError: the message is too large and the oversize policy is RAISE
+            BudgetError: the message is too large and the oversize policy is RAISE, or
+                the tool schemas with the pinned part exceed ``budget.pinned_cap``
                 (nothing is stored).
+            ToolsNotSupported: ``tools`` on an engine that does not declare
+                ``supports_tools`` (nothing is stored).
             DeviceOutOfMemory: out of memory even after one retry with a smaller plan
                 (the message stays stored; call :meth:`reply` to try again).
         """
         args = TurnArgs(**options)
         with self._turn_lock.hold(self.lock_timeout_s):
+            self._check_tools(args)
             started = self._accept(content)
-            return drive(self._turn(started), lambda step: self._do_step(step, args))
+            return drive(self._turn(started, args.tools), lambda step: self._do_step(step, args))
 
     def stream(self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any) -> TextStream[Reply]:
         """Like :meth:`send`, but an iterator of text chunks; ``.result`` is the Reply.
@@ -442,8 +450,9 @@ class Session:
         """
         args = TurnArgs(**options)
         async with self._turn_lock.ahold(self.lock_timeout_s):
+            self._check_tools(args)
             started = self._accept(content)
-            return await adrive(self._turn(started), lambda step: self._ado_step(step, args))
+            return await adrive(self._turn(started, args.tools), lambda step: self._ado_step(step, args))
 
     def astream(
         self, content: str | MessageLike | Sequence[MessageLike], **kwargs: Any
@@ -463,7 +472,18 @@ class Session:
         """
         args = TurnArgs(**options)
         with self._turn_lock.hold(self.lock_timeout_s):
-            return drive(self._turn(time.monotonic()), lambda step: self._do_step(step, args))
+            self._check_tools(args)
+            return drive(self._turn(time.monotonic(), args.tools), lambda step: self._do_step(step, args))
+
+    def _check_tools(self, args: TurnArgs) -> None:
+        """Refuse a turn's tools before anything is stored (:func:`check_turn_tools`)."""
+        check_turn_tools(
+            args,
+            engine=self.engine,
+            counter=self.counter,
+            budget=self.budget,
+            pinned_tokens=sum(self.counter.message_tokens(m) for m in self._history.pinned),
+        )
 
     def _accept(self, content: str | MessageLike | Sequence[MessageLike]) -> float:
         """Store the incoming messages of a turn (all or none); when the turn started."""
@@ -484,7 +504,7 @@ class Session:
             return await asyncio.to_thread(step.job.wait, step.left)
         return await self._agenerate(step, args)
 
-    def _turn(self, started: float) -> Generator[Step, Any, Reply]:
+    def _turn(self, started: float, tools: Sequence[Tool] | None = None) -> Generator[Step, Any, Reply]:
         """One turn, without I/O: the summary waits (:meth:`SessionSummary.waits`), then
         the generations (:meth:`_reply_flow`). :func:`~convo.session.turn.drive` and
         :func:`~convo.session.turn.adrive` run it."""
@@ -492,20 +512,23 @@ class Session:
             self.summary_wait_limit,
             sync=self._synced_state,
             history=self._history,
-            plan_start=lambda: self._plan_now()[1],
+            plan_start=lambda: self._plan_now(tools=tools)[1],
         )
-        return (yield from self._reply_flow(started, waited))
+        return (yield from self._reply_flow(started, waited, tools))
 
-    def _reply_flow(self, started: float, waited: float = 0.0) -> Generator[PromptPlan, Generation, Reply]:
+    def _reply_flow(
+        self, started: float, waited: float = 0.0, tools: Sequence[Tool] | None = None
+    ) -> Generator[PromptPlan, Generation, Reply]:
         """One turn, without I/O of the model: it yields each prompt to generate and is sent
         the :class:`Generation` (or thrown the engine's error). :meth:`_reply` drives it
         with blocking calls, :meth:`_areply` with awaited ones; ``waited`` is the seconds
-        the turn waited for the summary (:meth:`_summary_waits`) first."""
+        the turn waited for the summary (:meth:`_summary_waits`) first; ``tools`` are the
+        turn's tool schemas, planned as a pinned part."""
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
         self._remember_completed_turns()
         self._synced_state()
-        plan, start = self._plan_now()
+        plan, start = self._plan_now(tools=tools)
         planned = self._summary.planned(start, self._state, self._history)
         summarize_s = waited
         plan_s = time.monotonic() - started - waited
@@ -516,7 +539,7 @@ class Session:
                 gen = yield plan
             except BudgetError:
                 # The template cost more than the counter's sum: re-plan on exact counts.
-                plan = self._plan(None, None, True, start=planned.start)
+                plan = self._plan(None, None, True, start=planned.start, tools=tools)
                 gen = yield plan
         except DeviceOutOfMemory:
             # Half the turns that were shown, half the passages, no window slack.
@@ -526,7 +549,7 @@ class Session:
                 summarize_batch_turns=1,
                 retrieval_top_k=self.budget.retrieval_top_k // 2,
             )
-            plan = self.plan(budget=smaller)
+            plan = self.plan(budget=smaller, tools=tools)
             oom_retries = 1
             recovery = (
                 f"out of memory: freed cached blocks, retried with window_turns="
@@ -541,7 +564,7 @@ class Session:
             parts = dict(plan.parts)
             parts["template"] += real - plan.prompt_tokens
             plan = replace(plan, prompt_tokens=real, parts=parts)
-        self._commit([Message(role=Role.ASSISTANT, content=gen.text)])
+        self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=gen.tool_calls)])
         evicted_before = self.evicted_turns
         budget_cut = plan.first_shown_turn > self.evicted_turns
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
@@ -578,7 +601,9 @@ class Session:
             summary=self.summary_state,
             provisional_summary=planned.provisional,
         )
-        return Reply(text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan)
+        return Reply(
+            text=gen.text, finish_reason=gen.finish_reason, stats=stats, plan=plan, tool_calls=gen.tool_calls
+        )
 
     def _generate(self, plan: PromptPlan, args: TurnArgs) -> Generation:
         assert self.engine is not None
@@ -597,8 +622,9 @@ class Session:
         return cast(Generation, result)
 
     def _generate_options(self, plan: PromptPlan, args: TurnArgs) -> GenerateOptions:
-        """The engine's arguments for ``plan``, the session's defaults filled in."""
-        return GenerateOptions(
+        """The engine's arguments for ``plan``, the session's defaults filled in (the tool
+        fields only when the turn has them: an engine that predates tools need not take them)."""
+        options = GenerateOptions(
             timeout_s=args.timeout_s or self.timeout_s,
             sampling=args.sampling or self.sampling,
             cache_key=self.id,
@@ -608,10 +634,22 @@ class Session:
             # The engine checks the real token ids against the budget before the model runs.
             max_prompt_tokens=plan.context_tokens - self.budget.max_new_tokens,
         )
+        if args.wants_tools:
+            options["tools"] = args.tools
+            options["tool_choice"] = args.tool_choice
+            options["parallel_tool_calls"] = args.parallel_tool_calls
+        if args.on_tool_call_delta is not None:
+            options["on_tool_call_delta"] = args.on_tool_call_delta
+        return options
 
     # -- planning ------------------------------------------------------------------------------
     def plan(
-        self, query: str | None = None, *, budget: Budget | None = None, exact: bool = False
+        self,
+        query: str | None = None,
+        *,
+        budget: Budget | None = None,
+        exact: bool = False,
+        tools: Sequence[Tool] | None = None,
     ) -> PromptPlan:
         """The prompt this session would send now.
 
@@ -620,6 +658,8 @@ class Session:
                 e.g. a question to evaluate what the session would show for it.
             budget: plan under another budget (default: the session's).
             exact: re-count the rendered prompt even when the counter is additive.
+            tools: the function tools the call would offer (a pinned part,
+                ``parts["tools"]``).
 
         The plan is checked against an exact count of the rendered prompt; if the
         template costs more than the per-message counts add up to, it is re-planned with
@@ -631,21 +671,31 @@ class Session:
         sends when it does not wait for the summary).
         """
         if budget is not None:
-            return self._plan(query, budget, exact, start=self.evicted_turns)
-        plan, _ = self._plan_now(query, exact)
+            return self._plan(query, budget, exact, start=self.evicted_turns, tools=tools)
+        plan, _ = self._plan_now(query, exact, tools=tools)
         return plan
 
-    def _plan_now(self, query: str | None = None, exact: bool = False) -> tuple[PromptPlan, int]:
+    def _plan_now(
+        self, query: str | None = None, exact: bool = False, *, tools: Sequence[Tool] | None = None
+    ) -> tuple[PromptPlan, int]:
         """The plan from the first turn the summary does not cover, if that hides no
         turn, else from the window's first turn; and that start."""
         start = self._summary.first_candidate_turn(self._state)
         if start < self.evicted_turns:
-            plan = self._plan(query, None, exact, start=start)
+            plan = self._plan(query, None, exact, start=start, tools=tools)
             if plan.first_shown_turn <= start:
                 return plan, start
-        return self._plan(query, None, exact, start=self.evicted_turns), self.evicted_turns
+        return self._plan(query, None, exact, start=self.evicted_turns, tools=tools), self.evicted_turns
 
-    def _plan(self, query: str | None, budget: Budget | None, exact: bool, *, start: int) -> PromptPlan:
+    def _plan(
+        self,
+        query: str | None,
+        budget: Budget | None,
+        exact: bool,
+        *,
+        start: int,
+        tools: Sequence[Tool] | None = None,
+    ) -> PromptPlan:
         turns = self.turns(start)
         if query is not None:
             probe = Message(role=Role.USER, content=query)
@@ -683,6 +733,7 @@ class Session:
             passages=passages,
             min_score=min_score,
             exact=exact,
+            tools=tuple(tools or ()),
         )
 
     # -- eviction, summary, retrieval ------------------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
 from convo.messages import assistant, system, tool, user
-from convo.plan import Passage, Turn, passage_message, plan_prompt, summary_message, turn_key
+from convo.plan import Passage, Turn, passage_message, plan_checked, plan_prompt, summary_message, turn_key
 from convo.tokens import CharCounter, TokenCounter
 
 
@@ -315,3 +315,66 @@ def test_the_exact_check_keeps_the_margin_free() -> None:
         plan = plan_checked(budget=budget, counter=TemplateCounter(), turns=make_turns(30, size=size))
         assert plan.prompt_tokens <= budget.available_prompt_tokens == 408, size
         assert plan.prompt_tokens == TemplateCounter().count_prompt(plan.messages)
+
+
+# -- tool schemas: a pinned part -------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_schemas_are_counted_as_a_pinned_part(counter: CharCounter) -> None:
+    b = Budget(context_tokens=2000, max_new_tokens=100, window_turns=8)
+    turns = make_turns(6)
+    bare = plan_prompt(budget=b, counter=counter, turns=turns, pinned=[system("sys")])
+    plan = plan_prompt(budget=b, counter=counter, turns=turns, pinned=[system("sys")], tools=[WEATHER_TOOL])
+    cost = counter.count_tools([WEATHER_TOOL])
+    assert plan.parts["tools"] == cost > 0 and bare.parts["tools"] == 0
+    assert plan.prompt_tokens == counter.count_with_tools(plan.messages, [WEATHER_TOOL])
+    assert plan.prompt_tokens == sum(v for k, v in plan.parts.items() if k != "reserve")
+    assert plan.total_tokens <= b.context_tokens
+
+
+def test_tool_schemas_take_room_from_the_recent_turns(counter: CharCounter) -> None:
+    turns = make_turns(10)
+    cost = sum(counter.message_tokens(m) for m in turns[0].messages)
+    tools_cost = counter.count_tools([WEATHER_TOOL])
+    room = 4 * cost + counter.overhead_tokens(False) + tools_cost // 2
+    b = Budget(
+        context_tokens=room + 50,
+        max_new_tokens=50,
+        window_turns=10,
+        margin_tokens=0,
+        pinned_tokens=tools_cost,
+    )
+    bare = plan_prompt(budget=b, counter=counter, turns=turns)
+    plan = plan_prompt(budget=b, counter=counter, turns=turns, tools=[WEATHER_TOOL])
+    assert len(plan.turns_shown) < len(bare.turns_shown)
+    assert plan.total_tokens <= b.context_tokens and bare.total_tokens <= b.context_tokens
+
+
+def test_tool_schemas_over_the_pinned_cap_are_refused(counter: CharCounter) -> None:
+    b = Budget(context_tokens=2000, max_new_tokens=100, pinned_tokens=counter.count_tools([WEATHER_TOOL]))
+    plan_prompt(budget=b, counter=counter, turns=make_turns(2), tools=[WEATHER_TOOL])  # fits alone
+    with pytest.raises(BudgetError, match="tool schema"):
+        plan_prompt(
+            budget=b, counter=counter, turns=make_turns(2), pinned=[system("sys")], tools=[WEATHER_TOOL]
+        )
+
+
+@pytest.mark.slow
+def test_tool_schemas_are_counted_exactly_through_the_real_template(smol_counter: TokenCounter) -> None:
+    """A non-additive counter: the plan's prompt is the prompt rendered with the tools."""
+    b = Budget(context_tokens=2048, max_new_tokens=128, window_turns=8)
+    turns = make_turns(6)
+    plan = plan_checked(
+        budget=b, counter=smol_counter, turns=turns, pinned=[system("sys")], tools=[WEATHER_TOOL]
+    )
+    assert plan.prompt_tokens == smol_counter.count_with_tools(plan.messages, [WEATHER_TOOL])
+    assert plan.parts["tools"] > 0 and plan.total_tokens <= b.context_tokens

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from datetime import date, datetime
+from typing import Any
 
 import pytest
 from conftest import FakeEngine
 
 from convo import Budget, BudgetError, Message, OversizePolicy, Role, Session, ToolCall
-from convo.errors import ConfigError, DeviceOutOfMemory, MessageError
-from convo.messages import assistant, tool
+from convo.engines.base import Engine
+from convo.errors import ConfigError, DeviceOutOfMemory, MessageError, ToolsNotSupported
+from convo.messages import assistant, tool, validate_sequence
+from convo.models import FinishReason, Generation, GenerationStats
 from convo.plan import Passage, Retriever, Turn, turn_key
 from convo.summarize import ModelSummarizer, Summarizer
 from convo.tokens import CharCounter
@@ -447,3 +450,93 @@ def test_passage_source_is_a_deprecated_name_of_the_retriever_protocol() -> None
     with pytest.warns(DeprecationWarning, match=r"convo\.plan\.Retriever"):
         assert convo.plan.PassageSource is convo.plan.Retriever
     assert convo.session.Retriever is convo.plan.Retriever
+
+
+# -- tools in a turn ----------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+class _ToolEngine(Engine):
+    """Calls ``get_weather`` for a user message when offered tools, answers a tool result."""
+
+    supports_tools = True
+    counter: Any = None  # (plain attributes, set per instance)
+    context_window: int = 0
+
+    def __init__(self) -> None:
+        self.counter = CharCounter()
+        self.context_window = 100_000
+        self.seen: list[dict[str, Any]] = []
+
+    def release(self, cache_key: str) -> None:
+        pass
+
+    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: Any) -> Generation:
+        tools = options.get("tools")
+        prompt = self.counter.count_with_tools(messages, tools)
+        assert prompt <= options["max_prompt_tokens"]
+        self.seen.append(
+            {"messages": tuple(messages), "tools": tools, "prompt": prompt, "reserve": max_new_tokens}
+        )
+        stats = GenerationStats.untimed(prompt_tokens=prompt, new_tokens=3)
+        if tools and messages[-1].role is Role.USER:
+            call = ToolCall(id=f"c{len(self.seen)}", name="get_weather", arguments='{"city": "Rome"}')
+            return Generation(
+                text="", finish_reason=FinishReason.TOOL_CALLS, token_ids=(), stats=stats, tool_calls=(call,)
+            )
+        return Generation(
+            text=f"done {len(self.seen)}", finish_reason=FinishReason.STOP, token_ids=(), stats=stats
+        )
+
+
+def test_a_tool_turn_stores_the_calls_and_plans_the_schemas() -> None:
+    engine = _ToolEngine()
+    budget = Budget(context_tokens=3000, max_new_tokens=100, summary_tokens=0)
+    session = Session(engine, budget=budget)
+    reply = asyncio.run(session.asend("weather?", tools=[WEATHER_TOOL], tool_choice="auto"))
+    assert reply.finish_reason is FinishReason.TOOL_CALLS
+    assert session.messages[-1].tool_calls == reply.tool_calls and reply.tool_calls[0].name == "get_weather"
+    assert reply.stats.parts["tools"] == engine.counter.count_tools([WEATHER_TOOL])
+    final = session.send([tool("sunny", tool_call_id=reply.tool_calls[0].id)], tools=[WEATHER_TOOL])
+    assert final.text == "done 2" and not final.tool_calls
+    assert [m.role for m in engine.seen[1]["messages"]][-2:] == [Role.ASSISTANT, Role.TOOL]
+    assert all(s["tools"] == (WEATHER_TOOL,) or s["tools"] == [WEATHER_TOOL] for s in engine.seen)
+    assert all(s["prompt"] + s["reserve"] <= budget.context_tokens for s in engine.seen)
+
+
+def test_tools_are_refused_before_anything_is_stored(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    with pytest.raises(ToolsNotSupported):
+        session.send("hi", tools=[WEATHER_TOOL])
+    with pytest.raises(ToolsNotSupported):
+        session.send("hi", tool_choice="required")
+    assert session.messages == [] and fake_engine.prompts == []
+    tight = Session(_ToolEngine(), budget=Budget(context_tokens=400, max_new_tokens=50, pinned_tokens=20))
+    with pytest.raises(BudgetError, match="tool schema"):
+        tight.send("hi", tools=[WEATHER_TOOL])
+    with pytest.raises(ConfigError):
+        tight.send("hi", tools=[{"type": "function", "function": {}}])
+    assert tight.messages == []
+
+
+def test_a_sliding_window_never_splits_a_tool_block() -> None:
+    engine = _ToolEngine()
+    budget = Budget(
+        context_tokens=2000, max_new_tokens=50, window_turns=2, summarize_batch_turns=1, summary_tokens=0
+    )
+    session = Session(engine, budget=budget)
+    for i in range(6):
+        reply = session.send(f"question {i} " + "x" * 40, tools=[WEATHER_TOOL])
+        session.send([tool(f"result {i}", tool_call_id=reply.tool_calls[0].id)], tools=[WEATHER_TOOL])
+    assert session.evicted_turns > 0
+    for seen in engine.seen:
+        validate_sequence(list(seen["messages"]))  # every tool result follows its call
+        assert seen["prompt"] + seen["reserve"] <= budget.context_tokens

@@ -188,6 +188,7 @@ class Session:
         self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
         self._check_budget()
         self._state = state
+        self._summary.epoch = state.epoch
         self._history.load(messages)
         self._date_stored_turns()
         if budget is not None and stored != budget.to_dict():
@@ -205,6 +206,9 @@ class Session:
             first.append(Message(role=Role.SYSTEM, content=system_prompt))
             self._history.check(first[0], budget=self.budget, counter=self.counter)
         self.store.create(self._state, first)  # the session and its system prompt at once
+        # The store mints the session's epoch (its identity, see SessionState.epoch).
+        self._state = self.store.peek(self.id)[0]
+        self._summary.epoch = self._state.epoch
         for m in first:
             self._history.index(m)
 
@@ -244,6 +248,13 @@ class Session:
         ):
             return
         state, messages = self.store.load(self.id)
+        if state.epoch != self._state.epoch:
+            # Another session under this id (deleted and created again, or rewritten by a
+            # fork): nothing this object knew of the old one carries over.
+            logger.info("session %s was replaced in the store; starting from what it holds now", self.id)
+            self._history = History()
+            self._indexed_turns = 0
+            self._summary = self._summary.renewed(state.epoch)
         self._state = state
         self._history.load(messages)
         self._date_stored_turns()

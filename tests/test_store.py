@@ -412,3 +412,14 @@ def test_delete_without_forks_keeps_them(store: Store) -> None:
     store.create(SessionState(session_id="Y~1"), [user("old tail")])
     store.delete("Y")
     assert store.load("Y~1")[1] == [user("old tail")]
+
+
+def test_load_tail_reads_the_messages_after_a_position(store: Store) -> None:
+    store.create(SessionState(session_id="t", summary="s"), [user("a")])
+    store.append("t", [user("b"), user("c")])
+    tail = store.load_tail("t", 1)
+    assert (tail.state.summary, tail.count, tail.after, tail.messages) == ("s", 3, 1, [user("b"), user("c")])
+    assert store.load_tail("t", 3).messages == [] and store.load_tail("t", 9).count == 3
+    assert store.load_tail("t", 0).messages == store.load("t")[1]
+    with pytest.raises(SessionNotFound):
+        store.load_tail("missing", 0)

@@ -128,6 +128,13 @@ class History:
         self.log.append(message)
         self.pending_tool_ids = open_calls_after(message, self.pending_tool_ids)
 
+    def copy(self) -> History:
+        """An independent copy (the messages themselves are immutable and shared)."""
+        out = History()
+        out.pinned, out.log, out.turn_starts = list(self.pinned), list(self.log), list(self.turn_starts)
+        out.pending_tool_ids, out.dates = set(self.pending_tool_ids), dict(self.dates)
+        return out
+
     @property
     def message_count(self) -> int:
         return len(self.pinned) + len(self.log)

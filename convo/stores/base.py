@@ -64,6 +64,24 @@ class SessionState:
     epoch: str = ""
 
 
+@dataclass(frozen=True)
+class StoredTail:
+    """What :meth:`Store.load_tail` returns: one consistent snapshot of a session's state,
+    its number of stored messages, and the messages from a position on.
+
+    Attributes:
+        state: the state.
+        count: how many messages are stored in all.
+        after: the position the tail starts at (messages ``[after, count)``).
+        messages: those messages, in order.
+    """
+
+    state: SessionState
+    count: int
+    after: int
+    messages: list[Message]
+
+
 #: The epoch of a session stored before epochs existed (see :attr:`SessionState.epoch`).
 LEGACY_EPOCH = ""
 
@@ -197,6 +215,18 @@ class Store(abc.ABC):
         Raises SessionNotFound."""
         state, messages = self.load(session_id)
         return state, len(messages)
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """The state, the message count and the messages stored at positions ``after..``,
+        in one snapshot, reading only those (a session that knows the first ``after``
+        messages of this epoch catches up with what was appended since: a store's history
+        is append-only within an epoch, see :attr:`SessionState.epoch`). The stores here
+        read an index range (SQLite) or ``LRANGE`` (Redis); this default loads everything
+        and slices. Raises SessionNotFound."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        state, messages = self.load(session_id)
+        return StoredTail(state=state, count=len(messages), after=after, messages=messages[after:])
 
     def export_session(self, session_id: str) -> dict[str, Any]:
         """A JSON-safe dict with the whole session (state and every message)."""

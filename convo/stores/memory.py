@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from convo.errors import SessionNotFound, StoreError
 from convo.messages import Message
-from convo.stores.base import SessionState, Store, is_fork_of, new_epoch
+from convo.stores.base import SessionState, Store, StoredTail, is_fork_of, new_epoch
 
 
 class InMemoryStore(Store):
@@ -46,6 +46,15 @@ class InMemoryStore(Store):
                 raise SessionNotFound(f"no session {session_id!r}")
             state, msgs = self._data[session_id]
             return state, list(msgs)
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            state, msgs = self._data[session_id]
+            return StoredTail(state=state, count=len(msgs), after=after, messages=msgs[after:])
 
     def exists(self, session_id: str) -> bool:
         with self._lock:

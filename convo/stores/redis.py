@@ -22,7 +22,15 @@ from convo.errors import (
     StoreError,
 )
 from convo.messages import Message
-from convo.stores.base import FORK_SEPARATOR, SessionState, Store, is_fork_of, new_epoch, redact_url
+from convo.stores.base import (
+    FORK_SEPARATOR,
+    SessionState,
+    Store,
+    StoredTail,
+    is_fork_of,
+    new_epoch,
+    redact_url,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +237,22 @@ class RedisStore(Store):
             row, records = pipe.execute()
         state = self._state_of(session_id, row)
         return state, [Message.from_record(json.loads(r)) for r in records]
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """See :meth:`Store.load_tail`: ``HGETALL``, ``LLEN`` and ``LRANGE after -1`` in
+        one MULTI/EXEC."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        skey, mkey = self._keys(session_id)
+        with self._errors():
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hgetall(skey)
+            pipe.llen(mkey)
+            pipe.lrange(mkey, after, -1)
+            row, count, records = pipe.execute()
+        state = self._state_of(session_id, row)
+        messages = [Message.from_record(json.loads(r)) for r in records]
+        return StoredTail(state=state, count=int(count), after=after, messages=messages)
 
     def peek(self, session_id: str) -> tuple[SessionState, int]:
         skey, mkey = self._keys(session_id)

@@ -21,7 +21,7 @@ from typing import Any
 
 from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
-from convo.stores.base import FORK_SEPARATOR, SessionState, Store, is_fork_of, new_epoch
+from convo.stores.base import FORK_SEPARATOR, SessionState, Store, StoredTail, is_fork_of, new_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,9 @@ class SQLiteStore(Store):
     def peek(self, session_id: str) -> tuple[SessionState, int]:
         db = self._conn()
         state = self._state_of(db, session_id)
-        row = db.execute("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
-        return state, int(row[0])
+        # Positions run 0..n-1 (append-only), so the count is the last one + 1: a key lookup.
+        row = db.execute("SELECT MAX(seq) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
+        return state, 0 if row[0] is None else int(row[0]) + 1
 
     def _state_of(self, db: sqlite3.Connection, session_id: str) -> SessionState:
         row = db.execute(
@@ -196,6 +197,31 @@ class SQLiteStore(Store):
             "SELECT record FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
         ).fetchall()
         return state, [Message.from_record(json.loads(r[0])) for r in records]
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """See :meth:`Store.load_tail`: one read transaction; the count is the last
+        position + 1 and the tail a range of the ``(session_id, seq)`` key, so the cost
+        follows the tail, not the history."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        db = self._conn()
+        db.execute("BEGIN")  # deferred: a read snapshot (WAL), no write lock
+        try:
+            state = self._state_of(db, session_id)
+            last = db.execute("SELECT MAX(seq) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
+            records = db.execute(
+                "SELECT record FROM messages WHERE session_id = ? AND seq >= ? ORDER BY seq",
+                (session_id, after),
+            ).fetchall()
+        finally:
+            db.execute("COMMIT")
+        count = 0 if last[0] is None else int(last[0]) + 1
+        return StoredTail(
+            state=state,
+            count=count,
+            after=after,
+            messages=[Message.from_record(json.loads(r[0])) for r in records],
+        )
 
     def exists(self, session_id: str) -> bool:
         row = self._conn().execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone()

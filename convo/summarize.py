@@ -39,7 +39,7 @@ from convo.messages import Message, Role
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
-    from convo.store import Store
+    from convo.stores import Store
     from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)

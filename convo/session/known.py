@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 
 from convo.session.history import History
-from convo.store import Store
+from convo.stores import Store
 
 #: Sessions whose history this process keeps to resume them cheaply (least recently
 #: used dropped first). Each keeps its whole history in memory (the session objects

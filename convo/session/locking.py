@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from convo.errors import SessionBusy
-from convo.store import Store
+from convo.stores import Store
 
 #: How often an async turn checks whether a thread's turn on the same session has ended,
 #: in seconds.

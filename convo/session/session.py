@@ -61,7 +61,7 @@ from convo.session.summaries import (
     summary_wait_limit,
 )
 from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, drive
-from convo.store import MemoryStore, SessionState, Store
+from convo.stores import InMemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWorker
 from convo.tokens import TokenCounter
 
@@ -86,7 +86,7 @@ class Session:
             ``None`` for a session that only plans prompts (then pass ``counter``).
         budget: the token budget (default ``Budget()``).
         system_prompt: a pinned system message, set when the session is created.
-        store: where history lives (default: a new :class:`~convo.store.MemoryStore`).
+        store: where history lives (default: a new :class:`~convo.stores.InMemoryStore`).
         session_id: resume this session if the store has it, else create it with this id.
         retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
@@ -165,7 +165,7 @@ class Session:
         self.lock_timeout_s = lock_timeout_s
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
-        self.store: Store = store if store is not None else MemoryStore()
+        self.store: Store = store if store is not None else InMemoryStore()
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
         self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync)

@@ -27,7 +27,7 @@ from convo.errors import ConfigError
 from convo.plan import PromptPlan
 from convo.session.history import History
 from convo.session.turn import SummaryWait
-from convo.store import SessionState, Store
+from convo.stores import SessionState, Store
 from convo.summarize import (
     JobStatus,
     Summarizer,

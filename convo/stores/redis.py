@@ -331,7 +331,8 @@ class RedisStore(Store):
         sees them all."""
         pattern = _glob_escape(session_id + FORK_SEPARATOR) + "*"
         with self._errors():
-            owner = self._state_of(session_id, self._r.hgetall(self._keys(session_id)[0])).owner
+            row: Mapping[str, str] = self._r.hgetall(self._keys(session_id)[0])  # type: ignore[assignment]
+            owner = self._state_of(session_id, row).owner
             ids = [str(s) for s in self._r.sscan_iter(f"{self.prefix}sessions", match=pattern, count=1000)]
             ids = sorted(s for s in ids if is_fork_of(s, session_id))
             pipe = self._r.pipeline(transaction=False)

@@ -61,7 +61,7 @@ def __getattr__(name: str) -> Any:
             )
         return getattr(_stores, new)
     value = _forward(name)
-    if not _warned_on_import and not _called_from_convo(sys._getframe(1)):
+    if not _called_from_convo(sys._getframe(1)):  # a user names it: say where it lives now
         warnings.warn(
             f"convo.store is deprecated; import {name} from convo.stores instead",
             DeprecationWarning,

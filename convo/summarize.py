@@ -14,7 +14,7 @@ Summaries are off the reply path: a session hands the turns that left its window
 :class:`SummaryWorker` once the reply is stored, and the worker folds them in background
 threads, after the replies in flight (its model calls are marked
 ``Priority.BACKGROUND``), and stores the result with a compare-and-set
-(:meth:`~convo.store.Store.save_summary`). The stored turns stay the source of truth: a
+(:meth:`~convo.stores.Store.save_summary`). The stored turns stay the source of truth: a
 summary lost to a crash, a failure or a cancel is derived again from them.
 :class:`SummaryState` is what a session reports (``Session.summary_state``, the reply's
 stats, the server's ``convo`` stats).
@@ -39,7 +39,7 @@ from convo.models.generation import Priority
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
-    from convo.store import Store
+    from convo.stores import Store
     from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
@@ -341,6 +341,10 @@ class SummaryJob:
     start: int
     end: int
     max_tokens: int
+    #: The epoch of the session the turns were read from (:attr:`SessionState.epoch`):
+    #: the result is stored only into that session, never into one created later under
+    #: the same id. ``None``: unfenced (a caller from before epochs).
+    epoch: str | None = None
     failures: int = 0  # failed attempts of these turns before this one
     status: JobStatus = JobStatus.QUEUED
     result: str = ""
@@ -481,16 +485,26 @@ class SummaryWorker:
         start: int,
         end: int,
         max_tokens: int,
+        epoch: str | None = None,
     ) -> SummaryJob:
         """Queue a job, unless one is live for the session (then that one is returned: it
         must end first, as the next job folds into its result). On a closed worker the job
-        comes back cancelled."""
+        comes back cancelled.
+
+        ``epoch``: the session's (:attr:`~convo.stores.SessionState.epoch`); the job stores
+        its result only into the session of that epoch. A live job of another epoch (of a
+        session deleted since, whose id was reused) is cancelled and replaced."""
         key = (id(store), session_id)
         with self._cond:
             last = self._jobs.get(key)
             if last is not None and last.live:
-                return last
-            failures = last.failures + 1 if last is not None and last.status is JobStatus.FAILED else 0
+                if last.epoch == epoch:
+                    return last
+                last.cancel()  # the turns of another session under this id: never stored
+                self._cond.notify_all()
+                last = None
+            retried = last is not None and last.status is JobStatus.FAILED and last.epoch == epoch
+            failures = last.failures + 1 if retried and last is not None else 0
             job = SummaryJob(
                 store=store,
                 session_id=session_id,
@@ -500,6 +514,7 @@ class SummaryWorker:
                 start=start,
                 end=end,
                 max_tokens=max_tokens,
+                epoch=epoch,
                 failures=failures,
             )
             if self._closed:  # shutting down: the turns stay owed (the next turn retries)
@@ -597,8 +612,13 @@ class SummaryWorker:
                 if job._cancel.is_set():  # (checked under the lock: see forget)
                     status, error = JobStatus.CANCELLED, ""
                 else:
+                    fence = {} if job.epoch is None else {"epoch": job.epoch}
                     saved = job.store.save_summary(
-                        job.session_id, summary=summary, covered_from=job.start, summarized_turns=job.end
+                        job.session_id,
+                        summary=summary,
+                        covered_from=job.start,
+                        summarized_turns=job.end,
+                        **fence,
                     )
                     status, error = (JobStatus.DONE if saved else JobStatus.CANCELLED), ""
                     if saved:

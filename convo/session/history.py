@@ -1,7 +1,7 @@
 """A session's history in memory: its stored messages indexed by turn, and the checks a
 message passes before it is stored.
 
-The store is the source of truth (:mod:`convo.store`); :class:`History` is what a
+The store is the source of truth (:mod:`convo.stores`); :class:`History` is what a
 :class:`~convo.session.Session` read from it, cut into turns (a turn starts at each user
 message; messages before the first form turn 0), with the tool calls still open and the
 date of each turn.
@@ -127,6 +127,13 @@ class History:
             self.turn_starts.append(len(self.log))
         self.log.append(message)
         self.pending_tool_ids = open_calls_after(message, self.pending_tool_ids)
+
+    def copy(self) -> History:
+        """An independent copy (the messages themselves are immutable and shared)."""
+        out = History()
+        out.pinned, out.log, out.turn_starts = list(self.pinned), list(self.log), list(self.turn_starts)
+        out.pending_tool_ids, out.dates = set(self.pending_tool_ids), dict(self.dates)
+        return out
 
     @property
     def message_count(self) -> int:

@@ -7,7 +7,7 @@ Three locks nest, outermost first:
    :class:`~convo.session.Session` object queue here;
 2. the session object's ``threading.RLock``: a thread mid-turn (an async turn polls it
    every :data:`TURN_LOCK_POLL_S`, so the loop never blocks);
-3. the store's lock on the session (:meth:`convo.store.Store.lock`: a file lock for
+3. the store's lock on the session (:meth:`convo.stores.Store.lock`: a file lock for
    SQLite, a lease for Redis): another process, or another ``Session`` object on the
    same store and id. A blocking turn waits in the store's own call; an async turn tries
    it without waiting (``store.lock(id, 0)``) every :data:`STORE_LOCK_POLL_S`. Both give
@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from convo.errors import SessionBusy
-from convo.store import Store
+from convo.stores import Store
 
 #: How often an async turn checks whether a thread's turn on the same session has ended,
 #: in seconds.

@@ -16,7 +16,7 @@ a crash or timeout mid-turn keeps it; a turn that fails can be re-run with
 Nothing is stored for a refused request: text, ids, the budget (against the engine's
 context window) and the system prompt are checked before a new session is created, and a
 message is checked before it is appended. Each turn holds the store's lock on the session
-(:meth:`convo.store.Store.lock`: a file lock for SQLite, a lease for Redis), so two
+(:meth:`convo.stores.Store.lock`: a file lock for SQLite, a lease for Redis), so two
 processes driving one session (two ``convo chat --session X``) take turns instead of
 interleaving them; a session that finds the lock free catches up with what the other
 stored before it adds anything.
@@ -43,7 +43,7 @@ from convo.engines.base import (
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Retriever, Turn, check_retriever, plan_checked
-from convo.session import window
+from convo.session import known, window
 from convo.session.config import (
     LegacyKwargs,
     ReplyConfig,
@@ -60,7 +60,7 @@ from convo.session.summaries import (
     summary_wait_limit,
 )
 from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, check_turn_tools, drive
-from convo.store import MemoryStore, SessionState, Store
+from convo.stores import InMemoryStore, SessionState, Store
 from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWorker
 from convo.tokens import TokenCounter, Tool
 
@@ -75,7 +75,7 @@ class Session:
             ``None`` for a session that only plans prompts (then pass ``counter``).
         budget: the token budget (default ``Budget()``).
         system_prompt: a pinned system message, set when the session is created.
-        store: where history lives (default: a new :class:`~convo.store.MemoryStore`).
+        store: where history lives (default: a new :class:`~convo.stores.InMemoryStore`).
         session_id: resume this session if the store has it, else create it with this id.
         retriever: a retrieval memory (e.g. :class:`convo.RetrievalMemory`), or ``None``.
         counter: token counter; default: the engine's.
@@ -154,7 +154,7 @@ class Session:
         self.lock_timeout_s = lock_timeout_s
         self.engine = engine
         self.counter: TokenCounter = counter or engine.counter  # type: ignore[union-attr]
-        self.store: Store = store if store is not None else MemoryStore()
+        self.store: Store = store if store is not None else InMemoryStore()
         check_retriever(retriever)
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
@@ -173,12 +173,12 @@ class Session:
                 self._create(budget, system_prompt, owner)
 
     def _resume(self, budget: Budget | None) -> None:
-        state, messages = self.store.load(self.id)
+        state = self._read_stored(None)
         stored = state.settings.get("budget")
         self.budget = budget or (Budget.from_dict(dict(stored)) if stored else Budget())
         self._check_budget()
         self._state = state
-        self._history.load(messages)
+        self._summary.epoch = state.epoch
         self._date_stored_turns()
         if budget is not None and stored != budget.to_dict():
             self._state = replace(state, settings={**state.settings, "budget": budget.to_dict()})
@@ -195,6 +195,10 @@ class Session:
             first.append(Message(role=Role.SYSTEM, content=system_prompt))
             self._history.check(first[0], budget=self.budget, counter=self.counter)
         self.store.create(self._state, first)  # the session and its system prompt at once
+        # The store mints the session's epoch (its identity, see SessionState.epoch).
+        self._state = self.store.peek(self.id)[0]
+        self._summary.epoch = self._state.epoch
+        known.remember(self.store, self.id, self._state.epoch, self._history)
         for m in first:
             self._history.index(m)
 
@@ -225,17 +229,47 @@ class Session:
         """The background worker that runs this session's summaries."""
         return self._summary.worker
 
+    def _read_stored(self, mine: tuple[str, History] | None) -> SessionState:
+        """Read the stored history into ``self._history`` and return the state: only the
+        messages stored since what this process knows of this epoch of the session
+        (:mod:`convo.session.known`: its own history, or another session object's), else
+        all of them. ``mine``: this object's epoch and history, when it has read them."""
+        for epoch, history in filter(None, (mine, known.known(self.store, self.id))):
+            tail = self.store.load_tail(self.id, history.message_count)
+            if tail.state.epoch != epoch or tail.count != tail.after + len(tail.messages):
+                continue  # another session under this id since
+            if history is not self._history:
+                history.dates.clear()  # another object's: a resumed session dates its turns anew
+            for m in tail.messages:
+                history.index(m)
+            self._history = history
+            known.remember(self.store, self.id, epoch, history)
+            return tail.state
+        state, messages = self.store.load(self.id)
+        if mine is not None and state.epoch != mine[0]:
+            self._history = History()  # (dates of another session's turns do not carry over)
+        self._history.load(messages)
+        known.remember(self.store, self.id, state.epoch, self._history)
+        return state
+
     def _sync(self) -> None:
-        """Reload history and state if another process wrote to the session since (a
-        cheap :meth:`~convo.store.Store.peek` first: no messages are read when nothing changed)."""
+        """Catch up with what another process (or session object) wrote to the session
+        since: a cheap :meth:`~convo.stores.Store.peek` first (nothing more is read when
+        nothing changed), then only the messages stored since (:meth:`_read_stored`)."""
         state, count = self.store.peek(self.id)
         if count == self._history.message_count and replace(state, created_at=0.0, updated_at=0.0) == replace(
             self._state, created_at=0.0, updated_at=0.0
         ):
             return
-        state, messages = self.store.load(self.id)
+        previous = self._state.epoch
+        state = self._read_stored((previous, self._history))
+        if state.epoch != previous:
+            # Another session under this id (deleted and created again, or rewritten by a
+            # fork): nothing this object knew of the old one carries over.
+            logger.info("session %s was replaced in the store; starting from what it holds now", self.id)
+            self._indexed_turns = 0
+            self._summary = self._summary.renewed(state.epoch)
         self._state = state
-        self._history.load(messages)
         self._date_stored_turns()
         self._indexed_turns = min(self._indexed_turns, max(0, self.turn_count - 1))
 

@@ -27,7 +27,7 @@ from convo.errors import ConfigError
 from convo.plan import PromptPlan
 from convo.session.history import History
 from convo.session.turn import SummaryWait
-from convo.store import SessionState, Store
+from convo.stores import SessionState, Store
 from convo.summarize import (
     JobStatus,
     Summarizer,
@@ -87,7 +87,7 @@ class Planned:
 class SessionSummary:
     """One session's rolling summary, coordinated with the background worker.
 
-    The session's :class:`~convo.store.SessionState` stays the session's: methods take
+    The session's :class:`~convo.stores.SessionState` stays the session's: methods take
     the state and return the new one.
 
     Args:
@@ -97,6 +97,13 @@ class SessionSummary:
         summarizer: folds turns; ``None`` (and ``max_tokens`` 0): turns that leave the
             window are not summarized. Set once the session knows its budget.
         max_tokens: the summary's cap, in tokens.
+
+    Attributes:
+        epoch: the epoch of the session these summaries are of
+            (:attr:`~convo.stores.SessionState.epoch`), set by the session when it creates,
+            resumes or re-reads it. Jobs carry it: a job of another epoch (the session was
+            deleted and its id reused) is not this session's, and its result is never
+            picked up here nor stored by the store.
     """
 
     def __init__(
@@ -115,8 +122,23 @@ class SessionSummary:
         self.counter = counter
         self.summarizer = summarizer
         self.max_tokens = max_tokens
+        self.epoch: str | None = None
         #: (start, text, covered turns) of the provisional summary the last prompt showed.
         self._provisional: tuple[int, str, int] | None = None
+
+    def renewed(self, epoch: str) -> SessionSummary:
+        """The same settings for the session of ``epoch`` (nothing of this one's
+        provisional summary kept)."""
+        fresh = SessionSummary(
+            worker=self.worker,
+            store=self.store,
+            session_id=self.session_id,
+            counter=self.counter,
+            summarizer=self.summarizer,
+            max_tokens=self.max_tokens,
+        )
+        fresh.epoch = epoch
+        return fresh
 
     @property
     def active(self) -> bool:
@@ -128,8 +150,9 @@ class SessionSummary:
         return self.worker.key_lock(self.store, self.session_id)
 
     def job(self) -> SummaryJob | None:
-        """The session's last job (any status)."""
-        return self.worker.job(self.store, self.session_id)
+        """The session's last job (any status), if it is of this session's epoch."""
+        job = self.worker.job(self.store, self.session_id)
+        return job if job is not None and job.epoch == self.epoch else None
 
     def live_job(self) -> SummaryJob | None:
         """The session's queued or running job."""
@@ -177,6 +200,7 @@ class SessionSummary:
             start=start,
             end=end,
             max_tokens=self.max_tokens,
+            epoch=self.epoch,
         )
 
     def maybe_submit(
@@ -321,5 +345,6 @@ class SessionSummary:
                 return waited
 
     def forget(self) -> None:
-        """Cancel the session's queued or running job."""
-        self.worker.forget(self.store, self.session_id)
+        """Cancel the session's queued or running job (only one of this epoch)."""
+        if self.job() is not None:
+            self.worker.forget(self.store, self.session_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from convo.stores.base import EXPORT_FORMAT, SessionState, Store, redact_url
+from convo.stores.base import EXPORT_FORMAT, SessionState, Store, StoredTail, redact_url
 from convo.stores.memory import InMemoryStore
 from convo.stores.redis import RedisStore
 from convo.stores.sqlite import SQLiteStore
@@ -30,6 +30,7 @@ __all__ = [
     "SQLiteStore",
     "SessionState",
     "Store",
+    "StoredTail",
     "redact_url",
 ]
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import abc
 import logging
+import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from convo.errors import SessionBusy, StoreError
+from convo.errors import SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,14 @@ class SessionState:
         evicted_turns: turns ``[0, evicted_turns)`` have left the prompt window.
         owner: who created the session (e.g. an API-key hash), or ``""``.
         created_at / updated_at: UNIX seconds.
+        epoch: the session's identity, minted by the store each time it creates the
+            session (:func:`new_epoch`; the value passed to ``create`` is ignored) and
+            never changed after. An id can be deleted and created again (``DELETE`` then a
+            new session, a server fork rewriting it); the epoch tells the two apart, so
+            background work bound to the old one (a summary job) is refused by the new one
+            (:meth:`Store.save_summary`). ``""``: a session stored before epochs existed
+            (:data:`LEGACY_EPOCH`); it still loads and works, and work bound to it is
+            refused by every session created since.
     """
 
     session_id: str
@@ -51,6 +61,48 @@ class SessionState:
     owner: str = ""
     created_at: float = 0.0
     updated_at: float = 0.0
+    epoch: str = ""
+
+
+@dataclass(frozen=True)
+class StoredTail:
+    """What :meth:`Store.load_tail` returns: one consistent snapshot of a session's state,
+    its number of stored messages, and the messages from a position on.
+
+    Attributes:
+        state: the state.
+        count: how many messages are stored in all.
+        after: the position the tail starts at (messages ``[after, count)``).
+        messages: those messages, in order.
+    """
+
+    state: SessionState
+    count: int
+    after: int
+    messages: list[Message]
+
+
+#: The epoch of a session stored before epochs existed (see :attr:`SessionState.epoch`).
+LEGACY_EPOCH = ""
+
+#: Separates a session id from the number of a fork holding its replaced tail
+#: (``<id>~<n>``, see :mod:`convo.server.reconcile`); forks of forks nest (``<id>~1~2``).
+FORK_SEPARATOR = "~"
+
+
+def new_epoch() -> str:
+    """A fresh session epoch (32 hex characters, random)."""
+    return uuid.uuid4().hex
+
+
+def is_fork_of(candidate: str, session_id: str) -> bool:
+    """Whether ``candidate`` names a fork of ``session_id`` (``<id>~<n>``, or a fork of
+    one of those, ``<id>~<n>~<m>``...)."""
+    prefix = session_id + FORK_SEPARATOR
+    return candidate.startswith(prefix) and _FORK_TAIL.fullmatch(candidate[len(prefix) :]) is not None
+
+
+_FORK_TAIL = re.compile(r"[1-9][0-9]*(?:~[1-9][0-9]*)*")
 
 
 class Store(abc.ABC):
@@ -101,12 +153,21 @@ class Store(abc.ABC):
         """Replace the state (summary, counters, settings) of an existing session."""
 
     def save_summary(
-        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+        self,
+        session_id: str,
+        *,
+        summary: str,
+        covered_from: int,
+        summarized_turns: int,
+        epoch: str | None = None,
     ) -> bool:
         """Store a summary that folds turns ``[covered_from, summarized_turns)`` into the one
         that covered ``[0, covered_from)``, only if the stored state still says
         ``summarized_turns == covered_from`` (a compare-and-set: a late or repeated background
-        job never overwrites a newer summary). Returns whether it was stored.
+        job never overwrites a newer summary) and, with ``epoch``, only if the stored
+        session is still the one of that epoch (a fence: the summary of a deleted session
+        never lands in a new session under the same id, see :attr:`SessionState.epoch`).
+        ``epoch=None``: unfenced (callers from before epochs). Returns whether it was stored.
 
         The stores here do it atomically; this default (for other stores) reads and writes
         the state without a transaction.
@@ -115,14 +176,34 @@ class Store(abc.ABC):
             SessionNotFound: no such session.
         """
         state, _ = self.load(session_id)
-        if state.summarized_turns != covered_from:
+        if state.summarized_turns != covered_from or (epoch is not None and state.epoch != epoch):
             return False
         self.save_state(replace(state, summary=summary, summarized_turns=summarized_turns))
         return True
 
     @abc.abstractmethod
-    def delete(self, session_id: str) -> None:
-        """Delete a session and its history. Raises SessionNotFound."""
+    def delete(self, session_id: str, *, forks: bool = False) -> None:
+        """Delete a session and its history, in one transaction; with ``forks``, also its
+        forks (``<id>~<n>`` and their forks, those of the same owner: see
+        :meth:`forks_of`), so that what a deleted session held is readable nowhere.
+        ``forks=False`` keeps them (a server fork rewrites a session with delete and
+        create, and its fork must stay). Raises SessionNotFound (``session_id`` missing)."""
+
+    def forks_of(self, session_id: str) -> list[str]:
+        """The forks of ``session_id`` that :meth:`delete` with ``forks=True`` removes:
+        every ``<id>~<n>`` (and ``<id>~<n>~<m>``...) with the same owner. Raises
+        SessionNotFound. This default reads the list of sessions; the stores here query
+        only the ids that start with ``<id>~``."""
+        owner = self.peek(session_id)[0].owner
+        found = []
+        for sid in self.list_sessions():
+            if is_fork_of(sid, session_id):
+                try:
+                    if self.peek(sid)[0].owner == owner:
+                        found.append(sid)
+                except SessionNotFound:
+                    continue
+        return found
 
     @abc.abstractmethod
     def list_sessions(self) -> list[str]:
@@ -134,6 +215,18 @@ class Store(abc.ABC):
         Raises SessionNotFound."""
         state, messages = self.load(session_id)
         return state, len(messages)
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """The state, the message count and the messages stored at positions ``after..``,
+        in one snapshot, reading only those (a session that knows the first ``after``
+        messages of this epoch catches up with what was appended since: a store's history
+        is append-only within an epoch, see :attr:`SessionState.epoch`). The stores here
+        read an index range (SQLite) or ``LRANGE`` (Redis); this default loads everything
+        and slices. Raises SessionNotFound."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        state, messages = self.load(session_id)
+        return StoredTail(state=state, count=len(messages), after=after, messages=messages[after:])
 
     def export_session(self, session_id: str) -> dict[str, Any]:
         """A JSON-safe dict with the whole session (state and every message)."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from convo.errors import SessionNotFound, StoreError
 from convo.messages import Message
-from convo.stores.base import SessionState, Store
+from convo.stores.base import SessionState, Store, StoredTail, is_fork_of, new_epoch
 
 
 class InMemoryStore(Store):
@@ -31,13 +31,13 @@ class InMemoryStore(Store):
         with self._lock:
             if state.session_id in self._data:
                 raise StoreError(f"session {state.session_id!r} already exists")
-            self._data[state.session_id] = (state, list(messages))
+            self._data[state.session_id] = (replace(state, epoch=new_epoch()), list(messages))
 
     def create_if_missing(self, state: SessionState, messages: Sequence[Message] = ()) -> bool:
         with self._lock:
             if state.session_id in self._data:
                 return False
-            self._data[state.session_id] = (state, list(messages))
+            self._data[state.session_id] = (replace(state, epoch=new_epoch()), list(messages))
             return True
 
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
@@ -46,6 +46,15 @@ class InMemoryStore(Store):
                 raise SessionNotFound(f"no session {session_id!r}")
             state, msgs = self._data[session_id]
             return state, list(msgs)
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            state, msgs = self._data[session_id]
+            return StoredTail(state=state, count=len(msgs), after=after, messages=msgs[after:])
 
     def exists(self, session_id: str) -> bool:
         with self._lock:
@@ -59,22 +68,30 @@ class InMemoryStore(Store):
                 raise SessionNotFound(f"no session {session_id!r}")
             old, msgs = self._data[session_id]
             msgs.extend(messages)
-            self._data[session_id] = (state or old, msgs)
+            new = old if state is None else replace(state, epoch=old.epoch)  # the epoch never changes
+            self._data[session_id] = (new, msgs)
 
     def save_state(self, state: SessionState) -> None:
         with self._lock:
             if state.session_id not in self._data:
                 raise SessionNotFound(f"no session {state.session_id!r}")
-            self._data[state.session_id] = (state, self._data[state.session_id][1])
+            old, msgs = self._data[state.session_id]
+            self._data[state.session_id] = (replace(state, epoch=old.epoch), msgs)
 
     def save_summary(
-        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+        self,
+        session_id: str,
+        *,
+        summary: str,
+        covered_from: int,
+        summarized_turns: int,
+        epoch: str | None = None,
     ) -> bool:
         with self._lock:
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
             state, msgs = self._data[session_id]
-            if state.summarized_turns != covered_from:
+            if state.summarized_turns != covered_from or (epoch is not None and state.epoch != epoch):
                 return False
             self._data[session_id] = (
                 replace(state, summary=summary, summarized_turns=summarized_turns),
@@ -82,10 +99,25 @@ class InMemoryStore(Store):
             )
             return True
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, *, forks: bool = False) -> None:
         with self._lock:
-            if self._data.pop(session_id, None) is None:
+            if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
+            for sid in self._forks_of(session_id) if forks else []:
+                del self._data[sid]
+            del self._data[session_id]
+
+    def forks_of(self, session_id: str) -> list[str]:
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            return self._forks_of(session_id)
+
+    def _forks_of(self, session_id: str) -> list[str]:
+        owner = self._data[session_id][0].owner
+        return sorted(
+            sid for sid, (st, _) in self._data.items() if is_fork_of(sid, session_id) and st.owner == owner
+        )
 
     def list_sessions(self) -> list[str]:
         with self._lock:

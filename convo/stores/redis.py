@@ -22,7 +22,15 @@ from convo.errors import (
     StoreError,
 )
 from convo.messages import Message
-from convo.stores.base import SessionState, Store, redact_url
+from convo.stores.base import (
+    FORK_SEPARATOR,
+    SessionState,
+    Store,
+    StoredTail,
+    is_fork_of,
+    new_epoch,
+    redact_url,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +71,22 @@ return 1
 _R_SUMMARY = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'summarized_turns') ~= ARGV[1] then return 0 end
+if ARGV[5] == '1' and (redis.call('HGET', KEYS[1], 'epoch') or '') ~= ARGV[6] then return 0 end
 redis.call('HSET', KEYS[1], 'summary', ARGV[2], 'summarized_turns', ARGV[3], 'updated_at', ARGV[4])
 return 1
 """
+# KEYS: the session's state and messages, the set of ids, then (state, messages) of each
+# fork to delete with it, then the lock key; ARGV: token, the id, then each fork's id.
 _R_DELETE = f"""
 {_R_FENCE}
 local n = redis.call('DEL', KEYS[1])
+if n == 0 then return 0 end
 redis.call('DEL', KEYS[2])
 redis.call('SREM', KEYS[3], ARGV[2])
+for i = 3, #ARGV do
+  redis.call('DEL', KEYS[2 * i - 2], KEYS[2 * i - 1])
+  redis.call('SREM', KEYS[3], ARGV[i])
+end
 return n
 """
 _R_RELEASE = """
@@ -81,6 +97,11 @@ _R_RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (``SCAN MATCH``)."""
+    return "".join("\\" + c if c in "*?[]\\^-" else c for c in text)
 
 
 class RedisStore(Store):
@@ -190,7 +211,9 @@ class RedisStore(Store):
             "owner", state.owner,
             "updated_at", repr(state.updated_at or time.time()),
         ]  # fmt: skip
-        return [*fields, "created_at", repr(state.created_at)] if created else fields
+        if not created:
+            return fields  # (the epoch, like created_at, never changes)
+        return [*fields, "created_at", repr(state.created_at), "epoch", new_epoch()]
 
     def create(self, state: SessionState, messages: Sequence[Message] = ()) -> None:
         if not self.create_if_missing(state, messages):
@@ -215,6 +238,22 @@ class RedisStore(Store):
         state = self._state_of(session_id, row)
         return state, [Message.from_record(json.loads(r)) for r in records]
 
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """See :meth:`Store.load_tail`: ``HGETALL``, ``LLEN`` and ``LRANGE after -1`` in
+        one MULTI/EXEC."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        skey, mkey = self._keys(session_id)
+        with self._errors():
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hgetall(skey)
+            pipe.llen(mkey)
+            pipe.lrange(mkey, after, -1)
+            row, count, records = pipe.execute()
+        state = self._state_of(session_id, row)
+        messages = [Message.from_record(json.loads(r)) for r in records]
+        return StoredTail(state=state, count=int(count), after=after, messages=messages)
+
     def peek(self, session_id: str) -> tuple[SessionState, int]:
         skey, mkey = self._keys(session_id)
         with self._errors():
@@ -236,6 +275,7 @@ class RedisStore(Store):
             owner=row["owner"],
             created_at=float(row["created_at"]),
             updated_at=float(row["updated_at"]),
+            epoch=row.get("epoch", ""),  # none: stored before epochs
         )
 
     def exists(self, session_id: str) -> bool:
@@ -262,18 +302,44 @@ class RedisStore(Store):
             raise SessionNotFound(f"no session {state.session_id!r}")
 
     def save_summary(
-        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+        self,
+        session_id: str,
+        *,
+        summary: str,
+        covered_from: int,
+        summarized_turns: int,
+        epoch: str | None = None,
     ) -> bool:
-        args: list[str | int] = [str(covered_from), summary, summarized_turns, repr(time.time())]
+        fence = ["0", ""] if epoch is None else ["1", epoch]
+        args: list[str | int] = [str(covered_from), summary, summarized_turns, repr(time.time()), *fence]
         done = int(self._summary(keys=[self._keys(session_id)[0]], args=args))
         if done < 0:
             raise SessionNotFound(f"no session {session_id!r} in {self.url}")
         return done == 1
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, *, forks: bool = False) -> None:
         skey, mkey = self._keys(session_id)
-        if not self._run(self._delete, session_id, [skey, mkey, f"{self.prefix}sessions"], [session_id]):
+        doomed = self.forks_of(session_id) if forks and self.exists(session_id) else []
+        fork_keys = [k for sid in doomed for k in self._keys(sid)]
+        keys = [skey, mkey, f"{self.prefix}sessions", *fork_keys]
+        if not self._run(self._delete, session_id, keys, [session_id, *doomed]):  # one script: atomic
             raise SessionNotFound(f"no session {session_id!r}")
+
+    def forks_of(self, session_id: str) -> list[str]:
+        """See :meth:`Store.forks_of`: an ``SSCAN`` of the ids matching ``<id>~*``. Forks
+        are made under their session's lock (a server fork), so a delete that holds it
+        sees them all."""
+        pattern = _glob_escape(session_id + FORK_SEPARATOR) + "*"
+        with self._errors():
+            row: Mapping[str, str] = self._r.hgetall(self._keys(session_id)[0])  # type: ignore[assignment]
+            owner = self._state_of(session_id, row).owner
+            ids = [str(s) for s in self._r.sscan_iter(f"{self.prefix}sessions", match=pattern, count=1000)]
+            ids = sorted(s for s in ids if is_fork_of(s, session_id))
+            pipe = self._r.pipeline(transaction=False)
+            for sid in ids:
+                pipe.hget(self._keys(sid)[0], "owner")
+            owners = pipe.execute() if ids else []
+        return [sid for sid, o in zip(ids, owners, strict=True) if o == owner]
 
     def list_sessions(self) -> list[str]:
         with self._errors():

@@ -21,7 +21,7 @@ from typing import Any
 
 from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
-from convo.stores.base import SessionState, Store
+from convo.stores.base import FORK_SEPARATOR, SessionState, Store, StoredTail, is_fork_of, new_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     evicted_turns INTEGER NOT NULL DEFAULT 0,
     owner TEXT NOT NULL DEFAULT '',
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    epoch TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
@@ -69,7 +70,22 @@ class SQLiteStore(Store):
         os.makedirs(folder, exist_ok=True)
         self._local = threading.local()
         self._conn().executescript(_SCHEMA)  # executescript manages its own transaction
+        self._migrate()
         remove_stale_lock_files(self.locks_folder)
+
+    def _migrate(self) -> None:
+        """Bring a file written by an older convo up to this schema: ``epoch`` was added
+        (old sessions get ``''``, :data:`~convo.stores.base.LEGACY_EPOCH`)."""
+        db = self._conn()
+        columns = {row[1] for row in db.execute("PRAGMA table_info(sessions)")}
+        if "epoch" in columns:
+            return
+        try:
+            with self._tx() as tx:
+                tx.execute("ALTER TABLE sessions ADD COLUMN epoch TEXT NOT NULL DEFAULT ''")
+        except sqlite3.OperationalError as exc:  # another process added it meanwhile
+            if "duplicate column" not in str(exc):
+                raise
 
     @property
     def locks_folder(self) -> str:
@@ -135,9 +151,9 @@ class SQLiteStore(Store):
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO sessions (settings, summary, summarized_turns, evicted_turns, owner,"
-                " updated_at, id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                " updated_at, id, created_at, epoch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 + (" ON CONFLICT (id) DO NOTHING" if if_missing else ""),
-                (*self._state_row(state), state.created_at),
+                (*self._state_row(state), state.created_at, new_epoch()),
             )
             if cur.rowcount == 0:
                 return False
@@ -150,13 +166,14 @@ class SQLiteStore(Store):
     def peek(self, session_id: str) -> tuple[SessionState, int]:
         db = self._conn()
         state = self._state_of(db, session_id)
-        row = db.execute("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
-        return state, int(row[0])
+        # Positions run 0..n-1 (append-only), so the count is the last one + 1: a key lookup.
+        row = db.execute("SELECT MAX(seq) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
+        return state, 0 if row[0] is None else int(row[0]) + 1
 
     def _state_of(self, db: sqlite3.Connection, session_id: str) -> SessionState:
         row = db.execute(
             "SELECT settings, summary, summarized_turns, evicted_turns, owner, created_at,"
-            " updated_at FROM sessions WHERE id = ?",
+            " updated_at, epoch FROM sessions WHERE id = ?",
             (session_id,),
         ).fetchone()
         if row is None:
@@ -170,6 +187,7 @@ class SQLiteStore(Store):
             owner=row[4],
             created_at=row[5],
             updated_at=row[6],
+            epoch=row[7],
         )
 
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
@@ -179,6 +197,31 @@ class SQLiteStore(Store):
             "SELECT record FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
         ).fetchall()
         return state, [Message.from_record(json.loads(r[0])) for r in records]
+
+    def load_tail(self, session_id: str, after: int) -> StoredTail:
+        """See :meth:`Store.load_tail`: one read transaction; the count is the last
+        position + 1 and the tail a range of the ``(session_id, seq)`` key, so the cost
+        follows the tail, not the history."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        db = self._conn()
+        db.execute("BEGIN")  # deferred: a read snapshot (WAL), no write lock
+        try:
+            state = self._state_of(db, session_id)
+            last = db.execute("SELECT MAX(seq) FROM messages WHERE session_id = ?", (session_id,)).fetchone()
+            records = db.execute(
+                "SELECT record FROM messages WHERE session_id = ? AND seq >= ? ORDER BY seq",
+                (session_id, after),
+            ).fetchall()
+        finally:
+            db.execute("COMMIT")
+        count = 0 if last[0] is None else int(last[0]) + 1
+        return StoredTail(
+            state=state,
+            count=count,
+            after=after,
+            messages=[Message.from_record(json.loads(r[0])) for r in records],
+        )
 
     def exists(self, session_id: str) -> bool:
         row = self._conn().execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone()
@@ -222,24 +265,47 @@ class SQLiteStore(Store):
             self._update_state(db, state)
 
     def save_summary(
-        self, session_id: str, *, summary: str, covered_from: int, summarized_turns: int
+        self,
+        session_id: str,
+        *,
+        summary: str,
+        covered_from: int,
+        summarized_turns: int,
+        epoch: str | None = None,
     ) -> bool:
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE sessions SET summary = ?, summarized_turns = ?, updated_at = ?"
-                " WHERE id = ? AND summarized_turns = ?",
-                (summary, summarized_turns, time.time(), session_id, covered_from),
+                " WHERE id = ? AND summarized_turns = ? AND (? IS NULL OR epoch = ?)",
+                (summary, summarized_turns, time.time(), session_id, covered_from, epoch, epoch),
             )
             if cur.rowcount == 0 and not self._exists_in(db, session_id):
                 raise SessionNotFound(f"no session {session_id!r} in {self.path}")
             return cur.rowcount > 0
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, *, forks: bool = False) -> None:
         with self._tx() as db:
-            db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+            doomed = [session_id, *(self._forks_in(db, session_id) if forks else [])]
+            for sid in doomed:
+                db.execute("DELETE FROM messages WHERE session_id = ?", (sid,))
             cur = db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             if cur.rowcount == 0:
                 raise SessionNotFound(f"no session {session_id!r}")
+            db.executemany("DELETE FROM sessions WHERE id = ?", [(sid,) for sid in doomed[1:]])
+
+    def forks_of(self, session_id: str) -> list[str]:
+        return self._forks_in(self._conn(), session_id)
+
+    def _forks_in(self, db: sqlite3.Connection, session_id: str) -> list[str]:
+        """The forks of ``session_id`` (see :meth:`Store.forks_of`): an index range scan
+        of the ids that start with ``<id>~``. Raises SessionNotFound."""
+        owner = self._state_of(db, session_id).owner
+        low = session_id + FORK_SEPARATOR
+        high = low[:-1] + chr(ord(FORK_SEPARATOR) + 1)  # every id with the prefix sorts below
+        rows = db.execute(
+            "SELECT id FROM sessions WHERE id >= ? AND id < ? AND owner = ? ORDER BY id", (low, high, owner)
+        ).fetchall()
+        return [r[0] for r in rows if is_fork_of(r[0], session_id)]
 
     def list_sessions(self) -> list[str]:
         return [r[0] for r in self._conn().execute("SELECT id FROM sessions ORDER BY id")]

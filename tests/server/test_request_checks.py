@@ -531,7 +531,7 @@ def test_a_turn_reads_its_session_once() -> None:
             assert chat(http, "one", session="l").status_code == 200
             store.loads = 0
             assert chat(http, "two", session="l").status_code == 200
-    assert store.loads == 1
+    assert store.loads <= 1  # at most once (none: this process knows the session, a tail read)
 
 
 def test_another_keys_session_looks_missing_at_once() -> None:

@@ -540,3 +540,59 @@ def test_a_sliding_window_never_splits_a_tool_block() -> None:
     for seen in engine.seen:
         validate_sequence(list(seen["messages"]))  # every tool result follows its call
         assert seen["prompt"] + seen["reserve"] <= budget.context_tokens
+
+
+# -- issue 27 #14: a turn reads what is new, not the whole history -----------------------------
+
+
+def _reads_counting_store(path: object) -> object:
+    from convo.stores import SQLiteStore
+
+    class Counting(SQLiteStore):
+        """Counts the messages its reads hand back."""
+
+        read = 0
+
+        def load(self, session_id: str):  # type: ignore[no-untyped-def]
+            state, messages = super().load(session_id)
+            self.read += len(messages)
+            return state, messages
+
+        def load_tail(self, session_id: str, after: int):  # type: ignore[no-untyped-def]
+            tail = super().load_tail(session_id, after)
+            self.read += len(tail.messages)
+            return tail
+
+    return Counting(path)  # type: ignore[arg-type]
+
+
+def test_a_turn_reads_only_what_was_stored_since(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from convo.stores import SessionState, SQLiteStore
+
+    budget = Budget(context_tokens=4096, max_new_tokens=32, window_turns=4, summary_tokens=0)
+    roles = (Role.USER, Role.ASSISTANT)
+    history = [Message(role=roles[i % 2], content=f"m{i}") for i in range(1000)]
+    seed = SQLiteStore(tmp_path / "s.db")
+    state = SessionState(session_id="s", settings={"budget": budget.to_dict()}, evicted_turns=496)
+    seed.create(state, history)
+    store = _reads_counting_store(tmp_path / "s.db")
+    engine = FakeEngine()
+    Session(engine, store=store, session_id="s").send("first")  # the process's first resume reads it all
+    for i in range(3):  # a server's turn: a new session object per request
+        store.read = 0  # type: ignore[attr-defined]
+        reply = Session(engine, store=store, session_id="s").send(f"again {i}")
+        assert store.read <= 2  # type: ignore[attr-defined]
+        assert reply.plan.first_shown_turn >= 496
+    # Another process appends: the next turn reads those messages, and sees them.
+    other = SQLiteStore(tmp_path / "s.db")
+    Session(engine, store=other, session_id="s").send("from elsewhere")
+    store.read = 0  # type: ignore[attr-defined]
+    session = Session(engine, store=store, session_id="s")
+    assert store.read == 2  # type: ignore[attr-defined]
+    assert session.messages[-2].content == "from elsewhere"
+    assert len(session.messages) == 1000 + 2 * 5
+    # Deleted and created again elsewhere: nothing of the old history is reused.
+    other.delete("s")
+    Session(engine, store=other, session_id="s").send("new life")
+    fresh = Session(engine, store=store, session_id="s")
+    assert [m.content for m in fresh.messages][:1] == ["new life"] and len(fresh.messages) == 2

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import FakeEngine
 
-from convo import Budget, MemoryStore, Session, SQLiteStore
+from convo import Budget, InMemoryStore, Session, SQLiteStore
 from convo.errors import BudgetError, ConfigError, MessageError, SessionLockLost
 from convo.messages import Message, Role, ToolCall, user
-from convo.store import SessionState, Store
+from convo.stores import SessionState, Store
+from convo.summarize import Summarizer
 
 # -- item 3: text that is not valid Unicode is refused before anything is stored --------------
 
@@ -59,7 +60,7 @@ def test_send_poison_text_stores_nothing_and_session_stays_usable(tmp_path: Path
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_too_long_system_prompt_creates_no_session(kind: str, tmp_path: Path) -> None:
-    store: Store = MemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "s.db")
+    store: Store = InMemoryStore() if kind == "memory" else SQLiteStore(tmp_path / "s.db")
     budget = Budget(context_tokens=400, max_new_tokens=50)
     with pytest.raises(BudgetError):
         Session(FakeEngine(), store=store, session_id="sys", budget=budget, system_prompt="x" * 20_000)
@@ -70,7 +71,7 @@ def test_too_long_system_prompt_creates_no_session(kind: str, tmp_path: Path) ->
 
 
 def test_budget_over_the_engines_window_is_refused_before_storing() -> None:
-    store = MemoryStore()
+    store = InMemoryStore()
     engine = FakeEngine(context_window=8192)
     with pytest.raises(ConfigError, match="context window"):
         Session(engine, store=store, session_id="big", budget=Budget(context_tokens=50_000))
@@ -290,10 +291,127 @@ def test_peek_gives_state_and_count_without_messages(
     from convo.errors import SessionNotFound
     from convo.store import RedisStore
 
-    for store in (MemoryStore(), SQLiteStore(tmp_path / "s.db"), RedisStore(own_redis[0], prefix="pk:")):
+    for store in (InMemoryStore(), SQLiteStore(tmp_path / "s.db"), RedisStore(own_redis[0], prefix="pk:")):
         store.create(SessionState(session_id="p", summary="s"), [user("a")])
         store.append("p", [user("b"), user("c")])
         state, count = store.peek("p")
         assert (state.summary, count) == ("s", 3)
         with pytest.raises(SessionNotFound):
             store.peek("missing")
+
+
+# -- issue 27: identity, deletion, reads --------------------------------------------------------
+
+
+class _Gated(Summarizer):
+    """A summarizer that folds ``messages`` into text naming them, once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        self.started.set()
+        assert self.gate.wait(10), "test gate never opened"
+        return " ".join(m.content.split()[0] for m in messages)[:max_tokens]
+
+
+_TIGHT = Budget(
+    context_tokens=700, max_new_tokens=50, window_turns=2, summarize_batch_turns=1, summary_tokens=40
+)
+
+
+def _replicas(kind: str, tmp_path: Path) -> tuple[Store, Store]:
+    """Two store objects on one backend, as two server replicas hold them."""
+    if kind == "sqlite":
+        return SQLiteStore(tmp_path / "r.db"), SQLiteStore(tmp_path / "r.db")
+    from test_store import redis_store
+
+    gen = redis_store()
+    a = next(gen)
+    from convo.store import RedisStore
+
+    assert isinstance(a, RedisStore)
+    return a, RedisStore(a.url, prefix=a.prefix)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+@pytest.mark.parametrize("how", ["deleted", "forked"])
+def test_a_background_summary_never_lands_in_a_new_session_under_the_same_id(
+    kind: str, how: str, tmp_path: Path
+) -> None:
+    from convo.summarize import JobStatus, SummaryWorker
+
+    store_a, store_b = _replicas(kind, tmp_path)
+    worker_a, worker_b = SummaryWorker(threads=1, max_defer_s=0.0), SummaryWorker(threads=1, max_defer_s=0.0)
+    try:
+        summ = _Gated()
+        k1 = Session(
+            FakeEngine(), budget=_TIGHT, store=store_a, session_id="shared", owner="k1",
+            summarizer=summ, summaries=worker_a, summary_wait_s=0,
+        )  # fmt: skip
+        for i in range(3):
+            k1.send(f"k1secret{i} " + "w" * 800)
+        assert summ.started.wait(10)  # replica A is folding k1's turns now
+        job = worker_a.job(store_a, "shared")
+        assert job is not None and job.start == 0
+        # Replica B: k1 deletes the session (or a fork rewrites it), k2 creates one under the id.
+        if how == "deleted":
+            store_b.delete("shared")
+            Session(FakeEngine(), store=store_b, session_id="shared", owner="k2", summaries=worker_b)
+        else:
+            state, history = store_b.load("shared")
+            store_b.import_session(store_b.export_session("shared"), session_id="shared~1")
+            store_b.delete("shared")
+            store_b.create(replace_state(state), [m for m in history if m.pinned])
+        summ.gate.set()
+        assert job.wait(10)
+        assert job.status is JobStatus.CANCELLED  # refused by the new session's epoch
+        state_b, _ = store_b.load("shared")
+        assert "k1secret" not in state_b.summary and state_b.summarized_turns == 0
+        # k2's next request lands on replica A: its worker still knows k1's job.
+        again = Session(FakeEngine(), budget=_TIGHT, store=store_a, session_id="shared", summaries=worker_a)
+        assert "k1secret" not in again.summary
+        reply = again.send("k2 hello")
+        assert all("k1secret" not in m.content for m in reply.plan.messages)
+        assert "k1secret" not in store_a.load("shared")[0].summary
+    finally:
+        worker_a.close(wait=False)
+        worker_b.close(wait=False)
+        store_a.close()
+        store_b.close()
+
+
+def replace_state(state: SessionState) -> SessionState:
+    """What a server fork creates again: the state with its summary and window reset."""
+    from dataclasses import replace
+
+    return replace(state, summary="", summarized_turns=0, evicted_turns=0)
+
+
+def test_a_session_stored_before_epochs_loads_and_summarizes(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """CREATE TABLE sessions (id TEXT PRIMARY KEY, settings TEXT NOT NULL,
+        summary TEXT NOT NULL DEFAULT '', summarized_turns INTEGER NOT NULL DEFAULT 0,
+        evicted_turns INTEGER NOT NULL DEFAULT 0, owner TEXT NOT NULL DEFAULT '',
+        created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL, record TEXT NOT NULL, PRIMARY KEY (session_id, seq));
+        INSERT INTO sessions VALUES ('old', '{}', 'before', 0, 0, 'o', 1.0, 1.0);"""
+    )
+    db.commit()
+    db.close()
+    store = SQLiteStore(path)
+    state, messages = store.load("old")
+    assert (state.epoch, state.summary, messages) == ("", "before", [])
+    assert store.save_summary("old", summary="s", covered_from=0, summarized_turns=1, epoch="")
+    assert not store.save_summary("old", summary="x", covered_from=1, summarized_turns=2, epoch="other")
+    session = Session(FakeEngine(), store=store, session_id="old")
+    session.send("hi")
+    assert store.load("old")[0].epoch == ""  # an epoch is minted at creation only
+    store.create(SessionState(session_id="new"))
+    assert len(store.load("new")[0].epoch) == 32

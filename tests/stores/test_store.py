@@ -370,10 +370,10 @@ def test_old_store_module_forwards_its_names_with_a_warning(name: str) -> None:
 
 
 def test_import_convo_stays_quiet_while_its_modules_use_the_old_path() -> None:
-    """convo's own modules still import convo.store: that must not warn (or fail under -W
-    error); a user's import of it does."""
+    """convo's own modules import convo.stores: importing them never warns (or fails under
+    -W error); a user's import of the old path does."""
     quiet = subprocess.run(
-        [sys.executable, "-W", "error", "-c", "import convo, convo.session, convo.store"],
+        [sys.executable, "-W", "error", "-c", "import convo, convo.session, convo.server, convo.cli"],
         capture_output=True,
         text=True,
     )
@@ -384,3 +384,42 @@ def test_import_convo_stays_quiet_while_its_modules_use_the_old_path() -> None:
         text=True,
     )
     assert loud.returncode != 0 and "DeprecationWarning: convo.store is deprecated" in loud.stderr
+
+
+def test_delete_with_forks_removes_the_forks_and_nothing_else(store: Store) -> None:
+    """Issue 27 #5: a deleted session's forks (``X~1``, forks of forks) hold its old tail;
+    ``delete(forks=True)`` removes them in the same call. Ids that only look alike, and
+    forks of another owner, stay."""
+    for sid, owner in [
+        ("X", "k1"), ("X~1", "k1"), ("X~1~1", "k1"), ("X~12", "k1"), ("X~2", "k2"),
+        ("X~draft", "k1"), ("X~0", "k1"), ("Xy~1", "k1"), ("X~1x", "k1"),
+    ]:  # fmt: skip
+        store.create(SessionState(session_id=sid, owner=owner), [user(f"tail of {sid}")])
+    assert store.forks_of("X") == ["X~1", "X~12", "X~1~1"]  # sorted
+    store.delete("X", forks=True)
+    for gone in ("X", "X~1", "X~1~1", "X~12"):
+        assert not store.exists(gone)
+        with pytest.raises(SessionNotFound):
+            store.load(gone)
+    assert sorted(store.list_sessions()) == sorted(["X~0", "X~1x", "X~2", "X~draft", "Xy~1"])
+    with pytest.raises(SessionNotFound):
+        store.delete("X", forks=True)
+
+
+def test_delete_without_forks_keeps_them(store: Store) -> None:
+    """A server fork rewrites a session with delete and create: its fork must stay."""
+    store.create(SessionState(session_id="Y"), [user("a")])
+    store.create(SessionState(session_id="Y~1"), [user("old tail")])
+    store.delete("Y")
+    assert store.load("Y~1")[1] == [user("old tail")]
+
+
+def test_load_tail_reads_the_messages_after_a_position(store: Store) -> None:
+    store.create(SessionState(session_id="t", summary="s"), [user("a")])
+    store.append("t", [user("b"), user("c")])
+    tail = store.load_tail("t", 1)
+    assert (tail.state.summary, tail.count, tail.after, tail.messages) == ("s", 3, 1, [user("b"), user("c")])
+    assert store.load_tail("t", 3).messages == [] and store.load_tail("t", 9).count == 3
+    assert store.load_tail("t", 0).messages == store.load("t")[1]
+    with pytest.raises(SessionNotFound):
+        store.load_tail("missing", 0)

@@ -127,7 +127,7 @@ class Turn:
             if plan.fork_at is not None:
                 # A summary still running folds turns the fork may drop: it must not land.
                 self.summaries.forget(self.store, sid)
-                self.forked = _fork(self.store, sid, plan.fork_at)
+                self.forked = _fork(self.store, sid, plan.fork_at, self.limits.max_forks_per_session)
                 session = None  # the fork rewrote the session: load it as it now is
             if session is None:
                 session = self._session(sid, system if before is None else None)
@@ -195,23 +195,51 @@ def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: 
     store.create(state, history)
 
 
-def _fork(store: Store, sid: str, at: int) -> str:
+#: The parent's ``settings`` key that keeps its forks' bookkeeping: ``{"next": n, "live":
+#: [ids, oldest first]}``. Numbers are never reused, so a dropped fork's id stays missing.
+FORKS_SETTING = "forks"
+
+
+def _live_forks(store: Store, sid: str, state: SessionState) -> tuple[int, list[str]]:
+    """The next fork number of ``sid`` and its forks still stored, oldest first (a session
+    forked before the bookkeeping existed: its ``~1``, ``~2``... found by probing)."""
+    book = state.settings.get(FORKS_SETTING)
+    if isinstance(book, dict):
+        live = [f for f in book.get("live", []) if isinstance(f, str) and store.exists(f)]
+        return max(int(book.get("next", 1)), 1), live
+    live = []
+    n = 1
+    while store.exists(fork_id(sid, n)):
+        live.append(fork_id(sid, n))
+        n += 1
+    return n, live
+
+
+def _fork(store: Store, sid: str, at: int, max_forks: int) -> str:
     """Apply the divergence rule: the whole session as it was moves, readable, to the
     next free ``<sid>~<n>``; ``sid`` keeps its first ``at`` conversation messages (and its
     pinned part). Its summary and window survive when every summarized turn lies before
-    ``at``; otherwise they start again. Returns the fork's id."""
+    ``at``; otherwise they start again. Past ``max_forks`` forks the oldest is deleted
+    (:attr:`ServerLimits.max_forks_per_session`). Returns the fork's id."""
     data = store.export_session(sid)
-    n = 1
+    state, history = store.load(sid)
+    n, live = _live_forks(store, sid, state)
     while store.exists(fork_id(sid, n)):
         n += 1
+    data["settings"] = {k: v for k, v in data["settings"].items() if k != FORKS_SETTING}
     archive = store.import_session(data, session_id=fork_id(sid, n))
-    state, history = store.load(sid)
+    live.append(archive)
+    while len(live) > max_forks:
+        dropped = live.pop(0)
+        store.delete(dropped)
+        logger.info("session %s: fork %s dropped (more than %d forks)", sid, dropped, max_forks)
     pinned = [m for m in history if m.pinned]
     convo = [m for m in history if not m.pinned][:at]
     # Turns wholly before the fork point (the last kept turn may be cut).
     starts = sum(1 for i, m in enumerate(convo) if m.role is Role.USER or i == 0)
     if state.evicted_turns > max(starts - 1, 0):
         state = replace(state, summary="", summarized_turns=0, evicted_turns=0)
+    state = replace(state, settings={**state.settings, FORKS_SETTING: {"next": n + 1, "live": live}})
     store.delete(sid)
     store.create(state)
     store.append(sid, [*pinned, *convo])

@@ -126,6 +126,10 @@ async def stream_turn(
             await close()
         raise
     state.metrics.ttft.observe(time.monotonic() - started)
+    # The history is reconciled before the first text: a fork is known before the headers.
+    completion.forked = turn.forked
+    if turn.forked is not None:
+        headers = {**headers, "X-Convo-Forked": turn.forked}
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -138,7 +142,7 @@ async def stream_turn(
             reply = stream.result
             assert reply is not None
             completion.count(reply)
-            yield completion.chunk({}, finish_reason(reply.finish_reason))
+            yield completion.chunk({}, finish_reason(reply.finish_reason), reply)
             if include_usage:
                 yield completion.usage_chunk(reply)
             yield "data: [DONE]\n\n"

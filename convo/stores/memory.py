@@ -45,7 +45,7 @@ class InMemoryStore(Store):
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
             state, msgs = self._data[session_id]
-            return state, list(msgs)
+        return state, self._stitched(state, list(msgs))
 
     def exists(self, session_id: str) -> bool:
         with self._lock:
@@ -60,6 +60,13 @@ class InMemoryStore(Store):
             old, msgs = self._data[session_id]
             msgs.extend(messages)
             self._data[session_id] = (state or old, msgs)
+
+    def truncate(self, session_id: str, keep: int, *, state: SessionState | None = None) -> None:
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            old, msgs = self._data[session_id]
+            self._data[session_id] = (state or old, msgs[: max(keep, 0)])
 
     def save_state(self, state: SessionState) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ client and LangChain's ``ChatOpenAI``. The stored history holds each message onc
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -468,3 +469,74 @@ def test_forks_per_session_are_bounded_the_oldest_dropped(store: Store) -> None:
 
 def stored_in(store: Store, sid: str) -> list[tuple[str, str]]:
     return [(m.role.value, m.content) for m in store.load(sid)[1]]
+
+
+# -- forks share the prefix ----------------------------------------------------------------------
+
+
+def raw_message_count(path: Path) -> int:
+    """Every message row the SQLite file holds (all sessions, forks included)."""
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+
+
+def test_forks_store_only_their_tail_and_read_whole(tmp_path: Path) -> None:
+    """The issue's client re-edits its last message every turn: storage grows with the
+    messages, not with their square; every fork reads (and exports) its whole history."""
+    path = tmp_path / "share.db"
+    store = SQLiteStore(path)
+    app = create_app(
+        EchoEngine(),
+        store=store,
+        budget=BUDGET,
+        model_name="echo",
+        limits=ServerLimits(max_forks_per_session=50),
+    )
+    olds: list[list[dict[str, Any]]] = []
+    with serve(app) as base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
+        hello = {"role": "user", "content": "hello"}
+        out = c.chat.completions.create(model="echo", messages=[hello], metadata={"session_id": "e"})
+        truth: list[dict[str, Any]] = [
+            hello,
+            {"role": "assistant", "content": out.choices[0].message.content},
+        ]
+        for i in range(12):
+            q = {"role": "user", "content": f"q{i}"}
+            out = c.chat.completions.create(model="echo", messages=[*truth, q], metadata={"session_id": "e"})
+            olds.append([*truth, q, {"role": "assistant", "content": out.choices[0].message.content}])
+            q = {"role": "user", "content": f"q{i}, edited"}
+            out = c.chat.completions.create(model="echo", messages=[*truth, q], metadata={"session_id": "e"})
+            assert out.model_extra is not None and out.model_extra["convo"]["forked"] == f"e~{i + 1}"
+            truth += [q, {"role": "assistant", "content": out.choices[0].message.content}]
+        for i, old in enumerate(olds):  # each fork: the history the client replaced, whole
+            assert stored(base, f"e~{i + 1}") == [(m["role"], m["content"]) for m in old]
+            export = httpx.get(f"{base}/v1/sessions/e~{i + 1}/export").json()
+            assert [r["content"] for r in export["messages"]] == [m["content"] for m in old]
+        assert stored(base, "e") == [(m["role"], m["content"]) for m in truth]
+        assert raw_message_count(path) == 26 + 12 * 2  # the session, then 2 per fork (full copies: 192)
+        # An edit earlier than the forks' shared prefix: they keep their history whole.
+        q = {"role": "user", "content": "q0, edited again"}
+        out = c.chat.completions.create(model="echo", messages=[*truth[:2], q], metadata={"session_id": "e"})
+        assert out.model_extra is not None and out.model_extra["convo"]["forked"] == "e~13"
+        for i, old in enumerate(olds):
+            assert stored(base, f"e~{i + 1}") == [(m["role"], m["content"]) for m in old]
+        assert stored(base, "e~13") == [(m["role"], m["content"]) for m in truth]
+        assert len(stored(base, "e")) == 4  # hello, its answer, the new q0 and its answer
+        assert httpx.delete(f"{base}/v1/sessions/e").status_code == 200
+        assert httpx.get(f"{base}/v1/sessions/e~3").status_code == 404  # a fork goes with its parent
+
+
+def test_a_refused_turn_after_a_fork_leaves_the_forks_whole(url: str, store: Store) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        plan = {"role": "user", "content": "plan"}
+        first = c.chat.completions.create(model="echo", messages=[plan], metadata={"session_id": "r"})
+        start = [plan, {"role": "assistant", "content": first.choices[0].message.content}]
+        for month in ("May", "June"):
+            edit = [*start, {"role": "user", "content": month}]
+            c.chat.completions.create(model="echo", messages=edit, metadata={"session_id": "r"})
+        before = stored(url, "r"), stored(url, "r~1")
+        bad = {"role": "tool", "tool_call_id": "nope", "content": "?"}  # answers no call: 400
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="echo", messages=[*start, bad], metadata={"session_id": "r"})
+    assert (stored(url, "r"), stored(url, "r~1")) == before
+    assert forks(store, "r") == ["r~1"]

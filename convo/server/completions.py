@@ -136,12 +136,15 @@ class Completion:
             "convo": convo_stats(reply, self.session_id, self.forked),
         }
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
-        """One server-sent event of the stream."""
-        data = {
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, reply: Reply | None = None) -> str:
+        """One server-sent event of the stream; the final one (with the ``reply``) carries
+        the ``convo`` block, as the non-streaming response does (``forked`` included)."""
+        data: dict[str, Any] = {
             **self._head("chat.completion.chunk"),
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
         }
+        if reply is not None:
+            data["convo"] = convo_stats(reply, self.session_id, self.forked)
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def usage_chunk(self, reply: Reply) -> str:

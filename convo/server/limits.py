@@ -61,9 +61,17 @@ class ServerLimits:
     health_timeout_s: float = 1.0
     max_stop_chars: int = 256
     summary_wait_s: float | Literal["auto"] | None = SUMMARY_WAIT_AUTO
+    max_forks_per_session: int = 8
 
     def __post_init__(self) -> None:
-        positive = ("max_body_bytes", "max_messages", "admission_tokens", "max_concurrency", "max_stop_chars")
+        positive = (
+            "max_body_bytes",
+            "max_messages",
+            "admission_tokens",
+            "max_concurrency",
+            "max_stop_chars",
+            "max_forks_per_session",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")

@@ -140,6 +140,10 @@ async def stream_turn(
             await close()
         raise
     state.metrics.ttft.observe(time.monotonic() - started)
+    # The history is reconciled before the first text: a fork is known before the headers.
+    completion.forked = turn.forked
+    if turn.forked is not None:
+        headers = {**headers, "X-Convo-Forked": turn.forked}
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -160,7 +164,7 @@ async def stream_turn(
                 for i, call in enumerate(reply.tool_calls):
                     whole = ToolCallDelta(index=i, id=call.id, name=call.name, arguments=call.arguments)
                     yield completion.chunk({"tool_calls": [tool_call_delta_json(whole)]})
-            yield completion.chunk({}, reply_finish_reason(reply))
+            yield completion.chunk({}, reply_finish_reason(reply), reply)
             if include_usage:
                 yield completion.usage_chunk(reply)
             yield "data: [DONE]\n\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from convo.server.reconcile import fork_id, reconcile
 from convo.server.requests import ChatRequest
 from convo.session import Reply, Session
 from convo.stores import InMemoryStore, SessionState, Store
+from convo.stores.base import FORK_SETTING
 from convo.summarize import SummaryWorker
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class Turn:
             if plan.fork_at is not None:
                 # A summary still running folds turns the fork may drop: it must not land.
                 self.summaries.forget(self.store, sid)
-                self.forked = _fork(self.store, sid, plan.fork_at)
+                self.forked = _fork(self.store, sid, plan.fork_at, self.limits.max_forks_per_session)
                 session = None  # the fork rewrote the session: load it as it now is
             if session is None:
                 session = self._session(sid, system if before is None else None)
@@ -195,35 +196,94 @@ class Turn:
 
 def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> None:
     """Put a session back as it was before a refused turn (its state and ``history``),
-    unless nothing was written."""
+    unless nothing was written. The session is cut back to what it still shares with
+    ``history`` and the rest re-appended: it is never deleted (its forks share its prefix)."""
     state, count = before
     now, now_count = store.peek(sid)
     if now_count == count and replace(now, updated_at=0.0) == replace(state, updated_at=0.0):
         return
-    store.delete(sid)
-    store.create(state, history)
+    _, current = store.load(sid)
+    keep = 0
+    while keep < min(len(current), len(history)) and current[keep] == history[keep]:
+        keep += 1
+    store.truncate(sid, keep, state=state)
+    if history[keep:]:
+        store.append(sid, history[keep:])
 
 
-def _fork(store: Store, sid: str, at: int) -> str:
-    """Apply the divergence rule: the whole session as it was moves, readable, to the
-    next free ``<sid>~<n>``; ``sid`` keeps its first ``at`` conversation messages (and its
-    pinned part). Its summary and window survive when every summarized turn lies before
-    ``at``; otherwise they start again. Returns the fork's id."""
-    data = store.export_session(sid)
+#: The parent's ``settings`` key that keeps its forks' bookkeeping: ``{"next": n, "live":
+#: [ids, oldest first]}``. Numbers are never reused, so a dropped fork's id stays missing.
+FORKS_SETTING = "forks"
+
+
+def _live_forks(store: Store, sid: str, state: SessionState) -> tuple[int, list[str]]:
+    """The next fork number of ``sid`` and its forks still stored, oldest first (a session
+    forked before the bookkeeping existed: its ``~1``, ``~2``... found by probing)."""
+    book = state.settings.get(FORKS_SETTING)
+    if isinstance(book, dict):
+        live = [f for f in book.get("live", []) if isinstance(f, str) and store.exists(f)]
+        return max(int(book.get("next", 1)), 1), live
+    live = []
     n = 1
     while store.exists(fork_id(sid, n)):
+        live.append(fork_id(sid, n))
         n += 1
-    archive = store.import_session(data, session_id=fork_id(sid, n))
+    return n, live
+
+
+def _shared_length(history: list[Message], at: int) -> int:
+    """How many stored messages come before the ``at``-th conversation (unpinned) message."""
+    seen = 0
+    for i, m in enumerate(history):
+        if not m.pinned:
+            if seen == at:
+                return i
+            seen += 1
+    return len(history)
+
+
+def _fork(store: Store, sid: str, at: int, max_forks: int) -> str:
+    """Apply the divergence rule: ``sid`` as it was stays readable as the next free
+    ``<sid>~<n>``, and ``sid`` keeps its first ``at`` conversation messages (and its pinned
+    part). The fork **shares** those first messages with ``sid`` instead of copying them:
+    it stores only the replaced tail, and links to ``sid`` (``FORK_SETTING`` of
+    :mod:`convo.stores.base`: a fork's load stitches ``sid``'s prefix and its tail). An
+    older fork that shared more of ``sid`` than is kept now takes those messages into its
+    own tail first (only then is ``sid`` cut). Past ``max_forks`` forks the oldest is
+    deleted (:attr:`ServerLimits.max_forks_per_session`). ``sid``'s summary and window
+    survive when every summarized turn lies before ``at``; otherwise they start again.
+    Returns the fork's id."""
     state, history = store.load(sid)
-    pinned = [m for m in history if m.pinned]
+    n, live = _live_forks(store, sid, state)
+    while store.exists(fork_id(sid, n)):
+        n += 1
+    while live and len(live) >= max_forks:
+        dropped = live.pop(0)
+        store.delete(dropped)
+        logger.info("session %s: fork %s dropped (more than %d forks)", sid, dropped, max_forks)
+    shared = _shared_length(history, at)
+    for other in live:
+        other_state, other_history = store.load(other)
+        link = other_state.settings.get(FORK_SETTING)
+        if isinstance(link, Mapping) and link.get("parent") == sid and int(link["prefix"]) > shared:
+            settings = {**other_state.settings, FORK_SETTING: {"parent": sid, "prefix": shared}}
+            store.delete(other)
+            store.create(replace(other_state, settings=settings), other_history[shared:])
+    archive = fork_id(sid, n)
+    settings = {k: v for k, v in state.settings.items() if k != FORKS_SETTING}
+    settings[FORK_SETTING] = {"parent": sid, "prefix": shared}
+    store.create(replace(state, session_id=archive, settings=settings), history[shared:])
+    live.append(archive)
+    later_pinned = [m for m in history[shared:] if m.pinned]
     convo = [m for m in history if not m.pinned][:at]
     # Turns wholly before the fork point (the last kept turn may be cut).
     starts = sum(1 for i, m in enumerate(convo) if m.role is Role.USER or i == 0)
     if state.evicted_turns > max(starts - 1, 0):
         state = replace(state, summary="", summarized_turns=0, evicted_turns=0)
-    store.delete(sid)
-    store.create(state)
-    store.append(sid, [*pinned, *convo])
+    state = replace(state, settings={**state.settings, FORKS_SETTING: {"next": n + 1, "live": live}})
+    store.truncate(sid, shared, state=state)
+    if later_pinned:
+        store.append(sid, later_pinned)
     logger.info("session %s: history diverged at message %d; the replaced tail is in %s", sid, at, archive)
     return archive
 

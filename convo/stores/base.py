@@ -30,6 +30,14 @@ logger = logging.getLogger(__name__)
 #: Version of the export format written by :meth:`Store.export_session`.
 EXPORT_FORMAT = "convo.session/1"
 
+#: The ``settings`` key that makes a session a *fork* sharing its parent's first messages:
+#: ``{"parent": "<id>", "prefix": n}``. A fork stores only its own messages (its tail);
+#: :meth:`Store.load` returns the parent's first ``n`` stored messages followed by them, and
+#: a fork whose parent is gone reads as missing. Whoever truncates a parent below ``n``
+#: keeps the fork whole first (the server does, see ``convo.server.turns``); an export is
+#: the stitched history without this key (self-contained).
+FORK_SETTING = "fork"
+
 
 @dataclass(frozen=True, kw_only=True)
 class SessionState:
@@ -138,6 +146,37 @@ class Store(abc.ABC):
     def load(self, session_id: str) -> tuple[SessionState, list[Message]]:
         """State and full history. Raises SessionNotFound."""
 
+    def _stitched(self, state: SessionState, messages: list[Message]) -> list[Message]:
+        """A fork's whole history: its parent's shared prefix, then its own ``messages``
+        (see :data:`FORK_SETTING`); any other session's ``messages`` as they are. Stores
+        call it from :meth:`load`, outside their own locks."""
+        link = state.settings.get(FORK_SETTING)
+        if not isinstance(link, Mapping):
+            return messages
+        try:
+            _, parent = self.load(str(link["parent"]))
+        except SessionNotFound:
+            raise SessionNotFound(f"no session {state.session_id!r} (its parent is gone)") from None
+        return [*parent[: int(link["prefix"])], *messages]
+
+    def truncate(self, session_id: str, keep: int, *, state: SessionState | None = None) -> None:
+        """Keep the first ``keep`` stored messages (a fork's own: its tail) and drop the
+        rest, optionally replacing the state, in one transaction. Forks sharing more than
+        ``keep`` messages of this session are the caller's to keep whole (see
+        :data:`FORK_SETTING`).
+
+        The stores here do it in one transaction; this default (for other stores) deletes
+        and re-creates the session.
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        old, messages = self.load(session_id)
+        if isinstance(old.settings.get(FORK_SETTING), Mapping):
+            messages = messages[int(old.settings[FORK_SETTING]["prefix"]) :]
+        self.delete(session_id)
+        self.create(state or old, messages[:keep])
+
     @abc.abstractmethod
     def exists(self, session_id: str) -> bool:
         """Whether the session exists."""
@@ -234,7 +273,7 @@ class Store(abc.ABC):
         return {
             "format": EXPORT_FORMAT,
             "session_id": state.session_id,
-            "settings": dict(state.settings),
+            "settings": {k: v for k, v in state.settings.items() if k != FORK_SETTING},
             "summary": state.summary,
             "summarized_turns": state.summarized_turns,
             "evicted_turns": state.evicted_turns,

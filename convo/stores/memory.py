@@ -45,7 +45,7 @@ class InMemoryStore(Store):
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
             state, msgs = self._data[session_id]
-            return state, list(msgs)
+        return state, self._stitched(state, list(msgs))
 
     def load_tail(self, session_id: str, after: int) -> StoredTail:
         if after < 0:
@@ -70,6 +70,13 @@ class InMemoryStore(Store):
             msgs.extend(messages)
             new = old if state is None else replace(state, epoch=old.epoch)  # the epoch never changes
             self._data[session_id] = (new, msgs)
+
+    def truncate(self, session_id: str, keep: int, *, state: SessionState | None = None) -> None:
+        with self._lock:
+            if session_id not in self._data:
+                raise SessionNotFound(f"no session {session_id!r}")
+            old, msgs = self._data[session_id]
+            self._data[session_id] = (state or old, msgs[: max(keep, 0)])
 
     def save_state(self, state: SessionState) -> None:
         with self._lock:

@@ -68,6 +68,13 @@ _R_SAVE = f"""
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
+_R_TRUNCATE = f"""
+{_R_EXISTING}
+local keep = tonumber(ARGV[2])
+if keep > 0 then redis.call('LTRIM', KEYS[2], 0, keep - 1) else redis.call('DEL', KEYS[2]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+return 1
+"""
 _R_SUMMARY = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'summarized_turns') ~= ARGV[1] then return 0 end
@@ -160,6 +167,7 @@ class RedisStore(Store):
         self._create = self._r.register_script(_R_CREATE)
         self._append = self._r.register_script(_R_APPEND)
         self._save = self._r.register_script(_R_SAVE)
+        self._truncate = self._r.register_script(_R_TRUNCATE)
         self._delete = self._r.register_script(_R_DELETE)
         self._summary = self._r.register_script(_R_SUMMARY)
         self._release = self._r.register_script(_R_RELEASE)
@@ -236,7 +244,7 @@ class RedisStore(Store):
             pipe.lrange(mkey, 0, -1)
             row, records = pipe.execute()
         state = self._state_of(session_id, row)
-        return state, [Message.from_record(json.loads(r)) for r in records]
+        return state, self._stitched(state, [Message.from_record(json.loads(r)) for r in records])
 
     def load_tail(self, session_id: str, after: int) -> StoredTail:
         """See :meth:`Store.load_tail`: ``HGETALL``, ``LLEN`` and ``LRANGE after -1`` in
@@ -294,6 +302,15 @@ class RedisStore(Store):
         else:
             fields = ["updated_at", repr(time.time())]
         if not self._run(self._append, session_id, [skey, mkey], [len(records), *records, *fields]):
+            raise SessionNotFound(f"no session {session_id!r}")
+
+    def truncate(self, session_id: str, keep: int, *, state: SessionState | None = None) -> None:
+        skey, mkey = self._keys(session_id)
+        if state is not None:
+            fields = self._fields(replace(state, updated_at=time.time()), created=False)
+        else:
+            fields = ["updated_at", repr(time.time())]
+        if not self._run(self._truncate, session_id, [skey, mkey], [max(keep, 0), *fields]):
             raise SessionNotFound(f"no session {session_id!r}")
 
     def save_state(self, state: SessionState) -> None:

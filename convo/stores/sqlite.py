@@ -196,7 +196,7 @@ class SQLiteStore(Store):
         records = db.execute(
             "SELECT record FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
         ).fetchall()
-        return state, [Message.from_record(json.loads(r[0])) for r in records]
+        return state, self._stitched(state, [Message.from_record(json.loads(r[0])) for r in records])
 
     def load_tail(self, session_id: str, after: int) -> StoredTail:
         """See :meth:`Store.load_tail`: one read transaction; the count is the last
@@ -259,6 +259,20 @@ class SQLiteStore(Store):
         )
         if cur.rowcount == 0:
             raise SessionNotFound(f"no session {state.session_id!r}")
+
+    def truncate(self, session_id: str, keep: int, *, state: SessionState | None = None) -> None:
+        with self._tx() as db:
+            if not self._exists_in(db, session_id):
+                raise SessionNotFound(f"no session {session_id!r}")
+            db.execute(
+                "DELETE FROM messages WHERE session_id = ? AND seq NOT IN"
+                " (SELECT seq FROM messages WHERE session_id = ? ORDER BY seq LIMIT ?)",
+                (session_id, session_id, max(keep, 0)),
+            )
+            if state is not None:
+                self._update_state(db, state)
+            else:
+                db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (time.time(), session_id))
 
     def save_state(self, state: SessionState) -> None:
         with self._tx() as db:

@@ -4,6 +4,7 @@ client and LangChain's ``ChatOpenAI``. The stored history holds each message onc
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convo import Budget, Message, SQLiteStore
+from convo.errors import ConfigError
+from convo.messages import ToolCall
 from convo.server.app import create_app
-from convo.server.reconcile import reconcile
+from convo.server.limits import ServerLimits
+from convo.server.reconcile import Reconciled, reconcile
 from convo.stores import Store
 from convo.testing import EchoEngine
 
@@ -70,14 +74,60 @@ def a(text: str) -> Message:
         (["u1", "a1", "u2"], [], 3),  # a resent prefix: answer u2 again
         (["u1"], ["u1"], None),  # one message equal to the first: a new message
         (["a2", "u2"], ["u2"], None),  # the stored tail "a2" repeated, then new
+        (["u1", "a1 ", "u2", "a2\n", "u3"], ["u3"], None),  # the client's copy, whitespace trimmed
+        (["u1", "a1 again", "u3"], ["a1 again", "u3"], 1),  # a word added to a reply: an edit
+        (["u1", " u2"], [" u2"], 1),  # the first message, then something else: a fork
     ],
 )
 def test_reconcile_rule(incoming: list[str], new: list[str], fork_at: int | None) -> None:
     history = [u("u1"), a("a1"), u("u2"), a("a2")]
     msg = {"u": u, "a": a}
-    out = reconcile(history, [msg[x[0]](x) for x in incoming])
+    out = reconcile(history, [msg[x.strip()[0]](x) for x in incoming])
     assert [m.content for m in out.new] == new
     assert out.fork_at == fork_at
+
+
+@pytest.mark.parametrize(
+    ("resent", "same"),
+    [
+        ("**Porto** in *May*:\n\n* trains\n* food\n", True),
+        ("__Porto__ in _May_:\n- trains\n- food", True),  # markdown re-rendered, trimmed
+        ("  **Porto**   in *May*:  \n\n\n\n* trains\n* food", True),
+        ("**Porto** in *June*:\n\n* trains\n* food\n", False),  # a word changed
+        ("**Porto** in *May*:\n\n* trains\n", False),  # a word dropped
+    ],
+)
+def test_an_assistant_reply_matches_by_its_words(resent: str, same: bool) -> None:
+    reply = "**Porto** in *May*:\n\n* trains\n* food\n"
+    out = reconcile([u("plan"), a(reply)], [u("plan"), a(resent), u("more")])
+    assert (out.fork_at is None) is same
+
+
+def test_a_user_edit_forks_but_whitespace_does_not() -> None:
+    history = [u("plan a trip"), a("ok"), u("to Porto")]
+    assert reconcile(history, [u("plan  a trip\n"), a("ok"), u("to Porto "), a("x"), u("y")]).fork_at is None
+    assert reconcile(history, [u("plan a trip"), a("ok"), u("to Porto!")]).fork_at == 2
+
+
+def test_tool_arguments_match_as_json() -> None:
+    def call(arguments: str) -> Message:
+        return Message(
+            role="assistant", content="", tool_calls=(ToolCall(id="c1", name="f", arguments=arguments),)
+        )
+
+    history = [u("q"), call('{"city": "Porto", "days": [1, 2]}')]
+    assert reconcile(history, [u("q"), call('{"days":[1,2],"city":"Porto"}'), u("n")]).new == (u("n"),)
+    assert reconcile(history, [u("q"), call('{"city": "Lisbon", "days": [1, 2]}'), u("n")]).fork_at == 1
+
+
+def test_a_window_is_aligned_where_it_starts_not_at_an_equal_first_message() -> None:
+    history = [u("hi"), a("h1"), u("u2"), a("a2"), u("hi"), a("h2"), u("u4"), a("a4")]
+    assert reconcile(history, [u("hi"), a("h2"), u("u4"), a("a4"), u("u5")]).new == (u("u5"),)
+    # A window that diverges is anchored where it repeats the stored run, not at the start.
+    out = reconcile(history, [u("hi"), a("h2"), u("u4*")])
+    assert (out.fork_at, out.new) == (6, (u("u4*"),))
+    # One equal message in the middle is no anchor: a new message.
+    assert reconcile(history, [u("u2"), u("more")]) == Reconciled(new=(u("u2"), u("more")))
 
 
 @settings(max_examples=200, deadline=None)
@@ -276,3 +326,217 @@ def test_convo_serve_has_the_user_flag() -> None:
 
     assert build_parser().parse_args(["serve"]).session_from_user is False
     assert build_parser().parse_args(["serve", "--session-from-user"]).session_from_user is True
+
+
+# -- live server: ordinary client behaviour that is no divergence (issue 27, defect 4) -------------
+
+
+def forks(store: Store, sid: str) -> list[str]:
+    return [s for s in store.list_sessions() if s.startswith(f"{sid}~")]
+
+
+def rerender(markdown: str) -> str:
+    """What a chat UI's copy of a reply looks like: markdown re-rendered, whitespace trimmed."""
+    lines = [line.strip().replace("* ", "- ", 1) for line in markdown.replace("**", "__").splitlines()]
+    return "\n".join(line for line in lines if line).strip()
+
+
+def test_a_client_keeping_an_edited_copy_of_the_replies_never_forks(url: str, store: Store) -> None:
+    messages: list[dict[str, Any]] = []
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        for i in range(25):
+            messages.append({"role": "user", "content": f"**point {i}**\n\n\n* item  {i}  "})
+            out = c.chat.completions.create(model="echo", messages=messages, metadata={"session_id": "copy"})
+            assert out.model_extra is not None and out.model_extra["convo"]["forked"] is None
+            reply = out.choices[0].message.content
+            assert reply is not None and rerender(reply) != reply  # the client's copy differs
+            messages.append({"role": "assistant", "content": rerender(reply)})
+    now = stored(url, "copy")
+    assert len(now) == 50 and forks(store, "copy") == []  # 50 messages stored, once each
+    assert [r for r, _ in now] == ["user", "assistant"] * 25
+    assert now[1][1].startswith("heard 1: **point 0**")  # the server's own reply is kept
+
+
+def test_a_window_starting_with_a_repeated_first_message_does_not_fork(url: str, store: Store) -> None:
+    truth: list[dict[str, Any]] = []
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        for text in ["hi", "u2", "hi", "u4", "u5", "hi", "u7"]:
+            window = [*truth[-4:], {"role": "user", "content": text}]  # the last two turns and the new one
+            out = c.chat.completions.create(model="echo", messages=window, metadata={"session_id": "hi"})
+            assert out.model_extra is not None and out.model_extra["convo"]["forked"] is None
+            truth += [window[-1], {"role": "assistant", "content": out.choices[0].message.content}]
+    assert stored(url, "hi") == [(m["role"], m["content"]) for m in truth]
+    assert forks(store, "hi") == []
+
+
+def test_tool_call_arguments_reserialized_do_not_fork(url: str, store: Store) -> None:
+    def call(arguments: str) -> dict[str, Any]:
+        return {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+
+    first = [
+        {"role": "user", "content": "weather in Porto?"},
+        {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Porto", "unit": "C"}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        out = c.chat.completions.create(model="echo", messages=first, extra_headers={"X-Session-Id": "args"})
+        again = [
+            first[0],
+            {**first[1], "tool_calls": [call('{"unit":"C","city":"Porto"}')]},  # another serializer
+            first[2],
+            {"role": "assistant", "content": out.choices[0].message.content},
+            {"role": "user", "content": "and tomorrow?"},
+        ]
+        second = c.chat.completions.create(
+            model="echo", messages=again, extra_headers={"X-Session-Id": "args"}
+        )
+    assert second.model_extra is not None and second.model_extra["convo"]["forked"] is None
+    assert [r for r, _ in stored(url, "args")] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert forks(store, "args") == []
+
+
+def test_a_trimmed_window_that_diverges_forks_where_it_diverges(url: str, store: Store) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        truth: list[dict[str, Any]] = []
+        for text in ["u1", "u2", "u3"]:
+            truth.append({"role": "user", "content": text})
+            out = c.chat.completions.create(model="echo", messages=truth, metadata={"session_id": "win"})
+            truth.append({"role": "assistant", "content": out.choices[0].message.content})
+        window = [*truth[2:4], {"role": "user", "content": "u3, edited"}]  # u2 a2 u3*
+        out = c.chat.completions.create(model="echo", messages=window, metadata={"session_id": "win"})
+    assert out.model_extra is not None and out.model_extra["convo"]["forked"] == "win~1"
+    now = stored(url, "win")
+    assert [m for _, m in now[:5]] == [m["content"] for m in truth[:4]] + ["u3, edited"] and len(now) == 6
+    assert stored(url, "win~1") == [(m["role"], m["content"]) for m in truth]
+
+
+def test_a_streamed_response_reports_its_fork(url: str, store: Store) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        plan = {"role": "user", "content": "plan a trip"}
+        first = c.chat.completions.create(model="echo", messages=[plan], metadata={"session_id": "st"})
+        start = [plan, {"role": "assistant", "content": first.choices[0].message.content}]
+        c.chat.completions.create(
+            model="echo",
+            messages=[*start, {"role": "user", "content": "in May"}],
+            metadata={"session_id": "st"},
+        )
+        raw = c.chat.completions.with_raw_response.create(
+            model="echo",
+            messages=[*start, {"role": "user", "content": "in June"}],  # edited: a fork
+            metadata={"session_id": "st"},
+            stream=True,
+        )
+        header = raw.headers.get("x-convo-forked")  # known before the stream starts
+        chunks = list(raw.parse())
+    assert header == "st~1"
+    final = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].model_extra is not None
+    assert final[0].model_extra["convo"]["forked"] == "st~1"
+    assert final[0].model_extra["convo"]["session_id"] == "st"
+    assert stored(url, "st~1")[2] == ("user", "in May") and len(stored(url, "st~1")) == 4
+    assert stored(url, "st")[2] == ("user", "in June") and len(stored(url, "st")) == 4
+
+
+def test_forks_per_session_are_bounded_the_oldest_dropped(store: Store) -> None:
+    limits = ServerLimits(max_forks_per_session=2)
+    app = create_app(EchoEngine(), store=store, budget=BUDGET, model_name="echo", limits=limits)
+    with serve(app) as base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
+        reported = []
+        for i in range(5):  # "start", then "start" + another second message each time: a fork each
+            versions = [{"role": "user", "content": f"version {i}"}] if i else []
+            out = c.chat.completions.create(
+                model="echo",
+                messages=[{"role": "user", "content": "start"}, *versions],
+                metadata={"session_id": "b"},
+            )
+            assert out.model_extra is not None
+            reported.append(out.model_extra["convo"]["forked"])
+        assert httpx.get(f"{base}/v1/sessions/b~1").status_code == 404
+    assert reported == [None, "b~1", "b~2", "b~3", "b~4"]
+    assert forks(store, "b") == ["b~3", "b~4"]  # the two newest; numbers are not reused
+    assert [m for _, m in stored_in(store, "b~4")][:2] == ["start", "version 3"]
+    assert [m for _, m in stored_in(store, "b")][:2] == ["start", "version 4"]
+    with pytest.raises(ConfigError):
+        ServerLimits(max_forks_per_session=0)
+
+
+def stored_in(store: Store, sid: str) -> list[tuple[str, str]]:
+    return [(m.role.value, m.content) for m in store.load(sid)[1]]
+
+
+# -- forks share the prefix ----------------------------------------------------------------------
+
+
+def raw_message_count(path: Path) -> int:
+    """Every message row the SQLite file holds (all sessions, forks included)."""
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+
+
+def test_forks_store_only_their_tail_and_read_whole(tmp_path: Path) -> None:
+    """The issue's client re-edits its last message every turn: storage grows with the
+    messages, not with their square; every fork reads (and exports) its whole history."""
+    path = tmp_path / "share.db"
+    store = SQLiteStore(path)
+    app = create_app(
+        EchoEngine(),
+        store=store,
+        budget=BUDGET,
+        model_name="echo",
+        limits=ServerLimits(max_forks_per_session=50),
+    )
+    olds: list[list[dict[str, Any]]] = []
+    with serve(app) as base, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as c:
+        hello = {"role": "user", "content": "hello"}
+        out = c.chat.completions.create(model="echo", messages=[hello], metadata={"session_id": "e"})
+        truth: list[dict[str, Any]] = [
+            hello,
+            {"role": "assistant", "content": out.choices[0].message.content},
+        ]
+        for i in range(12):
+            q = {"role": "user", "content": f"q{i}"}
+            out = c.chat.completions.create(model="echo", messages=[*truth, q], metadata={"session_id": "e"})
+            olds.append([*truth, q, {"role": "assistant", "content": out.choices[0].message.content}])
+            q = {"role": "user", "content": f"q{i}, edited"}
+            out = c.chat.completions.create(model="echo", messages=[*truth, q], metadata={"session_id": "e"})
+            assert out.model_extra is not None and out.model_extra["convo"]["forked"] == f"e~{i + 1}"
+            truth += [q, {"role": "assistant", "content": out.choices[0].message.content}]
+        for i, old in enumerate(olds):  # each fork: the history the client replaced, whole
+            assert stored(base, f"e~{i + 1}") == [(m["role"], m["content"]) for m in old]
+            export = httpx.get(f"{base}/v1/sessions/e~{i + 1}/export").json()
+            assert [r["content"] for r in export["messages"]] == [m["content"] for m in old]
+        assert stored(base, "e") == [(m["role"], m["content"]) for m in truth]
+        assert raw_message_count(path) == 26 + 12 * 2  # the session, then 2 per fork (full copies: 192)
+        # An edit earlier than the forks' shared prefix: they keep their history whole.
+        q = {"role": "user", "content": "q0, edited again"}
+        out = c.chat.completions.create(model="echo", messages=[*truth[:2], q], metadata={"session_id": "e"})
+        assert out.model_extra is not None and out.model_extra["convo"]["forked"] == "e~13"
+        for i, old in enumerate(olds):
+            assert stored(base, f"e~{i + 1}") == [(m["role"], m["content"]) for m in old]
+        assert stored(base, "e~13") == [(m["role"], m["content"]) for m in truth]
+        assert len(stored(base, "e")) == 4  # hello, its answer, the new q0 and its answer
+        assert httpx.delete(f"{base}/v1/sessions/e").status_code == 200
+        assert httpx.get(f"{base}/v1/sessions/e~3").status_code == 404  # a fork goes with its parent
+
+
+def test_a_refused_turn_after_a_fork_leaves_the_forks_whole(url: str, store: Store) -> None:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        plan = {"role": "user", "content": "plan"}
+        first = c.chat.completions.create(model="echo", messages=[plan], metadata={"session_id": "r"})
+        start = [plan, {"role": "assistant", "content": first.choices[0].message.content}]
+        for month in ("May", "June"):
+            edit = [*start, {"role": "user", "content": month}]
+            c.chat.completions.create(model="echo", messages=edit, metadata={"session_id": "r"})
+        before = stored(url, "r"), stored(url, "r~1")
+        bad = {"role": "tool", "tool_call_id": "nope", "content": "?"}  # answers no call: 400
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="echo", messages=[*start, bad], metadata={"session_id": "r"})
+    assert (stored(url, "r"), stored(url, "r~1")) == before
+    assert forks(store, "r") == ["r~1"]

@@ -124,8 +124,9 @@ async def delete(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
         with state.store.lock(session_id, 0):  # another replica's turn: 409 at once too
             if peek_owned(state.store, session_id, owner) is None:
                 raise SessionNotFound(f"no session {session_id!r}")
-            state.summaries.forget(state.store, session_id)  # its summary must not land in a new one
-            state.store.delete(session_id)
+            for sid in (session_id, *state.store.forks_of(session_id)):  # no summary lands in a new one
+                state.summaries.forget(state.store, sid)
+            state.store.delete(session_id, forks=True)  # its forks go with it (``<id>~N``)
 
     # Another key's session is missing, busy or not: 404 before any queue or lock.
     if not await state.session_exists(session_id, owner):

@@ -224,6 +224,23 @@ def test_divergence_forks_and_the_replaced_tail_stays_readable(url: str) -> None
     assert [c for _, c in replaced][2] == "in May" and len(replaced) == 4
 
 
+def test_deleting_a_session_deletes_its_forks(url: str, store: Store) -> None:
+    """After DELETE of X, its fork X~1 is gone too (it answered the old tail before)."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+
+        def ask(messages: list[dict[str, Any]]) -> Any:
+            return c.chat.completions.create(model="echo", messages=messages, metadata={"session_id": "del"})
+
+        a1 = ask([{"role": "user", "content": "plan a trip to Porto"}]).choices[0].message.content
+        start = [{"role": "user", "content": "plan a trip to Porto"}, {"role": "assistant", "content": a1}]
+        ask([*start, {"role": "user", "content": "in May"}])
+        assert ask([*start, {"role": "user", "content": "in June"}]).model_extra["convo"]["forked"] == "del~1"
+    assert httpx.get(f"{url}/v1/sessions/del~1").status_code == 200
+    assert httpx.delete(f"{url}/v1/sessions/del").status_code == 200
+    assert httpx.get(f"{url}/v1/sessions/del~1").status_code == 404
+    assert [sid for sid in store.list_sessions() if sid.startswith("del")] == []
+
+
 def test_user_field_is_not_a_session_unless_the_server_says_so(store: Store) -> None:
     secret = [{"role": "system", "content": "A's system"}, {"role": "user", "content": "my secret is 42"}]
     other = [{"role": "system", "content": "B's system"}, {"role": "user", "content": "hello"}]

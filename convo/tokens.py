@@ -27,12 +27,13 @@ import abc
 import dataclasses
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from convo.budget import Budget
 from convo.errors import BudgetError, ConfigError, MissingDependency, ModelLoadError
 from convo.messages import Message, Role
+from convo.tools.history import template_messages
 
 #: Marker put in the middle of a message that the TRUNCATE policy shortened.
 TRUNCATION_MARKER = "\n[... {n} tokens omitted ...]\n"
@@ -385,6 +386,10 @@ class HFTokenCounter(TokenCounter):
         self.additive = self._check_additive()
         self._renders_tools: bool | None = None
         self._tools_cache: OrderedDict[str, int] = OrderedDict()
+        #: Maps call ids to the ones the template accepts (Mistral's 9 characters:
+        #: :func:`~convo.tools.mistral_call_id`); ``None`` keeps them. Tool-call
+        #: arguments are always rendered as objects (:func:`~convo.tools.template_messages`).
+        self.call_id: Callable[[str], str] | None = None
 
     def _check_additive(self) -> bool:
         """Whether this template's cost is the sum of per-message costs.
@@ -430,7 +435,7 @@ class HFTokenCounter(TokenCounter):
         self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[Tool] | None = None
     ) -> str:
         text = self.tokenizer.apply_chat_template(
-            [m.to_dict() for m in messages],
+            template_messages(messages, call_id=self.call_id),
             tools=[dict(t) for t in tools] if tools else None,
             chat_template=self.chat_template,
             add_generation_prompt=generation_prompt,

@@ -377,6 +377,10 @@ class HFTokenCounter(TokenCounter):
         super().__init__()
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        #: Maps call ids to the ones the template accepts (Mistral's 9 characters:
+        #: :func:`~convo.tools.mistral_call_id`); ``None`` keeps them. Tool-call
+        #: arguments are always rendered as objects (:func:`~convo.tools.template_messages`).
+        self.call_id: Callable[[str], str] | None = None
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("the tokenizer has no chat template; pass chat_template= explicitly")
         #: How prompts are reshaped for this template (one of :data:`TEMPLATE_FOLDS`).
@@ -386,10 +390,6 @@ class HFTokenCounter(TokenCounter):
         self.additive = self._check_additive()
         self._renders_tools: bool | None = None
         self._tools_cache: OrderedDict[str, int] = OrderedDict()
-        #: Maps call ids to the ones the template accepts (Mistral's 9 characters:
-        #: :func:`~convo.tools.mistral_call_id`); ``None`` keeps them. Tool-call
-        #: arguments are always rendered as objects (:func:`~convo.tools.template_messages`).
-        self.call_id: Callable[[str], str] | None = None
 
     def _check_additive(self) -> bool:
         """Whether this template's cost is the sum of per-message costs.

@@ -68,7 +68,7 @@ def test_scripted_tool_engine_reads_each_family(family: str, reply: str, content
 
 def test_invalid_arguments_come_back_as_text_with_stop() -> None:
     broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'
-    gen, texts, _ = _collect(ScriptedToolEngine([broken]), tools=[WEATHER])
+    gen, _texts, _ = _collect(ScriptedToolEngine([broken]), tools=[WEATHER])
     assert gen.finish_reason is FinishReason.STOP
     assert gen.tool_calls == ()
     assert gen.text == broken
@@ -90,7 +90,7 @@ def test_parallel_false_refuses_two_calls() -> None:
 
 def test_tool_choice_none_renders_no_tools_and_parses_nothing() -> None:
     engine = ScriptedToolEngine([HERMES])
-    gen, texts, deltas = _collect(engine, tools=[WEATHER], tool_choice="none")
+    gen, _texts, deltas = _collect(engine, tools=[WEATHER], tool_choice="none")
     assert engine.tools_seen == [None]
     assert gen.finish_reason is FinishReason.STOP and gen.text == HERMES and deltas == []
 

@@ -191,3 +191,49 @@ def test_cli_tool_parser_flag() -> None:
     assert parser.parse_args(["--tool-parser", "mistral"]).tool_parser == "mistral"
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-parser", "qwen"])
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools>\nReturn a call in <tool_call></tool_call> tags.<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_slots", [0, 2], ids=["DynamicKV", "SlotKV"])
+def test_real_engine_renders_and_counts_tools(real_engine: Any, kv_slots: int) -> None:
+    from transformers import AutoTokenizer
+
+    from convo.engines.local.config import KVConfig
+    from convo.engines.local.engine import TransformersEngine
+    from convo.engines.local.loading import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()), local_files_only=True)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    engine = TransformersEngine.from_model(
+        real_engine.model,
+        tokenizer,
+        quant="fp32",
+        device="cpu",
+        kv=KVConfig(kv_slots=kv_slots, slot_tokens=1024),
+    )
+    assert engine.supports_tools and engine.tool_parser is not None and engine.tool_parser.name == "hermes"
+    assert real_engine.supports_tools is False  # SmolLM2's ChatML template renders no tools
+    prompt = engine.counter.render(USER, tools=[WEATHER])
+    assert '"get_weather"' in prompt
+    gen, texts, _ = _collect(engine, tools=[WEATHER])
+    assert gen.stats.prompt_tokens == engine.counter.count_with_tools(USER, [WEATHER])
+    assert gen.stats.prompt_tokens > engine.counter.count_prompt(USER)
+    if not gen.tool_calls:
+        assert "".join(texts) == gen.text
+    forced = engine.generate(USER, max_new_tokens=24, tools=[WEATHER], tool_choice="required")
+    assert forced.finish_reason in (FinishReason.TOOL_CALLS, FinishReason.STOP, FinishReason.LENGTH)
+    with pytest.raises(BudgetError):
+        engine.generate(
+            USER, max_new_tokens=8, tools=[WEATHER], max_prompt_tokens=gen.stats.prompt_tokens - 1
+        )
+    with pytest.raises(ToolsNotSupported):
+        real_engine.generate(USER, max_new_tokens=4, tools=[WEATHER])
+    engine.close()

@@ -31,7 +31,7 @@ from typing import Any
 from convo.engines.base import FinishReason, GenerateRequest, Generation, GenerationStats
 from convo.engines.local.toolreply import ToolReply, call_prefill, resolve_parser, tool_request
 from convo.errors import BudgetError, ConfigError
-from convo.messages import Message, Role
+from convo.messages import Message, Role, ToolCall
 from convo.tokens import CharCounter, TokenCounter
 
 __all__ = [
@@ -265,7 +265,8 @@ class ScriptedToolEngine(_ModelFree):
             for piece in pieces:
                 if request.on_text is not None:
                     request.on_text(piece)
-            reply, calls, reason = text, (), FinishReason.STOP
+            reply, reason = text, FinishReason.STOP
+            calls: tuple[ToolCall, ...] = ()
         else:
             reader = ToolReply(
                 self.parser,

@@ -27,13 +27,12 @@ import abc
 import dataclasses
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from convo.budget import Budget
 from convo.errors import BudgetError, ConfigError, MissingDependency, ModelLoadError
 from convo.messages import Message, Role
-from convo.tools.history import template_messages
 
 #: Marker put in the middle of a message that the TRUNCATE policy shortened.
 TRUNCATION_MARKER = "\n[... {n} tokens omitted ...]\n"
@@ -377,10 +376,6 @@ class HFTokenCounter(TokenCounter):
         super().__init__()
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        #: Maps call ids to the ones the template accepts (Mistral's 9 characters:
-        #: :func:`~convo.tools.mistral_call_id`); ``None`` keeps them. Tool-call
-        #: arguments are always rendered as objects (:func:`~convo.tools.template_messages`).
-        self.call_id: Callable[[str], str] | None = None
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("the tokenizer has no chat template; pass chat_template= explicitly")
         #: How prompts are reshaped for this template (one of :data:`TEMPLATE_FOLDS`).
@@ -435,7 +430,7 @@ class HFTokenCounter(TokenCounter):
         self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[Tool] | None = None
     ) -> str:
         text = self.tokenizer.apply_chat_template(
-            template_messages(messages, call_id=self.call_id),
+            [m.to_dict() for m in messages],
             tools=[dict(t) for t in tools] if tools else None,
             chat_template=self.chat_template,
             add_generation_prompt=generation_prompt,

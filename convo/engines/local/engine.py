@@ -65,7 +65,7 @@ from convo.models.quant import Quant
 from convo.models.random_model import build_random_model
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.tokens import HFTokenCounter
-from convo.tools import ToolParser, mistral_call_id
+from convo.tools import ToolParser
 
 __all__ = [
     "AUTO_SLOTS_MEMORY_FRACTION",
@@ -267,8 +267,6 @@ class TransformersEngine:
         self.tool_parser: ToolParser | None = resolve_parser(
             load.tool_parser, getattr(self.tokenizer, "chat_template", None)
         )
-        if self.tool_parser is not None and self.tool_parser.name == "mistral":
-            self._counter.call_id = mistral_call_id
         if self.tool_parser is not None and not self._counter.renders_tools:
             logger.warning(
                 "tool parser %s given, but the chat template renders no tools: tools are off",

@@ -5,6 +5,9 @@
   ``CONVO_FAKE_ENGINE=1``.
 * :class:`ScriptedEngine` answers ``reply {n}`` (or ``reply_fn(messages)``), records every
   prompt and can be told to fail, to test session logic around errors.
+* :class:`ScriptedToolEngine` replays recorded replies of a model family (a Hermes
+  ``<tool_call>``, a Llama JSON call, a Mistral ``[TOOL_CALLS]``) through the local
+  engine's own tool-call parsing and streaming (:mod:`convo.engines.local.toolreply`).
 * :class:`~convo.tokens.CharCounter` counts one token per character.
 * :func:`wait_until_serving` waits for a ``convo serve`` started in a subprocess.
 
@@ -25,13 +28,25 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from convo.engines.base import Engine
-from convo.errors import BudgetError
-from convo.messages import Message, Role
+from convo.engines.base import Engine, GenerateRequest
+from convo.engines.local.toolreply import ToolReply, call_prefill, resolve_parser, tool_request
+from convo.errors import BudgetError, ConfigError
+from convo.messages import Message, Role, ToolCall
 from convo.models import FinishReason, Generation, GenerationStats
 from convo.tokens import CharCounter, TokenCounter
 
-__all__ = ["CharCounter", "EchoEngine", "ScriptedEngine", "wait_until_serving"]
+__all__ = [
+    "SCRIPT_PIECE_CHARS",
+    "CharCounter",
+    "EchoEngine",
+    "ScriptedEngine",
+    "ScriptedToolEngine",
+    "wait_until_serving",
+]
+
+#: Characters of each ``on_text`` piece :class:`ScriptedToolEngine` streams a reply in
+#: (small, so that markers and JSON arrive split as a tokenizer splits them).
+SCRIPT_PIECE_CHARS = 3
 
 #: How often :func:`wait_until_serving` asks, in seconds.
 SERVING_POLL_S = 0.1
@@ -62,6 +77,10 @@ class _ModelFree(Engine):
     context_window: int = 0
     concurrent_calls: int = 1
 
+    #: Model-free engines get no tools (a call with ``tools=`` raises
+    #: :class:`~convo.errors.ToolsNotSupported`), except :class:`ScriptedToolEngine`.
+    supports_tools = False
+
     def __init__(self, counter: TokenCounter | None, context_window: int) -> None:
         self._counter = counter or CharCounter()
         self.context_window = context_window
@@ -74,6 +93,13 @@ class _ModelFree(Engine):
 
     def release(self, cache_key: str) -> None:
         self.released.append(cache_key)
+
+    def _check_tools(self, options: dict[str, Any]) -> None:
+        """Refuse tools this engine cannot use, rather than drop them silently."""
+        tool_options = {k: options[k] for k in ("tools", "tool_choice") if k in options}
+        GenerateRequest(max_new_tokens=1, **tool_options).check_tools(
+            supports_tools=self.supports_tools, engine=type(self).__name__
+        )
 
 
 class EchoEngine(_ModelFree):
@@ -99,8 +125,9 @@ class EchoEngine(_ModelFree):
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
         stop: Sequence[str] = (),
-        **_: Any,
+        **options: Any,
     ) -> Any:
+        self._check_tools(options)
         self.calls += 1
         self.prompts.append(tuple(messages))
         last = next((m.content for m in reversed(messages) if m.role is Role.USER), "")
@@ -152,8 +179,9 @@ class ScriptedEngine(_ModelFree):
         max_new_tokens: int,
         on_text: Callable[[str], None] | None = None,
         max_prompt_tokens: int | None = None,
-        **_: Any,
+        **options: Any,
     ) -> Generation:
+        self._check_tools(options)
         if max_prompt_tokens is not None and self._counter.count_prompt(messages) > max_prompt_tokens:
             raise BudgetError("rendered prompt over the budget")  # as the real engine does
         if self.fail_times > 0 and self.fail_with is not None:
@@ -171,3 +199,90 @@ class ScriptedEngine(_ModelFree):
             token_ids=(),
             stats=GenerationStats.untimed(prompt_tokens=prompt, new_tokens=self._counter.count_text(text)),
         )
+
+
+class ScriptedToolEngine(_ModelFree):
+    """Replays recorded model replies with tool calls, read exactly as the local engine
+    reads a real model's (:class:`~convo.engines.local.toolreply.ToolReply`: the same
+    parser, streaming deltas, invalid-call policy and ``tool_choice`` prefill).
+
+    Args:
+        replies: the reply texts, one per call, as the family writes them (special markers
+            included: ``<|python_tag|>``, ``[TOOL_CALLS]``); the last one repeats.
+        parser: the family (``"hermes"``, ``"llama3_json"``, ``"mistral"``).
+        counter: the token counter (default :class:`CharCounter`); with an
+            :class:`~convo.tokens.HFTokenCounter` the tools are counted through its template.
+        rng: randomness of the call ids (seed it for stable ids).
+
+    With ``tool_choice="required"`` or a named function the recorded reply is the model's
+    continuation *after* the prefilled opening (:func:`~convo.engines.local.toolreply.call_prefill`),
+    as the local engine's model would write it. ``prompts`` records each prompt and
+    ``tools_seen`` the tool schemas each call rendered (``None``: none).
+
+    Example:
+        >>> engine = ScriptedToolEngine(['<tool_call>{"name": "now", "arguments": {}}</tool_call>'])
+        >>> now = {"type": "function", "function": {"name": "now"}}
+        >>> gen = engine.generate([], max_new_tokens=64, tools=[now])
+        >>> gen.finish_reason.value, gen.tool_calls[0].name
+        ('tool_calls', 'now')
+    """
+
+    supports_tools = True
+
+    def __init__(
+        self,
+        replies: Sequence[str],
+        *,
+        parser: str = "hermes",
+        counter: TokenCounter | None = None,
+        context_window: int = 100_000,
+        rng: Any = None,
+    ) -> None:
+        super().__init__(counter, context_window)
+        if not replies:
+            raise ConfigError("ScriptedToolEngine needs at least one reply")
+        found = resolve_parser(parser, None)
+        if found is None:
+            raise ConfigError(f"ScriptedToolEngine needs a tool parser name, not {parser!r}")
+        self.parser = found
+        self.replies = list(replies)
+        self.rng = rng
+        self.tools_seen: list[list[dict[str, Any]] | None] = []
+
+    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: Any) -> Generation:
+        request = GenerateRequest(max_new_tokens=max_new_tokens, **options)
+        tools = tool_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+        schemas = tools.to_template() if tools is not None else None
+        prefill = call_prefill(self.parser, tools) if tools is not None else ""
+        prompt = self._counter.count_with_tools(messages, schemas) + self._counter.count_text(prefill)
+        request.check_prompt(
+            prompt,
+            input_cap=self.context_window,
+            cap_name=f"the context window {self.context_window}",
+            supports_tools=True,
+            engine="ScriptedToolEngine",
+        )
+        self.prompts.append(tuple(messages))
+        self.tools_seen.append(schemas)
+        text = self.replies[min(len(self.prompts) - 1, len(self.replies) - 1)]
+        pieces = [text[i : i + SCRIPT_PIECE_CHARS] for i in range(0, len(text), SCRIPT_PIECE_CHARS)]
+        if tools is None:
+            for piece in pieces:
+                if request.on_text is not None:
+                    request.on_text(piece)
+            reply, reason = text, FinishReason.STOP
+            calls: tuple[ToolCall, ...] = ()
+        else:
+            reader = ToolReply(
+                self.parser,
+                tools,
+                on_text=request.on_text,
+                on_tool_call_delta=request.on_tool_call_delta,
+                prefill=prefill,
+                rng=self.rng,
+            )
+            for piece in pieces:
+                reader.feed(piece)
+            reply, calls, reason = reader.finish(FinishReason.STOP)
+        stats = GenerationStats.untimed(prompt_tokens=prompt, new_tokens=self._counter.count_text(text))
+        return Generation(text=reply, finish_reason=reason, token_ids=(), stats=stats, tool_calls=calls)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
+from convo.engines.local.config import TOOL_PARSER_CHOICES
 from convo.engines.local.engine import TransformersEngine
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
@@ -141,6 +142,13 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
     )
     add_int4_kernel_argument(parser)
+    parser.add_argument(
+        "--tool-parser",
+        default="auto",
+        choices=TOOL_PARSER_CHOICES,
+        help="how tool calls are read out of the model's replies (default auto: from the chat "
+        "template; none: the model gets no tools)",
+    )
 
 
 def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +172,7 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         kv_slots=getattr(args, "kv_slots", None),
         slot_tokens=context_tokens,
         int4_kernel=getattr(args, "int4_kernel", "auto"),
+        tool_parser=getattr(args, "tool_parser", "auto"),
         progress=progress,
     )
 

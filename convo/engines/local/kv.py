@@ -51,12 +51,19 @@ class _Streamer:
     """
 
     def __init__(
-        self, tokenizer: Any, on_text: Callable[[str], None] | None, *, stops: Sequence[str] = ()
+        self,
+        tokenizer: Any,
+        on_text: Callable[[str], None] | None,
+        *,
+        stops: Sequence[str] = (),
+        keep_special: Sequence[int] | None = None,
     ) -> None:
         self.on_text = on_text
         self.ids: list[int] = []
         self.first_token_at: float | None = None
-        self._decoder = IncrementalDecoder(tokenizer) if on_text is not None or stops else None
+        self._decoder = (
+            IncrementalDecoder(tokenizer, keep_special=keep_special) if on_text is not None or stops else None
+        )
         self._stops = StopMatcher(stops)
         self._hold = max((len(s) for s in self._stops.stops), default=1) - 1
         self._prompt_seen = False
@@ -314,7 +321,12 @@ class DynamicKV:
                     timed_out = time.monotonic() >= deadline
                     break
 
-            streamer = _Streamer(self.tokenizer, call.on_text, stops=call.stop)
+            streamer = _Streamer(
+                self.tokenizer,
+                call.on_text,
+                stops=call.stop,
+                keep_special=self.eos if call.keep_special_tokens else None,
+            )
             criterion = _Deadline(deadline, cancel)
             new_ids: list[int] = []
             if pos >= len(ids) - 1 and not timed_out and not (cancel is not None and cancel.is_set()):
@@ -420,7 +432,12 @@ class SlotKV:
 
     def generate(self, call: KVCall) -> KVRun:
         start = time.monotonic()
-        streamer = _Streamer(self.tokenizer, call.on_text, stops=call.stop)
+        streamer = _Streamer(
+            self.tokenizer,
+            call.on_text,
+            stops=call.stop,
+            keep_special=self.eos if call.keep_special_tokens else None,
+        )
 
         def on_token(token: int) -> bool:  # True: a stop string appeared
             streamer.add([token])

@@ -32,10 +32,17 @@ class IncrementalDecoder:
     Example:
         >>> dec = IncrementalDecoder(tokenizer)        # doctest: +SKIP
         >>> "".join(dec.add([t]) for t in ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    Args:
+        tokenizer: the model's tokenizer.
+        keep_special: ``None`` (default): special tokens are skipped. Else the text keeps
+            them, less the ids given here (the end-of-turn tokens), for tool-call markers
+            that are special tokens.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, keep_special: Sequence[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self._drop = frozenset(keep_special) if keep_special is not None else None
         self.ids: list[int] = []
         self._prefix = 0  # first token of the window decoded again for context
         self._read = 0  # first token whose text is not emitted yet
@@ -49,7 +56,10 @@ class IncrementalDecoder:
         return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        if self._drop is None:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        kept = [i for i in ids if i not in self._drop]
+        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
 
     def add(self, ids: Iterable[int]) -> str:
         self.ids.extend(int(i) for i in ids)

@@ -139,7 +139,10 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-slots",
         type=non_negative_int,
         default=None,
-        help="static KV slots of --budget tokens, taken at load (default: 8 on CUDA, 0 on CPU; 0 = off)",
+        help=(
+            "static KV slots of --budget tokens, taken at load (default: 8 on CUDA, fewer if memory is"
+            " short; on CPU 0, plain generate, or 2 with --quant int4; 0 = off)"
+        ),
     )
     add_int4_kernel_argument(parser)
     parser.add_argument(

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 #: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
 DEFAULT_KV_SLOTS = 8
+#: KV slots ``kv_slots=None`` takes on CPU with ``quant="int4"`` (which runs only through
+#: the static decoder): a CPU decodes a few rows at once, so 8 slots of the budget would
+#: only take memory. fp32 on CPU keeps plain ``generate`` (0 slots) by default: whether
+#: static slots are faster there is not yet measured (issue 27, defect 21).
+DEFAULT_CPU_KV_SLOTS = 2
 #: Share of the free device memory (after the weights) that ``kv_slots=None`` lets the slot
 #: pool take on CUDA; the rest is left to prefill activations, graphs and other work.
 AUTO_SLOTS_MEMORY_FRACTION = 0.5

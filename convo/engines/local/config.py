@@ -81,8 +81,9 @@ class KVConfig:
             sessions of ``slot_tokens`` tokens is taken once at load, every generating
             session holds a slot, and sessions generating at once decode together in one
             graph-captured step. ``None`` (default): :data:`~convo.models.defaults.DEFAULT_KV_SLOTS`
-            on CUDA for a supported architecture (Llama, Mistral, Qwen2 families) and for
-            ``int4``, else 0 (on CUDA no more than fit in
+            on CUDA for a supported architecture (Llama, Mistral, Qwen2 families),
+            :data:`~convo.models.defaults.DEFAULT_CPU_KV_SLOTS` (2) for ``int4`` on CPU,
+            else 0 (on CUDA no more than fit in
             :data:`~convo.models.defaults.AUTO_SLOTS_MEMORY_FRACTION`, half, of the memory
             the weights left free; plain ``generate`` if not one fits); 0: plain
             ``generate`` with a growing cache.

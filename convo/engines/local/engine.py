@@ -55,6 +55,7 @@ from convo.fast.scheduler import SchedulerStats
 from convo.messages import Message, ToolCall
 from convo.models.defaults import (
     AUTO_SLOTS_MEMORY_FRACTION,
+    DEFAULT_CPU_KV_SLOTS,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
     auto_kv_slots,
@@ -416,7 +417,12 @@ class TransformersEngine(Engine):
         if auto:
             # A model spread over devices or offloaded (device_map) keeps plain generate.
             spread = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
-            kv_slots = DEFAULT_KV_SLOTS if (cuda or self.quant is Quant.INT4) and not spread else 0
+            if spread:
+                kv_slots = 0
+            elif cuda:
+                kv_slots = DEFAULT_KV_SLOTS
+            else:  # CPU: int4 needs slots, a few; fp32 keeps plain generate
+                kv_slots = DEFAULT_CPU_KV_SLOTS if self.quant is Quant.INT4 else 0
         if not kv_slots:
             if self.quant is Quant.INT4:
                 raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")

@@ -259,3 +259,32 @@ def test_capabilities_are_read_not_probed() -> None:
             if name == "inspect.signature" and "forward" not in ast.unparse(args[0]):  # a torch model's
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+#: Modules kept for one release so that old import paths work; convo itself never uses them.
+SHIMS = frozenset(
+    {
+        "convo.store",
+        "convo.engine",
+        "convo.memory",
+        "convo.decode",
+        "convo.remote",
+        "convo.engines.transformers",
+        "convo.engines.kv",
+        "convo.engines.models",
+        "convo.planner.model",
+    }
+)
+
+
+def test_convo_imports_no_deprecated_module() -> None:
+    mods = _modules()
+    assert SHIMS <= mods.keys(), SHIMS - mods.keys()
+    offenders = sorted(
+        {
+            _where(i)
+            for i in _all_imports()
+            if i.target in SHIMS and i.module not in SHIMS and not i.type_checking
+        }
+    )
+    assert not offenders, offenders

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
 from convo.budget import Budget
-from convo.cli.common import default_db_path, engine_from_args, local_engine, spinner
+from convo.cli.common import check_local_model, default_db_path, engine_from_args, local_engine, spinner
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
 from convo.server.app import create_app
@@ -64,6 +65,7 @@ def run_server(args: argparse.Namespace) -> int:
         "summary_tokens": getattr(args, "summary_tokens", None),
     }
     budget = Budget(**{k: v for k, v in given.items() if v is not None})  # Budget's own defaults
+    _check_port_free(args.host, args.port)  # before minutes of loading, not after
     limits = ServerLimits(generation_timeout_s=getattr(args, "timeout", None))
     store: Store
     if args.redis:
@@ -83,6 +85,10 @@ def run_server(args: argparse.Namespace) -> int:
         engine, name = EchoEngine(delay_s=float(os.environ.get("CONVO_FAKE_DELAY_S", "0"))), "echo"
     else:
         check_model(args.model)
+        # --budget and --max-new-tokens against the model's own context, before any weight loads
+        check_local_model(
+            args, {"--budget": budget.context_tokens, "--max-new-tokens": budget.max_new_tokens}
+        )
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
@@ -123,3 +129,22 @@ def run_server(args: argparse.Namespace) -> int:
         store.close()
         engine.close()  # join the engine's threads before the interpreter exits
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on now, naming the flag (port 0: any).
+
+    Raises:
+        ConfigError: the address is in use or cannot be bound.
+    """
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); pick another"
+            ) from exc

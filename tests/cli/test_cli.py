@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -527,3 +528,22 @@ def test_chat_runs_without_the_retrieval_extra_and_memory_names_it(tmp_path: Pat
     assert out.returncode == 2, out.stderr[-1500:]
     needs = "convo: error: --memory needs the retrieval extra; run: pip install 'convo[retrieval]'"
     assert needs in out.stderr
+
+
+def test_serve_checks_its_budget_and_port_before_loading(tmp_path: Path) -> None:
+    """`convo serve --budget 50000` on the 8,192-token default model started and then refused
+    every request; a busy port was found only after loading. Both now exit 2 at once."""
+    db = ["--db", str(tmp_path / "s.db")]
+    big = run_cli("serve", "--port", "0", "--budget", "50000", *db)
+    assert big.returncode == 2, big.stderr[-1500:]
+    assert "--budget 50000 is over the 8192-token context" in big.stderr and "loading model" not in big.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = run_cli("serve", "--port", str(port), *db)
+    assert taken.returncode == 2, taken.stderr[-1500:]
+    assert (
+        f"--port {port}: cannot listen on 127.0.0.1:{port}" in taken.stderr
+        and "loading model" not in taken.stderr
+    )

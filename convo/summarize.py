@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from convo.errors import ConfigError, SessionNotFound
 from convo.messages import Message, Role
@@ -52,6 +52,7 @@ DEFAULT_TEMPLATE = (
 )
 
 
+@runtime_checkable
 class Summarizer(Protocol):
     """Folds messages into a summary. The session injects one of these.
 

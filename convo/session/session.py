@@ -207,6 +207,11 @@ class Session:
         cap for it (:func:`~convo.session.config.summary_cap`), before anything is stored."""
         check_budget_fits(self.budget, self.engine)
         summarizer = self.summarizing.summarizer
+        if summarizer is not None and not isinstance(summarizer, Summarizer):
+            raise ConfigError(
+                f"{type(summarizer).__name__} is not a convo.summarize.Summarizer: subclass it, or "
+                "declare supports_cancel and summarize()"
+            )
         if summarizer is None and self.engine is not None and self.budget.summary_tokens > 0:
             summarizer = ModelSummarizer(engine=self.engine)
         self._summary.max_tokens = summary_cap(summarizer, self.budget.summary_tokens)

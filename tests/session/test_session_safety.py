@@ -10,13 +10,14 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, redis_or_skip
 
-from convo import Budget, InMemoryStore, Session, SQLiteStore
+from convo import Budget, InMemoryStore, RedisStore, Session, SQLiteStore
 from convo.errors import BudgetError, ConfigError, MessageError, SessionLockLost
 from convo.messages import Message, Role, ToolCall, user
 from convo.stores import SessionState, Store
@@ -325,14 +326,9 @@ def _replicas(kind: str, tmp_path: Path) -> tuple[Store, Store]:
     """Two store objects on one backend, as two server replicas hold them."""
     if kind == "sqlite":
         return SQLiteStore(tmp_path / "r.db"), SQLiteStore(tmp_path / "r.db")
-    from test_store import redis_store
-
-    gen = redis_store()
-    a = next(gen)
-    from convo.store import RedisStore
-
-    assert isinstance(a, RedisStore)
-    return a, RedisStore(a.url, prefix=a.prefix)
+    url = redis_or_skip()  # (conftest: fails instead with CONVO_REQUIRE_REDIS=1)
+    prefix = f"convo-test:{uuid.uuid4().hex}:"
+    return RedisStore(url, prefix=prefix), RedisStore(url, prefix=prefix)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])

@@ -646,3 +646,12 @@ def test_real_model_summarizes_within_a_512_token_context(real_engine: object) -
         assert session.counter.count_text(session.summary) <= session.summary_cap
     finally:
         worker.close()
+
+
+def test_a_summarizer_that_declares_nothing_is_refused_at_the_edge(fake_engine: FakeEngine) -> None:
+    class Bare:  # no supports_cancel: it would fail only later, in the worker thread
+        def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+            return previous
+
+    with pytest.raises(ConfigError, match=r"convo\.summarize\.Summarizer"):
+        Session(fake_engine, budget=ROOMY, summarizer=Bare())  # type: ignore[arg-type]

@@ -85,6 +85,10 @@ class GenerateOptions(TypedDict, total=False):
       ``{"type": "function", "function": {"name": ...}}`` (OpenAI's), default the server's;
     * ``parallel_tool_calls``: whether the model may ask for several calls at once
       (``None``: the server's default);
+    * ``owner``: the ``cache_key`` of the session this call works for without being its
+      turn (a rolling summary, a background prefill): a KV-caching engine serves it from
+      that session's own cached prefix or slot and never evicts another session for it;
+      the call's KV is not kept under ``cache_key``. Other engines ignore it;
     * ``on_tool_call_delta``: called with each :class:`~convo.models.generation.ToolCallDelta`
       while a reply streams (``on_text`` keeps getting only content text); giving it
       streams the reply. A server relaying tool calls to its own streaming client uses it.
@@ -101,6 +105,7 @@ class GenerateOptions(TypedDict, total=False):
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | None
     parallel_tool_calls: bool | None
+    owner: str | None
     on_tool_call_delta: Callable[[ToolCallDelta], None] | None
 
 
@@ -136,6 +141,8 @@ class GenerateRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    #: ``None``: the call is its own (a turn of ``cache_key``, or a one-off).
+    owner: str | None = None
     on_tool_call_delta: Callable[[ToolCallDelta], None] | None = None
 
     def __post_init__(self) -> None:
@@ -259,6 +266,8 @@ class Engine(Protocol):
                                            refused with :class:`~convo.errors.ToolsNotSupported`)
     ``scheduler_stats``         None       counters of the engine's decode scheduler
                                            (:class:`~convo.models.generation.SchedulerStats`)
+    ``supports_prefill``        False      :meth:`prefill` computes a prompt's KV ahead of
+                                           the turn (else it does nothing)
     ==========================  =========  ===================================================
     """
 
@@ -283,6 +292,10 @@ class Engine(Protocol):
         return None
 
     @property
+    def supports_prefill(self) -> bool:
+        return False
+
+    @property
     def counter(self) -> TokenCounter: ...
 
     @property
@@ -299,6 +312,13 @@ class Engine(Protocol):
         raise NotImplementedError(f"{type(self).__name__} declares no async generate")
 
     def release(self, cache_key: str) -> None: ...
+
+    def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
+        """Compute the KV of ``messages`` (the prefix of a session's next prompt: system,
+        summary, kept window) under ``cache_key`` in the background, at background priority,
+        so that the session's next turn prefills only its new message. Returns at once;
+        engines that do not declare ``supports_prefill`` do nothing."""
+        return None
 
     def close(self) -> None:
         """Stop the engine's threads and close its clients. Idempotent."""

@@ -44,7 +44,8 @@ def records_of(session_id: str) -> str:
 
 
 def _missing(response_id: str, param: str | None) -> ApiError:
-    return ApiError(404, f"no response {response_id!r}", code="response_not_found", param=param)
+    where = f"{param}: " if param else ""
+    return ApiError(404, f"{where}no response {response_id!r}", code="response_not_found", param=param)
 
 
 def kept(store: Store, response_id: str, owner: str, param: str | None = None) -> tuple[str, list[Any]]:

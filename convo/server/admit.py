@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, overload
 
 import anyio
 
 from convo.admission import Request as AdmissionRequest
+from convo.server.requests import ChatRequest
 from convo.server.state import ServerState
 from convo.server.turns import Turn, prompt_estimate
+
+T = TypeVar("T", bound=Turn)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,28 @@ class Admitted:
 
     release: Callable[[], None]
     started: float
+
+
+@overload
+def turn_of(state: ServerState, request: ChatRequest, owner: str) -> Turn: ...
+@overload
+def turn_of(state: ServerState, request: ChatRequest, owner: str, kind: type[T], **extra: Any) -> T: ...
+def turn_of(
+    state: ServerState, request: ChatRequest, owner: str, kind: type[Turn] = Turn, **extra: Any
+) -> Turn:
+    """The turn of ``request`` for ``owner`` on this app's engine, store, budget and
+    limits (``kind``: a :class:`Turn` subclass, given its own ``extra`` fields)."""
+    return kind(
+        request=request,
+        owner=owner,
+        budget=state.budget,
+        store=state.store,
+        engine=state.engine,
+        limits=state.limits,
+        summaries=state.summaries,
+        system_prompt=state.system_prompt,
+        **extra,
+    )
 
 
 async def admit(state: ServerState, turn: Turn) -> Admitted:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from convo.errors import SessionNotFound
-from convo.server.admit import admit
+from convo.server.admit import admit, turn_of
 from convo.server.auth import peek_owned
 from convo.server.completions import Completion
 from convo.server.errors import ERROR_RESPONSES
@@ -22,7 +22,6 @@ from convo.server.requests import ChatCompletionBody, SessionId
 from convo.server.security import bearer, caller, state_of
 from convo.server.state import ServerState
 from convo.server.streaming import stream_turn
-from convo.server.turns import Turn
 from convo.session import Reply
 
 
@@ -154,16 +153,7 @@ async def chat(
         max_tokens_cap=state.max_tokens_cap,
         session_from_user=state.session_from_user,
     )
-    turn = Turn(
-        request=parsed,
-        owner=owner,
-        budget=state.budget,
-        store=state.store,
-        engine=state.engine,
-        limits=state.limits,
-        summaries=state.summaries,
-        system_prompt=state.system_prompt,
-    )
+    turn = turn_of(state, parsed, owner)
     admitted = await admit(state, turn)
     release = admitted.release
 

@@ -107,7 +107,9 @@ def test_agents_sdk_default_responses_model_runs_a_two_tool_loop(streamed: bool)
         if streamed:
             result = asyncio.run(run_streamed(agent, config))
         else:
-            result = agents.Runner.run_sync(agent, "Weather and time in Paris?", run_config=config)
+            # (asyncio.run, not run_sync: a fresh loop, not the thread's default one that an
+            # earlier test may have shut down the async generators of)
+            result = asyncio.run(agents.Runner.run(agent, "Weather and time in Paris?", run_config=config))
         assert isinstance(agent.model, str)  # resolved by the provider: the default model
         del agent, client, config
     assert ran == ["weather:Paris", "time:Paris"]
@@ -131,7 +133,7 @@ def test_agents_sdk_chat_completions_model_runs_a_two_tool_loop() -> None:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         model = agents.OpenAIChatCompletionsModel(model="convo", openai_client=client)
         agent = agents.Agent(name="trip", instructions="Use the tools.", model=model, tools=the_tools(ran))
-        result = agents.Runner.run_sync(agent, "Weather and time in Paris?")
+        result = asyncio.run(agents.Runner.run(agent, "Weather and time in Paris?"))
         del agent, model, client
     assert ran == ["weather:Paris", "time:Paris"]
     assert result.final_output == ANSWER

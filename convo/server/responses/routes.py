@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from convo.server.admit import admit
+from convo.server.admit import admit, turn_of
 from convo.server.errors import ERROR_RESPONSES, ApiError
 from convo.server.responses import records
 from convo.server.responses.events import ResponseEvents
@@ -44,17 +44,8 @@ async def create_response(body: ResponsesBody, state: State, owner: Owner) -> Re
         conversation = conversation_of(request.previous_response_id) or conversation
     session_id = session_of(conversation) if request.store else None
     shape = ResponseShape(request, conversation, session_id, state.model_name)
-    turn = records.ResponseTurn(
-        request=replace(request.chat, session_id=session_id),
-        owner=owner,
-        budget=state.budget,
-        store=state.store,
-        engine=state.engine,
-        limits=state.limits,
-        summaries=state.summaries,
-        system_prompt=state.system_prompt,
-        shape=shape,
-    )
+    chat = replace(request.chat, session_id=session_id)
+    turn = turn_of(state, chat, owner, records.ResponseTurn, shape=shape)
     admitted = await admit(state, turn)
     if not request.chat.stream:
         try:

@@ -212,8 +212,8 @@ def test_a_long_chain_keeps_the_budget_window_and_summary() -> None:
 
 
 def test_get_delete_and_ownership_by_api_key(client_of: Any) -> None:
-    store = InMemoryStore()
-    with serve(app_with(EchoEngine(), store, api_key=["k1", "k2"])) as base:
+    engine, store = EchoEngine(), InMemoryStore()
+    with serve(app_with(engine, store, api_key=["k1", "k2"])) as base:
         mine, other = client_of(base, "k1"), client_of(base, "k2")
         first = mine.responses.create(model="convo", input="hi")
         second = mine.responses.create(model="convo", input="again", previous_response_id=first.id)
@@ -241,6 +241,12 @@ def test_get_delete_and_ownership_by_api_key(client_of: Any) -> None:
             mine.responses.create(model="convo", input="x", previous_response_id=second.id)
         with pytest.raises(openai.NotFoundError):
             mine.responses.retrieve("resp_not_one_of_ours")
+        generated = httpx.get(f"{base}/metrics").text
+    assert "convo_generated_tokens_total" in generated and "convo_generated_tokens_total 0.0" not in generated
+    # Two turns ran (the refused ones reached no engine), each prompt inside the budget.
+    assert len(engine.prompts) == 2 and engine.prompts[1][-1].content == "again"
+    for prompt in engine.prompts:
+        assert engine.counter.count_prompt(prompt) + BUDGET.max_new_tokens <= BUDGET.context_tokens
 
 
 def test_store_false_keeps_nothing(client_of: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from convo.metrics import ServingMetrics
 from convo.models.generation import ToolCallDelta
 from convo.server.errors import error_status
-from convo.server.responses.objects import ResponseShape
+from convo.server.responses.objects import ResponseShape, count_tokens
 from convo.session import Reply
 
 #: The last event for each final ``status``.
@@ -119,8 +119,7 @@ class ResponseEvents:
         return out
 
     def closing(self, reply: Reply) -> list[str]:
-        if reply.stats.generation is not None:
-            self.metrics.add_tokens(reply.stats.generation.new_tokens)
+        count_tokens(self.metrics, reply)
         out: list[str] = []
         if (reply.text or not reply.tool_calls) and not any(i.call_index is None for i in self.items):
             out += self._message()[1]  # a reply with no streamed text still has its message

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.engines.base import FinishReason
+from convo.metrics import ServingMetrics
 from convo.server.completions import convo_stats
 from convo.server.responses.request import ResponsesRequest
 from convo.session import Reply
@@ -159,3 +160,9 @@ def usage(reply: Reply) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
     }
+
+
+def count_tokens(metrics: ServingMetrics, reply: Reply) -> None:
+    """Add the reply's tokens to the server's metrics (as chat completions count theirs)."""
+    if reply.stats.generation is not None:
+        metrics.add_tokens(reply.stats.generation.new_tokens)

@@ -121,9 +121,9 @@ def forget(store: Store, response_id: str, owner: str) -> tuple[str, int]:
 
 @dataclass(kw_only=True)
 class ResponseTurn(Turn):
-    """A chat turn that answers as a response: it checks, under the session's queue, that
+    """A chat turn that answers as a response: holding the session's lock, it checks that
     ``previous_response_id`` is still the newest response, runs, and keeps the response
-    object (``store``) before the turn is released. :attr:`body` is the response object."""
+    object (``store``). :attr:`body` is the response object."""
 
     shape: ResponseShape
     body: dict[str, Any] | None = None
@@ -134,13 +134,18 @@ class ResponseTurn(Turn):
         cancel: threading.Event | None = None,
         on_tool_call_delta: Callable[[ToolCallDelta], None] | None = None,
     ) -> Reply:
-        previous = self.shape.request.previous_response_id
-        if previous is not None:
-            check_latest(self.store, previous, self.owner)  # a turn that ran meanwhile: 400
-        reply = super().run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_tool_call_delta)
-        self.shape.forked = self.forked
-        self.body = self.shape.body(reply)
         sid = self.request.session_id
-        if sid is not None:
+        if sid is None:  # store: false
+            reply = super().run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_tool_call_delta)
+            self.shape.forked, self.body = self.forked, self.shape.body(reply)
+            return reply
+        # The check, the turn and its record under one hold of the session (reentrant: the
+        # turn takes it again), so no other replica's turn comes between them.
+        with self.store.lock(sid, self.limits.session_lock_timeout_s):
+            previous = self.shape.request.previous_response_id
+            if previous is not None:
+                check_latest(self.store, previous, self.owner)  # a turn that ran meanwhile: 400
+            reply = super().run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_tool_call_delta)
+            self.shape.forked, self.body = self.forked, self.shape.body(reply)
             keep(self.store, sid, self.owner, self.body, self.limits.session_lock_timeout_s)
         return reply

@@ -15,7 +15,13 @@ from convo.server.admit import admit, turn_of
 from convo.server.errors import ERROR_RESPONSES, ApiError
 from convo.server.responses import records
 from convo.server.responses.events import ResponseEvents
-from convo.server.responses.objects import ResponseShape, conversation_of, new_conversation, session_of
+from convo.server.responses.objects import (
+    ResponseShape,
+    conversation_of,
+    count_tokens,
+    new_conversation,
+    session_of,
+)
 from convo.server.responses.request import ResponsesBody
 from convo.server.routes import Owner, State
 from convo.server.routes import router as chat_router
@@ -49,9 +55,10 @@ async def create_response(body: ResponsesBody, state: State, owner: Owner) -> Re
     admitted = await admit(state, turn)
     if not request.chat.stream:
         try:
-            await state.in_thread(turn.run)
+            reply = await state.in_thread(turn.run)
         finally:
             admitted.release()
+        count_tokens(state.metrics, reply)
         return JSONResponse(turn.body)
     events = ResponseEvents(shape, state.metrics)
     return await stream_events(

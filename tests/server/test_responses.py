@@ -225,10 +225,6 @@ def test_get_delete_and_ownership_by_api_key(client_of: Any) -> None:
         ):
             with pytest.raises(openai.NotFoundError):
                 call()
-        # An older response cannot be continued: the session holds one line of conversation.
-        with pytest.raises(openai.BadRequestError) as branch:
-            mine.responses.create(model="convo", input="branch", previous_response_id=first.id)
-        assert branch.value.body["param"] == "previous_response_id"  # type: ignore[index]
         sid = second.model_extra["convo"]["session_id"]
         mine.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
@@ -245,6 +241,41 @@ def test_get_delete_and_ownership_by_api_key(client_of: Any) -> None:
     assert "convo_generated_tokens_total" in generated and "convo_generated_tokens_total 0.0" not in generated
     # Two turns ran (the refused ones reached no engine), each prompt inside the budget.
     assert len(engine.prompts) == 2 and engine.prompts[1][-1].content == "again"
+    for prompt in engine.prompts:
+        assert engine.counter.count_prompt(prompt) + BUDGET.max_new_tokens <= BUDGET.context_tokens
+
+
+def test_continuing_an_older_response_branches_the_conversation(client_of: Any) -> None:
+    """previous_response_id of an older response: the session forks after it (the resend
+    rule), the replaced tail stays readable as a fork, and its responses cannot be
+    continued any more (400 naming the fork)."""
+    engine, store = EchoEngine(), InMemoryStore()
+    with serve(app_with(engine, store)) as base:
+        client = client_of(base)
+        first = client.responses.create(model="convo", input="My name is Ada.")
+        tea = client.responses.create(model="convo", input="I like tea.", previous_response_id=first.id)
+        coffee = client.responses.create(model="convo", input="I like coffee.", previous_response_id=first.id)
+        sid = first.model_extra["convo"]["session_id"]
+        fork = coffee.model_extra["convo"]["forked"]
+        assert fork == f"{sid}~1"
+        # The model saw the branch only: Ada, then coffee, never tea.
+        assert [m.content for m in engine.prompts[-1] if m.role is Role.USER] == [
+            "My name is Ada.",
+            "I like coffee.",
+        ]
+        assert [m.content for m in conversation(store, sid)][::2] == ["My name is Ada.", "I like coffee."]
+        replaced = httpx.get(f"{base}/v1/sessions/{fork}").json()["messages"]
+        assert [m["content"] for m in replaced][-2] == "I like tea."
+        assert client.responses.retrieve(tea.id).output_text == tea.output_text  # still answered
+        with pytest.raises(openai.BadRequestError) as gone:
+            client.responses.create(model="convo", input="and?", previous_response_id=tea.id)
+        assert gone.value.body["param"] == "previous_response_id" and fork in gone.value.body["message"]  # type: ignore[index]
+        after = client.responses.create(
+            model="convo", input="What do I like?", previous_response_id=coffee.id
+        )
+        assert after.model_extra["convo"]["forked"] is None
+    users = [m.content for m in engine.prompts[-1] if m.role is Role.USER]
+    assert users == ["My name is Ada.", "I like coffee.", "What do I like?"]
     for prompt in engine.prompts:
         assert engine.counter.count_prompt(prompt) + BUDGET.max_new_tokens <= BUDGET.context_tokens
 

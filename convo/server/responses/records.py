@@ -3,13 +3,17 @@
 A conversation's messages live in its session (``resp-<conversation>``), kept under the
 budget, summarized and retrieved as every session is. Its response objects (what
 ``GET /v1/responses/{id}`` answers) live beside it in a session of their own without
-messages, ``resp-<conversation>.responses``, whose ``settings`` hold them, newest last: no
-background summary ever writes that one, so keeping a response never races a summary.
-Both belong to the API key that created them; to another key they do not exist (404).
+messages, ``resp-<conversation>.responses``, whose ``settings`` hold them (newest last)
+with the number of messages the conversation held after each: no background summary ever
+writes that one, so keeping a response never races a summary. Both belong to the API key
+that created them; to another key they do not exist (404).
 
-Only the newest response of a conversation can be continued (``previous_response_id``):
-the session holds one line of conversation, and an older response's continuation would
-branch it. Such a request gets 400 naming ``previous_response_id``.
+Continuing an older response (``previous_response_id`` that is not the newest) branches the
+conversation there, with the resend rule of :mod:`convo.server.reconcile`: the messages up
+to that response and the new input are reconciled with the session, which forks (the
+replaced tail stays readable as the session ``resp-<conversation>~<n>``). The responses of
+the replaced tail are still answered by ``GET``; continuing one of them gets 400 naming
+``previous_response_id`` (its conversation is that fork now).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from convo.errors import SessionNotFound
+from convo.messages import Role
 from convo.server.auth import peek_owned
 from convo.server.errors import ApiError
 from convo.server.responses.objects import ResponseShape, conversation_of, session_of
@@ -31,11 +36,14 @@ if TYPE_CHECKING:
     from convo.models.generation import ToolCallDelta
     from convo.session import Reply
 
-#: Most response objects kept per conversation (``GET`` answers 404 for older ones; they
-#: can no longer be continued anyway: only the newest can).
+#: Most response objects kept per conversation, newest first: ``GET`` (and
+#: ``previous_response_id``) answer 404 for older ones.
 MAX_KEPT_RESPONSES = 32
-#: The ``settings`` key of the records session that holds the response objects.
+#: The ``settings`` keys of the records session: the response objects, each one's stored
+#: message count, and the responses a branch replaced.
 RESPONSES_SETTING = "responses"
+ENDS_SETTING = "ends"
+REPLACED_SETTING = "replaced"
 
 
 def records_of(session_id: str) -> str:
@@ -48,81 +56,141 @@ def _missing(response_id: str, param: str | None) -> ApiError:
     return ApiError(404, f"{where}no response {response_id!r}", code="response_not_found", param=param)
 
 
-def kept(store: Store, response_id: str, owner: str, param: str | None = None) -> tuple[str, list[Any]]:
-    """The conversation's session id and its kept response objects (newest last), when
-    ``response_id`` is one of them and the caller's; else 404 naming ``param``."""
-    conversation = conversation_of(response_id)
-    if conversation is None:
-        raise _missing(response_id, param)
-    sid = session_of(conversation)
+@dataclass(frozen=True)
+class Book:
+    """A conversation's records: its response objects (newest last), how many stored
+    messages the conversation held after each, and the responses a branch replaced (with
+    the fork that holds their conversation now)."""
+
+    session_id: str
+    bodies: list[dict[str, Any]]
+    ends: dict[str, int]
+    replaced: dict[str, str]
+
+    def body(self, response_id: str) -> dict[str, Any] | None:
+        return next((b for b in self.bodies if b.get("id") == response_id), None)
+
+    def settings(self) -> dict[str, Any]:
+        kept = {b["id"] for b in self.bodies}
+        return {
+            RESPONSES_SETTING: self.bodies,
+            ENDS_SETTING: {k: v for k, v in self.ends.items() if k in kept},
+            REPLACED_SETTING: {k: v for k, v in self.replaced.items() if k in kept},
+        }
+
+
+def _book(store: Store, session_id: str, owner: str) -> tuple[Book, SessionState] | None:
     try:
-        found = peek_owned(store, records_of(sid), owner)
+        found = peek_owned(store, records_of(session_id), owner)
     except SessionNotFound:
-        found = None
+        return None
     if found is None:
+        return None
+    settings = found[0].settings
+    book = Book(
+        session_id,
+        list(settings.get(RESPONSES_SETTING, [])),
+        dict(settings.get(ENDS_SETTING, {})),
+        dict(settings.get(REPLACED_SETTING, {})),
+    )
+    return book, found[0]
+
+
+def kept(store: Store, response_id: str, owner: str, param: str | None = None) -> Book:
+    """The records of ``response_id``'s conversation, when it is kept there and the
+    caller's; else 404 naming ``param``."""
+    conversation = conversation_of(response_id)
+    found = _book(store, session_of(conversation), owner) if conversation is not None else None
+    if found is None or found[0].body(response_id) is None:
         raise _missing(response_id, param)
-    bodies = list(found[0].settings.get(RESPONSES_SETTING, []))
-    if not any(b.get("id") == response_id for b in bodies):
-        raise _missing(response_id, param)
-    return sid, bodies
+    return found[0]
 
 
 def find(store: Store, response_id: str, owner: str) -> dict[str, Any]:
     """The kept response object (404 when it is not the caller's or not kept)."""
-    _, bodies = kept(store, response_id, owner)
-    body: dict[str, Any] = next(b for b in bodies if b["id"] == response_id)
+    body = kept(store, response_id, owner).body(response_id)
+    assert body is not None
     return body
 
 
-def check_latest(store: Store, response_id: str, owner: str) -> str:
-    """The session to continue ``response_id`` in; 404 when it is unknown, 400 when a
-    newer response of its conversation exists (branching is not supported)."""
-    sid, bodies = kept(store, response_id, owner, "previous_response_id")
-    if bodies[-1]["id"] != response_id:
+@dataclass(frozen=True)
+class Continuation:
+    """Where a turn continues: the session, and for an older response the number of stored
+    messages its conversation had (``None``: the newest response, nothing to branch)."""
+
+    session_id: str
+    branch_at: int | None = None
+
+
+def continuation(store: Store, response_id: str, owner: str) -> Continuation:
+    """How to continue ``response_id``: 404 when it is unknown or its conversation is gone,
+    400 when a branch replaced it (its conversation lives on in a fork)."""
+    book = kept(store, response_id, owner, "previous_response_id")
+    if response_id in book.replaced:
         raise ApiError(
             400,
-            f"previous_response_id: {response_id!r} is not the latest response of its conversation "
-            f"(that is {bodies[-1]['id']!r}); this server continues only the latest one",
+            f"previous_response_id: {response_id!r} was replaced by a branch of its conversation; "
+            f"its conversation is kept as session {book.replaced[response_id]!r}",
             code="invalid_value",
             param="previous_response_id",
         )
-    if not store.exists(sid):
+    if not store.exists(book.session_id):
         raise _missing(response_id, "previous_response_id")
-    return sid
+    if book.bodies[-1]["id"] == response_id or response_id not in book.ends:
+        return Continuation(book.session_id)
+    return Continuation(book.session_id, book.ends[response_id])
 
 
-def keep(store: Store, session_id: str, owner: str, body: dict[str, Any], timeout_s: float) -> None:
+def keep(
+    store: Store,
+    session_id: str,
+    owner: str,
+    body: dict[str, Any],
+    *,
+    end: int,
+    branched: tuple[int, str] | None = None,
+) -> None:
     """Add a response object to its conversation's records (the oldest past
-    :data:`MAX_KEPT_RESPONSES` dropped)."""
+    :data:`MAX_KEPT_RESPONSES` dropped), with ``end``, the conversation's stored message
+    count after it. ``branched``: the turn forked the conversation after that many stored
+    messages into that session; the responses after the fork point are marked replaced."""
     rid = records_of(session_id)
-    with store.lock(rid, timeout_s):
-        found = peek_owned(store, rid, owner)
-        if found is None:
-            store.create(SessionState(session_id=rid, owner=owner, settings={RESPONSES_SETTING: [body]}))
-            return
-        state = found[0]
-        bodies = [*state.settings.get(RESPONSES_SETTING, []), body][-MAX_KEPT_RESPONSES:]
-        store.save_state(replace(state, settings={**state.settings, RESPONSES_SETTING: bodies}))
+    found = _book(store, session_id, owner)
+    if found is None:
+        book = Book(session_id, [body], {body["id"]: end}, {})
+        store.create(SessionState(session_id=rid, owner=owner, settings=book.settings()))
+        return
+    book, state = found
+    if branched is not None:
+        at, fork = branched
+        for rid_ in [b["id"] for b in book.bodies]:
+            if book.ends.get(rid_, 0) > at and rid_ not in book.replaced:
+                book.replaced[rid_] = fork
+    book.bodies.append(body)
+    book.ends[body["id"]] = end
+    del book.bodies[:-MAX_KEPT_RESPONSES]
+    store.save_state(replace(state, settings={**state.settings, **book.settings()}))
 
 
 def forget(store: Store, response_id: str, owner: str) -> tuple[str, int]:
     """Drop a kept response object; returns its conversation's session id and how many
     responses it keeps still (0: the records session is deleted too)."""
-    sid, bodies = kept(store, response_id, owner)
-    rid = records_of(sid)
-    rest = [b for b in bodies if b["id"] != response_id]
-    if not rest:
+    book = kept(store, response_id, owner)
+    rid = records_of(book.session_id)
+    book.bodies[:] = [b for b in book.bodies if b["id"] != response_id]
+    if not book.bodies:
         store.delete(rid)
-        return sid, 0
+        return book.session_id, 0
     state = store.peek(rid)[0]
-    store.save_state(replace(state, settings={**state.settings, RESPONSES_SETTING: rest}))
-    return sid, len(rest)
+    store.save_state(replace(state, settings={**state.settings, **book.settings()}))
+    return book.session_id, len(book.bodies)
 
 
 @dataclass(kw_only=True)
 class ResponseTurn(Turn):
-    """A chat turn that answers as a response: holding the session's lock, it checks that
-    ``previous_response_id`` is still the newest response, runs, and keeps the response
+    """A chat turn that answers as a response. Holding the session's lock it finds where
+    ``previous_response_id`` continues (an older response: the messages up to it are
+    resent before the new input, so the session forks there), runs, and keeps the response
     object (``store``). :attr:`body` is the response object."""
 
     shape: ResponseShape
@@ -137,15 +205,32 @@ class ResponseTurn(Turn):
         sid = self.request.session_id
         if sid is None:  # store: false
             reply = super().run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_tool_call_delta)
-            self.shape.forked, self.body = self.forked, self.shape.body(reply)
+            self.shape.forked = self.forked
+            self.body = self.shape.body(reply)
             return reply
-        # The check, the turn and its record under one hold of the session (reentrant: the
-        # turn takes it again), so no other replica's turn comes between them.
+        # Where to continue, the turn and its record under one hold of the session
+        # (reentrant: the turn takes it again), so no other turn comes between them.
         with self.store.lock(sid, self.limits.session_lock_timeout_s):
             previous = self.shape.request.previous_response_id
+            at = None
             if previous is not None:
-                check_latest(self.store, previous, self.owner)  # a turn that ran meanwhile: 400
+                at = continuation(self.store, previous, self.owner).branch_at
+                if at is not None:
+                    self._resend_up_to(sid, at)
             reply = super().run(on_text=on_text, cancel=cancel, on_tool_call_delta=on_tool_call_delta)
-            self.shape.forked, self.body = self.forked, self.shape.body(reply)
-            keep(self.store, sid, self.owner, self.body, self.limits.session_lock_timeout_s)
+            self.shape.forked = self.forked
+            self.body = self.shape.body(reply)
+            branched = (at, self.forked) if at is not None and self.forked is not None else None
+            end = self.store.peek(sid)[1]
+            keep(self.store, sid, self.owner, self.body, end=end, branched=branched)
         return reply
+
+    def _resend_up_to(self, sid: str, at: int) -> None:
+        """Put the conversation's first ``at`` stored messages before the request's own, as
+        a client resending its history would: reconciliation forks the session there."""
+        _, history = self.store.load(sid)
+        prefix = [m for m in history[:at] if not m.pinned]
+        own = list(self.request.messages)
+        system = [m for m in own if m.role is Role.SYSTEM]
+        rest = [m for m in own if m.role is not Role.SYSTEM]
+        self.request = replace(self.request, messages=(*system, *prefix, *rest))

@@ -78,9 +78,10 @@ class ResponseStreamOptions(_Body):
 class ResponsesBody(_Body):
     """The body of ``POST /v1/responses`` (OpenAI's Responses request, function tools only).
 
-    ``previous_response_id`` continues the conversation convo keeps for that response (the
-    latest response of its conversation: a branch from an older one gets 400).
-    ``store: false`` keeps nothing (and cannot continue a stored conversation).
+    ``previous_response_id`` continues the conversation convo keeps for that response (an
+    older response of it: the conversation branches there, see
+    :mod:`convo.server.responses.records`). ``store: false`` keeps nothing (and cannot
+    continue a kept conversation).
     """
 
     model_config = ConfigDict(extra="forbid")

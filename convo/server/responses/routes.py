@@ -46,7 +46,7 @@ async def create_response(body: ResponsesBody, state: State, owner: Owner) -> Re
                 param="store",
             )
         # Unknown or another key's: 404 before any queue (checked again under the queue).
-        await state.in_thread(records.check_latest, state.store, request.previous_response_id, owner)
+        await state.in_thread(records.continuation, state.store, request.previous_response_id, owner)
         conversation = conversation_of(request.previous_response_id) or conversation
     session_id = session_of(conversation) if request.store else None
     shape = ResponseShape(request, conversation, session_id, state.model_name)
@@ -77,7 +77,7 @@ async def get_response(response_id: str, state: State, owner: Owner) -> dict[str
 async def delete_response(response_id: str, state: State, owner: Owner) -> dict[str, Any]:
     """Delete a kept response. Deleting a conversation's last kept response deletes the
     conversation (its session, its forks, its summaries); 409 at once while a turn of it runs."""
-    sid, _ = await state.in_thread(records.kept, state.store, response_id, owner)
+    sid = (await state.in_thread(records.kept, state.store, response_id, owner)).session_id
     release = await state.enter_session(sid, 0)
 
     def work() -> None:

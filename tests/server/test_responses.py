@@ -384,3 +384,58 @@ def test_a_dropped_stream_frees_the_session_and_keeps_the_partial_reply() -> Non
             time.sleep(0.05)
         assert r.status_code == 200, r.text
         assert time.monotonic() - started < 3
+
+
+def test_a_named_tool_choice_prefills_the_call() -> None:
+    """tool_choice {type: function, name} in the Responses shape reaches the engine as the
+    chat shape: the reply is the model's continuation after the prefilled call opening."""
+    engine = ScriptedToolEngine(['{"city": "Paris"}}\n</tool_call>'])
+    with serve(app_with(engine)) as base, httpx.Client(base_url=base) as http:
+        body = {
+            "input": "Time?",
+            "tools": [WEATHER, CLOCK],
+            "tool_choice": {"type": "function", "name": "get_time"},
+        }
+        r = http.post("/v1/responses", json=body).json()
+    assert r["tool_choice"] == {"type": "function", "name": "get_time"}
+    (call,) = r["output"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_time", {"city": "Paris"})
+    # The prefill is part of the prompt the budget counted.
+    assert r["usage"]["input_tokens"] > engine.counter.count_with_tools(
+        engine.prompts[0], engine.tools_seen[0]
+    )
+    assert r["usage"]["input_tokens"] + BUDGET.max_new_tokens <= BUDGET.context_tokens
+
+
+def test_a_failure_after_the_headers_ends_the_stream_with_error_events() -> None:
+    class Breaks(EchoEngine):
+        def generate(self, messages: Any, **kw: Any) -> Any:
+            on_text = kw.get("on_text")
+            if on_text is not None:
+                on_text("partial")
+            raise RuntimeError("the device fell over at /secret/path")
+
+    with serve(app_with(Breaks())) as base, httpx.Client(base_url=base) as http:
+        with http.stream("POST", "/v1/responses", json={"input": "hi", "stream": True}) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[-2:] == ["error", "response.failed"] and "response.output_text.delta" in kinds
+    assert events[-1]["response"]["status"] == "failed"
+    assert "/secret/path" not in json.dumps(events)  # 5xx details go to the log only
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_the_routes_are_checked_as_chat_completions_are() -> None:
+    """API key (401 before the body is read), JSON only (415), body size (413), documented
+    in /openapi.json."""
+    with serve(app_with(EchoEngine(), api_key="k")) as base, httpx.Client(base_url=base) as http:
+        key = {"Authorization": "Bearer k"}
+        assert http.post("/v1/responses", json={"input": "hi"}).status_code == 401
+        assert http.get("/v1/responses/resp_x").status_code == 401
+        form = http.post("/v1/responses", content=b"input=hi", headers={**key, "Content-Type": "text/plain"})
+        assert form.status_code == 415
+        huge = http.post("/v1/responses", json={"input": "x" * (2 << 20)}, headers=key)
+        assert huge.status_code == 413
+        paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/responses", "/v1/responses/{response_id}"} <= set(paths)
+    assert "frobnicate" not in json.dumps(paths["/v1/responses"])

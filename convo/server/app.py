@@ -68,6 +68,7 @@ except ImportError as exc:  # only `convo serve` and create_app need it
 from convo.server.access_log import RequestLog
 from convo.server.errors import install_error_handlers
 from convo.server.prometheus import metrics_registry
+from convo.server.responses import router as responses_router
 from convo.server.routes import router
 from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
 from convo.server.state import ServerState
@@ -163,6 +164,7 @@ def create_app(
     install_cross_site_checks(app, state)
     app.add_middleware(RequestLog)  # outermost: refusals are logged too
     app.include_router(router)
+    app.include_router(responses_router)  # /v1/responses
     return app
 
 

@@ -4,17 +4,15 @@ export, delete) and ``/v1/chat/completions``. Each takes the app's
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from convo.admission import Request as AdmissionRequest
 from convo.errors import SessionNotFound
+from convo.server.admit import admit, turn_of
 from convo.server.auth import peek_owned
 from convo.server.completions import Completion
 from convo.server.errors import ERROR_RESPONSES
@@ -24,7 +22,6 @@ from convo.server.requests import ChatCompletionBody, SessionId
 from convo.server.security import bearer, caller, state_of
 from convo.server.state import ServerState
 from convo.server.streaming import stream_turn
-from convo.server.turns import Turn, prompt_estimate
 from convo.session import Reply
 
 
@@ -156,37 +153,9 @@ async def chat(
         max_tokens_cap=state.max_tokens_cap,
         session_from_user=state.session_from_user,
     )
-    turn = Turn(
-        request=parsed,
-        owner=owner,
-        budget=state.budget,
-        store=state.store,
-        engine=state.engine,
-        limits=state.limits,
-        summaries=state.summaries,
-        system_prompt=state.system_prompt,
-    )
-    leave_session: Callable[[], None] = lambda: None  # noqa: E731
-    if parsed.session_id is None:
-        prompt_est = await anyio.to_thread.run_sync(prompt_estimate, turn, limiter=state.counting)
-    else:
-        prompt_est = prompt_estimate(turn)  # a bound from the budget: no counting
-        # Another key's session: 404 at once, not after queueing behind its turns.
-        await state.session_exists(parsed.session_id, owner)
-        # Queue behind this session's running turn before taking an admission slot.
-        leave_session = await state.enter_session(parsed.session_id, state.limits.session_lock_timeout_s)
-    started = time.monotonic()
-    try:
-        ticket = await state.admission.acquire_async(
-            AdmissionRequest(prompt_tokens=prompt_est, max_new_tokens=turn.reply_budget.max_new_tokens)
-        )
-    except BaseException:
-        leave_session()
-        raise
-
-    def release() -> None:
-        ticket.release()
-        leave_session()
+    turn = turn_of(state, parsed, owner)
+    admitted = await admit(state, turn)
+    release = admitted.release
 
     completion = Completion(state.model_name, parsed.session_id, state.metrics)
     headers = {"X-Session-Id": parsed.session_id} if parsed.session_id else {}
@@ -202,7 +171,7 @@ async def chat(
         turn,
         completion,
         include_usage=parsed.include_usage,
-        started=started,
+        started=admitted.started,
         release=release,
         headers=headers,
     )

@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -85,6 +85,66 @@ class EventStream(StreamingResponse):
                 await self._close()
 
 
+class StreamFormat(Protocol):
+    """How a streamed turn's pieces become server-sent events: chat completion chunks
+    (:class:`ChatChunks`) or the Responses API's events
+    (:class:`convo.server.responses.events.ResponseEvents`). :func:`stream_events` drives
+    it; each method returns the events to send, already framed (``data: ...\n\n``)."""
+
+    def opening(self, forked: str | None) -> list[str]:
+        """The first events, once the turn has started (``forked``: the fork it made)."""
+        ...
+
+    def text(self, piece: str) -> list[str]:
+        """A piece of the reply's text."""
+        ...
+
+    def tool_call(self, delta: ToolCallDelta) -> list[str]:
+        """A piece of a tool call (a whole call from an engine that streams none)."""
+        ...
+
+    def closing(self, reply: Reply) -> list[str]:
+        """The last events, with the finished reply (its tokens are counted here)."""
+        ...
+
+    def failure(self, exc: Exception) -> list[str]:
+        """The events that end a stream that failed after its headers were sent."""
+        ...
+
+
+class ChatChunks:
+    """Chat Completions' stream: ``chat.completion.chunk`` events, ``[DONE]`` last.
+
+    Args:
+        completion: the ids and JSON shapes of the response.
+        include_usage: end with a usage chunk (``stream_options.include_usage``).
+    """
+
+    def __init__(self, completion: Completion, include_usage: bool) -> None:
+        self.completion = completion
+        self.include_usage = include_usage
+
+    def opening(self, forked: str | None) -> list[str]:
+        self.completion.forked = forked
+        return [self.completion.chunk({"role": "assistant", "content": ""})]
+
+    def text(self, piece: str) -> list[str]:
+        return [self.completion.chunk({"content": piece})]
+
+    def tool_call(self, delta: ToolCallDelta) -> list[str]:
+        return [self.completion.chunk({"tool_calls": [tool_call_delta_json(delta)]})]
+
+    def closing(self, reply: Reply) -> list[str]:
+        self.completion.count(reply)
+        out = [self.completion.chunk({}, reply_finish_reason(reply), reply)]
+        if self.include_usage:
+            out.append(self.completion.usage_chunk(reply))
+        return [*out, "data: [DONE]\n\n"]
+
+    def failure(self, exc: Exception) -> list[str]:
+        return [f"data: {json.dumps(error_status(exc).body())}\n\n", "data: [DONE]\n\n"]
+
+
 async def stream_turn(
     state: ServerState,
     turn: Turn,
@@ -95,16 +155,33 @@ async def stream_turn(
     release: Callable[[], None],
     headers: dict[str, str],
 ) -> EventStream:
-    """Start ``turn`` and stream it. An error before the first text is raised (it gets an
-    HTTP status); a later one ends the stream with an error event and ``[DONE]``.
+    """Start ``turn`` and stream it as chat completion chunks (:func:`stream_events` with
+    :class:`ChatChunks`)."""
+    return await stream_events(
+        state, turn, ChatChunks(completion, include_usage), started=started, release=release, headers=headers
+    )
+
+
+async def stream_events(
+    state: ServerState,
+    turn: Turn,
+    fmt: StreamFormat,
+    *,
+    started: float,
+    release: Callable[[], None],
+    headers: dict[str, str],
+) -> EventStream:
+    """Start ``turn`` and stream it in ``fmt``'s events. An error before the first text is
+    raised (it gets an HTTP status); a later one ends the stream with ``fmt``'s failure
+    events.
 
     Args:
         state: the app's state (worker threads, metrics).
         turn: the turn to run.
-        completion: the ids and JSON shapes of the response.
-        include_usage: end with a usage chunk (``stream_options.include_usage``).
+        fmt: how pieces become events (:class:`StreamFormat`).
         started: when the request was admitted (``time.monotonic()``), for the TTFT metric.
         release: gives back the admission slot and the session's queue; called once.
+        headers: the response's headers (``X-Convo-Forked`` is added for a fork).
     """
 
     def run(on_text: Callable[[Any], None], cancel: threading.Event) -> Reply:
@@ -141,35 +218,35 @@ async def stream_turn(
         raise
     state.metrics.ttft.observe(time.monotonic() - started)
     # The history is reconciled before the first text: a fork is known before the headers.
-    completion.forked = turn.forked
     if turn.forked is not None:
         headers = {**headers, "X-Convo-Forked": turn.forked}
 
     async def events() -> AsyncIterator[str]:
         try:
-            yield completion.chunk({"role": "assistant", "content": ""})
+            for event in fmt.opening(turn.forked):
+                yield event
             item = first
             calls_sent = False
             while item is not end:
                 if isinstance(item, ToolCallDelta):
                     calls_sent = True
-                    yield completion.chunk({"tool_calls": [tool_call_delta_json(item)]})
+                    for event in fmt.tool_call(item):
+                        yield event
                 elif item:
-                    yield completion.chunk({"content": item})
+                    for event in fmt.text(cast(str, item)):
+                        yield event
                 item = await anext(pieces, end)
             reply = stream.result
             assert reply is not None
-            completion.count(reply)
             if reply.tool_calls and not calls_sent:  # an engine that gave them only at the end
                 for i, call in enumerate(reply.tool_calls):
                     whole = ToolCallDelta(index=i, id=call.id, name=call.name, arguments=call.arguments)
-                    yield completion.chunk({"tool_calls": [tool_call_delta_json(whole)]})
-            yield completion.chunk({}, reply_finish_reason(reply), reply)
-            if include_usage:
-                yield completion.usage_chunk(reply)
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # headers are sent: end the stream with an error event
-            yield f"data: {json.dumps(error_status(exc).body())}\n\n"
-            yield "data: [DONE]\n\n"
+                    for event in fmt.tool_call(whole):
+                        yield event
+            for event in fmt.closing(reply):
+                yield event
+        except Exception as exc:  # headers are sent: end the stream with the failure events
+            for event in fmt.failure(exc):
+                yield event
 
     return EventStream(events(), cancel=cancel, close=close, headers=headers)

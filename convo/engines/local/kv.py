@@ -9,7 +9,14 @@ Both implement :class:`~convo.engines.base.KVBackend`; the engine picks one at l
   diverged; a background sweeper drops caches idle longer than ``cache_idle_s``.
 * :class:`SlotKV` — the static KV slots of :mod:`convo.fast`: memory taken once at load,
   sessions decoded together by the continuous-batching
-  :class:`~convo.fast.scheduler.DecodeScheduler`; the slots keep the sessions' tokens.
+  :class:`~convo.fast.scheduler.DecodeScheduler`; the slots keep the sessions' tokens, and
+  a session whose slot is given away keeps its KV in host memory (``host_memory``). A call
+  with ``owner`` (a summary) runs from its session's own slot; :meth:`SlotKV.prefill`
+  computes a session's next prompt prefix in the background.
+
+``DynamicKV`` declares no background prefill (``supports_prefill`` is False) and runs a
+call with ``owner`` as a one-off that keeps nothing: it never evicts another session's
+cache for it (calls run one at a time there).
 
 Nothing here imports torch at import time.
 """
@@ -31,7 +38,7 @@ from convo.engines.local.replytext import IncrementalDecoder, StopMatcher
 from convo.errors import DeviceOutOfMemory, is_out_of_memory
 from convo.fast.scheduler import DecodeRequest, DecodeScheduler
 from convo.models.device import empty_device_cache
-from convo.models.generation import FinishReason
+from convo.models.generation import GREEDY, FinishReason, Priority
 from convo.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -216,6 +223,9 @@ class DynamicKV:
         self._sweeper: threading.Thread | None = None
         self._closing = threading.Event()
 
+    #: No background prefill on the growing cache (calls run one at a time).
+    supports_prefill = False
+
     @property
     def cached_sessions(self) -> list[str]:
         with self._lock:
@@ -394,7 +404,12 @@ class SlotKV:
         eos: end-of-turn token ids.
         step_tokens: the token budget of one scheduler step.
         interleave_tokens: the prefill chunk of a step while replies stream.
+        host_memory: bytes of host memory for the KV of sessions that lost their slot
+            (:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`); 0: it is dropped.
     """
+
+    #: :meth:`prefill` computes a session's next prompt prefix in the background.
+    supports_prefill = True
 
     def __init__(
         self,
@@ -405,8 +420,10 @@ class SlotKV:
         eos: Sequence[int],
         step_tokens: int,
         interleave_tokens: int,
+        host_memory: int = 0,
     ) -> None:
         self.decoder = decoder
+        decoder.pool.set_host_memory(host_memory)
         self.tokenizer = tokenizer
         self.model_ids = model_ids
         self.eos = frozenset(eos)
@@ -430,6 +447,21 @@ class SlotKV:
     def close(self) -> None:
         self.scheduler.close()
 
+    def prefill(self, ids: Sequence[int], *, cache_key: str, timeout_s: float) -> DecodeRequest:
+        """Queue the computation of ``ids``' KV (tokenizer ids: a session's next prompt
+        prefix) for ``cache_key`` at background priority, in the session's own or an empty
+        slot; returns the queued request at once (its ``done`` is set when it is over)."""
+        request = DecodeRequest(
+            ids=self.model_ids(ids),
+            max_new_tokens=1,
+            deadline=time.monotonic() + timeout_s,
+            sampling=GREEDY,
+            cache_key=cache_key,
+            priority=Priority.BACKGROUND,
+            prefill_only=True,
+        )
+        return self.scheduler.submit(request)
+
     def generate(self, call: KVCall) -> KVRun:
         start = time.monotonic()
         streamer = _Streamer(
@@ -452,6 +484,7 @@ class SlotKV:
             cache_key=call.cache_key,
             on_token=on_token,
             cancel=call.cancel,
+            owner=call.owner,
         )
         if call.priority is not None:  # else the request's default: a reply's
             request.priority = call.priority

@@ -477,8 +477,10 @@ class DecodeScheduler:
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
             req.cached_tokens = req.kv_tokens = req._shared = common
-            if req.prefill_only and common == len(ids):
-                self._finish(req, FinishReason.STOP)  # all of it is cached already
+            if req.prefill_only and common == len(ids):  # all of it is cached already
+                self.decoder.pool.release(req.slot, kept)
+                req.slot = -1
+                self._finish(req, FinishReason.STOP)
                 continue
             self._copying.append(req)
 

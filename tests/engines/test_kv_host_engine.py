@@ -139,3 +139,33 @@ def test_host_kv_counters_are_on_metrics() -> None:
     assert got["convo_engine_kv_host_dropped_total"] == 2
     assert got["convo_engine_kv_host_bytes"] == 3_000 and got["convo_engine_kv_host_bytes_peak"] == 9_000
     assert got["convo_engine_kv_host_limit_bytes"] == 1 << 30
+
+
+def test_the_growing_cache_serves_an_owner_call_from_a_copy_of_its_sessions_prefix(stock: Any) -> None:
+    first = [user("tell me about rivers")]
+    stock.release("s")
+    g = stock.generate(first, max_new_tokens=6, cache_key="s")
+    ask = [*first, assistant(g.text), user("summarize")]
+    summary = stock.generate(ask, max_new_tokens=4, owner="s", priority=Priority.BACKGROUND)
+    assert (
+        summary.stats.cached_tokens > 0
+        and summary.token_ids == stock.generate(ask, max_new_tokens=4).token_ids
+    )
+    nxt = [*first, assistant(g.text), user("and lakes?")]
+    turn = stock.generate(nxt, max_new_tokens=3, cache_key="s")  # s's cache was left as it was
+    assert turn.stats.cached_tokens > summary.stats.cached_tokens - 3
+    assert turn.token_ids == stock.generate(nxt, max_new_tokens=3).token_ids
+    stock.release("s")
+
+
+def test_kv_host_memory_flag_of_serve_and_plan() -> None:
+    pytest.importorskip("httpx")
+    from convo.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--kv-host-memory", "8GiB"]).kv_host_memory == 8 << 30
+    assert parser.parse_args(["serve", "--kv-host-memory", "0"]).kv_host_memory == 0
+    assert parser.parse_args(["serve"]).kv_host_memory is None
+    assert parser.parse_args(["plan", "--kv-host-memory", "1GiB"]).kv_host_memory == 1 << 30
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-host-memory", "lots"])

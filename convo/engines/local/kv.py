@@ -16,7 +16,7 @@ Both implement :class:`~convo.engines.base.KVBackend`; the engine picks one at l
 
 ``DynamicKV`` declares no background prefill (``supports_prefill`` is False) and runs a
 call with ``owner`` as a one-off that keeps nothing: it never evicts another session's
-cache for it (calls run one at a time there).
+cache for it (calls run one at a time there), from a copy of its session's cached prefix.
 
 Nothing here imports torch at import time.
 """
@@ -287,6 +287,21 @@ class DynamicKV:
         logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
         raise DeviceOutOfMemory(message)
 
+    def _owner_copy(self, owner: str, ids: Sequence[int]) -> _CacheEntry | None:
+        """A copy of ``owner``'s kept cache, cropped to what it shares with ``ids`` (``None``:
+        nothing kept, or nothing shared)."""
+        import copy
+
+        kept = self._caches.get(owner)
+        if kept is None:
+            return None
+        shared = common_prefix_length(kept.token_ids, ids, min(len(ids) - 1, kept.cache.get_seq_length()))
+        if shared == 0:
+            return None
+        cache = copy.deepcopy(kept.cache)
+        _crop_cache(cache, shared)
+        return _CacheEntry(token_ids=list(kept.token_ids[:shared]), cache=cache)
+
     def _generate(self, call: KVCall) -> KVRun:
         import torch
         from transformers import DynamicCache, StoppingCriteriaList
@@ -299,8 +314,14 @@ class DynamicKV:
             torch.cuda.reset_peak_memory_stats(device)
         self._expire()
 
-        # Reuse the longest common token prefix of the session's previous turn.
-        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
+        # Reuse the longest common token prefix of the session's previous turn. A call done
+        # for another session (``owner``: its summary) starts from a copy of that session's
+        # cache, which stays as it was, and keeps nothing.
+        if call.owner is not None:
+            cache_key = None
+            entry = self._owner_copy(call.owner, ids)
+        else:
+            entry = self._caches.pop(cache_key, None) if cache_key is not None else None
         cached = 0
         if entry is not None:
             cached = common_prefix_length(

@@ -69,7 +69,7 @@ def copy_times(dec: StaticDecoder, tokens: int, device: str) -> dict[str, float]
             event.synchronize()
         out.append(time.perf_counter() - t)
         t = time.perf_counter()
-        event = pool.copy_in(1, hosts)
+        event = pool.copy_in(1, hosts, tokens)
         if event is not None:
             event.synchronize()
         back.append(time.perf_counter() - t)

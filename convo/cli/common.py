@@ -204,7 +204,7 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
     )
 
 
-def _kv_host_memory(args: argparse.Namespace) -> dict[str, int]:
+def _kv_host_memory(args: argparse.Namespace) -> dict[str, Any]:
     value = getattr(args, "kv_host_memory", None)
     return {} if value is None else {"kv_host_memory": value}
 

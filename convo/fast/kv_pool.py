@@ -200,12 +200,11 @@ class KVSlotPool:
             event.record(stream)
         return hosts, event
 
-    def copy_in(self, index: int, tensors: Sequence[Any]) -> Any:
-        """Copy host ``tensors`` (from :meth:`copy_out`) into slot ``index``: the CUDA event
-        after which the slot holds them (``None`` on CPU: done)."""
+    def copy_in(self, index: int, tensors: Sequence[Any], tokens: int) -> Any:
+        """Copy host ``tensors`` (from :meth:`copy_out` of ``tokens`` tokens) into slot
+        ``index``: the CUDA event after which the slot holds them (``None`` on CPU: done)."""
         import torch
 
-        tokens = tensors[0].shape[1] if tensors and self._has_tokens(self.slot_tensors()[0]) else 0
         views = self._views(index, tokens)
         if self.device.type != "cuda":
             for v, h in zip(views, tensors, strict=True):
@@ -256,7 +255,7 @@ class KVSlotPool:
 
     def _swap_in(self, index: int, entry: HostEntry) -> None:
         # (A copy out of the entry still running is on the same side stream: ordered before.)
-        event = self.copy_in(index, entry.tensors)
+        event = self.copy_in(index, entry.tensors, len(entry.tokens))
         self._table[index].copies.append(HostEntry(entry.key, entry.tokens, entry.tensors, 0, 0.0, event))
         self.swaps_in += 1
         self.swap_bytes += entry.nbytes

@@ -433,10 +433,10 @@ class DecodeScheduler:
             self._pending = [r for r in self._pending if r._stop_reason(now) is None]
         gone += [(r, why) for r in self._prefilling if (why := r._stop_reason(now)) is not None]
         self._prefilling = [r for r in self._prefilling if r._stop_reason(now) is None]
-        for req in [r for r in self._copying if r._stop_reason(now) is not None]:
+        for req, why in [(r, why) for r in self._copying if (why := r._stop_reason(now)) is not None]:
             self.decoder.pool.ready(req.slot, wait=True)  # the slot is let go of once its copy is done
             self._copying.remove(req)
-            gone.append((req, req._stop_reason(now)))
+            gone.append((req, why))
         for req, why in gone:
             self._finish(req, why)
 

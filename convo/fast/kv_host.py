@@ -100,6 +100,26 @@ class HostKVStore:
         """Whether an entry of ``nbytes`` may be kept at all."""
         return nbytes <= self.limit_bytes
 
+    def would_keep(self, use: CacheUse, nbytes: int, *, now: float, wanted: Collection[str] = ()) -> bool:
+        """Whether an entry like ``use`` of ``nbytes`` would survive :meth:`put` (so that
+        a copy that would be dropped at once is never made)."""
+        if nbytes > self.limit_bytes:
+            return False
+        others = [e for e in self._entries.values() if e.key != use.key]
+        room = self.limit_bytes - sum(e.nbytes for e in others)
+        mine = self._drop_key(use, now, wanted)
+        for e in sorted(others, key=lambda e: self._drop_key(e.use(), now, wanted), reverse=True):
+            if room >= nbytes:
+                break
+            if self._drop_key(e.use(), now, wanted) < mine:
+                return False  # everything left is worth more than the newcomer
+            room += e.nbytes
+        return room >= nbytes
+
+    def _drop_key(self, use: CacheUse, now: float, wanted: Collection[str]) -> tuple[float, int]:
+        """Larger is dropped first: needed last, then fewer tokens (cheaper to recompute)."""
+        return (self.policy.next_use_s(use, now, wanted), -use.tokens)
+
     def put(self, entry: HostEntry, *, now: float, wanted: Collection[str] = ()) -> list[str]:
         """Keep ``entry`` (replacing the session's older one), then drop entries in the
         policy's order until the store is within its limit; returns the dropped keys
@@ -110,10 +130,7 @@ class HostKVStore:
         self._entries[entry.key] = entry
         dropped = []
         while self.nbytes > self.limit_bytes:
-            worst = max(
-                self._entries.values(),
-                key=lambda e: (self.policy.next_use_s(e.use(), now, wanted), -len(e.tokens)),
-            )
+            worst = max(self._entries.values(), key=lambda e: self._drop_key(e.use(), now, wanted))
             self.discard(worst.key)
             self.dropped += 1
             dropped.append(worst.key)

@@ -235,7 +235,7 @@ class KVSlotPool:
 
     def _swap_out(self, index: int, now: float, wanted: Collection[str]) -> None:
         """Copy slot ``index``'s cached tokens to host memory under its owner (unless the
-        host already holds them all, or they can never fit)."""
+        host already holds them all, or they would be the first entry dropped)."""
         slot, host = self._table[index], self.host
         if host is None or slot.owner is None or not slot.tokens:
             return
@@ -243,8 +243,9 @@ class KVSlotPool:
         if held is not None and held.tokens[: len(slot.tokens)] == slot.tokens:
             return
         nbytes = self.host_nbytes(len(slot.tokens))
-        if not host.fits(nbytes):
-            host.dropped += 1
+        use = CacheUse(key=slot.owner, tokens=len(slot.tokens), last_used=slot.last_used)
+        if not host.would_keep(use, nbytes, now=now, wanted=wanted):
+            host.dropped += 1  # it would be the first to go: no copy
             return
         tensors, event = self.copy_out(index, len(slot.tokens))
         entry = HostEntry(slot.owner, list(slot.tokens), tensors, nbytes, slot.last_used, event)

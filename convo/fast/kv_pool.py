@@ -51,8 +51,12 @@ class _Slot:
 class KVSlotPool:
     """Preallocated KV memory: ``slots`` caches of ``slot_tokens`` tokens each.
 
-    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``.
-    The pool answers who may use which slot; the scheduler decides when to ask.
+    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``
+    (:meth:`slot_tensors` lists every tensor a slot's KV is made of). The pool answers who
+    may use which slot; the scheduler decides when to ask. With host memory
+    (:meth:`set_host_memory`), :meth:`acquire` copies the KV of the session it evicts to
+    host and copies a session's KV back from host; a slot it hands out is usable once
+    :meth:`ready` (at once on CPU; on CUDA when the side-stream copies are done).
 
     Args:
         num_layers, num_kv_heads, head_dim: from the model config.

@@ -351,7 +351,7 @@ class KVSlotPool:
             twin = owner is not None and any(
                 s.owner == owner for i, s in enumerate(self._table) if i != index
             )
-            if owner is None or twin:
+            if owner is None or twin or not tokens:  # nothing (new) to keep for the owner
                 slot.owner, slot.tokens = None, []
             else:
                 slot.tokens = list(tokens)

@@ -35,6 +35,7 @@ from typing import Protocol
 
 __all__ = [
     "DEFAULT_THINK_S",
+    "GONE_THINK_FACTOR",
     "MAX_TRACKED_SESSIONS",
     "THINK_EMA_WEIGHT",
     "CacheUse",
@@ -49,6 +50,10 @@ DEFAULT_THINK_S = 5.0
 THINK_EMA_WEIGHT = 0.3
 #: Sessions whose release times and think times the policy remembers (the oldest go first).
 MAX_TRACKED_SESSIONS = 65536
+#: A session idle longer than this many think times is no longer "thinking": its user has
+#: left or paused. Background work for another session, which never evicts a thinking
+#: session, may take its slot (its KV goes to host memory when there is some).
+GONE_THINK_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ class EvictionPolicy(Protocol):
 
     def next_use_s(self, use: CacheUse, now: float, wanted: Collection[str]) -> float:
         """How far off the cache's next use is: the largest is given away first."""
+        ...
+
+    def thinking(self, use: CacheUse, now: float) -> bool:
+        """Whether the session's user may still be reading or typing (its cache is kept
+        from background work done for other sessions)."""
         ...
 
     def released(self, key: str, now: float) -> None:
@@ -114,6 +124,9 @@ class NextUsePolicy:
             return 0.0
         return abs(self.think_s(use.key) - max(now - use.last_used, 0.0))
 
+    def thinking(self, use: CacheUse, now: float) -> bool:
+        return now - use.last_used <= GONE_THINK_FACTOR * self.think_s(use.key)
+
     def released(self, key: str, now: float) -> None:
         self._released[key] = now
         self._released.move_to_end(key)
@@ -142,6 +155,9 @@ class LRUPolicy:
 
     def next_use_s(self, use: CacheUse, now: float, wanted: Collection[str]) -> float:
         return 0.0 if use.key in wanted else max(now - use.last_used, 0.0)
+
+    def thinking(self, use: CacheUse, now: float) -> bool:
+        return True  # LRU knows no think time: every kept cache is someone's
 
     def released(self, key: str, now: float) -> None:
         return None

@@ -279,13 +279,15 @@ class KVSlotPool:
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
-        The session's own idle slot comes first, then an empty slot, then (``evict``) the
-        idle slot of another session that the policy expects to be needed last, if it has
-        been idle ``min_idle_s`` seconds at least (never one of ``wanted``'s, the sessions
-        with queued work, while another is idle). The evicted session's cached tokens go
-        to host memory when there is one (else they are dropped). When host memory holds
-        ``key``'s KV and it covers more of ``ids`` (the prompt; without it: more tokens)
-        than the slot does, it is copied in: the slot is usable once :meth:`ready`.
+        The session's own idle slot comes first, then an empty slot, then the idle slot of
+        another session that the policy expects to be needed last, if it has been idle
+        ``min_idle_s`` seconds at least (never one of ``wanted``'s, the sessions with queued
+        work, while another is idle; without ``evict``, only the slot of a session whose
+        user is no longer :meth:`~convo.fast.kv_policy.EvictionPolicy.thinking`). The
+        evicted session's cached tokens go to host memory when there is one (else they are
+        dropped). When host memory holds ``key``'s KV and it covers more of ``ids`` (the
+        prompt; without it: more tokens) than the slot does, it is copied in: the slot is
+        usable once :meth:`ready`.
 
         Args:
             key: the session whose KV the work reuses (``None``: a one-off).
@@ -294,7 +296,7 @@ class KVSlotPool:
             guest: the work is done for ``key`` (a summary) and keeps none of its own KV:
                 the slot keeps ``key``'s tokens that the work shares, and if the work would
                 overwrite more of them, they are copied to host first.
-            evict: whether another session's kept slot may be taken at all.
+            evict: whether the slot of a session that is thinking may be taken.
             wanted: sessions with queued work (their caches are kept).
             reply: the work is ``key``'s next turn (the policy learns its think time).
         """
@@ -306,11 +308,11 @@ class KVSlotPool:
             if chosen is None:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner is None and not s.busy), None)
             if chosen is None:
-                if not evict:
-                    return None
                 idle = [
                     i for i, s in enumerate(self._table) if not s.busy and now - s.last_used >= min_idle_s
                 ]
+                if not evict:  # only the slots of sessions whose users are gone
+                    idle = [i for i in idle if self._gone(i, now, wanted)]
                 if not idle:
                     return None
                 chosen = max(idle, key=lambda i: self._eviction_order(i, now, wanted))
@@ -331,6 +333,16 @@ class KVSlotPool:
                     self._swap_out(chosen, now, wanted)  # the summary would overwrite them
             slot.owner, slot.busy, slot.guest = key, True, guest and key is not None
             return chosen, list(slot.tokens)
+
+    def _gone(self, index: int, now: float, wanted: Collection[str]) -> bool:
+        s = self._table[index]
+        if s.owner is None or not s.tokens:
+            return True
+        if s.owner in wanted:
+            return False
+        return not self.policy.thinking(
+            CacheUse(key=s.owner, tokens=len(s.tokens), last_used=s.last_used), now
+        )
 
     def _eviction_order(self, index: int, now: float, wanted: Collection[str]) -> tuple[float, float, int]:
         """Larger first: empty slots, then the policy's next use, then fewer tokens."""

@@ -248,6 +248,18 @@ def test_work_for_a_session_without_a_slot_never_evicts_a_thinking_session() -> 
     assert summary.new_ids and dec.pool.swaps_out == 1 and "a" in dec.pool.owners()
 
 
+def test_background_work_may_take_the_slot_of_a_session_whose_user_is_gone() -> None:
+    clock = Clock()
+    pool = _pool(1, NextUsePolicy(think_s=5.0), clock)
+    pool.set_host_memory(1 << 20)
+    _turn(pool, clock, "a", 0.0)
+    clock.now = 10.0  # within GONE_THINK_FACTOR think times: a's user may be typing
+    assert pool.acquire("z", guest=True, evict=False) is None
+    clock.now = 16.0  # over three think times idle: gone; its KV goes to host
+    got = pool.acquire("z", guest=True, evict=False)
+    assert got is not None and got[1] == [] and pool.swaps_out == 1 and "a" in pool.owners()
+
+
 def test_a_background_prefill_leaves_the_next_prompt_cached() -> None:
     ref = KVDecoder(slots=1)
     plain = _run(

@@ -445,13 +445,17 @@ class DecodeScheduler:
         priority than a reply takes another session's cached slot only when it has been
         idle ``background_min_idle_s`` (or the work waited ``background_max_wait_s``); a
         request that finds no slot preempts running work of lower priority
-        (:meth:`_preempt`)."""
+        (:meth:`_preempt`). Background work that must wait (for its session's own slot, say)
+        lets the background work behind it try; a reply that must wait holds everything
+        behind it."""
         self._blocked = False
+        passed: set[int] = set()  # background requests that wait, this admission
         while True:
             with self._cv:
-                if not self._pending:
+                waiting = [r for r in self._pending if id(r) not in passed]
+                if not waiting:
                     return
-                req = min(self._pending, key=lambda r: (r.priority, r._order))
+                req = min(waiting, key=lambda r: (r.priority, r._order))
                 patient = req.priority > Priority.REPLY
                 patient = patient and time.monotonic() - req.started_at < self.background_max_wait_s
                 # Work for a session (its summary, its prefill) takes only its own or an empty
@@ -471,6 +475,9 @@ class DecodeScheduler:
                     if self._preempt(req):
                         continue
                     self._blocked = True  # every slot holds a turn: wait for one to finish
+                    if req.priority > Priority.REPLY:
+                        passed.add(id(req))
+                        continue
                     return
                 self._pending.remove(req)
             req.slot, kept = got

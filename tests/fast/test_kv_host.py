@@ -248,6 +248,19 @@ def test_work_for_a_session_without_a_slot_never_evicts_a_thinking_session() -> 
     assert summary.new_ids and dec.pool.swaps_out == 1 and "a" in dec.pool.owners()
 
 
+def test_a_summary_that_waits_does_not_hold_back_one_whose_slot_is_idle() -> None:
+    dec = KVDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, background_max_wait_s=60.0)
+    _run(sched, _req(list(range(1, 41)), cache_key="a"))
+    _run(sched, _req(list(range(500, 530)), cache_key="b"))
+    first = sched.submit(_req([300, 301, 302], 2, owner="z", priority=Priority.BACKGROUND))
+    mine = sched.submit(_req([*range(1, 41), 7], 2, owner="a", priority=Priority.BACKGROUND))
+    for _ in range(6):
+        sched.run_step()
+    assert mine.finish is FinishReason.LENGTH and mine.cached_tokens == 40
+    assert first.slot == -1 and first.finish is None  # z has no slot, and a and b are thinking
+
+
 def test_background_work_may_take_the_slot_of_a_session_whose_user_is_gone() -> None:
     clock = Clock()
     pool = _pool(1, NextUsePolicy(think_s=5.0), clock)

@@ -147,8 +147,12 @@ def simulate(load: Load, policy: str) -> dict[str, Any]:
 
     def admit() -> None:
         nonlocal prefilled, preemptions
-        while pending:
-            w = min(pending, key=lambda w: (w.background, w.order))
+        passed: set[int] = set()
+        while True:
+            waiting = [w for w in pending if id(w) not in passed]
+            if not waiting:
+                return
+            w = min(waiting, key=lambda w: (w.background, w.order))
             patient = w.background and now[0] - w.arrived < BACKGROUND_MAX_WAIT_S
             wanted = {k for p in pending if (k := p.owner or p.key) is not None}
             got = pool.acquire(
@@ -163,6 +167,9 @@ def simulate(load: Load, policy: str) -> dict[str, Any]:
             if got is None:
                 victims = [r for r in running if r.background] if not w.background else []
                 if not victims:
+                    if w.background:  # the scheduler lets the background work behind it try
+                        passed.add(id(w))
+                        continue
                     return
                 v = max(victims, key=lambda r: r.order)  # the scheduler's preemption
                 running.remove(v)

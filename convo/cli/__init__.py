@@ -37,6 +37,7 @@ from convo.cli.common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     add_engine_arguments,
+    add_kv_host_memory_argument,
     add_local_engine_arguments,
     default_db_path,
     non_negative_int,
@@ -183,6 +184,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="Redis: how long a dead replica's session lock lasts (default 30 s)",
     )
     add_local_engine_arguments(serve)
+    add_kv_host_memory_argument(serve)
     add_engine_arguments(serve)
 
 

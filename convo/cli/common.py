@@ -23,6 +23,7 @@ from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model, default
 from convo.engines.openai import OpenAIEngine
 from convo.errors import ConfigError, ConvoError
 from convo.models import BUILTIN_CONFIGS, INT4_KERNELS, Quant
+from convo.models.units import parse_size
 from convo.paths import cache_dir
 from convo.stores import SQLiteStore
 
@@ -154,6 +155,28 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def kv_host_memory_size(text: str) -> int:
+    """``--kv-host-memory``: a size (``16GiB``, ``512MB``, bytes) or ``0`` (off)."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_kv_host_memory_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-host-memory``: host memory for the KV of sessions evicted from their slots."""
+    parser.add_argument(
+        "--kv-host-memory",
+        type=kv_host_memory_size,
+        default=None,
+        help="with KV slots: host memory for the KV of sessions whose slot was given to another "
+        "(their next turn copies it back instead of recomputing it), e.g. 32GiB; 0 = off "
+        "(default: a quarter of the RAM, at most half of what is free)",
+    )
+
+
 def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
     """``--int4-kernel``: which int4 weight layouts ``--quant int4`` keeps."""
     parser.add_argument(
@@ -177,7 +200,13 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         int4_kernel=getattr(args, "int4_kernel", "auto"),
         tool_parser=getattr(args, "tool_parser", "auto"),
         progress=progress,
+        **_kv_host_memory(args),
     )
+
+
+def _kv_host_memory(args: argparse.Namespace) -> dict[str, Any]:
+    value = getattr(args, "kv_host_memory", None)
+    return {} if value is None else {"kv_host_memory": value}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

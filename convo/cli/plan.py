@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from convo.cli.common import add_int4_kernel_argument, positive_int
+from convo.cli.common import add_int4_kernel_argument, add_kv_host_memory_argument, positive_int
 from convo.errors import ConfigError, require
 from convo.models import (
     AUTO_SLOTS_MEMORY_FRACTION,
@@ -27,6 +27,7 @@ from convo.models import (
     model_key,
     parse_size,
 )
+from convo.models.defaults import default_kv_host_memory
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
 from convo.planner.grid import Plan, parse_int_list, plan_grid
 from convo.planner.measure import (
@@ -86,6 +87,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "by default on CUDA",
     )
     add_int4_kernel_argument(parser)
+    add_kv_host_memory_argument(parser)
     parser.add_argument(
         "--dtype", default=None, help="dtype of unquantized weights and activations (default: config's)"
     )
@@ -345,9 +347,11 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     )
     if not measure:
         if args.json:
-            print(json.dumps(plan_to_json(plan, mm, _memory_json(device)), indent=2))
+            extra = {**_memory_json(device), **_host_kv_json(args, kv_slots)}
+            print(json.dumps(plan_to_json(plan, mm, extra), indent=2))
         else:
             print(render_plan_table(plan, memory_source=device.source, quant=_quant_label(mm, args.quant)))
+            print(_host_kv_line(args, kv_slots))
         return 0
     return _run_measure(args, mm, plan, contexts, concs, device, new_tokens)
 
@@ -361,6 +365,30 @@ def _quant_label(mm: VRAMModel, asked: str) -> str:
         group = f", groups of {mm.int4_group_size}, {layouts}"
     auto = " (auto)" if Quant.parse(asked) is Quant.AUTO else ""
     return f"{mm.quant.value}{auto}{group}"
+
+
+def _host_kv_bytes(args: argparse.Namespace, kv_slots: int | str | None) -> int:
+    """Host memory (not device memory) the KV of sessions evicted from their slots may take:
+    ``--kv-host-memory``, else the engine's default (:func:`default_kv_host_memory`, from
+    this machine's RAM); 0 without KV slots."""
+    if kv_slots is None or kv_slots == 0:
+        return 0
+    given = getattr(args, "kv_host_memory", None)
+    return default_kv_host_memory() if given is None else int(given)
+
+
+def _host_kv_json(args: argparse.Namespace, kv_slots: int | str | None) -> dict[str, Any]:
+    return {"kv_host_memory_bytes": _host_kv_bytes(args, kv_slots)}
+
+
+def _host_kv_line(args: argparse.Namespace, kv_slots: int | str | None) -> str:
+    host = _host_kv_bytes(args, kv_slots)
+    if not host:
+        return "host KV: none (sessions evicted from a KV slot recompute their prompt)"
+    return (
+        f"host KV: up to {format_size(host)} of host RAM (not device memory) holds the KV of sessions "
+        "evicted from their slots (--kv-host-memory)"
+    )
 
 
 def _memory_json(device: DeviceMemory) -> dict[str, Any]:

@@ -350,6 +350,8 @@ class KVCall:
     cancel: threading.Event | None = None
     #: How urgent the call is to a batching backend (``None``: a reply's).
     priority: Priority | None = None
+    #: The session the call works for without being its turn (``GenerateOptions.owner``).
+    owner: str | None = None
     #: Decode the reply's text with special tokens kept (less ``eos``), for tool-call
     #: markers that are special tokens (Llama's ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``).
     keep_special_tokens: bool = False

@@ -1,16 +1,30 @@
 """The KV slot pool: per-layer K and V tensors of every slot, taken once at start, and
-:class:`PrefillChunk`, a piece of a turn to prefill into a slot."""
+:class:`PrefillChunk`, a piece of a turn to prefill into a slot.
+
+With host memory (:meth:`KVSlotPool.set_host_memory`), a session that loses its slot keeps
+its KV: the cached tokens are copied to a :class:`~convo.fast.kv_host.HostKVStore` and
+copied back into whichever slot its next turn gets. Which slot is given away is the
+:mod:`~convo.fast.kv_policy`'s choice (by default the one whose session is expected to
+speak last, not the least recently used).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError
+from convo.fast.kv_host import HostEntry, HostKVStore
+from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
 from convo.models.defaults import kv_pool_bytes
+from convo.tokens import common_prefix_length
+
+#: Host copies are taken in whole blocks of this many tokens (the last one rounded up, within
+#: the slot): fewer distinct copy sizes, so the allocators reuse their blocks.
+HOST_BLOCK_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -30,19 +44,28 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in the slot
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    guest: bool = False  # busy with work done for ``owner`` (a summary) that keeps none of its KV
+    copies: list[HostEntry] = field(default_factory=list)  # copies in flight on the slot
 
 
 class KVSlotPool:
     """Preallocated KV memory: ``slots`` caches of ``slot_tokens`` tokens each.
 
-    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``.
-    The pool answers who may use which slot; the scheduler decides when to ask.
+    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``
+    (:meth:`slot_tensors` lists every tensor a slot's KV is made of). The pool answers who
+    may use which slot; the scheduler decides when to ask. With host memory
+    (:meth:`set_host_memory`), :meth:`acquire` copies the KV of the session it evicts to
+    host and copies a session's KV back from host; a slot it hands out is usable once
+    :meth:`ready` (at once on CPU; on CUDA when the side-stream copies are done).
 
     Args:
         num_layers, num_kv_heads, head_dim: from the model config.
         slots: sessions that can hold KV at once.
         slot_tokens: tokens one slot holds (prompt + reply): the session budget.
         dtype, device: the model's KV dtype and device.
+        policy: which kept cache to give away first
+            (:class:`~convo.fast.kv_policy.NextUsePolicy` by default).
+        clock: the time source of the policy (``time.monotonic``; simulations pass their own).
 
     Example:
         >>> pool = KVSlotPool(num_layers=2, num_kv_heads=1, head_dim=8, slots=2,
@@ -61,6 +84,8 @@ class KVSlotPool:
         slot_tokens: int,
         dtype: Any,
         device: Any,
+        policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import torch
 
@@ -74,8 +99,16 @@ class KVSlotPool:
         shape = (slots, num_kv_heads, slot_tokens, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._table = [_Slot() for _ in range(slots)]
+        self.device = torch.device(device)
+        self.policy: EvictionPolicy = policy if policy is not None else NextUsePolicy()
+        self.clock = clock
+        self._table = [_Slot(last_used=clock()) for _ in range(slots)]
         self._lock = threading.Lock()
+        #: Host memory for evicted sessions' KV (``None``: evicted KV is dropped).
+        self.host: HostKVStore | None = None
+        #: Sessions' KV copied to host / back into a slot, and the bytes both moved.
+        self.swaps_out = self.swaps_in = self.swap_bytes = 0
+        self._stream: Any = None  # CUDA: the side stream the copies run on
 
     @staticmethod
     def predicted_nbytes(
@@ -103,45 +136,265 @@ class KVSlotPool:
         """Bytes one slot occupies."""
         return self.nbytes // self.slots
 
-    def acquire(self, key: str | None, *, min_idle_s: float = 0.0) -> tuple[int, list[int]] | None:
+    def slot_tensors(self) -> list[Any]:
+        """Every tensor the pool holds, each ``[slots, ...]``: what one slot's KV is. The
+        host copies go through this list only, so a tensor added here (scales of a
+        quantized cache) moves with the rest. A tensor whose axis 2 is ``slot_tokens`` long
+        is copied up to the cached tokens on that axis; any other whole, for the slot."""
+        return [*self.k, *self.v]
+
+    # -- host memory -------------------------------------------------------------------------------
+    def set_host_memory(self, limit_bytes: int) -> None:
+        """Keep evicted sessions' KV in at most ``limit_bytes`` of host memory (0: drop it,
+        the default). Pinned memory and a side stream on CUDA."""
+        if limit_bytes < 0:
+            raise ConfigError("kv host memory must be >= 0 bytes")
+        with self._lock:
+            if self.host is not None:
+                self.host.clear()
+            self.host = HostKVStore(limit_bytes, self.policy) if limit_bytes else None
+
+    @property
+    def host_limit_bytes(self) -> int:
+        """The host memory bound (0: none)."""
+        return self.host.limit_bytes if self.host is not None else 0
+
+    def host_nbytes(self, tokens: int) -> int:
+        """Bytes a host copy of ``tokens`` cached tokens takes (rounded up to
+        :data:`HOST_BLOCK_TOKENS`, within the slot)."""
+        n = self._block(tokens)
+        total = 0
+        for t in self.slot_tensors():
+            per_slot = t[0].numel() * t.element_size()
+            total += per_slot * n // self.slot_tokens if self._has_tokens(t) else per_slot
+        return total
+
+    def _block(self, tokens: int) -> int:
+        return min(-(-tokens // HOST_BLOCK_TOKENS) * HOST_BLOCK_TOKENS, self.slot_tokens)
+
+    def _has_tokens(self, t: Any) -> bool:
+        return t.dim() > 2 and t.shape[2] == self.slot_tokens
+
+    def _views(self, index: int, tokens: int) -> list[Any]:
+        n = self._block(tokens)
+        return [t[index, :, :n] if self._has_tokens(t) else t[index] for t in self.slot_tensors()]
+
+    def _side_stream(self) -> Any:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after what ran on the slot
+        return self._stream
+
+    def copy_out(self, index: int, tokens: int) -> tuple[list[Any], Any]:
+        """Copy the first ``tokens`` cached tokens of slot ``index`` to host memory: the host
+        tensors and the CUDA event after which they are filled (``None`` on CPU: done)."""
+        import torch
+
+        views = self._views(index, tokens)
+        if self.device.type != "cuda":
+            return [v.clone() for v in views], None
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            hosts = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in views]
+            for h, v in zip(hosts, views, strict=True):
+                h.copy_(v, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return hosts, event
+
+    def copy_in(self, index: int, tensors: Sequence[Any], tokens: int) -> Any:
+        """Copy host ``tensors`` (from :meth:`copy_out` of ``tokens`` tokens) into slot
+        ``index``: the CUDA event after which the slot holds them (``None`` on CPU: done)."""
+        import torch
+
+        views = self._views(index, tokens)
+        if self.device.type != "cuda":
+            for v, h in zip(views, tensors, strict=True):
+                v.copy_(h)
+            return None
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            for v, h in zip(views, tensors, strict=True):
+                v.copy_(h, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def ready(self, index: int, *, wait: bool = False) -> bool:
+        """Whether slot ``index``'s copies (to or from host) are done, so the model may
+        write and read it (``wait``: block until they are). A slot :meth:`acquire` hands out
+        must be ready before it is used."""
+        with self._lock:
+            copies = list(self._table[index].copies)
+        if wait:
+            for c in copies:
+                c.wait()
+        if all(c.done() for c in copies):
+            with self._lock:
+                self._table[index].copies = [c for c in self._table[index].copies if c not in copies]
+            return True
+        return False
+
+    def _swap_out(self, index: int, now: float, wanted: Collection[str]) -> None:
+        """Copy slot ``index``'s cached tokens to host memory under its owner (unless the
+        host already holds them all, or they would be the first entry dropped)."""
+        slot, host = self._table[index], self.host
+        if host is None or slot.owner is None or not slot.tokens:
+            return
+        held = host.get(slot.owner)
+        if held is not None and held.tokens[: len(slot.tokens)] == slot.tokens:
+            return
+        nbytes = self.host_nbytes(len(slot.tokens))
+        use = CacheUse(key=slot.owner, tokens=len(slot.tokens), last_used=slot.last_used)
+        if not host.would_keep(use, nbytes, now=now, wanted=wanted):
+            host.dropped += 1  # it would be the first to go: no copy
+            return
+        tensors, event = self.copy_out(index, len(slot.tokens))
+        entry = HostEntry(slot.owner, list(slot.tokens), tensors, nbytes, slot.last_used, event)
+        host.put(entry, now=now, wanted=wanted)
+        slot.copies.append(entry)
+        self.swaps_out += 1
+        self.swap_bytes += nbytes
+
+    def _swap_in(self, index: int, entry: HostEntry) -> None:
+        # (A copy out of the entry still running is on the same side stream: ordered before.)
+        event = self.copy_in(index, entry.tensors, len(entry.tokens))
+        self._table[index].copies.append(HostEntry(entry.key, entry.tokens, entry.tensors, 0, 0.0, event))
+        self.swaps_in += 1
+        self.swap_bytes += entry.nbytes
+
+    # -- who holds which slot ---------------------------------------------------------------------
+    def acquire(
+        self,
+        key: str | None,
+        *,
+        min_idle_s: float = 0.0,
+        ids: Sequence[int] | None = None,
+        guest: bool = False,
+        evict: bool = True,
+        wanted: Collection[str] = (),
+        reply: bool = True,
+    ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
-        The session's own idle slot comes first (its tokens are reused), then an empty
-        slot, then the least recently used idle slot of another session (its tokens are
-        dropped), if it has been idle for ``min_idle_s`` seconds at least.
+        The session's own idle slot comes first, then an empty slot, then the idle slot of
+        another session that the policy expects to be needed last, if it has been idle
+        ``min_idle_s`` seconds at least (never one of ``wanted``'s, the sessions with queued
+        work, while another is idle; without ``evict``, only the slot of a session whose
+        user is no longer :meth:`~convo.fast.kv_policy.EvictionPolicy.thinking`). The
+        evicted session's cached tokens go to host memory when there is one (else they are
+        dropped). When host memory holds ``key``'s KV and it covers more of ``ids`` (the
+        prompt; without it: more tokens) than the slot does, it is copied in: the slot is
+        usable once :meth:`ready`.
+
+        Args:
+            key: the session whose KV the work reuses (``None``: a one-off).
+            min_idle_s: how long another session's slot must have been idle to be taken.
+            ids: the prompt about to run (decides between the slot's tokens and the host's).
+            guest: the work is done for ``key`` (a summary) and keeps none of its own KV:
+                the slot keeps ``key``'s tokens that the work shares, and if the work would
+                overwrite more of them, they are copied to host first.
+            evict: whether the slot of a session that is thinking may be taken.
+            wanted: sessions with queued work (their caches are kept).
+            reply: the work is ``key``'s next turn (the policy learns its think time).
         """
         with self._lock:
+            now = self.clock()
             chosen = None
             if key is not None:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner == key and not s.busy), None)
             if chosen is None:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner is None and not s.busy), None)
             if chosen is None:
-                idle = [(s.last_used, i) for i, s in enumerate(self._table) if not s.busy]
-                if not idle or min(idle)[0] > time.monotonic() - min_idle_s:
+                idle = [
+                    i for i, s in enumerate(self._table) if not s.busy and now - s.last_used >= min_idle_s
+                ]
+                if not evict:  # only the slots of sessions whose users are gone
+                    idle = [i for i in idle if self._gone(i, now, wanted)]
+                if not idle:
                     return None
-                chosen = min(idle)[1]
+                chosen = max(idle, key=lambda i: self._eviction_order(i, now, wanted))
+                self._swap_out(chosen, now, wanted)
             slot = self._table[chosen]
             if slot.owner != key or key is None:
                 slot.tokens = []
-            slot.owner, slot.busy = key, True
+            if key is not None and reply and not guest:
+                self.policy.returned(key, now)
+            entry = self.host.get(key) if self.host is not None and key is not None else None
+            if entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
+                if not guest:  # a guest overwrites part of it: the host keeps its copy
+                    self.host.pop(entry.key)  # type: ignore[union-attr]
+                self._swap_in(chosen, entry)
+                slot.tokens = list(entry.tokens)
+            elif guest and ids is not None and slot.tokens:
+                if common_prefix_length(slot.tokens, ids, len(ids) - 1) < len(slot.tokens):
+                    self._swap_out(chosen, now, wanted)  # the summary would overwrite them
+            slot.owner, slot.busy, slot.guest = key, True, guest and key is not None
             return chosen, list(slot.tokens)
 
+    def _gone(self, index: int, now: float, wanted: Collection[str]) -> bool:
+        s = self._table[index]
+        if s.owner is None or not s.tokens:
+            return True
+        if s.owner in wanted:
+            return False
+        return not self.policy.thinking(
+            CacheUse(key=s.owner, tokens=len(s.tokens), last_used=s.last_used), now
+        )
+
+    def _eviction_order(self, index: int, now: float, wanted: Collection[str]) -> tuple[float, float, int]:
+        """Larger first: empty slots, then the policy's next use, then fewer tokens."""
+        s = self._table[index]
+        if s.owner is None or not s.tokens:
+            return (1.0, 0.0, 0)
+        use = CacheUse(key=s.owner, tokens=len(s.tokens), last_used=s.last_used)
+        return (0.0, self.policy.next_use_s(use, now, wanted), -len(s.tokens))
+
     def release(self, index: int, tokens: Sequence[int]) -> None:
-        """Give slot ``index`` back; it keeps ``tokens`` for its owner's next turn."""
+        """Give slot ``index`` back; it keeps ``tokens`` for its owner's next turn (unless
+        another slot holds the owner's KV already: the one its own turn left wins)."""
         with self._lock:
+            now = self.clock()
             slot = self._table[index]
-            slot.busy, slot.last_used = False, time.monotonic()
-            slot.tokens = list(tokens) if slot.owner is not None else []
+            slot.busy, slot.last_used = False, now
+            owner = slot.owner
+            twin = owner is not None and any(
+                s.owner == owner for i, s in enumerate(self._table) if i != index
+            )
+            if owner is None or twin or not tokens:  # nothing (new) to keep for the owner
+                slot.owner, slot.tokens = None, []
+            else:
+                slot.tokens = list(tokens)
+                if not slot.guest:
+                    self.policy.released(owner, now)
+                    if self.host is not None:
+                        self.host.discard(owner)  # the slot holds the newest
+            slot.guest = False
 
     def forget(self, key: str) -> None:
-        """Drop what an idle slot keeps for ``key`` (a closed session)."""
+        """Drop what an idle slot, or host memory, keeps for ``key`` (a closed session)."""
         with self._lock:
             for slot in self._table:
                 if slot.owner == key and not slot.busy:
                     slot.owner, slot.tokens = None, []
+            if self.host is not None:
+                self.host.discard(key)
+            self.policy.forget(key)
 
     def owners(self) -> list[str]:
-        """Keys of the sessions whose tokens are kept in a slot."""
+        """Keys of the sessions whose tokens are kept in a slot or in host memory."""
         with self._lock:
-            return [s.owner for s in self._table if s.owner is not None]
+            keys = [s.owner for s in self._table if s.owner is not None]
+            if self.host is not None:
+                keys += [k for k in self.host.keys() if k not in keys]
+            return keys
+
+
+def _covers_more(host: Sequence[int], slot: Sequence[int], ids: Sequence[int] | None) -> bool:
+    """Whether the host copy serves the prompt better than what the slot holds."""
+    if ids is None:
+        return len(host) > len(slot)
+    limit = len(ids) - 1
+    return common_prefix_length(host, ids, limit) > common_prefix_length(slot, ids, limit)

@@ -25,6 +25,15 @@ background request, which later prefills its prompt and what it generated so far
 and goes on (vLLM's preemption by recompute). A request finishes with ``timeout`` when
 its deadline passes and with ``cancelled`` when its ``cancel`` event is set, whether it is
 waiting, prefilling or decoding.
+
+Sessions' KV outlives their slots when the pool has host memory
+(:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`): a request whose slot receives
+KV from host (or gives its old KV to host) waits until the copy is done, while the other
+sessions' steps run; then it prefills only what is not cached. Background work done for a
+session (``owner``: its summary) runs in that session's own slot, or in an empty one, and
+takes no other session's slot before it has waited ``background_max_wait_s`` (then it
+evicts, to host, the session needed last). A ``prefill_only`` request computes a prompt's
+KV and keeps it for its session, sampling nothing.
 """
 
 from __future__ import annotations
@@ -128,6 +137,11 @@ class DecodeRequest:
     on_token: Callable[[int], bool] | None = None
     cancel: threading.Event | None = None
     priority: int = field(default_factory=_PRIORITY.get)
+    #: The session this work is done for (a summary): it runs from that session's slot and
+    #: KV, and keeps none of its own (``cache_key`` is ignored for keeping).
+    owner: str | None = None
+    #: Compute the KV of ``ids`` for ``cache_key`` and stop: nothing is sampled.
+    prefill_only: bool = False
     # Filled in by the scheduler.
     new_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -141,6 +155,7 @@ class DecodeRequest:
     done: threading.Event = field(default_factory=threading.Event)
     _generator: Any = None
     _order: int = field(default_factory=lambda: next(_ARRIVALS))
+    _shared: int = 0  # tokens of the owner's cache this work shares
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0
@@ -156,8 +171,19 @@ class DecodeRequest:
         return self.ids + self.new_ids if self.new_ids else self.ids
 
     def held(self) -> list[int]:
-        """The tokens whose K/V its slot holds (kept for the session when it lets go)."""
+        """The tokens whose K/V its slot holds."""
         return (self.ids + self.new_ids)[: self.kv_tokens]
+
+    @property
+    def session(self) -> str | None:
+        """Whose KV the slot holds for: the owner of work done for a session, else ``cache_key``."""
+        return self.owner if self.owner is not None else self.cache_key
+
+    def kept(self) -> list[int]:
+        """What the slot keeps for the session when this request lets go: what it holds,
+        or for work done for an ``owner``, only the owner's tokens it shares."""
+        held = self.held()
+        return held[: min(self._shared, len(held))] if self.owner is not None else held
 
     def _stop_reason(self, now: float) -> FinishReason | None:
         if self.cancel is not None and self.cancel.is_set():
@@ -219,6 +245,7 @@ class DecodeScheduler:
         self._mixed_chunks: int | None = getattr(decoder, "mixed_chunks", None) if self._mixed else 1
         self.background = background
         self._pending: list[DecodeRequest] = []  # no slot yet
+        self._copying: list[DecodeRequest] = []  # a slot whose copy to or from host runs
         self._prefilling: list[DecodeRequest] = []  # a slot, no first token yet
         self._active: list[DecodeRequest] = []  # decoding
         self._cv = threading.Condition()
@@ -234,6 +261,8 @@ class DecodeScheduler:
         self.max_prefill_tokens = 0
         #: Requests stopped to free a slot for a reply (they went on later).
         self.preemptions = 0
+        #: Background prefill requests (``prefill_only``) run to their end.
+        self.prefill_requests = 0
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
         self._blocked = False  # the last admission left work waiting for a slot
@@ -271,7 +300,7 @@ class DecodeScheduler:
     def waiting(self) -> int:
         """Requests without a first token yet (queued for a slot or prefilling)."""
         with self._cv:
-            return len(self._pending) + len(self._prefilling)
+            return len(self._pending) + len(self._copying) + len(self._prefilling)
 
     @property
     def queued(self) -> int:
@@ -290,16 +319,27 @@ class DecodeScheduler:
     def idle(self) -> bool:
         """Nothing is queued, prefilling or decoding."""
         with self._cv:
-            return not (self._pending or self._prefilling or self._active)
+            return not (self._pending or self._copying or self._prefilling or self._active)
 
     def stats(self) -> SchedulerStats:
-        """A snapshot of what the scheduler has run (:class:`SchedulerStats`)."""
+        """A snapshot of what the scheduler has run (:class:`SchedulerStats`), with the
+        pool's host-memory figures."""
+        pool = self.decoder.pool
+        host = pool.host
         return SchedulerStats(
             steps=dict(self._kind_steps),
             busy_s=dict(self._kind_busy),
             decode_rows=self.rows,
             prompt_tokens=self.prefill_tokens,
             preemptions=self.preemptions,
+            swaps_out=pool.swaps_out,
+            swaps_in=pool.swaps_in,
+            swap_bytes=pool.swap_bytes,
+            host_bytes=host.nbytes if host is not None else 0,
+            host_bytes_peak=host.peak_bytes if host is not None else 0,
+            host_dropped=host.dropped if host is not None else 0,
+            host_limit_bytes=pool.host_limit_bytes,
+            prefills=self.prefill_requests,
         )
 
     def _count(self, kind: str, started: float) -> None:
@@ -310,9 +350,11 @@ class DecodeScheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._pending or self._prefilling or self._active or self._closed):
+                while not (
+                    self._pending or self._copying or self._prefilling or self._active or self._closed
+                ):
                     self._cv.wait()
-                if self._closed and not (self._pending or self._prefilling or self._active):
+                if self._closed and not (self._pending or self._copying or self._prefilling or self._active):
                     self._thread = None
                     return
                 if self._blocked and not (self._prefilling or self._active):
@@ -324,6 +366,7 @@ class DecodeScheduler:
         of the budget. The loop thread calls it; with ``background=False`` the caller does."""
         self._expire()
         self._admit()
+        self._copied()
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
@@ -371,7 +414,7 @@ class DecodeScheduler:
         req.finish, req.error = reason, error
         req.finished_at = time.monotonic()
         if req.slot >= 0:
-            kept = req.held() if error is None else []
+            kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
         req.done.set()
 
@@ -390,6 +433,10 @@ class DecodeScheduler:
             self._pending = [r for r in self._pending if r._stop_reason(now) is None]
         gone += [(r, why) for r in self._prefilling if (why := r._stop_reason(now)) is not None]
         self._prefilling = [r for r in self._prefilling if r._stop_reason(now) is None]
+        for req, why in [(r, why) for r in self._copying if (why := r._stop_reason(now)) is not None]:
+            self.decoder.pool.ready(req.slot, wait=True)  # the slot is let go of once its copy is done
+            self._copying.remove(req)
+            gone.append((req, why))
         for req, why in gone:
             self._finish(req, why)
 
@@ -398,29 +445,61 @@ class DecodeScheduler:
         priority than a reply takes another session's cached slot only when it has been
         idle ``background_min_idle_s`` (or the work waited ``background_max_wait_s``); a
         request that finds no slot preempts running work of lower priority
-        (:meth:`_preempt`)."""
+        (:meth:`_preempt`). Background work that must wait (for its session's own slot, say)
+        lets the background work behind it try; a reply that must wait holds everything
+        behind it."""
         self._blocked = False
+        passed: set[int] = set()  # background requests that wait, this admission
         while True:
             with self._cv:
-                if not self._pending:
+                waiting = [r for r in self._pending if id(r) not in passed]
+                if not waiting:
                     return
-                req = min(self._pending, key=lambda r: (r.priority, r._order))
+                req = min(waiting, key=lambda r: (r.priority, r._order))
                 patient = req.priority > Priority.REPLY
                 patient = patient and time.monotonic() - req.started_at < self.background_max_wait_s
+                # Work for a session (its summary, its prefill) takes only its own or an empty
+                # slot while it is patient: it never evicts a session that is thinking.
+                own = req.owner is not None or req.prefill_only
+                wanted = {k for r in self._pending if (k := r.session) is not None}
                 got = self.decoder.pool.acquire(
-                    req.cache_key, min_idle_s=self.background_min_idle_s if patient else 0.0
+                    req.session,
+                    min_idle_s=self.background_min_idle_s if patient else 0.0,
+                    ids=req.context(),
+                    guest=req.owner is not None,
+                    evict=not (patient and own),
+                    wanted=wanted,
+                    reply=req.priority <= Priority.REPLY,
                 )
                 if got is None:
                     if self._preempt(req):
                         continue
                     self._blocked = True  # every slot holds a turn: wait for one to finish
+                    if req.priority > Priority.REPLY:
+                        passed.add(id(req))
+                        continue
                     return
                 self._pending.remove(req)
             req.slot, kept = got
             ids = req.context()
-            common = common_prefix_length(kept, ids, len(ids) - 1)
-            req.cached_tokens = req.kv_tokens = common
-            self._prefilling.append(req)
+            common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
+            req.cached_tokens = req.kv_tokens = req._shared = common
+            if req.prefill_only and common == len(ids):  # all of it is cached already
+                self.decoder.pool.release(req.slot, kept)
+                req.slot = -1
+                self._finish(req, FinishReason.STOP)
+                continue
+            self._copying.append(req)
+
+    def _copied(self) -> None:
+        """Requests whose slot's copies (to or from host) are done go on to prefill. When
+        nothing else runs, wait for the copies instead of polling."""
+        pool = self.decoder.pool
+        idle = not (self._prefilling or self._active)
+        for req in list(self._copying):
+            if pool.ready(req.slot, wait=idle):
+                self._copying.remove(req)
+                self._prefilling.append(req)
 
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
@@ -433,7 +512,7 @@ class DecodeScheduler:
         victim = max(running, key=lambda r: (r.priority, r._order))
         self._active = [r for r in self._active if r is not victim]
         self._prefilling = [r for r in self._prefilling if r is not victim]
-        self.decoder.pool.release(victim.slot, victim.held())
+        self.decoder.pool.release(victim.slot, victim.kept())
         victim.slot, victim.kv_tokens = -1, 0
         victim.preemptions += 1
         self.preemptions += 1
@@ -469,6 +548,12 @@ class DecodeScheduler:
             return
         done = {id(r) for r, _ in ready}
         self._prefilling = [r for r in self._prefilling if id(r) not in done]
+        for req in [r for r, _ in ready if r.prefill_only]:  # its KV is in: nothing to sample
+            self.prefill_requests += 1
+            self._finish(req, FinishReason.STOP)
+        ready = [(r, out) for r, out in ready if not r.prefill_only]
+        if not ready:
+            return
         reqs = [r for r, _ in ready]
         for req in reqs:
             if req.sampling.seed is not None and req._generator is None:

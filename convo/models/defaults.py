@@ -7,6 +7,8 @@ read these numbers and formulas from here; neither imports the other.
 
 from __future__ import annotations
 
+import os
+
 #: KV slots of the static decoder when ``kv_slots`` is left to the engine (CUDA, int4).
 DEFAULT_KV_SLOTS = 8
 #: KV slots ``kv_slots=None`` takes on CPU with ``quant="int4"`` (which runs only through
@@ -36,6 +38,13 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 #: graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512
 
+#: Share of the machine's RAM that the KV of sessions evicted from their slots may take in
+#: host memory by default (``KVConfig.kv_host_memory=None``, ``--kv-host-memory`` left out).
+#: A 1,700-token window of Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
+KV_HOST_MEMORY_FRACTION = 0.25
+#: ... and never more than this share of the RAM that is free when the engine loads.
+KV_HOST_AVAILABLE_FRACTION = 0.5
+
 
 def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
     """The KV slots ``kv_slots=None`` takes on CUDA: :data:`DEFAULT_KV_SLOTS`, or as many
@@ -43,6 +52,23 @@ def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
     (the device memory free after loading); 0 when not one fits. The engine takes this
     count and the planner's :meth:`~convo.planner.memory.VRAMModel.auto_kv_slots` prices it."""
     return max(0, min(DEFAULT_KV_SLOTS, int(AUTO_SLOTS_MEMORY_FRACTION * free_bytes // max(slot_bytes, 1))))
+
+
+def default_kv_host_memory(total_bytes: int | None = None, available_bytes: int | None = None) -> int:
+    """Bytes of host memory the KV of evicted sessions may take by default:
+    :data:`KV_HOST_MEMORY_FRACTION` of the RAM, at most :data:`KV_HOST_AVAILABLE_FRACTION` of
+    the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say).
+    The engine takes it when ``kv_host_memory`` is left out, and ``convo plan`` prices it."""
+    total = _ram_bytes("SC_PHYS_PAGES") if total_bytes is None else total_bytes
+    available = _ram_bytes("SC_AVPHYS_PAGES") if available_bytes is None else available_bytes
+    return max(0, int(min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)))
+
+
+def _ram_bytes(name: str) -> int:
+    try:
+        return int(os.sysconf(name)) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def kv_pool_bytes(

@@ -231,6 +231,14 @@ class SchedulerStats:
         decode_rows: tokens decoded (the rows of decode and mixed steps).
         prompt_tokens: prompt tokens prefilled.
         preemptions: requests stopped to free a slot for a reply (they went on later).
+        swaps_out: sessions' KV copied from a slot to host memory (their slot was given away).
+        swaps_in: sessions' KV copied from host memory back into a slot.
+        swap_bytes: bytes those copies moved, both directions.
+        host_bytes: bytes of KV held in host memory now.
+        host_bytes_peak: most bytes of KV held in host memory at once.
+        host_dropped: host entries dropped (or never kept) because host memory was full.
+        host_limit_bytes: the host memory bound (0: evicted KV is dropped).
+        prefills: background prefill requests run (a prompt's KV computed ahead of its turn).
     """
 
     steps: dict[str, int]
@@ -238,3 +246,11 @@ class SchedulerStats:
     decode_rows: int
     prompt_tokens: int
     preemptions: int
+    swaps_out: int = 0
+    swaps_in: int = 0
+    swap_bytes: int = 0
+    host_bytes: int = 0
+    host_bytes_peak: int = 0
+    host_dropped: int = 0
+    host_limit_bytes: int = 0
+    prefills: int = 0

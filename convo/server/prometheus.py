@@ -85,8 +85,26 @@ class EngineCollector(Collector):
             ("convo_engine_decode_rows", "tokens decoded by the scheduler", stats.decode_rows),
             ("convo_engine_prompt_tokens", "prompt tokens prefilled by the scheduler", stats.prompt_tokens),
             ("convo_engine_preemptions", "requests stopped to free a slot for a reply", stats.preemptions),
+            ("convo_engine_kv_swaps_out", "sessions' KV copied from a slot to host memory", stats.swaps_out),
+            ("convo_engine_kv_swaps_in", "sessions' KV copied from host memory into a slot", stats.swaps_in),
+            ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),
+            ("convo_engine_kv_host_dropped", "host KV entries dropped: host memory full", stats.host_dropped),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        for name, text, value in (
+            ("convo_engine_kv_host_bytes", "bytes of KV held in host memory", stats.host_bytes),
+            (
+                "convo_engine_kv_host_bytes_peak",
+                "most bytes of KV held in host memory",
+                stats.host_bytes_peak,
+            ),
+            (
+                "convo_engine_kv_host_limit_bytes",
+                "host memory bound for KV (0: none)",
+                stats.host_limit_bytes,
+            ),
+        ):
+            yield GaugeMetricFamily(name, text, value=value)
 
 
 def metrics_registry(metrics: ServingMetrics, engine: Any = None) -> CollectorRegistry:

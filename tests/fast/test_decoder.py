@@ -75,9 +75,12 @@ def tiny_model(model_type: str = "llama", device: str = "cpu", dtype: Any = None
 
 
 def test_pool_bytes_are_the_formula_and_slots_follow_their_sessions() -> None:
-    pool = KVSlotPool(
-        num_layers=3, num_kv_heads=2, head_dim=8, slots=2, slot_tokens=16, dtype=torch.float16, device="cpu"
-    )
+    from convo.fast.kv_policy import LRUPolicy
+
+    pool = KVSlotPool(  # LRU order here; the default, by expected next use: tests/fast/test_kv_host.py
+        num_layers=3, num_kv_heads=2, head_dim=8, slots=2, slot_tokens=16, dtype=torch.float16, device="cpu",
+        policy=LRUPolicy(),
+    )  # fmt: skip
     assert pool.nbytes == KVSlotPool.predicted_nbytes(
         num_layers=3, num_kv_heads=2, head_dim=8, slots=2, slot_tokens=16, dtype_bytes=2
     )

@@ -107,6 +107,12 @@ class KVConfig:
         max_cached_sessions: KV caches kept for sessions between turns (LRU), without
             slots. Default 8. With static decode the slots bound this instead.
         cache_idle_s: seconds after which an unused session's KV cache is dropped. Default 600.
+        kv_host_memory: static decode: bytes of host memory for the KV of sessions whose
+            slot was given to another session (pinned on CUDA): their next turn copies it
+            back instead of prefilling it again. Beyond it, the entries needed last are
+            dropped. ``None`` (default):
+            :func:`~convo.models.defaults.default_kv_host_memory` (a quarter of the RAM, at
+            most half of what is free at load); 0: evicted KV is dropped.
 
     Raises:
         ConfigError: a count or size out of range.
@@ -120,8 +126,11 @@ class KVConfig:
     compile_decode: bool | None = None
     max_cached_sessions: int = 8
     cache_idle_s: float = 600.0
+    kv_host_memory: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_host_memory is not None and self.kv_host_memory < 0:
+            raise ConfigError("kv_host_memory must be >= 0 bytes")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
         if self.max_cached_sessions < 0:

@@ -59,6 +59,7 @@ from convo.models.defaults import (
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
     auto_kv_slots,
+    default_kv_host_memory,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
 from convo.models.legacy import split_legacy
@@ -112,7 +113,7 @@ class TransformersEngine(Engine):
         kv: where the sessions' KV caches live and how they decode
             (:class:`~convo.engines.local.config.KVConfig`: ``kv_slots``, ``slot_tokens``,
             ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
-            ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``). Default
+            ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``, ``kv_host_memory``). Default
             ``KVConfig()``.
         tool_parser: shorthand for ``load=LoadConfig(tool_parser=...)``: ``"auto"``
             (default: detected from the chat template), ``"hermes"``, ``"llama3_json"``,
@@ -250,6 +251,8 @@ class TransformersEngine(Engine):
         self.interleave_tokens = kv.interleave_tokens
         self.max_cached_sessions = kv.max_cached_sessions
         self.cache_idle_s = kv.cache_idle_s
+        #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
+        self.kv_host_memory = default_kv_host_memory() if kv.kv_host_memory is None else kv.kv_host_memory
         self._vocab_limit: int | None = None
         if loaded is not None:
             self.model, self.tokenizer = loaded
@@ -299,6 +302,7 @@ class TransformersEngine(Engine):
                 eos=self._eos,
                 step_tokens=self.step_tokens,
                 interleave_tokens=self.interleave_tokens,
+                host_memory=self.kv_host_memory,
             )
             self.max_input_tokens = min(self.max_input_tokens, decoder.pool.slot_tokens)
         else:
@@ -520,6 +524,25 @@ class TransformersEngine(Engine):
         return self.tool_parser is not None
 
     @property
+    def supports_prefill(self) -> bool:
+        """Whether :meth:`prefill` computes a prompt prefix ahead of its turn: with static
+        KV slots (not with plain ``generate``'s growing cache)."""
+        return isinstance(self._kv, SlotKV)
+
+    def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
+        """Compute the KV of ``messages`` (a session's next prompt without its new message:
+        system, summary, kept window) for ``cache_key`` in the background, at
+        :attr:`~convo.models.generation.Priority.BACKGROUND` priority, in the session's own
+        slot or an empty one (never another thinking session's); returns at once. The
+        session's next turn then prefills only its new message. A no-op without
+        :attr:`supports_prefill`, and for a prefix longer than ``max_input_tokens``."""
+        if not isinstance(self._kv, SlotKV):
+            return
+        ids = self._counter.render_ids(messages, generation_prompt=False)
+        if 0 < len(ids) <= self.max_input_tokens:
+            self._kv.prefill(ids, cache_key=cache_key, timeout_s=self.timeout_s)
+
+    @property
     def counter(self) -> HFTokenCounter:
         """The exact token counter of this model's tokenizer and chat template."""
         return self._counter
@@ -621,6 +644,7 @@ class TransformersEngine(Engine):
             on_text=on_text,
             cancel=request.cancel,
             priority=request.priority,
+            owner=request.owner,
             keep_special_tokens=reader is not None
             and self.tool_parser is not None
             and self.tool_parser.name in SPECIAL_MARKER_FAMILIES,

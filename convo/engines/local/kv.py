@@ -9,7 +9,14 @@ Both implement :class:`~convo.engines.base.KVBackend`; the engine picks one at l
   diverged; a background sweeper drops caches idle longer than ``cache_idle_s``.
 * :class:`SlotKV` — the static KV slots of :mod:`convo.fast`: memory taken once at load,
   sessions decoded together by the continuous-batching
-  :class:`~convo.fast.scheduler.DecodeScheduler`; the slots keep the sessions' tokens.
+  :class:`~convo.fast.scheduler.DecodeScheduler`; the slots keep the sessions' tokens, and
+  a session whose slot is given away keeps its KV in host memory (``host_memory``). A call
+  with ``owner`` (a summary) runs from its session's own slot; :meth:`SlotKV.prefill`
+  computes a session's next prompt prefix in the background.
+
+``DynamicKV`` declares no background prefill (``supports_prefill`` is False) and runs a
+call with ``owner`` as a one-off that keeps nothing: it never evicts another session's
+cache for it (calls run one at a time there), from a copy of its session's cached prefix.
 
 Nothing here imports torch at import time.
 """
@@ -31,7 +38,7 @@ from convo.engines.local.replytext import IncrementalDecoder, StopMatcher
 from convo.errors import DeviceOutOfMemory, is_out_of_memory
 from convo.fast.scheduler import DecodeRequest, DecodeScheduler
 from convo.models.device import empty_device_cache
-from convo.models.generation import FinishReason
+from convo.models.generation import GREEDY, FinishReason, Priority
 from convo.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -216,6 +223,9 @@ class DynamicKV:
         self._sweeper: threading.Thread | None = None
         self._closing = threading.Event()
 
+    #: No background prefill on the growing cache (calls run one at a time).
+    supports_prefill = False
+
     @property
     def cached_sessions(self) -> list[str]:
         with self._lock:
@@ -277,6 +287,21 @@ class DynamicKV:
         logger.warning("%s; freed the session's KV cache and the allocator's cached blocks", message)
         raise DeviceOutOfMemory(message)
 
+    def _owner_copy(self, owner: str, ids: Sequence[int]) -> _CacheEntry | None:
+        """A copy of ``owner``'s kept cache, cropped to what it shares with ``ids`` (``None``:
+        nothing kept, or nothing shared)."""
+        import copy
+
+        kept = self._caches.get(owner)
+        if kept is None:
+            return None
+        shared = common_prefix_length(kept.token_ids, ids, min(len(ids) - 1, kept.cache.get_seq_length()))
+        if shared == 0:
+            return None
+        cache = copy.deepcopy(kept.cache)
+        _crop_cache(cache, shared)
+        return _CacheEntry(token_ids=list(kept.token_ids[:shared]), cache=cache)
+
     def _generate(self, call: KVCall) -> KVRun:
         import torch
         from transformers import DynamicCache, StoppingCriteriaList
@@ -289,8 +314,14 @@ class DynamicKV:
             torch.cuda.reset_peak_memory_stats(device)
         self._expire()
 
-        # Reuse the longest common token prefix of the session's previous turn.
-        entry = self._caches.pop(cache_key, None) if cache_key is not None else None
+        # Reuse the longest common token prefix of the session's previous turn. A call done
+        # for another session (``owner``: its summary) starts from a copy of that session's
+        # cache, which stays as it was, and keeps nothing.
+        if call.owner is not None:
+            cache_key = None
+            entry = self._owner_copy(call.owner, ids)
+        else:
+            entry = self._caches.pop(cache_key, None) if cache_key is not None else None
         cached = 0
         if entry is not None:
             cached = common_prefix_length(
@@ -394,7 +425,12 @@ class SlotKV:
         eos: end-of-turn token ids.
         step_tokens: the token budget of one scheduler step.
         interleave_tokens: the prefill chunk of a step while replies stream.
+        host_memory: bytes of host memory for the KV of sessions that lost their slot
+            (:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`); 0: it is dropped.
     """
+
+    #: :meth:`prefill` computes a session's next prompt prefix in the background.
+    supports_prefill = True
 
     def __init__(
         self,
@@ -405,8 +441,10 @@ class SlotKV:
         eos: Sequence[int],
         step_tokens: int,
         interleave_tokens: int,
+        host_memory: int = 0,
     ) -> None:
         self.decoder = decoder
+        decoder.pool.set_host_memory(host_memory)
         self.tokenizer = tokenizer
         self.model_ids = model_ids
         self.eos = frozenset(eos)
@@ -430,6 +468,21 @@ class SlotKV:
     def close(self) -> None:
         self.scheduler.close()
 
+    def prefill(self, ids: Sequence[int], *, cache_key: str, timeout_s: float) -> DecodeRequest:
+        """Queue the computation of ``ids``' KV (tokenizer ids: a session's next prompt
+        prefix) for ``cache_key`` at background priority, in the session's own or an empty
+        slot; returns the queued request at once (its ``done`` is set when it is over)."""
+        request = DecodeRequest(
+            ids=self.model_ids(ids),
+            max_new_tokens=1,
+            deadline=time.monotonic() + timeout_s,
+            sampling=GREEDY,
+            cache_key=cache_key,
+            priority=Priority.BACKGROUND,
+            prefill_only=True,
+        )
+        return self.scheduler.submit(request)
+
     def generate(self, call: KVCall) -> KVRun:
         start = time.monotonic()
         streamer = _Streamer(
@@ -452,6 +505,7 @@ class SlotKV:
             cache_key=call.cache_key,
             on_token=on_token,
             cancel=call.cancel,
+            owner=call.owner,
         )
         if call.priority is not None:  # else the request's default: a reply's
             request.priority = call.priority

@@ -1,0 +1,171 @@
+"""The local engine with host memory for its KV slots (issue 22): the ``kv_host_memory``
+setting, its default from the RAM, exact replies after a session's KV went to host and
+back, ``owner`` calls, background ``prefill``, and the counters on ``/metrics``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from convo.engines.local.config import KVConfig
+from convo.errors import ConfigError
+from convo.messages import assistant, user
+from convo.models.defaults import KV_HOST_MEMORY_FRACTION, default_kv_host_memory
+from convo.models.generation import Priority, SchedulerStats
+
+torch = pytest.importorskip("torch")
+
+
+def test_kv_host_memory_is_validated_and_defaults_from_the_ram() -> None:
+    with pytest.raises(ConfigError, match="kv_host_memory"):
+        KVConfig(kv_host_memory=-1)
+    assert KVConfig().kv_host_memory is None and KVConfig(kv_host_memory=0).kv_host_memory == 0
+    gib = 1 << 30
+    assert default_kv_host_memory(128 * gib, 100 * gib) == int(KV_HOST_MEMORY_FRACTION * 128 * gib)
+    assert default_kv_host_memory(128 * gib, 10 * gib) == 5 * gib  # at most half of what is free
+    assert default_kv_host_memory(0, 0) == 0
+    assert default_kv_host_memory() > 0  # this machine's
+
+
+@pytest.fixture(scope="module")
+def stock() -> Any:
+    from convo.engines.local.engine import TransformersEngine
+
+    return TransformersEngine("random:tiny-llama", device="cpu", kv_slots=0)
+
+
+def _slots(stock: Any, slots: int, host: int) -> Any:
+    from convo.engines.local.engine import TransformersEngine
+
+    engine = TransformersEngine.from_model(
+        stock.model,
+        stock.tokenizer,
+        quant="fp32",
+        kv=KVConfig(kv_slots=slots, slot_tokens=256, kv_host_memory=host),
+    )
+    engine._vocab_limit = stock._vocab_limit
+    return engine
+
+
+def _talk(engine: Any) -> list[tuple[int, ...]]:
+    """Three sessions, two turns each, one after another."""
+    out = []
+    history = {k: [user(f"hello, I am {k} and I like {k * 5}")] for k in ("anna", "bob", "cy")}
+    for _ in range(2):
+        for key, msgs in history.items():
+            g = engine.generate(msgs, max_new_tokens=6, cache_key=key)
+            out.append(g.token_ids)
+            history[key] = [*msgs, assistant(g.text), user("go on")]
+    return out
+
+
+def test_replies_are_the_same_whether_the_kv_stayed_went_to_host_or_was_dropped(stock: Any) -> None:
+    kept, hosted, dropped = _slots(stock, 3, 0), _slots(stock, 1, 1 << 26), _slots(stock, 1, 0)
+    try:
+        assert hosted.kv_host_memory == 1 << 26 and hosted.supports_prefill
+        ref = _talk(kept)
+        assert _talk(hosted) == ref and _talk(dropped) == ref
+        stats = hosted.scheduler_stats
+        assert stats.swaps_out == 5 and stats.swaps_in == 3 and stats.host_limit_bytes == 1 << 26
+        assert stats.prompt_tokens < dropped.scheduler_stats.prompt_tokens  # host saved prefill
+        assert stats.prompt_tokens == kept.scheduler_stats.prompt_tokens  # as if never evicted
+        assert sorted(hosted.cached_sessions) == ["anna", "bob", "cy"]
+        hosted.release_all()
+        assert hosted.cached_sessions == [] and hosted.scheduler_stats.host_bytes == 0
+    finally:
+        for e in (kept, hosted, dropped):
+            e.close()
+
+
+def test_an_owner_call_runs_from_its_sessions_slot_and_a_prefill_caches_the_next_prompt(stock: Any) -> None:
+    engine = _slots(stock, 2, 1 << 26)
+    try:
+        first = [user("tell me about rivers")]
+        g = engine.generate(first, max_new_tokens=6, cache_key="s")
+        other = engine.generate([user("a different person")], max_new_tokens=6, cache_key="t")
+        summary = engine.generate(
+            [*first, assistant(g.text), user("summarize")],
+            max_new_tokens=4,
+            owner="s",
+            priority=Priority.BACKGROUND,
+        )
+        assert summary.stats.cached_tokens > 0  # it reused s's prefix
+        assert sorted(engine.cached_sessions) == ["s", "t"]  # t kept its slot
+        again = engine.generate(
+            [user("a different person"), assistant(other.text), user("hm")], max_new_tokens=3, cache_key="t"
+        )
+        assert again.stats.cached_tokens > 0 and engine.scheduler_stats.swaps_in == 0  # from its slot
+        # A background prefill of s's next prompt prefix: its turn prefills only the new message.
+        prefix = [*first, assistant(g.text)]
+        engine.prefill(prefix, cache_key="s")
+        deadline = time.monotonic() + 30
+        while engine.scheduler_stats.prefills < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler_stats.prefills == 1
+        turn = engine.generate([*prefix, user("and lakes?")], max_new_tokens=3, cache_key="s")
+        assert turn.stats.cached_tokens >= len(engine.counter.render_ids(prefix, generation_prompt=False)) - 1
+        plain = stock.generate([*prefix, user("and lakes?")], max_new_tokens=3)
+        assert turn.token_ids == plain.token_ids
+    finally:
+        engine.close()
+
+
+def test_the_growing_cache_declares_no_prefill(stock: Any) -> None:
+    assert not stock.supports_prefill
+    stock.prefill([user("hi")], cache_key="x")  # a no-op
+    assert "x" not in stock.cached_sessions and stock.scheduler_stats is None
+
+
+def test_host_kv_counters_are_on_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from convo.server.prometheus import EngineCollector
+
+    class Engine:
+        scheduler_stats = SchedulerStats(
+            steps={}, busy_s={}, decode_rows=0, prompt_tokens=0, preemptions=0,
+            swaps_out=7, swaps_in=5, swap_bytes=12_000, host_bytes=3_000, host_bytes_peak=9_000,
+            host_dropped=2, host_limit_bytes=1 << 30, prefills=4,
+        )  # fmt: skip
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(Engine()))
+    got = {s.name: s.value for m in registry.collect() for s in m.samples}
+    assert got["convo_engine_kv_swaps_out_total"] == 7 and got["convo_engine_kv_swaps_in_total"] == 5
+    assert got["convo_engine_kv_copied_bytes_total"] == 12_000
+    assert got["convo_engine_kv_host_dropped_total"] == 2
+    assert got["convo_engine_kv_host_bytes"] == 3_000 and got["convo_engine_kv_host_bytes_peak"] == 9_000
+    assert got["convo_engine_kv_host_limit_bytes"] == 1 << 30
+
+
+def test_the_growing_cache_serves_an_owner_call_from_a_copy_of_its_sessions_prefix(stock: Any) -> None:
+    first = [user("tell me about rivers")]
+    stock.release("s")
+    g = stock.generate(first, max_new_tokens=6, cache_key="s")
+    ask = [*first, assistant(g.text), user("summarize")]
+    summary = stock.generate(ask, max_new_tokens=4, owner="s", priority=Priority.BACKGROUND)
+    assert (
+        summary.stats.cached_tokens > 0
+        and summary.token_ids == stock.generate(ask, max_new_tokens=4).token_ids
+    )
+    nxt = [*first, assistant(g.text), user("and lakes?")]
+    turn = stock.generate(nxt, max_new_tokens=3, cache_key="s")  # s's cache was left as it was
+    assert turn.stats.cached_tokens > summary.stats.cached_tokens - 3
+    assert turn.token_ids == stock.generate(nxt, max_new_tokens=3).token_ids
+    stock.release("s")
+
+
+def test_kv_host_memory_flag_of_serve_and_plan() -> None:
+    pytest.importorskip("httpx")
+    from convo.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--kv-host-memory", "8GiB"]).kv_host_memory == 8 << 30
+    assert parser.parse_args(["serve", "--kv-host-memory", "0"]).kv_host_memory == 0
+    assert parser.parse_args(["serve"]).kv_host_memory is None
+    assert parser.parse_args(["plan", "--kv-host-memory", "1GiB"]).kv_host_memory == 1 << 30
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-host-memory", "lots"])

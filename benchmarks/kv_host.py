@@ -105,6 +105,12 @@ def chat_load(dec: StaticDecoder, args: argparse.Namespace, policy: str, vocab: 
         ids = [rng.randrange(100, vocab - 1) for _ in range(60)]
         for turn in range(args.turns):
             ids = ids + [rng.randrange(100, vocab - 1) for _ in range(args.user_tokens)]
+            # The window slides as a session's does: the 60 "system" tokens stay, the oldest
+            # turns go, so the prompt, its reply and a summary's 84 tokens fit the slot.
+            over = len(ids) + args.reply_tokens + 84 - args.slot_tokens
+            if over > 0:
+                step = args.user_tokens + args.reply_tokens
+                ids = ids[:60] + ids[60 + step * -(-over // step) :]
             req = DecodeRequest(
                 ids=ids, max_new_tokens=args.reply_tokens, deadline=time.monotonic() + 600, sampling=GREEDY,
                 cache_key=f"u{u}",

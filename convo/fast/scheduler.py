@@ -268,7 +268,18 @@ class DecodeScheduler:
         self._blocked = False  # the last admission left work waiting for a slot
 
     def submit(self, request: DecodeRequest) -> DecodeRequest:
-        """Queue ``request``; wait on ``request.done``."""
+        """Queue ``request``; wait on ``request.done``.
+
+        Raises:
+            ConfigError: the scheduler is closed, or the prompt and its reply cap do not fit
+                a slot (refused here, alone, rather than failing a whole step later).
+        """
+        need = len(request.ids) + request.max_new_tokens
+        if need > self.decoder.pool.slot_tokens:
+            raise ConfigError(
+                f"{len(request.ids)} prompt tokens + max_new_tokens {request.max_new_tokens} do not fit "
+                f"a slot of {self.decoder.pool.slot_tokens} tokens"
+            )
         with self._cv:
             if self._closed:
                 raise ConfigError("the decode scheduler is closed")

@@ -475,3 +475,13 @@ def test_queued_running_and_idle_say_where_requests_are() -> None:
     assert (sched.queued, sched.running) == (1, 1) and not sched.idle
     drain(sched)
     assert sched.idle and first.finished_at is not None and second.finished_at is not None
+
+
+def test_a_request_that_cannot_fit_a_slot_is_refused_alone_at_submit() -> None:
+    dec = FakeDecoder(slots=1, slot_tokens=64)
+    sched = DecodeScheduler(dec, background=False, step_tokens=16)
+    running = sched.submit(request(10, max_new=4))
+    with pytest.raises(ConfigError, match="do not fit a slot of 64 tokens"):
+        sched.submit(request(60, max_new=8))
+    drain(sched)
+    assert running.error is None and running.new_ids == [11, 12, 13, 14]

@@ -11,10 +11,13 @@ from typing import Any
 
 from convo.budget import Budget
 from convo.cli.common import check_local_model, default_db_path, engine_from_args, local_engine, spinner
+from convo.embeddings import Embedder, default_model_path
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
+from convo.retrieval.hashing import FAKE_EMBEDDER_ENV, HashingEncoder
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
+from convo.server.memory import DEFAULT_MEMORY_CACHE_BYTES, ServerMemory
 from convo.stores import RedisStore, SQLiteStore, Store, redact_url
 from convo.testing import EchoEngine
 
@@ -92,6 +95,7 @@ def run_server(args: argparse.Namespace) -> int:
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
+    memory = server_memory(args, store)
     app = create_app(
         engine,
         store=store,
@@ -103,6 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
         allowed_hosts=[args.host],
         allowed_origins=getattr(args, "allow_origin", []),
         system_prompt=getattr(args, "system_prompt", None),
+        memory=memory,
     )
     where = f"redis {redact_url(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
@@ -148,3 +153,24 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigError(
                 f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); pick another"
             ) from exc
+
+
+def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None:
+    """The server's retrieval memory: off with ``--no-memory``, and (with a log line) where
+    the default embedding model is not installed; a :class:`HashingEncoder` with
+    ``CONVO_FAKE_EMBEDDER=1`` (tests)."""
+    if getattr(args, "no_memory", False):
+        return None
+    mb = getattr(args, "memory_cache_mb", None)
+    cache = DEFAULT_MEMORY_CACHE_BYTES if mb is None else mb << 20
+    embedder: Any
+    if os.environ.get(FAKE_EMBEDDER_ENV) == "1":
+        embedder = HashingEncoder()
+    else:
+        try:
+            default_model_path()
+        except MissingDependency as exc:
+            logging.getLogger("convo.serve").warning("retrieval memory is off: %s", exc)
+            return None
+        embedder = Embedder()
+    return ServerMemory(store, embedder, cache_bytes=cache)

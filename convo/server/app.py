@@ -67,6 +67,7 @@ except ImportError as exc:  # only `convo serve` and create_app need it
 
 from convo.server.access_log import RequestLog
 from convo.server.errors import install_error_handlers
+from convo.server.memory import MemoryCollector, ServerMemory
 from convo.server.prometheus import metrics_registry
 from convo.server.routes import router
 from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
@@ -93,6 +94,7 @@ def create_app(
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     system_prompt: str | None = None,
+    memory: ServerMemory | None = None,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -121,6 +123,10 @@ def create_app(
             an origin.
         system_prompt: the system prompt of a new session, or of a stateless request,
             whose messages hold none (a client's own system message wins).
+        memory: retrieval memory (:class:`~convo.server.memory.ServerMemory` over
+            ``store``): each session retrieves its evicted turns, and a request naming a
+            person (``user`` / ``metadata.user_id``) that person's earlier sessions too.
+            ``None`` (default here; ``convo serve`` turns it on): no retrieval.
 
     Example::
 
@@ -154,7 +160,12 @@ def create_app(
         session_from_user=session_from_user,
         system_prompt=system_prompt or None,
         scrape=metrics_registry(metrics, engine),
+        memory=memory,
     )
+    if memory is not None:
+        if memory.store is not store:
+            raise ConfigError("the memory must keep its records in the app's store")
+        state.scrape.register(MemoryCollector(memory))
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

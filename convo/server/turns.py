@@ -31,6 +31,7 @@ from convo.summarize import SummaryWorker
 if TYPE_CHECKING:
     from convo.engines.base import Engine
     from convo.models.generation import ToolCallDelta
+    from convo.server.memory import ServerMemory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class Turn:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: Set when the client's history diverged: the id holding the replaced tail.
     forked: str | None = None
+    #: The server's retrieval memory (``None``: off): the session retrieves its evicted
+    #: turns, and with ``request.user_id`` that person's earlier sessions too.
+    memory: ServerMemory | None = None
 
     @property
     def reply_budget(self) -> Budget:
@@ -103,6 +107,7 @@ class Turn:
             timeout_s=self.limits.generation_timeout_s,
             summaries=self.summaries,
             summary_wait_s=self.limits.summary_wait_s,
+            retriever=self.memory.view(owner=self.owner, user=self.request.user_id) if self.memory else None,
         )
         session.budget = self.reply_budget  # in memory: this turn's reply cap, never stored
         return session
@@ -138,6 +143,8 @@ class Turn:
                 # A summary still running folds turns the fork may drop: it must not land.
                 self.summaries.forget(self.store, sid)
                 self.forked = _fork(self.store, sid, plan.fork_at, self.limits.max_forks_per_session)
+                if self.memory is not None:
+                    self.memory.session_reset(sid)  # what was indexed of the old tail goes
                 session = None  # the fork rewrote the session: load it as it now is
             if session is None:
                 session = self._session(sid, system if before is None else None)
@@ -154,8 +161,11 @@ class Turn:
             if before is None:
                 if self.store.exists(sid):
                     self.store.delete(sid)
+                    if self.memory is not None:
+                        self.memory.session_deleted([sid])
             elif history is not None:
-                _restore(self.store, sid, before, history)
+                if _restore(self.store, sid, before, history) and self.memory is not None:
+                    self.memory.session_reset(sid)
             if self.forked is not None:
                 self.store.delete(self.forked)
                 self.forked = None
@@ -194,14 +204,15 @@ class Turn:
             return session.reply(**kwargs)
 
 
-def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> None:
+def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> bool:
     """Put a session back as it was before a refused turn (its state and ``history``),
     unless nothing was written. The session is cut back to what it still shares with
-    ``history`` and the rest re-appended: it is never deleted (its forks share its prefix)."""
+    ``history`` and the rest re-appended: it is never deleted (its forks share its prefix).
+    Returns whether anything was put back."""
     state, count = before
     now, now_count = store.peek(sid)
     if now_count == count and replace(now, updated_at=0.0) == replace(state, updated_at=0.0):
-        return
+        return False
     _, current = store.load(sid)
     keep = 0
     while keep < min(len(current), len(history)) and current[keep] == history[keep]:
@@ -209,6 +220,7 @@ def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: 
     store.truncate(sid, keep, state=state)
     if history[keep:]:
         store.append(sid, history[keep:])
+    return True
 
 
 #: The parent's ``settings`` key that keeps its forks' bookkeeping: ``{"next": n, "live":

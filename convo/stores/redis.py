@@ -116,7 +116,7 @@ return 1
 _R_MEMORY_DROP = """
 for i = 1, #KEYS do
   local sid = ARGV[i + 1]
-  local mark = sid .. '\n'
+  local mark = sid .. '\\n'
   for _, scope in ipairs(redis.call('SMEMBERS', KEYS[i])) do
     local key = ARGV[1] .. scope
     if scope == sid then

@@ -5,7 +5,7 @@ forget, other keys read nothing, and the cache stays bounded."""
 from __future__ import annotations
 
 import gc
-import tracemalloc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,7 @@ def test_metrics_show_the_cache_bytes(url: str) -> None:
     assert float(line.split()[1]) > 0
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_5000_sessions_served_in_turn(tmp_path: Path) -> None:
     """5,000 sessions indexed and asked one after another through the server's memory
     (their rows in a SQLite file, not in this process): the cache holds at most its bound,
@@ -200,19 +201,28 @@ def test_memory_stays_flat_over_5000_sessions_served_in_turn(tmp_path: Path) -> 
         view.remember_turns(sid, turns)
         assert view.retrieve("llamas fact", session_id=sid, top_k=2)
 
-    for i in range(300):  # warm up: caches and allocator reach their steady state
-        serve_one(i)
-    gc.collect()
-    tracemalloc.start()
-    readings = []
-    for i in range(300, 5300):
-        serve_one(i)
-        if i % 1000 == 999:
-            gc.collect()
-            readings.append(tracemalloc.get_traced_memory()[0])
-            stats = memory.stats()
-            assert stats.bytes <= memory.cache_bytes and stats.evictions > 0
-    tracemalloc.stop()
-    store.close()
+    faiss = pytest.importorskip("faiss")
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)  # tiny indexes: OpenMP's start-up would be most of the time
+    try:
+        for i in range(300):  # warm up: caches and allocator reach their steady state
+            serve_one(i)
+        readings = []
+        for i in range(300, 5300):
+            serve_one(i)
+            if i % 1000 == 999:
+                gc.collect()
+                readings.append(_resident_bytes())
+                stats = memory.stats()
+                assert stats.bytes <= memory.cache_bytes and stats.evictions > 0
+    finally:
+        faiss.omp_set_num_threads(threads)
+        store.close()
     # Flat: 5,000 sessions of ~10 KB of index each would be ~50 MB if they stayed.
-    assert max(readings) - min(readings) < 1 << 20, readings
+    assert max(readings) - readings[0] < 12 << 20, readings
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

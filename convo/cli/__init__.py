@@ -195,6 +195,21 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="most MiB of retrieval indexes one replica keeps (LRU; rebuilt from the store on a miss; "
         "default 256)",
     )
+    serve.add_argument(
+        "--max-file-mb", type=positive_int, default=None, help="largest file upload, MiB (default 4)"
+    )
+    serve.add_argument(
+        "--max-chunks-per-store",
+        type=positive_int,
+        default=None,
+        help="most chunks one vector store holds (default 20000)",
+    )
+    serve.add_argument(
+        "--max-vector-stores",
+        type=positive_int,
+        default=None,
+        help="most vector stores per API key (default 100)",
+    )
     add_local_engine_arguments(serve)
     add_engine_arguments(serve)
 

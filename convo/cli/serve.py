@@ -16,6 +16,7 @@ from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency
 from convo.retrieval.hashing import FAKE_EMBEDDER_ENV, HashingEncoder
 from convo.server.app import create_app
+from convo.server.documents import DocumentLimits, Documents
 from convo.server.limits import ServerLimits
 from convo.server.memory import DEFAULT_MEMORY_CACHE_BYTES, ServerMemory
 from convo.stores import RedisStore, SQLiteStore, Store, redact_url
@@ -96,6 +97,7 @@ def run_server(args: argparse.Namespace) -> int:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
     memory = server_memory(args, store)
+    documents = server_documents(args, memory)
     app = create_app(
         engine,
         store=store,
@@ -108,6 +110,7 @@ def run_server(args: argparse.Namespace) -> int:
         allowed_origins=getattr(args, "allow_origin", []),
         system_prompt=getattr(args, "system_prompt", None),
         memory=memory,
+        documents=documents,
     )
     where = f"redis {redact_url(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
@@ -174,3 +177,17 @@ def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None
             return None
         embedder = Embedder()
     return ServerMemory(store, embedder, cache_bytes=cache)
+
+
+def server_documents(args: argparse.Namespace, memory: ServerMemory | None) -> Documents | None:
+    """Files and vector stores, with the memory's embedder (none without it), within the
+    limits the flags give (:class:`DocumentLimits` for the rest)."""
+    if memory is None:
+        return None
+    given = {
+        "max_file_bytes": None if getattr(args, "max_file_mb", None) is None else args.max_file_mb << 20,
+        "max_chunks_per_store": getattr(args, "max_chunks_per_store", None),
+        "max_stores_per_key": getattr(args, "max_vector_stores", None),
+    }
+    limits = DocumentLimits(**{k: v for k, v in given.items() if v is not None})
+    return Documents(memory.store, memory.embedder, limits=limits)

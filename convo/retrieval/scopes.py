@@ -49,7 +49,7 @@ from convo.plan import Passage, Retriever, Turn, turn_key
 from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.memory import RetrievalMemory
 
-__all__ = ["PERSON_RECENCY_WEIGHT", "SESSION_TURNS_MAX", "MemoryRecord", "ScopedMemory"]
+__all__ = ["PERSON_RECENCY_WEIGHT", "SESSION_TURNS_MAX", "MemoryRecord", "RecordingEncoder", "ScopedMemory"]
 
 #: Turns one session may hold in a scope: each session gets a block of this many turn
 #: numbers in the shared index, so two sessions' turns never share a key and a session's
@@ -130,9 +130,10 @@ class MemoryRecord:
         return 3 * text + 2 * sum(int(v.nbytes) + len(t) for t, v in self.vectors.items())
 
 
-class _TapeEncoder:
-    """An encoder that records what it computes (while :meth:`taping`) and answers from
-    preloaded vectors (while replaying records) before asking the real one."""
+class RecordingEncoder:
+    """A :class:`~convo.embeddings.TextEncoder` around ``base`` that records what it
+    computes (while :meth:`taping`) and answers from :attr:`known` vectors (preloaded to
+    replay records) before asking ``base``: an index rebuilt from stored vectors."""
 
     def __init__(self, base: TextEncoder) -> None:
         self.base = base
@@ -206,7 +207,7 @@ class ScopedMemory(Retriever):
         self.scope = scope
         self.date_turns = date_turns
         self.config = config or RetrievalConfig(recency_weight=PERSON_RECENCY_WEIGHT)
-        self._encoder = _TapeEncoder(embedder if embedder is not None else Embedder())
+        self._encoder = RecordingEncoder(embedder if embedder is not None else Embedder())
         self._memory = RetrievalMemory(self._encoder, config=self.config)
         self.min_score: float = self._memory.min_score
         self._slots: dict[str, int] = {}  # session -> its block of turn numbers

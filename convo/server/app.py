@@ -66,7 +66,9 @@ except ImportError as exc:  # only `convo serve` and create_app need it
     raise MissingDependency(f"the server needs {exc.name}; run: pip install 'convo[server]'") from None
 
 from convo.server.access_log import RequestLog
+from convo.server.documents import Documents
 from convo.server.errors import install_error_handlers
+from convo.server.files import router as files_router
 from convo.server.memory import MemoryCollector, ServerMemory
 from convo.server.prometheus import metrics_registry
 from convo.server.routes import router
@@ -95,6 +97,7 @@ def create_app(
     allowed_origins: Sequence[str] = (),
     system_prompt: str | None = None,
     memory: ServerMemory | None = None,
+    documents: Documents | None = None,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -127,6 +130,9 @@ def create_app(
             ``store``): each session retrieves its evicted turns, and a request naming a
             person (``user`` / ``metadata.user_id``) that person's earlier sessions too.
             ``None`` (default here; ``convo serve`` turns it on): no retrieval.
+        documents: files and vector stores in OpenAI's shapes
+            (:class:`~convo.server.documents.Documents` over ``store``); a chat request
+            names stores with ``metadata.vector_store_ids``. ``None``: those routes 404.
 
     Example::
 
@@ -161,6 +167,7 @@ def create_app(
         system_prompt=system_prompt or None,
         scrape=metrics_registry(metrics, engine),
         memory=memory,
+        documents=documents,
     )
     if memory is not None:
         if memory.store is not store:
@@ -174,6 +181,7 @@ def create_app(
     install_cross_site_checks(app, state)
     app.add_middleware(RequestLog)  # outermost: refusals are logged too
     app.include_router(router)
+    app.include_router(files_router)  # files and vector stores (multipart uploads: a plain route)
     return app
 
 

@@ -171,6 +171,9 @@ class Metadata(_Body):
     #: The person whose memory the session retrieves from (their earlier sessions), see
     #: :mod:`convo.server.memory`; the request's ``user`` does the same.
     user_id: str | None = None
+    #: Vector stores whose chunks the reply may use (``vs_...`` ids: a list, or one string
+    #: of ids separated by commas, as OpenAI's metadata values are strings).
+    vector_store_ids: list[str] | str | None = None
 
 
 class TextFormat(_Body):
@@ -291,6 +294,9 @@ class ChatCompletionBody(_Body):
             except ConfigError as exc:
                 where = "metadata.user_id" if self.metadata and self.metadata.user_id is not None else "user"
                 raise ApiError(400, f"{where}: {exc}", code="invalid_value", param=where) from None
+        stores = self.metadata.vector_store_ids if self.metadata else None
+        if isinstance(stores, str):
+            stores = [s.strip() for s in stores.split(",") if s.strip()]
         temperature = self.temperature or 0.0
         if temperature < MIN_SAMPLING_TEMPERATURE:
             temperature = 0.0  # greedy: what a temperature this close to 0 means
@@ -307,6 +313,7 @@ class ChatCompletionBody(_Body):
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             session_id=session_id,
             user_id=user_id,
+            vector_store_ids=tuple(stores or ()),
             sampling=sampling,
             stop=tuple(stops),
             tools=tools,
@@ -330,6 +337,8 @@ class ChatRequest:
     session_id: str | None = None
     #: The person (``user`` / ``metadata.user_id``) whose memory a session retrieves from.
     user_id: str | None = None
+    #: The vector stores (``metadata.vector_store_ids``) the reply may use.
+    vector_store_ids: tuple[str, ...] = ()
     sampling: Sampling = GREEDY
     stop: tuple[str, ...] = ()
     #: OpenAI function tools offered to the model (validated, in OpenAI's shape).

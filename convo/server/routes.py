@@ -171,6 +171,7 @@ async def chat(
         summaries=state.summaries,
         system_prompt=state.system_prompt,
         memory=state.memory,
+        documents=state.documents,
     )
     leave_session: Callable[[], None] = lambda: None  # noqa: E731
     if parsed.session_id is None:

@@ -343,7 +343,7 @@ class Store(abc.ABC):
         scope: str,
         records: Sequence[Mapping[str, Any]],
         *,
-        session_id: str,
+        session_id: str | None,
         epoch: str | None = None,
     ) -> bool:
         """Append retrieval-memory ``records`` to ``scope``, written by ``session_id``, in
@@ -351,15 +351,17 @@ class Store(abc.ABC):
         of that epoch (the fence a summary has: memory of a deleted session never lands in
         a new one under the same id). Called under the session's :meth:`lock` (Redis
         fences it with the lease, as it fences a turn). Returns whether it was stored.
+        ``session_id=None``: rows of no session (documents), appended unfenced.
 
         The records are deleted with the session (:meth:`delete`), in every scope."""
-        try:
-            state, _ = self.peek(session_id)
-        except SessionNotFound:
-            return False
-        if epoch is not None and state.epoch != epoch:
-            return False
-        rows = [(session_id, dict(r)) for r in records]
+        if session_id is not None:
+            try:
+                state, _ = self.peek(session_id)
+            except SessionNotFound:
+                return False
+            if epoch is not None and state.epoch != epoch:
+                return False
+        rows = [(session_id or "", dict(r)) for r in records]
         with _LOCKS_GUARD:
             self._memory_rows().setdefault(scope, []).extend(rows)
         return True

@@ -415,12 +415,18 @@ class RedisStore(Store):
         scope: str,
         records: Sequence[Mapping[str, Any]],
         *,
-        session_id: str,
+        session_id: str | None,
         epoch: str | None = None,
     ) -> bool:
         """See :meth:`Store.append_memory`: one script, fenced by the session's lease
-        (:class:`~convo.errors.SessionLockLost` if it expired) and by its epoch."""
-        entries = [f"{session_id}\n{json.dumps(dict(r))}" for r in records]
+        (:class:`~convo.errors.SessionLockLost` if it expired) and by its epoch; rows of
+        no session in one MULTI/EXEC."""
+        entries = [f"{session_id or ''}\n{json.dumps(dict(r))}" for r in records]
+        if session_id is None:
+            if entries:
+                with self._errors():
+                    self._r.rpush(self._memory_key(scope), *entries)
+            return True
         keys = [self._keys(session_id)[0], self._memory_key(scope), f"{self.prefix}mscopes:{session_id}"]
         fence = ["0", ""] if epoch is None else ["1", epoch]
         args = [*fence, scope, len(entries), *entries]

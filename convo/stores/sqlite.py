@@ -336,21 +336,25 @@ class SQLiteStore(Store):
         scope: str,
         records: Sequence[Mapping[str, Any]],
         *,
-        session_id: str,
+        session_id: str | None,
         epoch: str | None = None,
     ) -> bool:
         """See :meth:`Store.append_memory`: one write transaction that checks the
         session's epoch and appends the rows (a ``kill -9`` leaves all or none)."""
         with self._tx() as db:
-            row = db.execute("SELECT epoch FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            if row is None or (epoch is not None and row[0] != epoch):
-                return False
+            if session_id is not None:
+                row = db.execute("SELECT epoch FROM sessions WHERE id = ?", (session_id,)).fetchone()
+                if row is None or (epoch is not None and row[0] != epoch):
+                    return False
             last = db.execute(
                 "SELECT COALESCE(MAX(seq), -1) FROM memory WHERE scope = ?", (scope,)
             ).fetchone()
             db.executemany(
                 "INSERT INTO memory (scope, seq, session_id, record) VALUES (?, ?, ?, ?)",
-                [(scope, last[0] + 1 + i, session_id, json.dumps(dict(r))) for i, r in enumerate(records)],
+                [
+                    (scope, last[0] + 1 + i, session_id or "", json.dumps(dict(r)))
+                    for i, r in enumerate(records)
+                ],
             )
         return True
 

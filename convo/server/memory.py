@@ -313,7 +313,18 @@ class ServerMemory:
     def retrieve(
         self, person: str | None, query: str, session_id: str, top_k: int, today: date | str | None
     ) -> list[Passage]:
-        entry = self.entry(person or session_id, person=person is not None)
+        scope = person or session_id
+        entry = self.entry(scope, person=person is not None)
+        known = entry.epochs.get(session_id)
+        if known is not None:
+            # Deleted and made again elsewhere (maybe by another key) with no row yet: this
+            # replica's index of the old session must not answer for the new one.
+            try:
+                epoch = self.store.peek(session_id)[0].epoch
+            except SessionNotFound:
+                epoch = None
+            if epoch != known:
+                entry = self._rebuilt(scope, person=person is not None)
         with entry.lock:
             return entry.memory.retrieve(query, session_id=session_id, top_k=top_k, today=today)
 

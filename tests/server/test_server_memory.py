@@ -226,3 +226,20 @@ def _resident_bytes() -> int:
     """This process's resident memory (Linux ``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_replicas_stale_index_never_answers_for_a_session_made_again(store: Store) -> None:
+    """Replica A indexed session x; x is deleted and made again (here by another key) on
+    replica B: A's cached index of the old x must not answer for the new one."""
+    a, b = ServerMemory(store, HashEncoder()), ServerMemory(store, HashEncoder())
+    store.create(SessionState(session_id="x", owner=key_owner("k1")))
+    turns = [Turn(index=0, messages=(Message(role=Role.USER, content=FACT),))]
+    a.view(owner=key_owner("k1")).remember_turns("x", turns)
+    assert a.view(owner=key_owner("k1")).retrieve("cat called", session_id="x", top_k=2)
+    store.delete("x")
+    b.session_deleted(["x"])
+    store.create(SessionState(session_id="x", owner=key_owner("k2")))
+    other = [Turn(index=0, messages=(Message(role=Role.USER, content="My bike is blue."),))]
+    b.view(owner=key_owner("k2")).remember_turns("x", other)  # as many rows as the old x had
+    found = a.view(owner=key_owner("k2")).retrieve("cat called", session_id="x", top_k=2)
+    assert found and all("Miso" not in p.text for p in found)

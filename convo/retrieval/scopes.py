@@ -158,7 +158,7 @@ class RecordingEncoder:
 
     @contextmanager
     def taping(self) -> Iterator[dict[str, np.ndarray]]:
-        self.tape = tape = {}
+        self.tape = tape = dict[str, np.ndarray]()
         try:
             yield tape
         finally:

@@ -167,7 +167,7 @@ class ServerMemory:
         scope = person_scope(owner, check_user_id(user))
         sessions = []
         for sid in self._members(scope):
-            turns = {}
+            turns: dict[int, dict[str, Any]] = {}
             for raw in self.store.memory_log(sid).records:
                 rec = MemoryRecord.from_dict(raw)
                 if rec.op == "reset":

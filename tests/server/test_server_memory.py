@@ -219,6 +219,7 @@ def test_memory_stays_flat_over_5000_sessions_served_in_turn(tmp_path: Path) -> 
         faiss.omp_set_num_threads(threads)
         store.close()
     # Flat: 5,000 sessions of ~10 KB of index each would be ~50 MB if they stayed.
+    print(f"resident MiB every 1,000 sessions: {[round(r / 2**20, 1) for r in readings]}; cache {stats}")
     assert max(readings) - readings[0] < 12 << 20, readings
 
 

@@ -10,7 +10,10 @@ the cache, per size.
 
 The encoder is hashed (``--dim``, default 384 as MiniLM) so the run does not wait for a
 model: a miss never calls the embedder for an indexed text, so its cost does not depend
-on the model (only the question is embedded; that cost is the same on a hit).
+on the model (only the question is embedded; that cost is the same on a hit). With
+``--minilm`` the session is indexed with the real model (``index_s`` is then what a miss
+would cost if it re-embedded), and the miss replays MiniLM's vectors (the question is
+embedded by the hashed encoder there: only the replay is timed).
 
     python benchmarks/memory_miss.py --turns 1000,10000
 """
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from convo.embeddings import Embedder
 from convo.messages import Message, Role
 from convo.plan import Turn
 from convo.retrieval.hashing import HashingEncoder
@@ -48,18 +52,18 @@ def turn(i: int) -> Turn:
     )
 
 
-def measure(n: int, dim: int, folder: str) -> dict[str, float | int]:
+def measure(n: int, dim: int, folder: str, minilm: bool = False) -> dict[str, float | int]:
     path = os.path.join(folder, f"miss-{n}.db")
     store = SQLiteStore(path)
     store.create(SessionState(session_id="s", owner="o"))
-    writer = ServerMemory(store, HashingEncoder(dim))
+    writer = ServerMemory(store, Embedder() if minilm else HashingEncoder(dim))
     view = writer.view(owner="o")
     t0 = time.perf_counter()
     for start in range(0, n, 100):  # as a chat indexes: a few turns at a time
         view.remember_turns("s", [turn(i) for i in range(start, min(n, start + 100))])
     index_s = time.perf_counter() - t0
     rows_bytes = sum(len(json.dumps(r)) for r in store.memory_log("s").records)
-    encoder = HashingEncoder(dim)
+    encoder = HashingEncoder(dim)  # (a replay must never need it: it counts what it is asked)
     replica = ServerMemory(SQLiteStore(path), encoder)
     question = "What did I say about the piano and word4242?"
     t0 = time.perf_counter()
@@ -85,9 +89,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", default="1000,10000", help="comma-separated session sizes")
     parser.add_argument("--dim", type=int, default=384, help="vector length (MiniLM: 384)")
+    parser.add_argument(
+        "--minilm", action="store_true", help="index with the real MiniLM (the miss replays its vectors)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        rows = [measure(int(n), args.dim, folder) for n in args.turns.split(",")]
+        rows = [measure(int(n), args.dim, folder, args.minilm) for n in args.turns.split(",")]
     json.dump({"benchmark": "memory_miss", "cpus": os.cpu_count(), "rows": rows}, sys.stdout, indent=2)
     print()
     return 0

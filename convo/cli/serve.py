@@ -13,7 +13,7 @@ from convo.budget import Budget
 from convo.cli.common import check_local_model, default_db_path, engine_from_args, local_engine, spinner
 from convo.embeddings import Embedder, default_model_path
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
-from convo.errors import ConfigError, MissingDependency
+from convo.errors import ConfigError, MissingDependency, ModelLoadError
 from convo.retrieval.hashing import FAKE_EMBEDDER_ENV, HashingEncoder
 from convo.server.app import create_app
 from convo.server.documents import DocumentLimits, Documents
@@ -160,22 +160,25 @@ def _check_port_free(host: str, port: int) -> None:
 
 def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None:
     """The server's retrieval memory: off with ``--no-memory``, and (with a log line) where
-    the default embedding model is not installed; a :class:`HashingEncoder` with
-    ``CONVO_FAKE_EMBEDDER=1`` (tests)."""
+    the default embedding model is not installed or cannot load; a :class:`HashingEncoder`
+    with ``CONVO_FAKE_EMBEDDER=1`` or the fake engine (``CONVO_FAKE_ENGINE=1``, tests)."""
     if getattr(args, "no_memory", False):
         return None
     mb = getattr(args, "memory_cache_mb", None)
     cache = DEFAULT_MEMORY_CACHE_BYTES if mb is None else mb << 20
     embedder: Any
-    if os.environ.get(FAKE_EMBEDDER_ENV) == "1":
-        embedder = HashingEncoder()
+    if os.environ.get(FAKE_EMBEDDER_ENV) == "1" or os.environ.get(FAKE_ENGINE_ENV) == "1":
+        embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
     else:
+        embedder = Embedder()
         try:
             default_model_path()
-        except MissingDependency as exc:
+            # Loaded now, not inside the first turn that indexes (which holds its session's
+            # lock); a model that cannot load turns memory off here, not every turn later.
+            embedder.encode(["warm up"])
+        except (MissingDependency, ModelLoadError) as exc:
             logging.getLogger("convo.serve").warning("retrieval memory is off: %s", exc)
             return None
-        embedder = Embedder()
     return ServerMemory(store, embedder, cache_bytes=cache)
 
 

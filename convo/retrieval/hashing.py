@@ -1,8 +1,9 @@
 """A model-free text encoder: words hashed into buckets (tests, the fake engine, demos).
 
 Not a semantic model: two texts are near when they share words. It needs no download,
-so ``convo serve`` with the test engine (``CONVO_FAKE_ENGINE=1``) has retrieval memory
-with :data:`FAKE_EMBEDDER_ENV` set, and tests can count what it was asked.
+so ``convo serve`` with the test engine (``CONVO_FAKE_ENGINE=1``) or with
+:data:`FAKE_EMBEDDER_ENV` set has retrieval memory without a model, and tests can count
+what it was asked.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def create_app(
     if memory is not None:
         if memory.store is not store:
             raise ConfigError("the memory must keep its records in the app's store")
-        state.scrape.register(MemoryCollector(memory))
+        state.scrape.register(MemoryCollector(memory, documents))
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -351,12 +351,20 @@ class MemoryView(Retriever):
 
 
 class MemoryCollector(Collector):
-    """The cache's size and traffic on ``/metrics``."""
+    """The caches' size and traffic on ``/metrics``: the memory's indexes and, given, the
+    vector stores' (``documents``: a :class:`~convo.server.documents.Documents`)."""
 
-    def __init__(self, memory: ServerMemory) -> None:
+    def __init__(self, memory: ServerMemory, documents: Any = None) -> None:
         self.memory = memory
+        self.documents = documents
 
     def collect(self) -> Iterator[Any]:
+        if self.documents is not None:
+            yield GaugeMetricFamily(
+                "convo_documents_cache_bytes",
+                "bytes of vector-store indexes cached",
+                value=self.documents.cache_bytes,
+            )
         s = self.memory.stats()
         yield GaugeMetricFamily(
             "convo_memory_cache_bytes", "bytes of retrieval indexes cached", value=s.bytes

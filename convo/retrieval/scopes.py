@@ -78,7 +78,9 @@ class MemoryRecord:
         vectors: every text the embedder was asked for while indexing it, with its vector
             (float32): a replay needs no embedder.
         op: ``"turn"``; ``"reset"`` forgets every turn of ``session_id`` indexed before
-            (its history was rewritten).
+            (its history was rewritten); ``"floor"``: turns of ``session_id`` numbered
+            below ``turn`` are forgotten and never indexed again (a person forgotten while
+            the session stays).
     """
 
     session_id: str
@@ -108,7 +110,7 @@ class MemoryRecord:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryRecord:
         """Read :meth:`to_dict` output. Raises ValueError for what is not a record."""
-        if data.get("v") != RECORD_FORMAT or data.get("op") not in ("turn", "reset"):
+        if data.get("v") != RECORD_FORMAT or data.get("op") not in ("turn", "reset", "floor"):
             raise ValueError(f"not a convo memory record: {str(data)[:80]!r}")
         vectors = {
             t: np.frombuffer(base64.b64decode(b), dtype="<f4") for t, b in dict(data["vectors"]).items()
@@ -213,6 +215,7 @@ class ScopedMemory(Retriever):
         self._slots: dict[str, int] = {}  # session -> its block of turn numbers
         self._by_slot: list[str] = []
         self._digests: dict[str, dict[int, str]] = {}  # session -> turn -> digest
+        self._floors: dict[str, int] = {}  # session -> its first turn that may be indexed
         self._bytes = 0
         self._lock = threading.RLock()
 
@@ -246,6 +249,8 @@ class ScopedMemory(Retriever):
                 msgs = tuple((m.role.value, m.name, m.content) for m in turn.messages if m.content.strip())
                 day = (dates or {}).get(turn.index) or (_day_of(turn) if self.date_turns else None)
                 digest = _digest(msgs, day)
+                if turn.index < self._floors.get(session_id, 0):
+                    continue  # forgotten for good (see forget_before)
                 if self._digests.get(session_id, {}).get(turn.index) == digest:
                     continue
                 todo.append(
@@ -269,10 +274,15 @@ class ScopedMemory(Retriever):
             batch: list[MemoryRecord] = []
             for rec in records:
                 self._encoder.known.update(rec.vectors)
-                if rec.op == "reset":
+                if rec.op in ("reset", "floor"):
                     self._index(batch)
                     batch = []
-                    self.forget_session(rec.session_id)
+                    if rec.op == "reset":
+                        self.forget_session(rec.session_id)
+                    else:
+                        self.forget_before(rec.session_id, rec.turn)
+                    continue
+                if rec.turn < self._floors.get(rec.session_id, 0):
                     continue
                 if self._digests.get(rec.session_id, {}).get(rec.turn) == rec.digest:
                     continue
@@ -332,6 +342,20 @@ class ScopedMemory(Retriever):
                 return 0
             return self._memory.forget_turns(self.scope, [slot * SESSION_TURNS_MAX + t for t in done])
 
+    def forget_before(self, session_id: str, turn: int) -> int:
+        """Forget the turns of ``session_id`` numbered below ``turn`` and never index them
+        again (later turns are remembered as usual); returns how many were indexed."""
+        with self._lock:
+            self._floors[session_id] = max(self._floors.get(session_id, 0), turn)
+            done = self._digests.get(session_id, {})
+            gone = [t for t in done if t < turn]
+            for t in gone:
+                del done[t]
+            slot = self._slots.get(session_id)
+            if slot is None or not gone:
+                return 0
+            return self._memory.forget_turns(self.scope, [slot * SESSION_TURNS_MAX + t for t in gone])
+
     def forget(self) -> None:
         """Forget the whole scope: every session's turns and the index built from them."""
         with self._lock:
@@ -339,6 +363,7 @@ class ScopedMemory(Retriever):
             self._slots.clear()
             self._by_slot.clear()
             self._digests.clear()
+            self._floors.clear()
             self._bytes = 0
 
     def session_ids(self) -> list[str]:

@@ -41,7 +41,7 @@ from prometheus_client.registry import Collector
 
 from convo.embeddings import TextEncoder
 from convo.errors import ConfigError, SessionNotFound
-from convo.plan import Passage, Retriever, Turn
+from convo.plan import Passage, Retriever, Turn, split_turns
 from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.scopes import MemoryRecord, ScopedMemory
 from convo.stores import Store
@@ -158,6 +158,14 @@ class ServerMemory:
         rows = 0
         for sid in members:
             rows += self.store.delete_memory(sid)
+            try:
+                _, messages = self.store.load(sid)
+            except SessionNotFound:
+                continue
+            # The session stays: what it said so far is never indexed again (a floor), what
+            # it says from now on is.
+            floor = MemoryRecord(session_id=sid, op="floor", turn=len(split_turns(messages))).to_dict()
+            self.store.append_memory(sid, [floor], session_id=sid)
         rows += self.store.delete_memory(scope)
         self._drop_where(lambda e: e.scope == scope or bool(set(members) & set(e.applied)))
         return {"sessions": members, "records_deleted": rows}
@@ -170,6 +178,9 @@ class ServerMemory:
             turns: dict[int, dict[str, Any]] = {}
             for raw in self.store.memory_log(sid).records:
                 rec = MemoryRecord.from_dict(raw)
+                if rec.op == "floor":
+                    turns = {t: v for t, v in turns.items() if t >= rec.turn}
+                    continue
                 if rec.op == "reset":
                     turns.clear()
                     continue

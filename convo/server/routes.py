@@ -242,7 +242,8 @@ async def user_memory(user_id: str, state: State, owner: Owner) -> dict[str, Any
 async def forget_user(user_id: str, state: State, owner: Owner) -> dict[str, Any]:
     """Forget person ``user_id`` of this API key: their memory rows (their sessions' too)
     and every index built from them. The sessions' messages stay (delete the sessions for
-    those); a session continued afterwards is indexed again from what it stores."""
+    those), but what they said so far is never indexed again; what a session continued
+    afterwards says is remembered as usual."""
     memory = _memory_of(state)
     removed = await state.in_thread(memory.forget_person, owner, _user_id(user_id))
     return {"id": user_id, "object": "user.memory.deleted", "deleted": True, **removed}

@@ -152,9 +152,17 @@ def test_forgetting_a_person_removes_their_memory_and_indexes(
         done = c.delete("/users/bob/memory", cast_to=httpx.Response).json()
         assert done["deleted"] and done["sessions"] == ["p1"] and done["records_deleted"] > 0
         scope = person_scope(key_owner("k1"), "bob")
-        assert store.memory_log(scope).count == 0 and store.memory_log("p1").count == 0
+        assert store.memory_log(scope).count == 0
+        # p1 keeps one row: "its first 3 turns are forgotten", no text of them.
+        assert [r["op"] for r in store.memory_log("p1").records] == ["floor"]
+        assert "Miso" not in str(store.memory_log("p1").records)
         # A new session of bob finds nothing of p1.
         assert passages(chat(c, "What is my cat called?", "p2", user="bob")) == []
+        # p1 goes on: what it said before is not indexed again, what it says now is.
+        chat(c, "My hamster is called Pip.", "p1", user="bob")
+        filler(c, "p1", 2, user="bob")
+        cited = passages(chat(c, "What are my cat and hamster called?", "p3", user="bob"))
+        assert cited and all(p["session_id"] == "p1" and p["turn"] >= 3 for p in cited), cited
 
 
 def test_bad_user_ids_are_refused(url: str) -> None:

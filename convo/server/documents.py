@@ -13,11 +13,13 @@ other binary files get 415. Everything is kept as memory rows of the store
 (:meth:`Store.append_memory`, rows of no session), each object in a scope of its own, so
 any replica serves them and a delete really removes the text::
 
-    files:<key>                  which files the key has (create / delete marks, no text)
-    file:<key>:<file id>         the file: name, bytes, text (one row)
-    stores:<key>                 which vector stores the key has (create / delete marks)
-    store:<key>:<store id>       the store: name, metadata, files added / removed
-    chunks:<key>:<store>:<file>  one file's chunks in one store, with their vectors (one row)
+    files/<key>                  which files the key has (create / delete marks, no text)
+    file/<key>/<file id>         the file: name, bytes, text (one row)
+    stores/<key>                 which vector stores the key has (create / delete marks)
+    store/<key>/<store id>       the store: name, metadata, files added / removed
+    chunks/<key>/<store>/<file>  one file's chunks in one store, with their vectors (one row)
+
+(A ``/``, which no server session id holds, keeps these apart from sessions' own scopes.)
 
 A write that must be whole is one row, and the row that makes it visible comes last (a
 file's chunks are written, then the store's "added" mark), so a crash leaves nothing half
@@ -154,7 +156,7 @@ class Documents:
 
     # -- files ---------------------------------------------------------------------------------
     def create_file(self, owner: str, filename: str, text: str, nbytes: int, purpose: str) -> dict[str, Any]:
-        files = _folded(self.store.memory_log(f"files:{owner}").records)
+        files = _folded(self.store.memory_log(f"files/{owner}").records)
         if len(files) >= self.limits.max_files_per_key:
             raise ApiError(400, f"this key has {len(files)} files, the most it may have", code="files_limit")
         fid = "file-" + uuid.uuid4().hex[:24]
@@ -165,8 +167,8 @@ class Documents:
             "created_at": int(time.time()),
             "purpose": purpose,
         }
-        self.store.append_memory(f"file:{owner}:{fid}", [{**meta, "text": text}], session_id=None)
-        self.store.append_memory(f"files:{owner}", [{"op": "create", **meta}], session_id=None)  # now visible
+        self.store.append_memory(f"file/{owner}/{fid}", [{**meta, "text": text}], session_id=None)
+        self.store.append_memory(f"files/{owner}", [{"op": "create", **meta}], session_id=None)  # now visible
         return self.file_json(meta)
 
     @staticmethod
@@ -183,26 +185,26 @@ class Documents:
         }
 
     def files(self, owner: str) -> list[dict[str, Any]]:
-        live = _folded(self.store.memory_log(f"files:{owner}").records)
+        live = _folded(self.store.memory_log(f"files/{owner}").records)
         return [self.file_json(m) for m in live.values()]
 
     def file(self, owner: str, fid: str) -> dict[str, Any]:
-        live = _folded(self.store.memory_log(f"files:{owner}").records)
+        live = _folded(self.store.memory_log(f"files/{owner}").records)
         if fid not in live:
             raise ApiError(404, f"no file {fid!r}", code="not_found", param="file_id")
         return live[fid]
 
     def delete_file(self, owner: str, fid: str) -> dict[str, Any]:
         self.file(owner, fid)
-        self.store.append_memory(f"files:{owner}", [{"op": "delete", "id": fid}], session_id=None)
-        self.store.delete_memory(f"file:{owner}:{fid}")  # the text is gone (stores keep their chunks)
+        self.store.append_memory(f"files/{owner}", [{"op": "delete", "id": fid}], session_id=None)
+        self.store.delete_memory(f"file/{owner}/{fid}")  # the text is gone (stores keep their chunks)
         return {"id": fid, "object": "file", "deleted": True}
 
     # -- vector stores ------------------------------------------------------------------------------
     def create_store(
         self, owner: str, name: str | None, metadata: Mapping[str, str] | None, file_ids: Sequence[str]
     ) -> dict[str, Any]:
-        stores = _folded(self.store.memory_log(f"stores:{owner}").records)
+        stores = _folded(self.store.memory_log(f"stores/{owner}").records)
         if len(stores) >= self.limits.max_stores_per_key:
             raise ApiError(
                 400,
@@ -218,19 +220,19 @@ class Documents:
             "metadata": dict(metadata or {}),
             "created_at": int(time.time()),
         }
-        self.store.append_memory(f"store:{owner}:{vsid}", [{"op": "meta", **meta}], session_id=None)
-        self.store.append_memory(f"stores:{owner}", [{"op": "create", **meta}], session_id=None)
+        self.store.append_memory(f"store/{owner}/{vsid}", [{"op": "meta", **meta}], session_id=None)
+        self.store.append_memory(f"stores/{owner}", [{"op": "create", **meta}], session_id=None)
         for fid in file_ids:
             self.add_file(owner, vsid, fid)
         return self.store_json(owner, vsid)
 
     def _store_state(self, owner: str, vsid: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The store's meta and its files (file id -> its "added" mark), or 404."""
-        if vsid not in _folded(self.store.memory_log(f"stores:{owner}").records):
+        if vsid not in _folded(self.store.memory_log(f"stores/{owner}").records):
             raise ApiError(404, f"no vector store {vsid!r}", code="not_found", param="vector_store_id")
         meta: dict[str, Any] = {}
         files: dict[str, dict[str, Any]] = {}
-        for r in self.store.memory_log(f"store:{owner}:{vsid}").records:
+        for r in self.store.memory_log(f"store/{owner}/{vsid}").records:
             if r.get("op") == "meta":
                 meta = dict(r)
             elif r.get("op") == "add":
@@ -262,15 +264,15 @@ class Documents:
         }
 
     def stores(self, owner: str) -> list[dict[str, Any]]:
-        live = _folded(self.store.memory_log(f"stores:{owner}").records)
+        live = _folded(self.store.memory_log(f"stores/{owner}").records)
         return [self.store_json(owner, vsid) for vsid in live]
 
     def delete_store(self, owner: str, vsid: str) -> dict[str, Any]:
         _, files = self._store_state(owner, vsid)
-        self.store.append_memory(f"stores:{owner}", [{"op": "delete", "id": vsid}], session_id=None)
+        self.store.append_memory(f"stores/{owner}", [{"op": "delete", "id": vsid}], session_id=None)
         for fid in files:
-            self.store.delete_memory(f"chunks:{owner}:{vsid}:{fid}")
-        self.store.delete_memory(f"store:{owner}:{vsid}")
+            self.store.delete_memory(f"chunks/{owner}/{vsid}/{fid}")
+        self.store.delete_memory(f"store/{owner}/{vsid}")
         self._forget(owner, vsid)
         return {"id": vsid, "object": "vector_store.deleted", "deleted": True}
 
@@ -281,7 +283,7 @@ class Documents:
         meta = self.file(owner, fid)
         if fid in files:
             return self.store_file_json(vsid, files[fid])
-        rows = self.store.memory_log(f"file:{owner}:{fid}").records
+        rows = self.store.memory_log(f"file/{owner}/{fid}").records
         if not rows:
             raise ApiError(404, f"no file {fid!r}", code="not_found", param="file_id")
         text = str(rows[0]["text"])
@@ -304,7 +306,7 @@ class Documents:
             "text": text,
             "vectors": _vectors_row(tape),
         }
-        self.store.append_memory(f"chunks:{owner}:{vsid}:{fid}", [chunk_row], session_id=None)
+        self.store.append_memory(f"chunks/{owner}/{vsid}/{fid}", [chunk_row], session_id=None)
         mark = {
             "op": "add",
             "file_id": fid,
@@ -312,7 +314,7 @@ class Documents:
             "chunks": len(chunks),
             "created_at": int(time.time()),
         }
-        self.store.append_memory(f"store:{owner}:{vsid}", [mark], session_id=None)  # now visible
+        self.store.append_memory(f"store/{owner}/{vsid}", [mark], session_id=None)  # now visible
         self._forget(owner, vsid)
         return self.store_file_json(vsid, mark)
 
@@ -347,8 +349,8 @@ class Documents:
 
     def remove_file(self, owner: str, vsid: str, fid: str) -> dict[str, Any]:
         self.store_file(owner, vsid, fid)
-        self.store.append_memory(f"store:{owner}:{vsid}", [{"op": "remove", "file_id": fid}], session_id=None)
-        self.store.delete_memory(f"chunks:{owner}:{vsid}:{fid}")
+        self.store.append_memory(f"store/{owner}/{vsid}", [{"op": "remove", "file_id": fid}], session_id=None)
+        self.store.delete_memory(f"chunks/{owner}/{vsid}/{fid}")
         self._forget(owner, vsid)
         return {"id": fid, "object": "vector_store.file.deleted", "deleted": True}
 
@@ -368,7 +370,7 @@ class Documents:
     def _collection(self, owner: str, vsid: str) -> DocumentCollection:
         _, files = self._store_state(owner, vsid)
         key = f"{owner}:{vsid}"
-        version = len(self.store.memory_log(f"store:{owner}:{vsid}").records)
+        version = len(self.store.memory_log(f"store/{owner}/{vsid}").records)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None and hit[1] == version:
@@ -378,7 +380,7 @@ class Documents:
         coll = DocumentCollection(vsid, embedder=encoder)
         nbytes = 0
         for fid in files:
-            for row in self.store.memory_log(f"chunks:{owner}:{vsid}:{fid}").records:
+            for row in self.store.memory_log(f"chunks/{owner}/{vsid}/{fid}").records:
                 encoder.known.update({t: np.asarray(v, np.float32) for t, v in row["vectors"].items()})
                 coll.add_text(str(row["text"]), source=fid)
                 nbytes += 3 * len(str(row["text"])) + 2 * sum(4 * len(v) for v in row["vectors"].values())

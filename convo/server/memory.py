@@ -12,7 +12,7 @@ and fenced by its epoch (and, on Redis, its lease). The indexes themselves are a
                              │ miss: rebuild from the store's          wrote since (a count
                              ▼       records (no embedder call)        per member, then the tail)
                   store: memory rows of scope <session id>  (turn records, with vectors)
-                                     of scope person:<key>:<user>  (which sessions are theirs)
+                                     of scope person/<key>/<user>  (which sessions are theirs)
 
 So any replica serves any session, a restart or ``kill -9`` loses no acknowledged turn's
 memory (a turn whose records were not written yet is indexed again from its stored
@@ -20,7 +20,7 @@ messages by the next request), and a replica's memory is bounded by ``cache_byte
 whatever the number of sessions and people (``convo_memory_cache_bytes`` on ``/metrics``).
 
 A person (``user`` or ``metadata.user_id`` of a request) is scoped by API key: the scope
-``person:<key hash>:<user>`` is built only from sessions of that key, so one key never
+``person/<key hash>/<user>`` is built only from sessions of that key, so one key never
 reads another key's people. :meth:`ServerMemory.forget_person` removes the person's scope
 and their sessions' memory rows, and drops every cached index built from them.
 """
@@ -60,8 +60,9 @@ _MEMBER = "member"
 
 
 def person_scope(owner: str, user: str) -> str:
-    """The scope of person ``user`` of the API key whose hash is ``owner``."""
-    return f"person:{owner}:{user}"
+    """The scope of person ``user`` of the API key whose hash is ``owner`` (a ``/``, which
+    no server session id holds, keeps it apart from every session's own scope)."""
+    return f"person/{owner}/{user}"
 
 
 def check_user_id(user: str) -> str:

@@ -353,7 +353,8 @@ class Store(abc.ABC):
         fences it with the lease, as it fences a turn). Returns whether it was stored.
         ``session_id=None``: rows of no session (documents), appended unfenced.
 
-        The records are deleted with the session (:meth:`delete`), in every scope."""
+        The records are deleted with the session (:meth:`delete`), in every scope: a
+        store deletes the rows each session wrote, whatever scope they are in."""
         if session_id is not None:
             try:
                 state, _ = self.peek(session_id)
@@ -397,7 +398,7 @@ class Store(abc.ABC):
             rows = self._memory_rows()
             for scope in list(rows):
                 kept = [r for r in rows[scope] if r[0] not in doomed]
-                if kept and scope not in doomed:
+                if kept:
                     rows[scope] = kept
                 else:
                     rows.pop(scope)

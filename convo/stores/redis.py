@@ -119,17 +119,13 @@ for i = 1, #KEYS do
   local mark = sid .. '\\n'
   for _, scope in ipairs(redis.call('SMEMBERS', KEYS[i])) do
     local key = ARGV[1] .. scope
-    if scope == sid then
-      redis.call('DEL', key)
-    else
-      local kept = {}
-      for _, e in ipairs(redis.call('LRANGE', key, 0, -1)) do
-        if string.sub(e, 1, #mark) ~= mark then table.insert(kept, e) end
-      end
-      redis.call('DEL', key)
-      for j = 1, #kept, 1000 do
-        redis.call('RPUSH', key, unpack(kept, j, math.min(j + 999, #kept)))
-      end
+    local kept = {}
+    for _, e in ipairs(redis.call('LRANGE', key, 0, -1)) do
+      if string.sub(e, 1, #mark) ~= mark then table.insert(kept, e) end
+    end
+    redis.call('DEL', key)
+    for j = 1, #kept, 1000 do
+      redis.call('RPUSH', key, unpack(kept, j, math.min(j + 999, #kept)))
     end
   end
   redis.call('DEL', KEYS[i])

@@ -319,7 +319,7 @@ class SQLiteStore(Store):
             for sid in doomed:
                 db.execute("DELETE FROM messages WHERE session_id = ?", (sid,))
                 # Its retrieval memory, in its own scope and in any person's it wrote to.
-                db.execute("DELETE FROM memory WHERE session_id = ? OR scope = ?", (sid, sid))
+                db.execute("DELETE FROM memory WHERE session_id = ?", (sid,))
             cur = db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             if cur.rowcount == 0:
                 raise SessionNotFound(f"no session {session_id!r}")

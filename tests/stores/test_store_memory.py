@@ -77,3 +77,14 @@ def test_export_includes_the_memory_and_import_restores_it(store: Store) -> None
     assert data["memory"] == [{"turn": 0, "text": "cat"}]
     store.import_session(data, session_id="e2")
     assert store.memory_log("e2").records == [{"turn": 0, "text": "cat"}]
+
+
+def test_rows_of_no_session_are_kept_until_their_scope_is_deleted(store: Store) -> None:
+    """Documents' rows (written by no session): appended unfenced, untouched by deleting
+    sessions, gone with their scope."""
+    made(store, "s")
+    assert store.append_memory("files/o", [{"op": "create", "id": "file-1"}], session_id=None)
+    assert store.append_memory("files/o", [], session_id=None)
+    store.delete("s")
+    assert store.memory_log("files/o").records == [{"op": "create", "id": "file-1"}]
+    assert store.delete_memory("files/o") == 1 and store.memory_log("files/o").count == 0

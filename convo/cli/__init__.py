@@ -183,6 +183,34 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         default=30.0,
         help="Redis: how long a dead replica's session lock lasts (default 30 s)",
     )
+    serve.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="no retrieval memory (on by default where the embedding model is installed: each "
+        "session retrieves its evicted turns, a request's 'user' / metadata.user_id their earlier sessions)",
+    )
+    serve.add_argument(
+        "--memory-cache-mb",
+        type=non_negative_int,
+        default=None,
+        help="most MiB of retrieval indexes one replica keeps (LRU; rebuilt from the store on a miss; "
+        "default 256)",
+    )
+    serve.add_argument(
+        "--max-file-mb", type=positive_int, default=None, help="largest file upload, MiB (default 4)"
+    )
+    serve.add_argument(
+        "--max-chunks-per-store",
+        type=positive_int,
+        default=None,
+        help="most chunks one vector store holds (default 20000)",
+    )
+    serve.add_argument(
+        "--max-vector-stores",
+        type=positive_int,
+        default=None,
+        help="most vector stores per API key (default 100)",
+    )
     add_local_engine_arguments(serve)
     add_kv_host_memory_argument(serve)
     add_engine_arguments(serve)

@@ -11,10 +11,14 @@ from typing import Any
 
 from convo.budget import Budget
 from convo.cli.common import check_local_model, default_db_path, engine_from_args, local_engine, spinner
+from convo.embeddings import Embedder, default_model_path
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
-from convo.errors import ConfigError, MissingDependency
+from convo.errors import ConfigError, MissingDependency, ModelLoadError
+from convo.retrieval.hashing import FAKE_EMBEDDER_ENV, HashingEncoder
 from convo.server.app import create_app
+from convo.server.documents import DocumentLimits, Documents
 from convo.server.limits import ServerLimits
+from convo.server.memory import DEFAULT_MEMORY_CACHE_BYTES, ServerMemory
 from convo.stores import RedisStore, SQLiteStore, Store, redact_url
 from convo.testing import EchoEngine
 
@@ -92,6 +96,8 @@ def run_server(args: argparse.Namespace) -> int:
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME
+    memory = server_memory(args, store)
+    documents = server_documents(args, memory)
     app = create_app(
         engine,
         store=store,
@@ -103,6 +109,8 @@ def run_server(args: argparse.Namespace) -> int:
         allowed_hosts=[args.host],
         allowed_origins=getattr(args, "allow_origin", []),
         system_prompt=getattr(args, "system_prompt", None),
+        memory=memory,
+        documents=documents,
     )
     where = f"redis {redact_url(args.redis)}" if args.redis else f"sqlite {args.db or default_db_path()}"
 
@@ -148,3 +156,41 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigError(
                 f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); pick another"
             ) from exc
+
+
+def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None:
+    """The server's retrieval memory: off with ``--no-memory``, and (with a log line) where
+    the default embedding model is not installed or cannot load; a :class:`HashingEncoder`
+    with ``CONVO_FAKE_EMBEDDER=1`` or the fake engine (``CONVO_FAKE_ENGINE=1``, tests)."""
+    if getattr(args, "no_memory", False):
+        return None
+    mb = getattr(args, "memory_cache_mb", None)
+    cache = DEFAULT_MEMORY_CACHE_BYTES if mb is None else mb << 20
+    embedder: Any
+    if os.environ.get(FAKE_EMBEDDER_ENV) == "1" or os.environ.get(FAKE_ENGINE_ENV) == "1":
+        embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
+    else:
+        embedder = Embedder()
+        try:
+            default_model_path()
+            # Loaded now, not inside the first turn that indexes (which holds its session's
+            # lock); a model that cannot load turns memory off here, not every turn later.
+            embedder.encode(["warm up"])
+        except (MissingDependency, ModelLoadError) as exc:
+            logging.getLogger("convo.serve").warning("retrieval memory is off: %s", exc)
+            return None
+    return ServerMemory(store, embedder, cache_bytes=cache)
+
+
+def server_documents(args: argparse.Namespace, memory: ServerMemory | None) -> Documents | None:
+    """Files and vector stores, with the memory's embedder (none without it), within the
+    limits the flags give (:class:`DocumentLimits` for the rest)."""
+    if memory is None:
+        return None
+    given = {
+        "max_file_bytes": None if getattr(args, "max_file_mb", None) is None else args.max_file_mb << 20,
+        "max_chunks_per_store": getattr(args, "max_chunks_per_store", None),
+        "max_stores_per_key": getattr(args, "max_vector_stores", None),
+    }
+    limits = DocumentLimits(**{k: v for k, v in given.items() if v is not None})
+    return Documents(memory.store, memory.embedder, limits=limits)

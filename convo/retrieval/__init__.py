@@ -77,6 +77,7 @@ from convo.retrieval.documents import (
 from convo.retrieval.expansion import NEAR_KEPT
 from convo.retrieval.indexes import DEFAULT_EXACT_MAX, DEFAULT_NPROBE, BM25Index, VectorIndex, terms
 from convo.retrieval.memory import RetrievalMemory
+from convo.retrieval.scopes import ScopedMemory
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -91,6 +92,7 @@ __all__ = [
     "Fusion",
     "RetrievalConfig",
     "RetrievalMemory",
+    "ScopedMemory",
     "VectorIndex",
     "chunk_text",
     "day_label",

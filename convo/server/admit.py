@@ -56,6 +56,8 @@ def turn_of(
         limits=state.limits,
         summaries=state.summaries,
         system_prompt=state.system_prompt,
+        memory=state.memory,
+        documents=state.documents,
         **extra,
     )
 

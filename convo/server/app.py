@@ -66,7 +66,10 @@ except ImportError as exc:  # only `convo serve` and create_app need it
     raise MissingDependency(f"the server needs {exc.name}; run: pip install 'convo[server]'") from None
 
 from convo.server.access_log import RequestLog
+from convo.server.documents import Documents
 from convo.server.errors import install_error_handlers
+from convo.server.files import router as files_router
+from convo.server.memory import MemoryCollector, ServerMemory
 from convo.server.prometheus import metrics_registry
 from convo.server.responses import router as responses_router
 from convo.server.routes import router
@@ -94,6 +97,8 @@ def create_app(
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     system_prompt: str | None = None,
+    memory: ServerMemory | None = None,
+    documents: Documents | None = None,
 ) -> FastAPI:
     """Build the FastAPI app.
 
@@ -122,6 +127,13 @@ def create_app(
             an origin.
         system_prompt: the system prompt of a new session, or of a stateless request,
             whose messages hold none (a client's own system message wins).
+        memory: retrieval memory (:class:`~convo.server.memory.ServerMemory` over
+            ``store``): each session retrieves its evicted turns, and a request naming a
+            person (``user`` / ``metadata.user_id``) that person's earlier sessions too.
+            ``None`` (default here; ``convo serve`` turns it on): no retrieval.
+        documents: files and vector stores in OpenAI's shapes
+            (:class:`~convo.server.documents.Documents` over ``store``); a chat request
+            names stores with ``metadata.vector_store_ids``. ``None``: those routes 404.
 
     Example::
 
@@ -155,7 +167,13 @@ def create_app(
         session_from_user=session_from_user,
         system_prompt=system_prompt or None,
         scrape=metrics_registry(metrics, engine),
+        memory=memory,
+        documents=documents,
     )
+    if memory is not None:
+        if memory.store is not store:
+            raise ConfigError("the memory must keep its records in the app's store")
+        state.scrape.register(MemoryCollector(memory, documents))
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -165,6 +183,7 @@ def create_app(
     app.add_middleware(RequestLog)  # outermost: refusals are logged too
     app.include_router(router)
     app.include_router(responses_router)  # /v1/responses
+    app.include_router(files_router)  # files and vector stores (multipart uploads: a plain route)
     return app
 
 

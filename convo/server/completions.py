@@ -14,6 +14,7 @@ from convo.engines.base import FinishReason
 from convo.messages import ToolCall
 from convo.metrics import ServingMetrics
 from convo.models.generation import ToolCallDelta
+from convo.plan import Passage
 from convo.session import Reply
 
 #: OpenAI's ``finish_reason`` for each of convo's: a cancelled reply ended (``stop``), a
@@ -95,7 +96,16 @@ def convo_stats(reply: Reply, session_id: str | None, forked: str | None = None)
         "provisional_summary": s.provisional_summary,
         "summary_wait_s": round(s.summarize_s, 4),
         "summary": s.summary.to_dict() if s.summary is not None else None,
+        # What retrieval put in the prompt, for citation: where each passage comes from.
+        "passages": [passage_json(p) for p in reply.plan.passages_used],
     }
+
+
+def passage_json(p: Passage) -> dict[str, Any]:
+    """One retrieved passage of the prompt: its source (``turn 3``, ``session <id> turn
+    3``), key, score and position (session, turn, line, date), without its text."""
+    position = {k: p.meta[k] for k in ("session_id", "turn", "line", "date") if k in p.meta}
+    return {"source": p.source, "key": p.key, "score": round(float(p.score), 4), **position}
 
 
 class Completion:

@@ -35,10 +35,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from convo.engines.base import GREEDY, Sampling
-from convo.errors import MessageError
+from convo.errors import ConfigError, MessageError
 from convo.messages import Message, check_text
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
+from convo.server.memory import check_user_id
 from convo.tools.spec import ToolSpecError, parse_tool_request
 
 #: Most stop sequences a request may give (OpenAI's limit).
@@ -167,6 +168,12 @@ class Metadata(_Body):
     model_config = ConfigDict(extra="allow")
 
     session_id: SessionId | None = None
+    #: The person whose memory the session retrieves from (their earlier sessions), see
+    #: :mod:`convo.server.memory`; the request's ``user`` does the same.
+    user_id: str | None = None
+    #: Vector stores whose chunks the reply may use (``vs_...`` ids: a list, or one string
+    #: of ids separated by commas, as OpenAI's metadata values are strings).
+    vector_store_ids: list[str] | str | None = None
 
 
 class TextFormat(_Body):
@@ -278,6 +285,18 @@ class ChatCompletionBody(_Body):
             if not re.fullmatch(_SESSION_ID, self.user):
                 raise ApiError(400, f"user: {_SESSION_ID_RULE}", code="invalid_session_id", param="user")
             session_id = self.user
+        user_id = self.metadata.user_id if self.metadata else None
+        if user_id is None and not session_from_user:
+            user_id = self.user  # OpenAI's end user: a person's memory across sessions
+        if user_id is not None:
+            try:
+                check_user_id(user_id)
+            except ConfigError as exc:
+                where = "metadata.user_id" if self.metadata and self.metadata.user_id is not None else "user"
+                raise ApiError(400, f"{where}: {exc}", code="invalid_value", param=where) from None
+        stores = self.metadata.vector_store_ids if self.metadata else None
+        if isinstance(stores, str):
+            stores = [s.strip() for s in stores.split(",") if s.strip()]
         temperature = self.temperature or 0.0
         if temperature < MIN_SAMPLING_TEMPERATURE:
             temperature = 0.0  # greedy: what a temperature this close to 0 means
@@ -293,6 +312,8 @@ class ChatCompletionBody(_Body):
             stream=bool(self.stream),
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             session_id=session_id,
+            user_id=user_id,
+            vector_store_ids=tuple(stores or ()),
             sampling=sampling,
             stop=tuple(stops),
             tools=tools,
@@ -314,6 +335,10 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    #: The person (``user`` / ``metadata.user_id``) whose memory a session retrieves from.
+    user_id: str | None = None
+    #: The vector stores (``metadata.vector_store_ids``) the reply may use.
+    vector_store_ids: tuple[str, ...] = ()
     sampling: Sampling = GREEDY
     stop: tuple[str, ...] = ()
     #: OpenAI function tools offered to the model (validated, in OpenAI's shape).

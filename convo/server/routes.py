@@ -1,5 +1,6 @@
 """The routes: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/sessions/{id}`` (history,
-export, delete) and ``/v1/chat/completions``. Each takes the app's
+export, delete), ``/v1/chat/completions`` and ``/v1/users/{id}/memory`` (a person's memory:
+read, delete). Each takes the app's
 :class:`~convo.server.state.ServerState` and the caller (the API key check) as dependencies."""
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from convo.errors import SessionNotFound
+from convo.errors import ConfigError, SessionNotFound
 from convo.server.admit import admit, turn_of
 from convo.server.auth import peek_owned
 from convo.server.completions import Completion
-from convo.server.errors import ERROR_RESPONSES
+from convo.server.errors import ERROR_RESPONSES, ApiError
+from convo.server.memory import ServerMemory, check_user_id
 from convo.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from convo.server.prometheus import render
 from convo.server.requests import ChatCompletionBody, SessionId
@@ -121,9 +123,12 @@ async def delete(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
         with state.store.lock(session_id, 0):  # another replica's turn: 409 at once too
             if peek_owned(state.store, session_id, owner) is None:
                 raise SessionNotFound(f"no session {session_id!r}")
-            for sid in (session_id, *state.store.forks_of(session_id)):  # no summary lands in a new one
+            doomed = (session_id, *state.store.forks_of(session_id))
+            for sid in doomed:  # no summary lands in a new one
                 state.summaries.forget(state.store, sid)
-            state.store.delete(session_id, forks=True)  # its forks go with it (``<id>~N``)
+            state.store.delete(session_id, forks=True)  # its forks go with it (``<id>~N``), memory too
+            if state.memory is not None:
+                state.memory.session_deleted(doomed)  # and every cached index built from them
 
     # Another key's session is missing, busy or not: 404 before any queue or lock.
     if not await state.session_exists(session_id, owner):
@@ -175,3 +180,37 @@ async def chat(
         release=release,
         headers=headers,
     )
+
+
+# -- a person's memory (see convo.server.memory) -------------------------------------------
+def _memory_of(state: ServerState) -> ServerMemory:
+    if state.memory is None:
+        raise ApiError(404, "this server keeps no memory (started with --no-memory)", code="memory_off")
+    return state.memory
+
+
+def _user_id(user_id: str) -> str:
+    try:
+        return check_user_id(user_id)
+    except ConfigError as exc:
+        raise ApiError(400, f"user id: {exc}", code="invalid_value", param="user_id") from None
+
+
+@router.get("/v1/users/{user_id}/memory")
+async def user_memory(user_id: str, state: State, owner: Owner) -> dict[str, Any]:
+    """What the server remembers of person ``user_id`` of this API key: their sessions and
+    the turns indexed of each, with dates (another key's people: an empty list)."""
+    memory = _memory_of(state)
+    data: dict[str, Any] = await state.in_thread(memory.person_export, owner, _user_id(user_id))
+    return data
+
+
+@router.delete("/v1/users/{user_id}/memory")
+async def forget_user(user_id: str, state: State, owner: Owner) -> dict[str, Any]:
+    """Forget person ``user_id`` of this API key: their memory rows (their sessions' too)
+    and every index built from them. The sessions' messages stay (delete the sessions for
+    those), but what they said so far is never indexed again; what a session continued
+    afterwards says is remembered as usual."""
+    memory = _memory_of(state)
+    removed = await state.in_thread(memory.forget_person, owner, _user_id(user_id))
+    return {"id": user_id, "object": "user.memory.deleted", "deleted": True, **removed}

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
     from convo.admission import AdmissionController
     from convo.engines.base import Engine
+    from convo.server.documents import Documents
+    from convo.server.memory import ServerMemory
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ class ServerState:
     scrape: Any
     #: The system prompt of a request that sends none (new sessions, stateless requests).
     system_prompt: str | None = None
+    #: Retrieval memory of sessions and people (``None``: off, ``--no-memory``).
+    memory: ServerMemory | None = None
+    #: Files and vector stores (``None``: no embedder, or ``--no-memory``).
+    documents: Documents | None = None
     #: Admitted turns and streams hold worker threads; sized from the controller in use (not
     #: ``limits``, which a custom controller overrides), so admitted turns never run out.
     threads: anyio.CapacityLimiter = field(init=False)

@@ -18,7 +18,9 @@ from convo.errors import (
     MessageError,
 )
 from convo.messages import Message, Role, validate_sequence
+from convo.plan import Retriever
 from convo.server.auth import peek_owned
+from convo.server.documents import DocumentsView
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
 from convo.server.reconcile import fork_id, reconcile
@@ -31,6 +33,9 @@ from convo.summarize import SummaryWorker
 if TYPE_CHECKING:
     from convo.engines.base import Engine
     from convo.models.generation import ToolCallDelta
+    from convo.retrieval.documents import DocumentCollection
+    from convo.server.documents import Documents
+    from convo.server.memory import ServerMemory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,12 @@ class Turn:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: Set when the client's history diverged: the id holding the replaced tail.
     forked: str | None = None
+    #: The server's retrieval memory (``None``: off): the session retrieves its evicted
+    #: turns, and with ``request.user_id`` that person's earlier sessions too.
+    memory: ServerMemory | None = None
+    #: Files and vector stores (``None``: off); ``request.vector_store_ids`` name the stores.
+    documents: Documents | None = None
+    _collections: list[DocumentCollection] = field(default_factory=list)
 
     @property
     def reply_budget(self) -> Budget:
@@ -85,6 +96,10 @@ class Turn:
         }
         if on_tool_call_delta is not None:
             kwargs["on_tool_call_delta"] = on_tool_call_delta
+        if self.request.vector_store_ids:  # another key's store: 404 before anything is stored
+            if self.documents is None:
+                raise ApiError(404, "this server keeps no vector stores", code="documents_off")
+            self._collections = self.documents.collections(self.owner, self.request.vector_store_ids)
         if self.request.session_id is None:
             return self._stateless(kwargs)
         with self.store.lock(self.request.session_id, self.limits.session_lock_timeout_s):
@@ -103,9 +118,17 @@ class Turn:
             timeout_s=self.limits.generation_timeout_s,
             summaries=self.summaries,
             summary_wait_s=self.limits.summary_wait_s,
+            retriever=self._retriever(),
         )
         session.budget = self.reply_budget  # in memory: this turn's reply cap, never stored
         return session
+
+    def _retriever(self) -> Retriever | None:
+        """The session's memory (its own, or its person's) and the named stores' chunks."""
+        view = self.memory.view(owner=self.owner, user=self.request.user_id) if self.memory else None
+        if not self._collections:
+            return view
+        return DocumentsView(self._collections, view)
 
     def _stateful(self, sid: str, kwargs: dict[str, Any]) -> Reply:
         msgs = list(self.request.messages)
@@ -138,6 +161,8 @@ class Turn:
                 # A summary still running folds turns the fork may drop: it must not land.
                 self.summaries.forget(self.store, sid)
                 self.forked = _fork(self.store, sid, plan.fork_at, self.limits.max_forks_per_session)
+                if self.memory is not None:
+                    self.memory.session_reset(sid)  # what was indexed of the old tail goes
                 session = None  # the fork rewrote the session: load it as it now is
             if session is None:
                 session = self._session(sid, system if before is None else None)
@@ -154,8 +179,11 @@ class Turn:
             if before is None:
                 if self.store.exists(sid):
                     self.store.delete(sid)
+                    if self.memory is not None:
+                        self.memory.session_deleted([sid])
             elif history is not None:
-                _restore(self.store, sid, before, history)
+                if _restore(self.store, sid, before, history) and self.memory is not None:
+                    self.memory.session_reset(sid)
             if self.forked is not None:
                 self.store.delete(self.forked)
                 self.forked = None
@@ -177,7 +205,8 @@ class Turn:
             window_turns=max(1, turns),
             summarize_batch_turns=1,
             summary_tokens=0,
-            retrieval_tokens=0,
+            # Retrieval only from the named vector stores (a stateless request has no memory).
+            retrieval_tokens=self.reply_budget.retrieval_tokens if self._collections else 0,
         )
         validate_sequence(msgs)  # tool results answer the calls before them (MessageError: 400)
         store = InMemoryStore()
@@ -190,18 +219,20 @@ class Turn:
             timeout_s=self.limits.generation_timeout_s,
             summaries=self.summaries,
             summary_wait_s=self.limits.summary_wait_s,
+            retriever=DocumentsView(self._collections) if self._collections else None,
         ) as session:  # (closing releases the engine's KV cache and cancels its summary)
             return session.reply(**kwargs)
 
 
-def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> None:
+def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: list[Message]) -> bool:
     """Put a session back as it was before a refused turn (its state and ``history``),
     unless nothing was written. The session is cut back to what it still shares with
-    ``history`` and the rest re-appended: it is never deleted (its forks share its prefix)."""
+    ``history`` and the rest re-appended: it is never deleted (its forks share its prefix).
+    Returns whether anything was put back."""
     state, count = before
     now, now_count = store.peek(sid)
     if now_count == count and replace(now, updated_at=0.0) == replace(state, updated_at=0.0):
-        return
+        return False
     _, current = store.load(sid)
     keep = 0
     while keep < min(len(current), len(history)) and current[keep] == history[keep]:
@@ -209,6 +240,7 @@ def _restore(store: Store, sid: str, before: tuple[SessionState, int], history: 
     store.truncate(sid, keep, state=state)
     if history[keep:]:
         store.append(sid, history[keep:])
+    return True
 
 
 #: The parent's ``settings`` key that keeps its forks' bookkeeping: ``{"next": n, "live":

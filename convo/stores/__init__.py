@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from convo.stores.base import EXPORT_FORMAT, SessionState, Store, StoredTail, redact_url
+from convo.stores.base import EXPORT_FORMAT, MemoryLog, SessionState, Store, StoredTail, redact_url
 from convo.stores.memory import InMemoryStore
 from convo.stores.redis import RedisStore
 from convo.stores.sqlite import SQLiteStore
@@ -26,6 +26,7 @@ from convo.stores.sqlite import SQLiteStore
 __all__ = [
     "EXPORT_FORMAT",
     "InMemoryStore",
+    "MemoryLog",
     "RedisStore",
     "SQLiteStore",
     "SessionState",

@@ -90,6 +90,27 @@ class StoredTail:
     messages: list[Message]
 
 
+@dataclass(frozen=True)
+class MemoryLog:
+    """What :meth:`Store.memory_log` returns: one retrieval-memory scope's records.
+
+    A *scope* is a session's own memory (its id) or a person's (see
+    :mod:`convo.retrieval.scopes`); its *records* are JSON-safe dicts, append-only, each
+    written by one session (``session_id``), so deleting that session deletes them.
+
+    Attributes:
+        scope: the scope.
+        count: how many records the scope holds in all.
+        after: the position the records below start at.
+        records: records ``[after, count)``, in order.
+    """
+
+    scope: str
+    count: int
+    after: int
+    records: list[dict[str, Any]]
+
+
 #: The epoch of a session stored before epochs existed (see :attr:`SessionState.epoch`).
 LEGACY_EPOCH = ""
 
@@ -281,6 +302,8 @@ class Store(abc.ABC):
             "created_at": state.created_at,
             "updated_at": state.updated_at,
             "messages": [m.to_record() for m in messages],
+            # The session's retrieval memory (what its index is rebuilt from).
+            "memory": self.memory_log(session_id).records,
         }
 
     def import_session(self, data: Mapping[str, Any], *, session_id: str | None = None) -> str:
@@ -305,7 +328,80 @@ class Store(abc.ABC):
             updated_at=now,
         )
         self.create(state, messages)
+        memory = data.get("memory") or []
+        if memory:
+            self.append_memory(sid, [dict(r) for r in memory], session_id=sid)
         return sid
+
+    # -- retrieval memory: records kept with the session ------------------------------------
+    #: Whether memory records outlive the process (SQLite, Redis: ``True``). This default
+    #: keeps them in the process, which is what :class:`~convo.stores.InMemoryStore` wants.
+    memory_persisted: bool = False
+
+    def append_memory(
+        self,
+        scope: str,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        session_id: str | None,
+        epoch: str | None = None,
+    ) -> bool:
+        """Append retrieval-memory ``records`` to ``scope``, written by ``session_id``, in
+        one transaction; only if that session exists and, with ``epoch``, is still the one
+        of that epoch (the fence a summary has: memory of a deleted session never lands in
+        a new one under the same id). Called under the session's :meth:`lock` (Redis
+        fences it with the lease, as it fences a turn). Returns whether it was stored.
+        ``session_id=None``: rows of no session (documents), appended unfenced.
+
+        The records are deleted with the session (:meth:`delete`), in every scope: a
+        store deletes the rows each session wrote, whatever scope they are in."""
+        if session_id is not None:
+            try:
+                state, _ = self.peek(session_id)
+            except SessionNotFound:
+                return False
+            if epoch is not None and state.epoch != epoch:
+                return False
+        rows = [(session_id or "", dict(r)) for r in records]
+        with _LOCKS_GUARD:
+            self._memory_rows().setdefault(scope, []).extend(rows)
+        return True
+
+    def memory_log(self, scope: str, after: int = 0) -> MemoryLog:
+        """The records of ``scope`` from position ``after`` on (an empty log for a scope
+        never written)."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        with _LOCKS_GUARD:
+            rows = list(self._memory_rows().get(scope, []))
+        return MemoryLog(scope=scope, count=len(rows), after=after, records=[r for _, r in rows[after:]])
+
+    def memory_counts(self, scopes: Sequence[str]) -> dict[str, int]:
+        """How many records each scope holds (a cheap check whether a cached index is behind)."""
+        with _LOCKS_GUARD:
+            rows = self._memory_rows()
+            return {s: len(rows.get(s, [])) for s in scopes}
+
+    def delete_memory(self, scope: str) -> int:
+        """Delete every record of ``scope`` (a person's memory forgotten); returns how many."""
+        with _LOCKS_GUARD:
+            return len(self._memory_rows().pop(scope, []))
+
+    def _memory_rows(self) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        rows: dict[str, list[tuple[str, dict[str, Any]]]] = self.__dict__.setdefault("_memory", {})
+        return rows
+
+    def _drop_memory_of(self, session_ids: Sequence[str]) -> None:
+        """Drop the in-process records written by ``session_ids`` (their own scopes too)."""
+        doomed = set(session_ids)
+        with _LOCKS_GUARD:
+            rows = self._memory_rows()
+            for scope in list(rows):
+                kept = [r for r in rows[scope] if r[0] not in doomed]
+                if kept:
+                    rows[scope] = kept
+                else:
+                    rows.pop(scope)
 
     def lock(self, session_id: str, timeout_s: float = 60.0) -> AbstractContextManager[None]:
         """Hold ``session_id`` for one turn: other holders of the same store wait.

@@ -110,9 +110,10 @@ class InMemoryStore(Store):
         with self._lock:
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
-            for sid in self._forks_of(session_id) if forks else []:
+            doomed = [session_id, *(self._forks_of(session_id) if forks else [])]
+            for sid in doomed:
                 del self._data[sid]
-            del self._data[session_id]
+        self._drop_memory_of(doomed)  # its retrieval memory goes with it
 
     def forks_of(self, session_id: str) -> list[str]:
         with self._lock:

@@ -24,6 +24,7 @@ from convo.errors import (
 from convo.messages import Message
 from convo.stores.base import (
     FORK_SEPARATOR,
+    MemoryLog,
     SessionState,
     Store,
     StoredTail,
@@ -95,6 +96,41 @@ for i = 3, #ARGV do
   redis.call('SREM', KEYS[3], ARGV[i])
 end
 return n
+"""
+# Retrieval memory: {p}mem:{scope} is a list of "<session id>\n<record JSON>" entries;
+# {p}mscopes:{id} the set of scopes session {id} wrote to. KEYS: the session's state, the
+# scope's list, the session's set of scopes, the lock key; ARGV: token, fenced by epoch
+# ('1'/'0'), the epoch, the scope, n, then the n entries.
+_R_MEMORY_APPEND = f"""
+{_R_FENCE}
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[2] == '1' and (redis.call('HGET', KEYS[1], 'epoch') or '') ~= ARGV[3] then return 0 end
+local n = tonumber(ARGV[5])
+for i = 1, n do redis.call('RPUSH', KEYS[2], ARGV[5 + i]) end
+redis.call('SADD', KEYS[3], ARGV[4])
+return 1
+"""
+# Drop what sessions wrote, in every scope they wrote to. KEYS: each session's set of
+# scopes; ARGV: the prefix of the scopes' lists, then each session's id. (The scopes'
+# keys are read from the sets: a single Redis, not a cluster.)
+_R_MEMORY_DROP = """
+for i = 1, #KEYS do
+  local sid = ARGV[i + 1]
+  local mark = sid .. '\\n'
+  for _, scope in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+    local key = ARGV[1] .. scope
+    local kept = {}
+    for _, e in ipairs(redis.call('LRANGE', key, 0, -1)) do
+      if string.sub(e, 1, #mark) ~= mark then table.insert(kept, e) end
+    end
+    redis.call('DEL', key)
+    for j = 1, #kept, 1000 do
+      redis.call('RPUSH', key, unpack(kept, j, math.min(j + 999, #kept)))
+    end
+  end
+  redis.call('DEL', KEYS[i])
+end
+return 1
 """
 _R_RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -170,6 +206,8 @@ class RedisStore(Store):
         self._truncate = self._r.register_script(_R_TRUNCATE)
         self._delete = self._r.register_script(_R_DELETE)
         self._summary = self._r.register_script(_R_SUMMARY)
+        self._memory_append = self._r.register_script(_R_MEMORY_APPEND)
+        self._memory_drop = self._r.register_script(_R_MEMORY_DROP)
         self._release = self._r.register_script(_R_RELEASE)
         self._renew = self._r.register_script(_R_RENEW)
 
@@ -338,6 +376,10 @@ class RedisStore(Store):
         skey, mkey = self._keys(session_id)
         doomed = self.forks_of(session_id) if forks and self.exists(session_id) else []
         fork_keys = [k for sid in doomed for k in self._keys(sid)]
+        if self.exists(session_id):
+            # Memory first: a crash between the two leaves a session without memory (its
+            # index is rebuilt from its turns), never memory without its session.
+            self._drop_memory([session_id, *doomed])
         keys = [skey, mkey, f"{self.prefix}sessions", *fork_keys]
         if not self._run(self._delete, session_id, keys, [session_id, *doomed]):  # one script: atomic
             raise SessionNotFound(f"no session {session_id!r}")
@@ -357,6 +399,68 @@ class RedisStore(Store):
                 pipe.hget(self._keys(sid)[0], "owner")
             owners = pipe.execute() if ids else []
         return [sid for sid, o in zip(ids, owners, strict=True) if o == owner]
+
+    # -- retrieval memory (see Store.append_memory) ---------------------------------------
+    memory_persisted = True
+
+    def _memory_key(self, scope: str) -> str:
+        return f"{self.prefix}mem:{scope}"
+
+    def append_memory(
+        self,
+        scope: str,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        session_id: str | None,
+        epoch: str | None = None,
+    ) -> bool:
+        """See :meth:`Store.append_memory`: one script, fenced by the session's lease
+        (:class:`~convo.errors.SessionLockLost` if it expired) and by its epoch; rows of
+        no session in one MULTI/EXEC."""
+        entries = [f"{session_id or ''}\n{json.dumps(dict(r))}" for r in records]
+        if session_id is None:
+            if entries:
+                with self._errors():
+                    self._r.rpush(self._memory_key(scope), *entries)
+            return True
+        keys = [self._keys(session_id)[0], self._memory_key(scope), f"{self.prefix}mscopes:{session_id}"]
+        fence = ["0", ""] if epoch is None else ["1", epoch]
+        args = [*fence, scope, len(entries), *entries]
+        return bool(self._run(self._memory_append, session_id, keys, args))
+
+    def memory_log(self, scope: str, after: int = 0) -> MemoryLog:
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        key = self._memory_key(scope)
+        with self._errors():
+            pipe = self._r.pipeline(transaction=True)
+            pipe.llen(key)
+            pipe.lrange(key, after, -1)
+            count, entries = pipe.execute()
+        records = [json.loads(e.split("\n", 1)[1]) for e in entries]
+        return MemoryLog(scope=scope, count=int(count), after=after, records=records)
+
+    def memory_counts(self, scopes: Sequence[str]) -> dict[str, int]:
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            for scope in scopes:
+                pipe.llen(self._memory_key(scope))
+            counts = pipe.execute() if scopes else []
+        return {s: int(c) for s, c in zip(scopes, counts, strict=True)}
+
+    def delete_memory(self, scope: str) -> int:
+        key = self._memory_key(scope)
+        with self._errors():
+            pipe = self._r.pipeline(transaction=True)
+            pipe.llen(key)
+            pipe.delete(key)
+            count, _ = pipe.execute()
+        return int(count)
+
+    def _drop_memory(self, session_ids: Sequence[str]) -> None:
+        keys = [f"{self.prefix}mscopes:{sid}" for sid in session_ids]
+        with self._errors():
+            self._memory_drop(keys=keys, args=[f"{self.prefix}mem:", *session_ids])
 
     def list_sessions(self) -> list[str]:
         with self._errors():

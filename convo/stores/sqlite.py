@@ -14,14 +14,22 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from convo.errors import ConfigError, SessionBusy, SessionNotFound, StoreError
 from convo.messages import Message
-from convo.stores.base import FORK_SEPARATOR, SessionState, Store, StoredTail, is_fork_of, new_epoch
+from convo.stores.base import (
+    FORK_SEPARATOR,
+    MemoryLog,
+    SessionState,
+    Store,
+    StoredTail,
+    is_fork_of,
+    new_epoch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,14 @@ CREATE TABLE IF NOT EXISTS messages (
     record TEXT NOT NULL,
     PRIMARY KEY (session_id, seq)
 );
+CREATE TABLE IF NOT EXISTS memory (
+    scope TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    session_id TEXT NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (scope, seq)
+);
+CREATE INDEX IF NOT EXISTS memory_by_session ON memory (session_id);
 """
 
 
@@ -302,6 +318,8 @@ class SQLiteStore(Store):
             doomed = [session_id, *(self._forks_in(db, session_id) if forks else [])]
             for sid in doomed:
                 db.execute("DELETE FROM messages WHERE session_id = ?", (sid,))
+                # Its retrieval memory, in its own scope and in any person's it wrote to.
+                db.execute("DELETE FROM memory WHERE session_id = ?", (sid,))
             cur = db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             if cur.rowcount == 0:
                 raise SessionNotFound(f"no session {session_id!r}")
@@ -309,6 +327,62 @@ class SQLiteStore(Store):
 
     def forks_of(self, session_id: str) -> list[str]:
         return self._forks_in(self._conn(), session_id)
+
+    # -- retrieval memory (see Store.append_memory) ---------------------------------------
+    memory_persisted = True
+
+    def append_memory(
+        self,
+        scope: str,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        session_id: str | None,
+        epoch: str | None = None,
+    ) -> bool:
+        """See :meth:`Store.append_memory`: one write transaction that checks the
+        session's epoch and appends the rows (a ``kill -9`` leaves all or none)."""
+        with self._tx() as db:
+            if session_id is not None:
+                row = db.execute("SELECT epoch FROM sessions WHERE id = ?", (session_id,)).fetchone()
+                if row is None or (epoch is not None and row[0] != epoch):
+                    return False
+            last = db.execute(
+                "SELECT COALESCE(MAX(seq), -1) FROM memory WHERE scope = ?", (scope,)
+            ).fetchone()
+            db.executemany(
+                "INSERT INTO memory (scope, seq, session_id, record) VALUES (?, ?, ?, ?)",
+                [
+                    (scope, last[0] + 1 + i, session_id or "", json.dumps(dict(r)))
+                    for i, r in enumerate(records)
+                ],
+            )
+        return True
+
+    def memory_log(self, scope: str, after: int = 0) -> MemoryLog:
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
+        db = self._conn()
+        db.execute("BEGIN")  # one read snapshot
+        try:
+            count = db.execute("SELECT COUNT(*) FROM memory WHERE scope = ?", (scope,)).fetchone()[0]
+            rows = db.execute(
+                "SELECT record FROM memory WHERE scope = ? ORDER BY seq LIMIT -1 OFFSET ?", (scope, after)
+            ).fetchall()
+        finally:
+            db.execute("COMMIT")
+        return MemoryLog(scope=scope, count=int(count), after=after, records=[json.loads(r[0]) for r in rows])
+
+    def memory_counts(self, scopes: Sequence[str]) -> dict[str, int]:
+        db = self._conn()
+        out = dict.fromkeys(scopes, 0)
+        for scope in out:
+            row = db.execute("SELECT COUNT(*) FROM memory WHERE scope = ?", (scope,)).fetchone()
+            out[scope] = int(row[0])
+        return out
+
+    def delete_memory(self, scope: str) -> int:
+        with self._tx() as db:
+            return int(db.execute("DELETE FROM memory WHERE scope = ?", (scope,)).rowcount)
 
     def _forks_in(self, db: sqlite3.Connection, session_id: str) -> list[str]:
         """The forks of ``session_id`` (see :meth:`Store.forks_of`): an index range scan

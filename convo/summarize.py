@@ -28,13 +28,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from convo.errors import ConfigError, SessionNotFound
 from convo.messages import Message, Role
+from convo.metrics import Histogram, HistogramSnapshot
 from convo.models.generation import Priority
 
 if TYPE_CHECKING:
@@ -56,13 +57,21 @@ DEFAULT_TEMPLATE = (
 class Summarizer(Protocol):
     """Folds messages into a summary. The session injects one of these.
 
-    Subclass it to inherit ``supports_cancel = False``, or declare that attribute: a
-    summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
-    :class:`threading.Event`) and stops its generation when it is set.
+    Subclass it to inherit ``supports_cancel = False`` and ``supports_owner = False``, or
+    declare both attributes (a summarizer that declares neither is refused when the session
+    is built). A summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
+    :class:`threading.Event`) and stops its generation when it is set; one that declares
+    ``supports_owner`` takes ``owner=``: the ``cache_key`` of the session it summarizes,
+    which it passes to its model calls (``GenerateOptions.owner``) so that a KV-caching
+    engine serves the summary from that session's own cached prefix or slot and never
+    evicts another session for it. A summarizer of before ``supports_owner`` that
+    subclasses this protocol keeps working: it is called without ``owner=``.
     """
 
     #: :meth:`summarize` takes ``cancel=``.
     supports_cancel: bool = False
+    #: :meth:`summarize` takes ``owner=`` (the summarized session's ``cache_key``).
+    supports_owner: bool = False
 
     def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
         """Return the new summary, at most ``max_tokens`` tokens long."""
@@ -161,17 +170,20 @@ class ModelSummarizer(Summarizer):
         return [Message(role=Role.USER, content=text)]
 
     supports_cancel = True
+    supports_owner = True
 
-    def summarize(  # type: ignore[override]  (adds the declared cancel=)
+    def summarize(  # type: ignore[override]  (adds the declared cancel= and owner=)
         self,
         *,
         previous: str,
         messages: Sequence[Message],
         max_tokens: int,
         cancel: threading.Event | None = None,
+        owner: str | None = None,
     ) -> str:
         """The new summary (see :class:`Summarizer`). ``cancel`` stops the model call in
-        progress (the worker discards the result of a cancelled job)."""
+        progress (the worker discards the result of a cancelled job); ``owner`` (the
+        session's ``cache_key``) goes into each model call's options."""
         counter = self.engine.counter
         limit = self.context_tokens
         max_tokens = self.check_cap(max_tokens)  # the cap follows the model's context
@@ -191,16 +203,21 @@ class ModelSummarizer(Summarizer):
                 )
             candidate = [*chunk, message]
             if chunk and counter.count_prompt(self._prompt(summary, candidate, max_tokens)) > room:
-                summary = self._fold(summary, chunk, max_tokens, cancel)
+                summary = self._fold(summary, chunk, max_tokens, cancel, owner)
                 chunk = [message]
             else:
                 chunk = candidate
         if chunk:
-            summary = self._fold(summary, chunk, max_tokens, cancel)
+            summary = self._fold(summary, chunk, max_tokens, cancel, owner)
         return summary
 
     def _fold(
-        self, previous: str, chunk: Sequence[Message], max_tokens: int, cancel: threading.Event | None
+        self,
+        previous: str,
+        chunk: Sequence[Message],
+        max_tokens: int,
+        cancel: threading.Event | None,
+        owner: str | None,
     ) -> str:
         counter = self.engine.counter
         prompt = self._prompt(previous, chunk, max_tokens)
@@ -209,8 +226,10 @@ class ModelSummarizer(Summarizer):
             max_new_tokens=max_tokens,
             timeout_s=self.timeout_s,
             cancel=cancel,
-            # Background work: a batching engine's scheduler serves replies first.
+            # Background work: a batching engine's scheduler serves replies first, and a
+            # KV-caching one serves it from the session's own KV (never another's slot).
             priority=Priority.BACKGROUND,
+            owner=owner,
         )
         text = result.text.strip() or previous
         return counter.truncate_middle(text, max_tokens)
@@ -262,6 +281,17 @@ SHUTDOWN_TIMEOUT_S = 5.0
 #: Finished jobs the worker remembers (one per session at most), so a session object that
 #: was not there when its summary finished still picks the result up.
 MAX_FINISHED_JOBS = 4096
+#: Default of :attr:`SummaryWorker.max_backlog`: summaries queued (not yet started) at most.
+#: A summary submitted beyond it is shed: it comes back cancelled with
+#: :data:`BACKLOG_FULL`, its turns stay owed (stored, ``summarized_turns < evicted_turns``)
+#: and the session's next turn submits them again, with the lag counted from when they
+#: first became due. A bound keeps a load's summaries from piling up behind it and running
+#: into the next load; a turn that waits for its summary (an urgent job) is never shed.
+DEFAULT_SUMMARY_BACKLOG = 256
+#: The error of a job shed because the backlog was full (see :data:`DEFAULT_SUMMARY_BACKLOG`).
+BACKLOG_FULL = "summary backlog full: the turns stay owed and the next turn submits them again"
+#: Bucket bounds of the summary lag histogram (``convo_summary_lag_seconds``), in seconds.
+SUMMARY_LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class SummaryStatus(enum.StrEnum):
@@ -291,6 +321,11 @@ class SummaryState:
         job_turns: the turns the current (or last) job folds, ``(start, end)``, or ``None``.
         failures: failed attempts since the last success.
         error: the last failure's message (``""`` when none).
+        lag_s: seconds from the last written summary's turns becoming due (leaving the
+            window and being handed to the worker) to its being written; ``None`` when
+            this worker wrote none for the session.
+        due_s: seconds the turns the summary misses now have been due (0 when done).
+        backlog: summaries the worker holds now, every session's (queued or running).
     """
 
     status: SummaryStatus
@@ -299,6 +334,9 @@ class SummaryState:
     job_turns: tuple[int, int] | None = None
     failures: int = 0
     error: str = ""
+    lag_s: float | None = None
+    due_s: float = 0.0
+    backlog: int = 0
 
     @property
     def pending_turns(self) -> int:
@@ -313,6 +351,9 @@ class SummaryState:
             "pending_turns": self.pending_turns,
             "failures": self.failures,
             "error": self.error,
+            "lag_s": None if self.lag_s is None else round(self.lag_s, 3),
+            "due_s": round(self.due_s, 3),
+            "backlog": self.backlog,
         }
 
 
@@ -347,13 +388,24 @@ class SummaryJob:
     #: the same id. ``None``: unfenced (a caller from before epochs).
     epoch: str | None = None
     failures: int = 0  # failed attempts of these turns before this one
+    #: The ``cache_key`` of the session, passed to a summarizer that declares
+    #: ``supports_owner`` (its model calls are served from that session's KV).
+    owner: str | None = None
     status: JobStatus = JobStatus.QUEUED
     result: str = ""
     error: str = ""
     submitted_at: float = field(default_factory=time.monotonic)
+    #: When the turns ``[start, end)`` became due (an earlier submission of them that was
+    #: shed, failed or cancelled counts: the lag runs from the first).
+    due_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     finished_at: float | None = None
     urgent: bool = False  # a turn waits for it: start it before others, without deferring
+    #: :attr:`lag_s` of the session's last written summary before this job (``None``: none).
+    last_lag_s: float | None = None
+    #: Called (in the worker thread, no lock held) once the result is stored: the session
+    #: prefills its next prompt's prefix (:meth:`Session.prefill_next`). Errors are logged.
+    on_written: Callable[[SummaryJob], None] | None = field(default=None, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -361,6 +413,13 @@ class SummaryJob:
     def live(self) -> bool:
         """Queued or running."""
         return self.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+    @property
+    def lag_s(self) -> float | None:
+        """Seconds from due to written, once ``DONE``; else ``None``."""
+        if self.status is not JobStatus.DONE or self.finished_at is None:
+            return None
+        return self.finished_at - self.due_at
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until the job ends (``None``: without limit); ``True`` if it has."""
@@ -370,6 +429,32 @@ class SummaryJob:
         """Drop the job if it has not started; ask a running one to stop (a summarizer
         that takes ``cancel=`` stops its generation; the result is discarded either way)."""
         self._cancel.set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryStats:
+    """What :meth:`SummaryWorker.stats` reports (``/metrics``: ``convo_summary_backlog``,
+    ``convo_summary_lag_seconds``).
+
+    Attributes:
+        queued / running: summaries waiting to start / folding now.
+        written: summaries stored. shed: submissions refused because the backlog was full
+            (their turns stay owed). failed: attempts that raised.
+        lag: seconds from due to written of every summary written (a histogram,
+            :data:`SUMMARY_LAG_BUCKETS`).
+    """
+
+    queued: int
+    running: int
+    written: int
+    shed: int
+    failed: int
+    lag: HistogramSnapshot
+
+    @property
+    def backlog(self) -> int:
+        """Summaries the worker holds: queued or running."""
+        return self.queued + self.running
 
 
 class SummaryWorker:
@@ -385,6 +470,13 @@ class SummaryWorker:
     * starts a summary only when no reply is generating (sessions report theirs through
       :meth:`replying`), or once it has waited ``max_defer_s``, or at once when a turn is
       waiting for it, so replies go first and summaries never starve;
+    * passes the session's ``cache_key`` as ``owner=`` to a summarizer that declares
+      ``supports_owner`` (:class:`ModelSummarizer` does), so a KV-caching engine runs the
+      summary on that session's own KV, never in a slot that holds another session's;
+    * holds at most ``max_backlog`` queued summaries: beyond it a submission is shed (its
+      turns stay owed; see :data:`DEFAULT_SUMMARY_BACKLOG`), so a load leaves no pile of
+      deferred summaries to run into the next one; and reports its backlog and each
+      summary's lag, due to written (:meth:`stats`, :attr:`SummaryState.lag_s`);
     * persists a result with :meth:`Store.save_summary`, a compare-and-set on the covered
       turn count, so a stale job never overwrites a newer summary. The stored history stays
       the source of truth: a job lost to a crash or cancelled is simply run again (the
@@ -401,6 +493,8 @@ class SummaryWorker:
         threads: summaries run at once. Default :data:`DEFAULT_SUMMARY_THREADS`.
         max_defer_s: seconds a summary waits for replies in flight before it starts anyway.
             Default :data:`DEFAULT_SUMMARY_DEFER_S`.
+        max_backlog: summaries queued at most (not counting those running); beyond it a
+            submission is shed. Default :data:`DEFAULT_SUMMARY_BACKLOG`.
 
     Example:
         >>> worker = SummaryWorker(threads=2)
@@ -411,14 +505,30 @@ class SummaryWorker:
     _shared_guard = threading.Lock()
 
     def __init__(
-        self, *, threads: int = DEFAULT_SUMMARY_THREADS, max_defer_s: float = DEFAULT_SUMMARY_DEFER_S
+        self,
+        *,
+        threads: int = DEFAULT_SUMMARY_THREADS,
+        max_defer_s: float = DEFAULT_SUMMARY_DEFER_S,
+        max_backlog: int = DEFAULT_SUMMARY_BACKLOG,
     ) -> None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ConfigError(f"SummaryWorker.threads must be an int >= 1, got {threads!r}")
         if not max_defer_s >= 0:
             raise ConfigError(f"SummaryWorker.max_defer_s must be >= 0, got {max_defer_s!r}")
+        if not isinstance(max_backlog, int) or isinstance(max_backlog, bool) or max_backlog < 1:
+            raise ConfigError(f"SummaryWorker.max_backlog must be an int >= 1, got {max_backlog!r}")
         self.threads = threads
         self.max_defer_s = float(max_defer_s)
+        self.max_backlog = max_backlog
+        self._running = 0
+        self._written = 0
+        self._shed = 0
+        self._failed = 0
+        self._lag = Histogram(
+            "convo_summary_lag_seconds",
+            "seconds from a summary becoming due to its being written",
+            buckets=SUMMARY_LAG_BUCKETS,
+        )
         self._cond = threading.Condition()
         self._queue: list[SummaryJob] = []
         # Keyed by (id(store), session id); the job holds its store, so the id stays valid.
@@ -475,6 +585,19 @@ class SummaryWorker:
         with self._cond:
             return self._jobs.get((id(store), session_id))
 
+    def stats(self) -> SummaryStats:
+        """The backlog now, and the counts and lags so far (see :class:`SummaryStats`)."""
+        with self._cond:
+            queued = sum(1 for j in self._queue if not j._cancel.is_set())
+            return SummaryStats(
+                queued=queued,
+                running=self._running,
+                written=self._written,
+                shed=self._shed,
+                failed=self._failed,
+                lag=self._lag.snapshot_of(),
+            )
+
     def submit(
         self,
         *,
@@ -487,14 +610,21 @@ class SummaryWorker:
         end: int,
         max_tokens: int,
         epoch: str | None = None,
+        owner: str | None = None,
+        urgent: bool = False,
+        on_written: Callable[[SummaryJob], None] | None = None,
     ) -> SummaryJob:
         """Queue a job, unless one is live for the session (then that one is returned: it
         must end first, as the next job folds into its result). On a closed worker the job
-        comes back cancelled.
+        comes back cancelled; beyond ``max_backlog`` queued jobs it comes back cancelled
+        with :data:`BACKLOG_FULL` (shed), unless ``urgent``.
 
         ``epoch``: the session's (:attr:`~convo.stores.SessionState.epoch`); the job stores
         its result only into the session of that epoch. A live job of another epoch (of a
-        session deleted since, whose id was reused) is cancelled and replaced."""
+        session deleted since, whose id was reused) is cancelled and replaced. ``owner``:
+        the session's ``cache_key`` (see :attr:`SummaryJob.owner`). ``urgent``: a turn
+        waits for it (never shed, started first). ``on_written``: see
+        :attr:`SummaryJob.on_written`."""
         key = (id(store), session_id)
         with self._cond:
             last = self._jobs.get(key)
@@ -506,6 +636,15 @@ class SummaryWorker:
                 last = None
             retried = last is not None and last.status is JobStatus.FAILED and last.epoch == epoch
             failures = last.failures + 1 if retried and last is not None else 0
+            prior = last if last is not None and last.epoch == epoch else None
+            now = time.monotonic()
+            # The lag runs from when these turns first became due (a shed, failed or
+            # cancelled submission of them counts), not from this submission.
+            owed = prior is not None and prior.start == start and prior.status is not JobStatus.DONE
+            owed_since = prior.due_at if owed and prior is not None else now
+            last_lag = (
+                None if prior is None else (prior.lag_s if prior.lag_s is not None else prior.last_lag_s)
+            )
             job = SummaryJob(
                 store=store,
                 session_id=session_id,
@@ -517,10 +656,26 @@ class SummaryWorker:
                 max_tokens=max_tokens,
                 epoch=epoch,
                 failures=failures,
+                owner=owner,
+                due_at=owed_since,
+                urgent=urgent,
+                on_written=on_written,
+                last_lag_s=last_lag,
             )
             if self._closed:  # shutting down: the turns stay owed (the next turn retries)
                 job.status, job.finished_at = JobStatus.CANCELLED, time.monotonic()
                 job._done.set()
+                return job
+            if not urgent and len(self._queue) >= self.max_backlog:
+                # Shed: the turns stay owed; kept as the session's last job so that its
+                # state says so and the next submission's lag counts from now.
+                job.status, job.finished_at, job.error = JobStatus.CANCELLED, now, BACKLOG_FULL
+                job.on_written, job.messages = None, ()
+                job._done.set()
+                self._shed += 1
+                self._jobs[key] = job
+                self._jobs.move_to_end(key)
+                logger.info("summary of %s turns %d-%d shed: backlog full", session_id, start, end)
                 return job
             self._jobs[key] = job
             self._jobs.move_to_end(key)
@@ -584,6 +739,7 @@ class SummaryWorker:
                     if job.urgent or self._replies == 0 or wait <= 0 or self._closed:
                         self._queue.remove(job)
                         job.status, job.started_at = JobStatus.RUNNING, time.monotonic()
+                        self._running += 1
                         return job
                     self._cond.wait(wait)
                 else:
@@ -594,6 +750,7 @@ class SummaryWorker:
         if not job._cancel.is_set():
             return False
         job.status, job.finished_at = JobStatus.CANCELLED, time.monotonic()
+        job.on_written = None  # (it holds the session object)
         job._done.set()
         return True
 
@@ -603,6 +760,8 @@ class SummaryWorker:
 
     def _run(self, job: SummaryJob) -> None:
         kwargs: dict[str, Any] = {"cancel": job._cancel} if job.summarizer.supports_cancel else {}
+        if job.summarizer.supports_owner:
+            kwargs["owner"] = job.owner
         try:
             # The summarizer asks for background priority in its generate options
             # (ModelSummarizer does), so a batching engine serves replies first.
@@ -646,5 +805,17 @@ class SummaryWorker:
         with self._cond:
             job.status, job.error, job.finished_at = status, error, time.monotonic()
             job.messages = ()  # the turns are stored; do not keep a copy
-            job._done.set()
+            self._running -= 1
+            if status is JobStatus.DONE:
+                self._written += 1
+                self._lag.observe(job.finished_at - job.due_at)
+            elif status is JobStatus.FAILED:
+                self._failed += 1
+            callback, job.on_written = job.on_written, None  # (it holds the session object)
             self._cond.notify_all()
+        if callback is not None and status is JobStatus.DONE:
+            try:
+                callback(job)
+            except Exception:  # the summary is stored; only the head start is lost
+                logger.exception("session %s: after-summary callback failed", job.session_id)
+        job._done.set()

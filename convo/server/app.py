@@ -71,6 +71,7 @@ from convo.server.prometheus import metrics_registry
 from convo.server.routes import router
 from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
 from convo.server.state import ServerState
+from convo.server.summary_metrics import SummaryCollector
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
@@ -155,6 +156,7 @@ def create_app(
         system_prompt=system_prompt or None,
         scrape=metrics_registry(metrics, engine),
     )
+    state.scrape.register(SummaryCollector(state.summaries))  # convo_summary_backlog, _lag_seconds
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -892,6 +892,9 @@ def main() -> int:
     results, res, _ = serve_and_load(args, step=not args.fake)
     local = bool(args.model or args.quant or args.kv_slots is not None)
     engine = "fake" if args.fake else (_engine_label(args) if local else "smollm2")
+    # (the files of one run do not overwrite another load's: gpu-chat keeps its old names)
+    suffix = f"_{args.preset}" if args.preset not in (None, "gpu-chat") else ""
+    stem = engine + suffix + (f"_waves{args.waves}" if args.waves > 1 else "")
     config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db", "step_file")}
     report: dict[str, Any] = {
         "benchmark": "serve_load",
@@ -921,13 +924,13 @@ def main() -> int:
         }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"serve_load_{engine}.json").write_text(json.dumps(report, indent=2))
-    (out / f"serve_load_{engine}_requests.json").write_text(
+    (out / f"serve_load_{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"serve_load_{stem}_requests.json").write_text(
         json.dumps(
             [{k: v for k, v in asdict(o).items() if k not in ("user", "reply")} for o in res["outcomes"]]
         )
     )
-    plot(res["outcomes"], out / f"serve_load_{engine}.png", f"convo serve under load ({engine})")
+    plot(res["outcomes"], out / f"serve_load_{stem}.png", f"convo serve under load ({engine})")
     print(json.dumps(report, indent=2))
     ok = results["lost_messages"] == 0 and results["admission_ledger"]["within_budget"]
     return 0 if ok and results["other_errors"] == 0 else 1

@@ -37,7 +37,7 @@ def test_chat_users_preset_with_two_waves_on_the_fake_engine(tmp_path: Path) -> 
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads((tmp_path / "serve_load_fake.json").read_text())
+    report = json.loads((tmp_path / "serve_load_fake_chat-users_waves2.json").read_text())
     config, results = report["config"], report["results"]
     assert (config["think_min_s"], config["think_max_s"], config["waves"]) == (0.05, 0.1, 2)
     assert config["max_tokens"] == 32 and config["max_new_tokens"] == 64  # the preset's

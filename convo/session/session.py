@@ -357,8 +357,10 @@ class Session:
             self._turn_lock.local.release()
 
     def _summary_written(self, job: SummaryJob) -> None:
-        """A background summary of this session was stored (worker thread)."""
-        self.prefill_next()
+        """A background summary of this session was stored (worker thread): prefill the
+        next prompt's prefix, unless the session was closed (or replaced) meanwhile."""
+        if self._summary.job() is job:
+            self.prefill_next()
 
     @property
     def summary_wait_limit(self) -> float | None:

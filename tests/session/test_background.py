@@ -229,3 +229,17 @@ def test_an_engine_without_prefill_is_not_asked(worker: SummaryWorker) -> None:
     job = worker.job(session.store, session.id)
     assert job is not None and job.wait(WAIT)
     assert session.prefill_next() is False and engine.prefills == []
+
+
+def test_a_closed_session_is_not_prefilled(worker: SummaryWorker) -> None:
+    engine = RecordingEngine(prefill=True)
+    summ = Gated(open_gate=False)
+    session = Session(engine, budget=ROOMY, summarizer=summ, summaries=worker)
+    session.send("turn 0")
+    session.send("turn 1")
+    job = worker.job(session.store, session.id)
+    assert job is not None
+    session.close()  # (the job is cancelled; were it past its store write, it would still end)
+    summ.gate.set()
+    assert job.wait(WAIT)
+    assert engine.prefills == [] and session.id in engine.released

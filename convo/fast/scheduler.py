@@ -138,13 +138,14 @@ def _step_costs(
     steps: dict[str, int], busy_s: dict[str, float], prompt_tokens: int
 ) -> tuple[float, float] | None:
     """``(decode_s, token_s)`` from the scheduler's counters: a decode-only step's mean
-    seconds, and what one prompt token adds to a step (prefill and mixed steps' time
-    beyond their decode rows, per prompt token); ``None`` until measured."""
+    seconds, and the seconds of prefill and mixed steps per prompt token they ran (the
+    mixed steps' decode rows counted in: on the high side, as a grown chunk runs in a
+    forward of its own beside the rows' step); ``None`` until measured."""
     if steps["decode"] < MIN_COST_STEPS or prompt_tokens <= 0:
         return None
     decode_s = busy_s["decode"] / steps["decode"]
-    extra = busy_s["mixed"] + busy_s["prefill"] - steps["mixed"] * decode_s
-    return (decode_s, extra / prompt_tokens) if extra > 0 else None
+    token_s = (busy_s["mixed"] + busy_s["prefill"]) / prompt_tokens
+    return (decode_s, token_s) if token_s > 0 else None
 
 
 @contextlib.contextmanager

@@ -33,8 +33,32 @@ scheduler's steps and busy seconds by kind during the load, from ``convo_engine_
 
 ``--think-s S`` makes each session pause about ``S`` seconds between its turns (a person
 reading and typing); the default 0 sends the next turn as soon as the reply ends.
+``--think-min-s A --think-max-s B`` pauses uniformly between A and B seconds instead, and
+``--start-spread-s T`` starts each session's first turn at a uniform moment in the first T
+seconds. ``--waves N`` runs the load N times back to back on the same server, each time
+with new sessions (is the next wave as fast as the first?).
+
+KV reuse under a real chat load (issue 22): ``--preset chat-users`` is 64 users on 16 KV
+slots, think time uniform 3-8 s, starts spread over 10 s, 6 turns of ~300 tokens,
+``max_tokens`` 32, streamed through the official ``openai`` client with ``X-Session-Id``,
+on a server of budget 2,048 and ``--max-new-tokens 64`` (``random:llama-2-7b`` int4 unless
+``--model`` / ``--quant`` say otherwise); ``--preset think-16`` is 16 users on 16 slots,
+12 turns, 2 s think. The JSON adds ``prefilled_prompt_tokens`` (the engine's
+``convo_engine_prompt_tokens_total`` over the load), ``requested_prompt_tokens`` (the sum
+of the requests' ``usage.prompt_tokens``) and their ratio ``reprefill`` (1.0: nothing was
+reused), ``preemptions``, ``swaps_in`` / ``swaps_out`` and ``host_kv_bytes_peak`` (0 for
+an engine that does not export them), ``summary_lag_p50_s`` / ``summary_lag_p95_s`` (from
+``convo_summary_lag_seconds``), ``summary_backlog_peak`` and ``ttft_p50_s_by_turn``; with
+``--waves`` also ``waves`` (each wave's figures) and ``wave2_over_wave1`` (wall, TTFT p50)::
+
+    python benchmarks/serve_load.py --preset chat-users --out benchmarks/results
+    python benchmarks/serve_load.py --preset think-16 --out benchmarks/results
+    python benchmarks/serve_load.py --preset gpu-chat --model random:llama-2-7b --quant int4 \
+        --kv-slots 16 --waves 2 --out benchmarks/results
 
 Fake engine (seconds):   python benchmarks/serve_load.py --fake --out /tmp/bench
+    python benchmarks/serve_load.py --fake --preset chat-users --sessions 8 --turns 3 \
+        --think-min-s 0.1 --think-max-s 0.3 --start-spread-s 0.5 --waves 2 --out /tmp/bench
 Real default model, small (CPU, ~1-2 min):
     python benchmarks/serve_load.py --sessions 6 --turns 2 --max-new-tokens 16 \
         --budget 512 --max-concurrency 2 --max-queue 2 --out /tmp/bench
@@ -83,7 +107,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_queue": 64,
         "admission_tokens": 65536,
         "queue_timeout_s": 120.0,
-    }
+    },
+    # Issue 22: more users than KV slots, people pausing between turns.
+    "chat-users": {
+        "sessions": 64,
+        "turns": 6,
+        "max_new_tokens": 64,
+        "max_tokens": 32,
+        "budget": 2048,
+        "stream_fraction": 1.0,
+        "client": "openai",
+        "message_words": CHAT_WORDS,
+        "think_min_s": 3.0,
+        "think_max_s": 8.0,
+        "start_spread_s": 10.0,
+        "model": "random:llama-2-7b",
+        "quant": "int4",
+        "kv_slots": 16,
+        "max_concurrency": 16,
+        "max_queue": 64,
+        "admission_tokens": 65536,
+        "queue_timeout_s": 120.0,
+    },
+    # Issue 22: as many users as slots, a short pause: do summaries take thinking sessions' slots?
+    "think-16": {
+        "sessions": 16,
+        "turns": 12,
+        "max_new_tokens": 64,
+        "max_tokens": 32,
+        "budget": 2048,
+        "stream_fraction": 1.0,
+        "client": "openai",
+        "message_words": CHAT_WORDS,
+        "think_min_s": 2.0,
+        "think_max_s": 2.0,
+        "model": "random:llama-2-7b",
+        "quant": "int4",
+        "kv_slots": 16,
+        "max_concurrency": 16,
+        "max_queue": 64,
+        "admission_tokens": 65536,
+        "queue_timeout_s": 120.0,
+    },
 }
 
 
@@ -213,6 +278,7 @@ async def one_turn(
                 data = r.json()
                 out.reply = data["choices"][0]["message"]["content"]
                 out.completion_tokens = (data.get("usage") or {}).get("completion_tokens")
+                out.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
             else:
                 out.error = r.text[:200]
         else:
@@ -232,6 +298,7 @@ async def one_turn(
                             out.error = str(event["error"])[:200]
                         if event.get("usage"):
                             out.completion_tokens = event["usage"].get("completion_tokens")
+                            out.prompt_tokens = event["usage"].get("prompt_tokens")
                         for ch in event.get("choices") or []:
                             piece = (ch.get("delta") or {}).get("content")
                             if piece:
@@ -285,15 +352,20 @@ async def conversation(
     client: Any, base: str, sid: str, args: argparse.Namespace, rng: random.Random, t0: float, end: float
 ) -> list[Outcome]:
     outcomes = []
+    if args.start_spread_s > 0:  # users do not all arrive at once
+        await asyncio.sleep(rng.uniform(0.0, args.start_spread_s))
     for turn in range(args.turns):
-        if turn and args.think_s > 0:  # the person reads the reply and types the next message
+        if turn and args.think_max_s > 0:  # reading and typing: uniform in [min, max]
+            await asyncio.sleep(rng.uniform(args.think_min_s, args.think_max_s))
+        elif turn and args.think_s > 0:  # the person reads the reply and types the next message
             await asyncio.sleep(args.think_s * rng.uniform(0.5, 1.5))
         if time.monotonic() > end:
             break
         if args.client == "openai":
             words = " ".join(rng.choice(WORDS) for _ in range(args.message_words))
             text = f"[{sid} t{turn}] {words}"
-            outcomes.append(await openai_turn(client, sid, turn, text, t0, args.max_new_tokens))
+            max_tokens = args.max_tokens or args.max_new_tokens
+            outcomes.append(await openai_turn(client, sid, turn, text, t0, max_tokens))
             continue
         kind = rng.choices(list(LENGTHS), weights=(5, 3, 2))[0]
         stream = rng.random() < args.stream_fraction
@@ -328,6 +400,11 @@ async def sampler(base: str, pid: int, stop: asyncio.Event, samples: dict[str, A
                 samples["ledger_budget"] = m.get("convo_kv_budget_tokens", 0)
                 samples["running_peak"] = max(samples["running_peak"], m.get("convo_requests_running", 0))
                 samples["waiting_peak"] = max(samples["waiting_peak"], m.get("convo_requests_waiting", 0))
+                # (reset by each wave: the peaks of the wave in progress)
+                host = m.get("convo_engine_kv_host_bytes", 0)
+                samples["wave_host_peak"] = max(samples["wave_host_peak"], host)
+                backlog = m.get("convo_summary_backlog", 0)
+                samples["wave_backlog_peak"] = max(samples["wave_backlog_peak"], backlog)
             except Exception:
                 pass
             samples["rss_peak"] = max(samples["rss_peak"], proc.memory_info().rss)
@@ -347,6 +424,8 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         "running_peak": 0.0,
         "waiting_peak": 0.0,
         "rss_peak": 0,
+        "wave_host_peak": 0.0,
+        "wave_backlog_peak": 0.0,
     }
     rss_idle = psutil.Process(pid).memory_info().rss
     async with httpx.AsyncClient() as c:
@@ -356,8 +435,6 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=args.sessions + 8, max_keepalive_connections=args.sessions + 8)
     async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
-        sids = [f"load-{i:03d}-{rng.randrange(1 << 30):x}" for i in range(args.sessions)]
-        rngs = [random.Random(rng.random()) for _ in sids]
         talker: Any = client
         if args.client == "openai":
             import openai
@@ -369,12 +446,39 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         # The load starts now: importing and building the client (about 1.5 s for ``openai``
         # on the H200 host) was inside ``wall_s`` until 2026-12-01.
         t0 = time.monotonic()
-        end = t0 + args.duration_s
-        results = await asyncio.gather(
-            *(conversation(talker, base, s, args, r, t0, end) for s, r in zip(sids, rngs, strict=True))
-        )
+        waves: list[dict[str, Any]] = []
+        sids: list[str] = []
+        results: list[list[Outcome]] = []
+        for w in range(args.waves):  # back to back, each with new sessions
+            tag = "load" if w == 0 else f"load-w{w}"
+            wave_sids = [f"{tag}-{i:03d}-{rng.randrange(1 << 30):x}" for i in range(args.sessions)]
+            rngs = [random.Random(rng.random()) for _ in wave_sids]
+            before = engine_before if w == 0 else parse_metrics((await client.get(f"{base}/metrics")).text)
+            samples["wave_host_peak"] = samples["wave_backlog_peak"] = 0.0
+            t_wave = time.monotonic()
+            end = t_wave + args.duration_s
+            wave_results = await asyncio.gather(
+                *(
+                    conversation(talker, base, s, args, r, t0, end)
+                    for s, r in zip(wave_sids, rngs, strict=True)
+                )
+            )
+            wave_wall = time.monotonic() - t_wave
+            after = parse_metrics((await client.get(f"{base}/metrics")).text)
+            waves.append(
+                {
+                    "outcomes": [o for outs in wave_results for o in outs],
+                    "wall_s": wave_wall,
+                    "before": before,
+                    "after": after,
+                    "host_peak": samples["wave_host_peak"],
+                    "backlog_peak": samples["wave_backlog_peak"],
+                }
+            )
+            sids += wave_sids
+            results += wave_results
         wall = time.monotonic() - t0
-        engine_after = parse_metrics((await client.get(f"{base}/metrics")).text)
+        engine_after = waves[-1]["after"]
         stop.set()
         await sample_task
         # Nothing lost: every 200 turn's message and reply are stored, in order; refused ones not.
@@ -404,6 +508,7 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         "rss_idle_bytes": rss_idle,
         "metrics": metrics,
         "engine": engine_during(engine_before, engine_after, wall),
+        "waves": waves,
     }
 
 
@@ -437,7 +542,131 @@ def pct(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4)
 
 
+def histogram_quantile(
+    before: dict[str, float], after: dict[str, float], name: str, q: float
+) -> float | None:
+    """Quantile ``q`` of the observations a Prometheus histogram ``name`` got between two
+    scrapes (linear within its bucket, as Prometheus' ``histogram_quantile``); ``None``
+    when it got none."""
+    prefix = name + '_bucket{le="'
+    bounds = sorted(
+        (float("inf") if k[len(prefix) : -2] == "+Inf" else float(k[len(prefix) : -2]), k)
+        for k in after
+        if k.startswith(prefix)
+    )
+    cum = [(b, after[k] - before.get(k, 0.0)) for b, k in bounds]
+    if not cum or cum[-1][1] <= 0:
+        return None
+    rank = q * cum[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in cum:
+        if count >= rank:
+            if upper == float("inf"):
+                return round(lower, 4)
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return round(lower + (upper - lower) * share, 4)
+        lower, below = upper, count
+    return None
+
+
+def background_figures(
+    outs: list[Outcome],
+    before: dict[str, float],
+    after: dict[str, float],
+    *,
+    host_peak: float,
+    backlog_peak: float,
+) -> dict[str, Any]:
+    """KV reuse and background work over one load (issue 22): what the engine prefilled
+    against what the requests asked (``reprefill``), preemptions, host swaps and bytes,
+    the summaries' lag and backlog, TTFT p50 by turn index. 0 for what /metrics lacks."""
+    ok = [o for o in outs if o.status == 200 and not o.error]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prefilled = int(delta("convo_engine_prompt_tokens_total"))
+    requested = sum(o.prompt_tokens or 0 for o in ok)
+    host_peak = max(host_peak, after.get("convo_engine_kv_host_bytes_peak", 0.0))
+    lag = "convo_summary_lag_seconds"
+    return {
+        "prefilled_prompt_tokens": prefilled,
+        "requested_prompt_tokens": requested,
+        # (None: no request reported its prompt, or the engine exports no prompt counter)
+        "reprefill": round(prefilled / requested, 3)
+        if requested and "convo_engine_prompt_tokens_total" in after
+        else None,
+        "preemptions": int(delta("convo_engine_preemptions_total")),
+        "swaps_in": int(delta("convo_engine_kv_swaps_in_total")),
+        "swaps_out": int(delta("convo_engine_kv_swaps_out_total")),
+        "host_kv_bytes_peak": int(host_peak),
+        "summaries_written": int(delta("convo_summary_written_total")),
+        "summary_lag_p50_s": histogram_quantile(before, after, lag, 0.5),
+        "summary_lag_p95_s": histogram_quantile(before, after, lag, 0.95),
+        "summary_backlog_peak": int(backlog_peak),
+        "summary_backlog_end": int(after.get("convo_summary_backlog", 0.0)),
+        "ttft_p50_s_by_turn": {
+            str(t): pct([o.ttft_s for o in ok if o.turn == t and o.ttft_s is not None], 0.5)
+            for t in sorted({o.turn for o in ok})
+        },
+    }
+
+
+#: The figures of each wave under ``waves`` (with :func:`background_figures`).
+WAVE_KEYS = (
+    "wall_s",
+    "completed_200",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "turn_latency_p50_s",
+    "turn_latency_p95_s",
+    "window_slide_vs_ordinary",
+)
+
+
+def wave_figures(args: argparse.Namespace, waves: list[dict[str, Any]]) -> dict[str, Any]:
+    """``waves`` (each wave's figures) and ``wave2_over_wave1`` (wall and TTFT p50 of the
+    second wave over the first's; the issue asks <= 1.15)."""
+    figures = []
+    for i, w in enumerate(waves):
+        part = {
+            "outcomes": w["outcomes"], "wall_s": w["wall_s"], "metrics": w["after"],
+            "samples": {"ledger_peak": 0.0, "ledger_budget": 0.0, "running_peak": 0.0, "waiting_peak": 0.0,
+                        "rss_peak": 0},
+            "rss_idle_bytes": 0, "lost_messages": 0, "unexpected_stored_messages": 0,
+        }  # fmt: skip
+        full = summarize_load(part)
+        one = {"wave": i + 1, **{k: full[k] for k in WAVE_KEYS}}
+        one.update(background_figures(w["outcomes"], w["before"], w["after"],
+                                      host_peak=w["host_peak"], backlog_peak=w["backlog_peak"]))  # fmt: skip
+        figures.append(one)
+    out: dict[str, Any] = {"waves": figures}
+    if len(figures) >= 2:
+        first, second = figures[0], figures[1]
+
+        def ratio(key: str) -> float | None:
+            a, b = first.get(key), second.get(key)
+            return round(b / a, 3) if a and b is not None else None
+
+        out["wave2_over_wave1"] = {"wall_s": ratio("wall_s"), "ttft_p50_s": ratio("ttft_p50_s")}
+    return out
+
+
 def summarize(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    """The load's figures (see the module docstring)."""
+    out = summarize_load(res)
+    waves = res.get("waves") or []
+    if waves:
+        host_peak = max(w["host_peak"] for w in waves)
+        backlog_peak = max(w["backlog_peak"] for w in waves)
+        out.update(background_figures(res["outcomes"], waves[0]["before"], waves[-1]["after"],
+                                      host_peak=host_peak, backlog_peak=backlog_peak))  # fmt: skip
+        if args.waves > 1:
+            out.update(wave_figures(args, waves))
+    return out
+
+
+def summarize_load(res: dict[str, Any]) -> dict[str, Any]:
     outs: list[Outcome] = res["outcomes"]
     ok = [o for o in outs if o.status == 200 and not o.error]
     refused = [o for o in outs if o.status == 429]
@@ -589,7 +818,10 @@ def main() -> int:
     p.add_argument("--fake", action="store_true", help="the test engine (no model), with --delay-s per word")
     p.add_argument("--delay-s", type=float, default=0.02, help="fake engine: seconds per word (0.02)")
     p.add_argument(
-        "--preset", choices=sorted(PRESETS), default=None, help="a named load (gpu-chat: issue 11)"
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named load (gpu-chat: issue 11; chat-users, think-16: issue 22)",
     )
     p.add_argument(
         "--model", default=None, help="local engine model (e.g. random:llama-2-7b); default: default"
@@ -618,6 +850,25 @@ def main() -> int:
         default=0.0,
         help="mean pause of a session between its turns, seconds, uniform in 0.5-1.5x (default 0: none)",
     )
+    p.add_argument(
+        "--think-min-s", type=float, default=0.0, help="think time uniform from (with --think-max-s)"
+    )
+    p.add_argument(
+        "--think-max-s", type=float, default=0.0, help="think time uniform to; > 0 wins over --think-s"
+    )
+    p.add_argument(
+        "--start-spread-s",
+        type=float,
+        default=0.0,
+        help="first turns start uniformly over this many seconds (0)",
+    )
+    p.add_argument("--waves", type=int, default=1, help="loads back to back, each with new sessions (1)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="openai client: the requests' max_tokens (--max-new-tokens)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -631,12 +882,19 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    if args.sessions < 1 or args.turns < 1 or args.sessions * args.turns > 5000:
-        p.error("--sessions and --turns must be >= 1, at most 5000 requests in all")
+    if args.sessions < 1 or args.turns < 1 or args.sessions * args.turns * args.waves > 5000:
+        p.error("--sessions, --turns and --waves must be >= 1, at most 5000 requests in all")
+    if args.waves < 1 or not 0 <= args.think_min_s <= max(args.think_max_s, args.think_min_s):
+        p.error("--waves must be >= 1 and --think-min-s within [0, --think-max-s]")
+    if args.think_max_s > 0 and args.think_min_s > args.think_max_s:
+        p.error("--think-min-s must be <= --think-max-s")
 
     results, res, _ = serve_and_load(args, step=not args.fake)
     local = bool(args.model or args.quant or args.kv_slots is not None)
     engine = "fake" if args.fake else (_engine_label(args) if local else "smollm2")
+    # (the files of one run do not overwrite another load's: gpu-chat keeps its old names)
+    suffix = f"_{args.preset}" if args.preset not in (None, "gpu-chat") else ""
+    stem = engine + suffix + (f"_waves{args.waves}" if args.waves > 1 else "")
     config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db", "step_file")}
     report: dict[str, Any] = {
         "benchmark": "serve_load",
@@ -666,13 +924,13 @@ def main() -> int:
         }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"serve_load_{engine}.json").write_text(json.dumps(report, indent=2))
-    (out / f"serve_load_{engine}_requests.json").write_text(
+    (out / f"serve_load_{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"serve_load_{stem}_requests.json").write_text(
         json.dumps(
             [{k: v for k, v in asdict(o).items() if k not in ("user", "reply")} for o in res["outcomes"]]
         )
     )
-    plot(res["outcomes"], out / f"serve_load_{engine}.png", f"convo serve under load ({engine})")
+    plot(res["outcomes"], out / f"serve_load_{stem}.png", f"convo serve under load ({engine})")
     print(json.dumps(report, indent=2))
     ok = results["lost_messages"] == 0 and results["admission_ledger"]["within_budget"]
     return 0 if ok and results["other_errors"] == 0 else 1

@@ -22,24 +22,35 @@ stats, the server's ``convo`` stats).
 
 from __future__ import annotations
 
-import atexit
-import enum
 import logging
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from convo.errors import ConfigError, SessionNotFound
+from convo.errors import ConfigError
 from convo.messages import Message, Role
 from convo.models.generation import Priority
 
+# The background worker lives beside this module; its names are this module's too.
+from convo.summary_worker import (
+    BACKLOG_FULL,
+    DEFAULT_SUMMARY_BACKLOG,
+    DEFAULT_SUMMARY_DEFER_S,
+    DEFAULT_SUMMARY_THREADS,
+    MAX_FINISHED_JOBS,
+    SHUTDOWN_TIMEOUT_S,
+    SUMMARY_LAG_BUCKETS,
+    JobStatus,
+    SummaryJob,
+    SummaryState,
+    SummaryStats,
+    SummaryStatus,
+    SummaryWorker,
+)
+
 if TYPE_CHECKING:
     from convo.engines.base import Engine
-    from convo.stores import Store
     from convo.tokens import TokenCounter
 
 logger = logging.getLogger(__name__)
@@ -56,13 +67,21 @@ DEFAULT_TEMPLATE = (
 class Summarizer(Protocol):
     """Folds messages into a summary. The session injects one of these.
 
-    Subclass it to inherit ``supports_cancel = False``, or declare that attribute: a
-    summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
-    :class:`threading.Event`) and stops its generation when it is set.
+    Subclass it to inherit ``supports_cancel = False`` and ``supports_owner = False``, or
+    declare both attributes (a summarizer that declares neither is refused when the session
+    is built). A summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
+    :class:`threading.Event`) and stops its generation when it is set; one that declares
+    ``supports_owner`` takes ``owner=``: the ``cache_key`` of the session it summarizes,
+    which it passes to its model calls (``GenerateOptions.owner``) so that a KV-caching
+    engine serves the summary from that session's own cached prefix or slot and never
+    evicts another session for it. A summarizer of before ``supports_owner`` that
+    subclasses this protocol keeps working: it is called without ``owner=``.
     """
 
     #: :meth:`summarize` takes ``cancel=``.
     supports_cancel: bool = False
+    #: :meth:`summarize` takes ``owner=`` (the summarized session's ``cache_key``).
+    supports_owner: bool = False
 
     def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
         """Return the new summary, at most ``max_tokens`` tokens long."""
@@ -161,17 +180,20 @@ class ModelSummarizer(Summarizer):
         return [Message(role=Role.USER, content=text)]
 
     supports_cancel = True
+    supports_owner = True
 
-    def summarize(  # type: ignore[override]  (adds the declared cancel=)
+    def summarize(  # type: ignore[override]  (adds the declared cancel= and owner=)
         self,
         *,
         previous: str,
         messages: Sequence[Message],
         max_tokens: int,
         cancel: threading.Event | None = None,
+        owner: str | None = None,
     ) -> str:
         """The new summary (see :class:`Summarizer`). ``cancel`` stops the model call in
-        progress (the worker discards the result of a cancelled job)."""
+        progress (the worker discards the result of a cancelled job); ``owner`` (the
+        session's ``cache_key``) goes into each model call's options."""
         counter = self.engine.counter
         limit = self.context_tokens
         max_tokens = self.check_cap(max_tokens)  # the cap follows the model's context
@@ -191,16 +213,21 @@ class ModelSummarizer(Summarizer):
                 )
             candidate = [*chunk, message]
             if chunk and counter.count_prompt(self._prompt(summary, candidate, max_tokens)) > room:
-                summary = self._fold(summary, chunk, max_tokens, cancel)
+                summary = self._fold(summary, chunk, max_tokens, cancel, owner)
                 chunk = [message]
             else:
                 chunk = candidate
         if chunk:
-            summary = self._fold(summary, chunk, max_tokens, cancel)
+            summary = self._fold(summary, chunk, max_tokens, cancel, owner)
         return summary
 
     def _fold(
-        self, previous: str, chunk: Sequence[Message], max_tokens: int, cancel: threading.Event | None
+        self,
+        previous: str,
+        chunk: Sequence[Message],
+        max_tokens: int,
+        cancel: threading.Event | None,
+        owner: str | None,
     ) -> str:
         counter = self.engine.counter
         prompt = self._prompt(previous, chunk, max_tokens)
@@ -209,8 +236,10 @@ class ModelSummarizer(Summarizer):
             max_new_tokens=max_tokens,
             timeout_s=self.timeout_s,
             cancel=cancel,
-            # Background work: a batching engine's scheduler serves replies first.
+            # Background work: a batching engine's scheduler serves replies first, and a
+            # KV-caching one serves it from the session's own KV (never another's slot).
             priority=Priority.BACKGROUND,
+            owner=owner,
         )
         text = result.text.strip() or previous
         return counter.truncate_middle(text, max_tokens)
@@ -249,402 +278,26 @@ def provisional_summary(
     return counter.truncate_middle(text, max_tokens)
 
 
-# -- background summaries ---------------------------------------------------------------------
-
-#: Default of :attr:`SummaryWorker.threads`: summaries of this many sessions run at once
-#: (an engine that batches concurrent calls, e.g. the static decoder, batches them).
-DEFAULT_SUMMARY_THREADS = 4
-#: Default of :attr:`SummaryWorker.max_defer_s`: how long a summary waits for replies in
-#: flight to finish before it starts anyway (so replies go first, but summaries never starve).
-DEFAULT_SUMMARY_DEFER_S = 2.0
-#: Seconds the process-wide worker waits at interpreter exit for cancelled summaries to stop.
-SHUTDOWN_TIMEOUT_S = 5.0
-#: Finished jobs the worker remembers (one per session at most), so a session object that
-#: was not there when its summary finished still picks the result up.
-MAX_FINISHED_JOBS = 4096
-
-
-class SummaryStatus(enum.StrEnum):
-    """Where a session's rolling summary stands.
-
-    ``DONE``: every turn that left the window is folded in. ``PENDING``: turns wait to be
-    folded (queued, or owed after a crash / a cancelled job; the next turn starts a job).
-    ``RUNNING``: a background job is folding them now. ``FAILED``: the last job raised; the
-    next turn retries it.
-    """
-
-    DONE = "done"
-    PENDING = "pending"
-    RUNNING = "running"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SummaryState:
-    """A snapshot of a session's summary state.
-
-    Attributes:
-        status: see :class:`SummaryStatus`.
-        summarized_turns: turns ``[0, summarized_turns)`` are in the stored summary.
-        evicted_turns: turns ``[0, evicted_turns)`` have left the window.
-        pending_turns: turns that left the window and are not summarized yet.
-        job_turns: the turns the current (or last) job folds, ``(start, end)``, or ``None``.
-        failures: failed attempts since the last success.
-        error: the last failure's message (``""`` when none).
-    """
-
-    status: SummaryStatus
-    summarized_turns: int
-    evicted_turns: int
-    job_turns: tuple[int, int] | None = None
-    failures: int = 0
-    error: str = ""
-
-    @property
-    def pending_turns(self) -> int:
-        return max(self.evicted_turns - self.summarized_turns, 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (the server's ``convo`` stats)."""
-        return {
-            "status": self.status.value,
-            "summarized_turns": self.summarized_turns,
-            "evicted_turns": self.evicted_turns,
-            "pending_turns": self.pending_turns,
-            "failures": self.failures,
-            "error": self.error,
-        }
-
-
-class JobStatus(enum.StrEnum):
-    """The life of one :class:`SummaryJob`."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass(eq=False, kw_only=True)
-class SummaryJob:
-    """Fold turns ``[start, end)`` of one session into the summary that covers ``[0, start)``.
-
-    Built by :meth:`SummaryWorker.submit`; everything it needs is copied in, so it never
-    touches the session object. ``result`` is the new summary once ``status`` is ``DONE``.
-    """
-
-    store: Store
-    session_id: str
-    summarizer: Summarizer
-    previous: str
-    messages: tuple[Message, ...]
-    start: int
-    end: int
-    max_tokens: int
-    #: The epoch of the session the turns were read from (:attr:`SessionState.epoch`):
-    #: the result is stored only into that session, never into one created later under
-    #: the same id. ``None``: unfenced (a caller from before epochs).
-    epoch: str | None = None
-    failures: int = 0  # failed attempts of these turns before this one
-    status: JobStatus = JobStatus.QUEUED
-    result: str = ""
-    error: str = ""
-    submitted_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    finished_at: float | None = None
-    urgent: bool = False  # a turn waits for it: start it before others, without deferring
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    @property
-    def live(self) -> bool:
-        """Queued or running."""
-        return self.status in (JobStatus.QUEUED, JobStatus.RUNNING)
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait until the job ends (``None``: without limit); ``True`` if it has."""
-        return self._done.wait(timeout_s)
-
-    def cancel(self) -> None:
-        """Drop the job if it has not started; ask a running one to stop (a summarizer
-        that takes ``cancel=`` stops its generation; the result is discarded either way)."""
-        self._cancel.set()
-
-
-class SummaryWorker:
-    """Runs rolling summaries in background threads, after the replies they follow.
-
-    A session hands the turns that left its window to the worker once the reply is
-    stored, and returns; the summary is written later. The worker:
-
-    * runs up to ``threads`` summaries at once (of different sessions; an engine that
-      batches concurrent calls batches them); :class:`ModelSummarizer` asks for
-      ``priority=Priority.BACKGROUND`` in its generate options, so the local engine's
-      scheduler gives replies their slots and prefill budget first;
-    * starts a summary only when no reply is generating (sessions report theirs through
-      :meth:`replying`), or once it has waited ``max_defer_s``, or at once when a turn is
-      waiting for it, so replies go first and summaries never starve;
-    * persists a result with :meth:`Store.save_summary`, a compare-and-set on the covered
-      turn count, so a stale job never overwrites a newer summary. The stored history stays
-      the source of truth: a job lost to a crash or cancelled is simply run again (the
-      turns it owed are still stored, and ``summarized_turns < evicted_turns`` says so).
-
-    Sessions share :meth:`shared` (one per process) unless given their own, so that a
-    server, which builds a session object per request, finds the job of the previous turn.
-
-    A summary that has started is not preempted: on an engine that runs one call at a
-    time (CPU, plain ``generate``), a reply that arrives meanwhile waits for it to end; an
-    engine with a step scheduler can interleave the two, serving the background call last.
-
-    Args:
-        threads: summaries run at once. Default :data:`DEFAULT_SUMMARY_THREADS`.
-        max_defer_s: seconds a summary waits for replies in flight before it starts anyway.
-            Default :data:`DEFAULT_SUMMARY_DEFER_S`.
-
-    Example:
-        >>> worker = SummaryWorker(threads=2)
-        >>> session = Session(engine, summaries=worker)   # doctest: +SKIP
-    """
-
-    _shared: SummaryWorker | None = None
-    _shared_guard = threading.Lock()
-
-    def __init__(
-        self, *, threads: int = DEFAULT_SUMMARY_THREADS, max_defer_s: float = DEFAULT_SUMMARY_DEFER_S
-    ) -> None:
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ConfigError(f"SummaryWorker.threads must be an int >= 1, got {threads!r}")
-        if not max_defer_s >= 0:
-            raise ConfigError(f"SummaryWorker.max_defer_s must be >= 0, got {max_defer_s!r}")
-        self.threads = threads
-        self.max_defer_s = float(max_defer_s)
-        self._cond = threading.Condition()
-        self._queue: list[SummaryJob] = []
-        # Keyed by (id(store), session id); the job holds its store, so the id stays valid.
-        self._jobs: OrderedDict[tuple[int, str], SummaryJob] = OrderedDict()
-        self._replies = 0
-        self._workers: list[threading.Thread] = []
-        self._closed = False
-        self._key_locks = [threading.Lock() for _ in range(64)]
-
-    @classmethod
-    def shared(cls, *, min_threads: int | None = None, max_defer_s: float | None = None) -> SummaryWorker:
-        """The process-wide worker that sessions use by default.
-
-        Args:
-            min_threads: raise its thread count (a server whose engine batches N calls,
-                e.g. N KV slots, runs N summaries at once).
-            max_defer_s: lower its deferral (an engine whose scheduler serves replies first
-                by priority needs none: 0).
-        """
-        with cls._shared_guard:
-            if cls._shared is None or cls._shared._closed:
-                cls._shared = cls()
-                # At exit, stop summaries mid-generation rather than let the interpreter
-                # tear down under them (they are re-derived on the next turn).
-                atexit.register(cls._shared.close, wait=True, timeout_s=SHUTDOWN_TIMEOUT_S)
-            worker = cls._shared
-        with worker._cond:
-            if min_threads is not None:
-                worker.threads = max(worker.threads, int(min_threads))
-            if max_defer_s is not None:
-                worker.max_defer_s = min(worker.max_defer_s, float(max_defer_s))
-        return worker
-
-    # -- what sessions call ---------------------------------------------------------------------
-    @contextmanager
-    def replying(self) -> Iterator[None]:
-        """Mark a reply in flight for as long as the block runs (summaries defer to it)."""
-        with self._cond:
-            self._replies += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._replies -= 1
-                self._cond.notify_all()
-
-    def key_lock(self, store: Store, session_id: str) -> threading.Lock:
-        """The lock under which a job's result and a session's state writes of one session
-        are ordered in this process (a session syncs and writes under it)."""
-        return self._key_locks[hash((id(store), session_id)) % len(self._key_locks)]
-
-    def job(self, store: Store, session_id: str) -> SummaryJob | None:
-        """The live or last finished job of a session, if this worker has one."""
-        with self._cond:
-            return self._jobs.get((id(store), session_id))
-
-    def submit(
-        self,
-        *,
-        store: Store,
-        session_id: str,
-        summarizer: Summarizer,
-        previous: str,
-        messages: Sequence[Message],
-        start: int,
-        end: int,
-        max_tokens: int,
-        epoch: str | None = None,
-    ) -> SummaryJob:
-        """Queue a job, unless one is live for the session (then that one is returned: it
-        must end first, as the next job folds into its result). On a closed worker the job
-        comes back cancelled.
-
-        ``epoch``: the session's (:attr:`~convo.stores.SessionState.epoch`); the job stores
-        its result only into the session of that epoch. A live job of another epoch (of a
-        session deleted since, whose id was reused) is cancelled and replaced."""
-        key = (id(store), session_id)
-        with self._cond:
-            last = self._jobs.get(key)
-            if last is not None and last.live:
-                if last.epoch == epoch:
-                    return last
-                last.cancel()  # the turns of another session under this id: never stored
-                self._cond.notify_all()
-                last = None
-            retried = last is not None and last.status is JobStatus.FAILED and last.epoch == epoch
-            failures = last.failures + 1 if retried and last is not None else 0
-            job = SummaryJob(
-                store=store,
-                session_id=session_id,
-                summarizer=summarizer,
-                previous=previous,
-                messages=tuple(messages),
-                start=start,
-                end=end,
-                max_tokens=max_tokens,
-                epoch=epoch,
-                failures=failures,
-            )
-            if self._closed:  # shutting down: the turns stay owed (the next turn retries)
-                job.status, job.finished_at = JobStatus.CANCELLED, time.monotonic()
-                job._done.set()
-                return job
-            self._jobs[key] = job
-            self._jobs.move_to_end(key)
-            self._queue.append(job)
-            self._trim()
-            if len(self._workers) < self.threads:
-                t = threading.Thread(target=self._loop, name="convo-summary", daemon=True)
-                self._workers.append(t)
-                t.start()
-            self._cond.notify_all()
-            logger.debug("summary of %s turns %d-%d queued", session_id, start, end)
-            return job
-
-    def forget(self, store: Store, session_id: str) -> None:
-        """Cancel the session's job, if live, and drop what the worker keeps of it (a
-        closed session: a throw-away session's store is not kept alive by its job)."""
-        with self.key_lock(store, session_id), self._cond:
-            job = self._jobs.pop((id(store), session_id), None)
-            if job is not None and job.live:
-                job.cancel()  # under the key lock: a job past this point stores nothing
-                self._cond.notify_all()
-
-    def promote(self, job: SummaryJob) -> None:
-        """A turn waits for ``job``: start it next, without deferring to replies."""
-        with self._cond:
-            job.urgent = True
-            self._cond.notify_all()
-
-    def close(self, *, wait: bool = True, timeout_s: float | None = None) -> None:
-        """Cancel every queued and running job and stop the threads (``wait``: join them,
-        up to ``timeout_s`` in all). Nothing is lost: the turns a cancelled job owed are
-        stored, and the session's next turn summarizes them again."""
-        with self._cond:
-            self._closed = True
-            for job in self._jobs.values():
-                if job.live:
-                    job.cancel()
-            self._cond.notify_all()
-            workers = list(self._workers)
-        if wait:
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            for t in workers:
-                t.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-
-    # -- the worker threads -----------------------------------------------------------------------
-    def _trim(self) -> None:
-        finished = [k for k, j in self._jobs.items() if not j.live]
-        for k in finished[: max(len(finished) - MAX_FINISHED_JOBS, 0)]:
-            del self._jobs[k]
-
-    def _next(self) -> SummaryJob | None:
-        """The next job to run (urgent first, then oldest), waiting as the policy says."""
-        with self._cond:
-            while True:
-                self._queue = [j for j in self._queue if not self._drop_cancelled(j)]
-                if self._closed and not self._queue:
-                    return None
-                if self._queue:
-                    job = min(self._queue, key=lambda j: (not j.urgent, j.submitted_at))
-                    wait = job.submitted_at + self.max_defer_s - time.monotonic()
-                    if job.urgent or self._replies == 0 or wait <= 0 or self._closed:
-                        self._queue.remove(job)
-                        job.status, job.started_at = JobStatus.RUNNING, time.monotonic()
-                        return job
-                    self._cond.wait(wait)
-                else:
-                    self._cond.wait()
-
-    @staticmethod
-    def _drop_cancelled(job: SummaryJob) -> bool:
-        if not job._cancel.is_set():
-            return False
-        job.status, job.finished_at = JobStatus.CANCELLED, time.monotonic()
-        job._done.set()
-        return True
-
-    def _loop(self) -> None:
-        while (job := self._next()) is not None:
-            self._run(job)
-
-    def _run(self, job: SummaryJob) -> None:
-        kwargs: dict[str, Any] = {"cancel": job._cancel} if job.summarizer.supports_cancel else {}
-        try:
-            # The summarizer asks for background priority in its generate options
-            # (ModelSummarizer does), so a batching engine serves replies first.
-            summary = job.summarizer.summarize(
-                previous=job.previous, messages=job.messages, max_tokens=job.max_tokens, **kwargs
-            )
-            with self.key_lock(job.store, job.session_id):
-                if job._cancel.is_set():  # (checked under the lock: see forget)
-                    status, error = JobStatus.CANCELLED, ""
-                else:
-                    fence = {} if job.epoch is None else {"epoch": job.epoch}
-                    saved = job.store.save_summary(
-                        job.session_id,
-                        summary=summary,
-                        covered_from=job.start,
-                        summarized_turns=job.end,
-                        **fence,
-                    )
-                    status, error = (JobStatus.DONE if saved else JobStatus.CANCELLED), ""
-                    if saved:
-                        # Visible to sessions in the same critical section as the store
-                        # write, so no session state write can roll it back in between.
-                        job.result, job.status = summary, status
-                        logger.info(
-                            "session %s: folded turns %d-%d into the summary in the background (%.1f s)",
-                            job.session_id, job.start, job.end - 1, time.monotonic() - (job.started_at or 0),
-                        )  # fmt: skip
-                    else:
-                        logger.info(
-                            "summary of %s turns %d-%d is stale (the store moved on); dropped",
-                            job.session_id, job.start, job.end,
-                        )  # fmt: skip
-        except SessionNotFound:  # deleted while its summary ran: nothing to store
-            status, error = JobStatus.CANCELLED, ""
-        except Exception as exc:  # reported through the session's summary state, retried
-            status, error = JobStatus.FAILED, f"{type(exc).__name__}: {exc}"
-            logger.warning(
-                "summary of session %s (turns %d-%d) failed (attempt %d): %s",
-                job.session_id, job.start, job.end, job.failures + 1, error,
-            )  # fmt: skip
-        with self._cond:
-            job.status, job.error, job.finished_at = status, error, time.monotonic()
-            job.messages = ()  # the turns are stored; do not keep a copy
-            job._done.set()
-            self._cond.notify_all()
+__all__ = [
+    "BACKLOG_FULL",
+    "DEFAULT_SUMMARY_BACKLOG",
+    "DEFAULT_SUMMARY_DEFER_S",
+    "DEFAULT_SUMMARY_THREADS",
+    "DEFAULT_TEMPLATE",
+    "MAX_FINISHED_JOBS",
+    "MIN_SUMMARY_TOKENS",
+    "PROVISIONAL_HEADER",
+    "PROVISIONAL_MIN_TOKENS",
+    "SHUTDOWN_TIMEOUT_S",
+    "SUMMARY_LAG_BUCKETS",
+    "JobStatus",
+    "ModelSummarizer",
+    "Summarizer",
+    "SummaryJob",
+    "SummaryState",
+    "SummaryStats",
+    "SummaryStatus",
+    "SummaryWorker",
+    "format_messages",
+    "provisional_summary",
+]

@@ -67,6 +67,7 @@ __all__ = [
     "Priority",
     "SchedulerStats",
     "decode_priority",
+    "prompt_token_budget",
 ]
 #: Seconds another session's cached prompt must have sat idle in its slot before background
 #: work (a summary) may take the slot: while sessions keep talking, summaries use empty
@@ -89,6 +90,71 @@ _ARRIVALS = itertools.count()
 _PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
     "convo_decode_priority", default=Priority.REPLY
 )
+
+
+# -- the prompt tokens of one step while replies stream -------------------------------------------
+
+#: While replies stream and prompt tokens pile up, a step may grow its prefill until it is
+#: expected to take this many decode-only steps: the gap between two tokens of a running
+#: reply (issue 22 bounds the p95 gap at 3x the steady step; this keeps a margin).
+DEFAULT_GAP_STEPS = 2.5
+#: Prompt tokens pile up once more than this many streaming steps' chunks
+#: (``interleave_tokens`` each) wait; the step then takes 1/PILEUP_CHUNKS of what waits,
+#: so a burst drains in about this many steps at most, as fast as the gap allows.
+PILEUP_CHUNKS = 16
+#: Decode-only steps measured before the step cost is trusted (until then, and on a
+#: decoder whose steps cost nothing measurable, a streaming step prefills
+#: ``interleave_tokens``).
+MIN_COST_STEPS = 8
+
+
+def prompt_token_budget(
+    *,
+    waiting: int,
+    rows: int,
+    step_tokens: int,
+    interleave_tokens: int,
+    decode_s: float | None,
+    token_s: float | None,
+    gap_steps: float = DEFAULT_GAP_STEPS,
+) -> int:
+    """Prompt tokens one step may prefill while replies stream.
+
+    Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the ``rows``
+    decode rows, at least 1). When more than :data:`PILEUP_CHUNKS` such chunks of prompt
+    tokens are ``waiting``, it grows to 1/PILEUP_CHUNKS of them, toward the whole step
+    budget (full prefill speed), but never past what keeps the step within ``gap_steps``
+    decode-only steps: a step of ``p`` prompt tokens costs about ``decode_s + p *
+    token_s`` (both measured by the scheduler; ``None``: not known yet, no growth).
+
+    >>> prompt_token_budget(waiting=300, rows=16, step_tokens=2048, interleave_tokens=256,
+    ...                     decode_s=0.02, token_s=0.02 / 256)
+    256
+    >>> prompt_token_budget(waiting=30_000, rows=16, step_tokens=2048, interleave_tokens=256,
+    ...                     decode_s=0.02, token_s=0.02 / 256)
+    384
+    """
+    room = max(step_tokens - rows, 1)
+    base = max(min(room, interleave_tokens), 1)
+    want = waiting // PILEUP_CHUNKS
+    if want <= base or not decode_s or not token_s or decode_s <= 0 or token_s <= 0:
+        return base
+    afford = int((gap_steps - 1.0) * decode_s / token_s)
+    return max(base, min(want, room, afford))
+
+
+def _step_costs(
+    steps: dict[str, int], busy_s: dict[str, float], prompt_tokens: int
+) -> tuple[float, float] | None:
+    """``(decode_s, token_s)`` from the scheduler's counters: a decode-only step's mean
+    seconds, and the seconds of prefill and mixed steps per prompt token they ran (the
+    mixed steps' decode rows counted in: on the high side, as a grown chunk runs in a
+    forward of its own beside the rows' step); ``None`` until measured."""
+    if steps["decode"] < MIN_COST_STEPS or prompt_tokens <= 0:
+        return None
+    decode_s = busy_s["decode"] / steps["decode"]
+    token_s = (busy_s["mixed"] + busy_s["prefill"]) / prompt_tokens
+    return (decode_s, token_s) if token_s > 0 else None
 
 
 @contextlib.contextmanager
@@ -381,10 +447,18 @@ class DecodeScheduler:
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
-                batch = self._plan_prefill(
-                    max(min(self.step_tokens - len(self._active), self.interleave_tokens), 1)
+                costs = _step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
+                budget = prompt_token_budget(
+                    waiting=sum(len(r.ids) + len(r.new_ids) - r.kv_tokens for r in self._prefilling),
+                    rows=len(self._active),
+                    step_tokens=self.step_tokens,
+                    interleave_tokens=self.interleave_tokens,
+                    decode_s=costs[0],
+                    token_s=costs[1],
                 )
-                batch = batch[: self._mixed_chunks]
+                batch = self._plan_prefill(budget)
+                if budget <= self.interleave_tokens:  # (a grown chunk runs beside the rows' step)
+                    batch = batch[: self._mixed_chunks]
             else:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both

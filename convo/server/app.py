@@ -75,6 +75,7 @@ from convo.server.responses import router as responses_router
 from convo.server.routes import router
 from convo.server.security import LOOPBACK_HOSTS, install_cross_site_checks, normalize_origin
 from convo.server.state import ServerState
+from convo.server.summary_metrics import SummaryCollector
 
 if TYPE_CHECKING:
     from convo.engines.base import Engine
@@ -174,6 +175,7 @@ def create_app(
         if memory.store is not store:
             raise ConfigError("the memory must keep its records in the app's store")
         state.scrape.register(MemoryCollector(memory, documents))
+    state.scrape.register(SummaryCollector(state.summaries))  # convo_summary_backlog, _lag_seconds
     # /openapi.json documents the routes and request bodies; no docs pages (they load
     # scripts from a CDN).
     app = FastAPI(title="convo", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

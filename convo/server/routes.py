@@ -99,12 +99,15 @@ async def models(state: State, owner: Owner) -> dict[str, Any]:
 @router.get("/v1/sessions/{session_id}")
 async def history(session_id: str, state: State, owner: Owner) -> dict[str, Any]:
     data = await state.in_thread(state.owned, session_id, owner)
+    summary = await state.in_thread(state.summary_of, session_id, owner)
     return {
         "id": session_id,
         "object": "session",
         "summary": data["summary"],
         "evicted_turns": data["evicted_turns"],
         "summarized_turns": data["summarized_turns"],
+        # Where the summary stands: status, lag (due -> written), the worker's backlog.
+        "summary_state": summary,
         "messages": [{"role": r["role"], "content": r["content"]} for r in data["messages"]],
     }
 

@@ -18,6 +18,7 @@ from convo.metrics import ServingMetrics
 from convo.server.auth import key_owner, peek_owned
 from convo.server.errors import ApiError
 from convo.server.limits import ServerLimits
+from convo.session.summaries import summary_state
 from convo.stores import Store
 from convo.summarize import SummaryWorker
 
@@ -157,6 +158,20 @@ class ServerState:
         if data["owner"] != owner:
             raise SessionNotFound(f"no session {session_id!r}")
         return data
+
+    def summary_of(self, session_id: str, owner: str) -> dict[str, Any]:
+        """The session's :class:`~convo.summarize.SummaryState` as JSON (status, lag,
+        backlog), read from the store and this process's summary worker."""
+        found = peek_owned(self.store, session_id, owner)
+        if found is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        stored = found[0]
+        job = self.summaries.job(self.store, session_id)
+        if job is not None and job.epoch != stored.epoch:
+            job = None  # another session's, under a reused id
+        active = self.budget.summary_tokens > 0
+        backlog = self.summaries.stats().backlog
+        return summary_state(job, stored, active=active, backlog=backlog).to_dict()
 
     async def enter_session(self, sid: str, timeout_s: float) -> Callable[[], None]:
         """Queue for ``sid``'s turn in this process; returns the release function.

@@ -40,7 +40,7 @@ from convo.engines.base import (
     Generation,
     TextStream,
 )
-from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError
+from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError, SessionBusy
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Passage, PromptPlan, Retriever, Turn, check_retriever, plan_checked
 from convo.session import known, window
@@ -61,7 +61,7 @@ from convo.session.summaries import (
 )
 from convo.session.turn import Step, SummaryWait, TurnArgs, TurnOptions, adrive, check_turn_tools, drive
 from convo.stores import InMemoryStore, SessionState, Store
-from convo.summarize import ModelSummarizer, Summarizer, SummaryState, SummaryWorker
+from convo.summarize import ModelSummarizer, Summarizer, SummaryJob, SummaryState, SummaryWorker
 from convo.tokens import TokenCounter, Tool
 
 logger = logging.getLogger(__package__)
@@ -164,7 +164,11 @@ class Session:
         worker = summarizing.worker or SummaryWorker.shared()
         # The summarizer is set once the budget is known (_check_budget).
         self._summary = SessionSummary(
-            worker=worker, store=self.store, session_id=self.id, counter=self.counter
+            worker=worker,
+            store=self.store,
+            session_id=self.id,
+            counter=self.counter,
+            on_written=self._summary_written,
         )
         with self.store.lock(self.id, self.lock_timeout_s):  # two creators: one creates, one resumes
             if self.store.exists(self.id):
@@ -210,7 +214,7 @@ class Session:
         if summarizer is not None and not isinstance(summarizer, Summarizer):
             raise ConfigError(
                 f"{type(summarizer).__name__} is not a convo.summarize.Summarizer: subclass it, or "
-                "declare supports_cancel and summarize()"
+                "declare supports_cancel, supports_owner and summarize()"
             )
         if summarizer is None and self.engine is not None and self.budget.summary_tokens > 0:
             summarizer = ModelSummarizer(engine=self.engine)
@@ -311,6 +315,52 @@ class Session:
         with self._turn_lock.local:
             self._summary.catch_up(timeout_s, sync=self._synced_state, history=self._history)
         return self.summary_state
+
+    # -- the next prompt's prefix, ahead of the turn ---------------------------------------------
+    def next_prompt_prefix(self) -> list[Message]:
+        """The messages the next turn's prompt starts with, as it would be planned now: the
+        pinned system part, the summary and the kept window (everything before the
+        retrieved passages and the next user message). Planned for an empty next message:
+        the window is sized at the end of each turn so that a next turn of the recent
+        turns' size fits beside it (see :mod:`convo.session.window`)."""
+        plan, _ = self._plan_now("")
+        return list(plan.messages[:-1])  # (without retrieval: the probe asks nothing)
+
+    def prefill_next(self) -> bool:
+        """Have the engine compute the KV of :meth:`next_prompt_prefix` in the background
+        (:meth:`Engine.prefill <convo.engines.base.Engine.prefill>`, under this session's
+        ``cache_key``), so that the next turn prefills only its new message. Done only
+        when the engine declares ``supports_prefill`` and the session is idle (no turn of
+        it runs in this process or holds the store's lock: a running turn computes its own
+        prompt). Returns whether the engine was asked.
+
+        A session calls it when a background summary of it is written: the summary and the
+        window changed together, so the next turn would otherwise re-prefill its whole
+        prompt (the turn after a slide then costs what an ordinary turn costs)."""
+        engine = self.engine
+        if engine is None or not engine.supports_prefill:
+            return False
+        if not self._turn_lock.local.acquire(blocking=False):
+            return False  # a turn of this object runs
+        try:
+            with self._turn_lock.hold(0):  # (0: another holder of the store's lock -> busy)
+                self._synced_state()
+                prefix = self.next_prompt_prefix()
+                engine.prefill(prefix, cache_key=self.id)
+            logger.debug(
+                "session %s: prefilling its next prompt's prefix (%d messages)", self.id, len(prefix)
+            )
+            return True
+        except SessionBusy:
+            return False  # a turn runs elsewhere
+        finally:
+            self._turn_lock.local.release()
+
+    def _summary_written(self, job: SummaryJob) -> None:
+        """A background summary of this session was stored (worker thread): prefill the
+        next prompt's prefix, unless the session was closed (or replaced) meanwhile."""
+        if self._summary.job() is job:
+            self.prefill_next()
 
     @property
     def summary_wait_limit(self) -> float | None:

@@ -29,6 +29,7 @@ from convo.session.history import History
 from convo.session.turn import SummaryWait
 from convo.stores import SessionState, Store
 from convo.summarize import (
+    BACKLOG_FULL,
     JobStatus,
     Summarizer,
     SummaryJob,
@@ -97,6 +98,11 @@ class SessionSummary:
         summarizer: folds turns; ``None`` (and ``max_tokens`` 0): turns that leave the
             window are not summarized. Set once the session knows its budget.
         max_tokens: the summary's cap, in tokens.
+        on_written: called (in the worker thread) once a job of this session has stored
+            its summary; the session prefills its next prompt's prefix there.
+
+    Jobs carry the session id as ``owner`` (the ``cache_key`` of the session's turns), so
+    the summary runs on the session's own KV.
 
     Attributes:
         epoch: the epoch of the session these summaries are of
@@ -115,7 +121,9 @@ class SessionSummary:
         counter: TokenCounter,
         summarizer: Summarizer | None = None,
         max_tokens: int = 0,
+        on_written: Callable[[SummaryJob], None] | None = None,
     ) -> None:
+        self.on_written = on_written
         self.worker = worker
         self.store = store
         self.session_id = session_id
@@ -136,6 +144,7 @@ class SessionSummary:
             counter=self.counter,
             summarizer=self.summarizer,
             max_tokens=self.max_tokens,
+            on_written=self.on_written,
         )
         fresh.epoch = epoch
         return fresh
@@ -184,9 +193,10 @@ class SessionSummary:
             return replace(state, summary=job.result, summarized_turns=job.end)
         return state
 
-    def submit(self, state: SessionState, history: History) -> SummaryJob | None:
+    def submit(self, state: SessionState, history: History, *, urgent: bool = False) -> SummaryJob | None:
         """Queue a background job for every turn that left the window and is not
-        summarized (or return the live one: the next job folds into its result)."""
+        summarized (or return the live one: the next job folds into its result).
+        ``urgent``: a turn waits for it (never shed by a full backlog)."""
         if not self.owes(state):
             return None
         assert self.summarizer is not None
@@ -201,6 +211,9 @@ class SessionSummary:
             end=end,
             max_tokens=self.max_tokens,
             epoch=self.epoch,
+            owner=self.session_id,  # the cache_key of the session's turns
+            urgent=urgent,
+            on_written=self.on_written,
         )
 
     def maybe_submit(
@@ -251,29 +264,8 @@ class SessionSummary:
 
     def status(self, state: SessionState) -> SummaryState:
         """Where the summary stands for ``state`` (picked up already): done, pending,
-        running or failed, and which turns it covers."""
-        job = self.job()
-        if job is not None and job.end <= state.summarized_turns:
-            job = None  # an older job that this session already picked up
-        if state.evicted_turns <= state.summarized_turns or not self.active:
-            status = SummaryStatus.DONE
-        elif job is None or job.status in (JobStatus.CANCELLED, JobStatus.DONE):
-            status = SummaryStatus.PENDING
-        elif job.status is JobStatus.FAILED:
-            status = SummaryStatus.FAILED
-        elif job.status is JobStatus.RUNNING:
-            status = SummaryStatus.RUNNING
-        else:
-            status = SummaryStatus.PENDING
-        failed = job is not None and job.status is JobStatus.FAILED
-        return SummaryState(
-            status=status,
-            summarized_turns=state.summarized_turns,
-            evicted_turns=state.evicted_turns,
-            job_turns=(job.start, job.end) if job is not None else None,
-            failures=(job.failures + int(failed)) if job is not None else 0,
-            error=job.error if failed and job is not None else "",
-        )
+        running or failed, which turns it covers, its lag and the worker's backlog."""
+        return summary_state(self.job(), state, active=self.active, backlog=self.worker.stats().backlog)
 
     def catch_up(
         self, timeout_s: float | None, *, sync: Callable[[], SessionState], history: History
@@ -292,7 +284,7 @@ class SessionSummary:
                 last = self.job()
                 if last is not None and id(last) in submitted and last.status is not JobStatus.DONE:
                     return  # a job of this call failed or was cancelled: report it
-                job = self.submit(state, history)
+                job = self.submit(state, history, urgent=True)
                 if job is None:
                     return
                 submitted.add(id(job))
@@ -326,10 +318,17 @@ class SessionSummary:
         while True:
             state = sync()
             job = self.live_job() or self.submit(state, history)
-            if job is None or not job.live or not self.owes(state):
+            shed = job is not None and job.error == BACKLOG_FULL
+            if job is None or not self.owes(state) or (not job.live and not shed):
                 return waited  # nothing to wait for: no plan needed (the turn plans next)
             # The prompt is the window, and the summary misses turns before it: wait for it.
             hides = plan_start() == state.evicted_turns
+            if shed:  # (a full backlog sheds a job no turn waits for; this one would)
+                if not hides:
+                    return waited
+                job = self.submit(state, history, urgent=True)
+                if job is None or not job.live:
+                    return waited
             left = None if deadline is None else deadline - time.monotonic()
             if not hides or (left is not None and left <= 0):
                 return waited
@@ -348,3 +347,40 @@ class SessionSummary:
         """Cancel the session's queued or running job (only one of this epoch)."""
         if self.job() is not None:
             self.worker.forget(self.store, self.session_id)
+
+
+def summary_state(
+    job: SummaryJob | None, state: SessionState, *, active: bool, backlog: int = 0
+) -> SummaryState:
+    """The :class:`~convo.summarize.SummaryState` of a session whose stored state is
+    ``state`` and whose last job (of its epoch) is ``job``; ``active``: the session
+    summarizes. For :meth:`SessionSummary.status`, and for a reader that holds no
+    session object (the server's ``GET /v1/sessions/{id}``)."""
+    last = job
+    if job is not None and job.end <= state.summarized_turns:
+        job = None  # an older job that this session already picked up
+    if state.evicted_turns <= state.summarized_turns or not active:
+        status = SummaryStatus.DONE
+    elif job is None or job.status in (JobStatus.CANCELLED, JobStatus.DONE):
+        status = SummaryStatus.PENDING
+    elif job.status is JobStatus.FAILED:
+        status = SummaryStatus.FAILED
+    elif job.status is JobStatus.RUNNING:
+        status = SummaryStatus.RUNNING
+    else:
+        status = SummaryStatus.PENDING
+    failed = job is not None and job.status is JobStatus.FAILED
+    shed = job is not None and job.error == BACKLOG_FULL
+    lag = None if last is None else (last.lag_s if last.lag_s is not None else last.last_lag_s)
+    due = max(time.monotonic() - job.due_at, 0.0) if status is not SummaryStatus.DONE and job else 0.0
+    return SummaryState(
+        status=status,
+        summarized_turns=state.summarized_turns,
+        evicted_turns=state.evicted_turns,
+        job_turns=(job.start, job.end) if job is not None else None,
+        failures=(job.failures + int(failed)) if job is not None else 0,
+        error=job.error if (failed or shed) and job is not None else "",
+        lag_s=lag,
+        due_s=due,
+        backlog=backlog,
+    )

@@ -1,0 +1,55 @@
+"""``benchmarks/serve_load.py`` runs with ``--fake`` on CPU in seconds and reports the
+issue-22 figures (KV reuse, background work, waves) beside its old keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Keys the load reported before issue 22 (kept).
+OLD_KEYS = {
+    "requests", "completed_200", "refused_429", "wall_s", "latency_s", "ttft_stream_s", "lost_messages",
+    "admission_ledger", "server_rss_bytes", "reply_tokens_per_s", "ttft_p50_s", "ttft_p95_s",
+    "turn_latency_p50_s", "turn_latency_p95_s", "turn_latency_p50_s_by_turn", "window_slide_vs_ordinary",
+    "engine",
+}  # fmt: skip
+#: What issue 22 adds.
+NEW_KEYS = {
+    "prefilled_prompt_tokens", "requested_prompt_tokens", "reprefill", "preemptions", "swaps_in",
+    "swaps_out", "host_kv_bytes_peak", "summary_lag_p50_s", "summary_lag_p95_s", "summary_backlog_peak",
+    "ttft_p50_s_by_turn",
+}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_chat_users_preset_with_two_waves_on_the_fake_engine(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--fake", "--preset", "chat-users",
+        "--sessions", "3", "--turns", "6", "--message-words", "300", "--think-min-s", "0.05",
+        "--think-max-s", "0.1", "--start-spread-s", "0.2", "--waves", "2", "--delay-s", "0.001",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "serve_load_fake_chat-users_waves2.json").read_text())
+    config, results = report["config"], report["results"]
+    assert (config["think_min_s"], config["think_max_s"], config["waves"]) == (0.05, 0.1, 2)
+    assert config["max_tokens"] == 32 and config["max_new_tokens"] == 64  # the preset's
+    assert OLD_KEYS | NEW_KEYS <= set(results)
+    assert results["completed_200"] == 2 * 3 * 6 and results["lost_messages"] == 0
+    assert results["requested_prompt_tokens"] > 0
+    assert results["swaps_in"] == results["swaps_out"] == results["host_kv_bytes_peak"] == 0  # absent: 0
+    assert results["reprefill"] is None  # the echo engine has no prompt counter
+    assert set(results["ttft_p50_s_by_turn"]) == {str(t) for t in range(6)}
+    # The windows slid: summaries were written, and their lag measured.
+    assert results["summary_lag_p50_s"] is not None and results["summary_lag_p50_s"] >= 0
+    assert [w["wave"] for w in results["waves"]] == [1, 2]
+    assert all(NEW_KEYS <= set(w) and w["completed_200"] == 18 for w in results["waves"])
+    ratio = results["wave2_over_wave1"]
+    assert set(ratio) == {"wall_s", "ttft_p50_s"} and ratio["wall_s"] > 0

@@ -557,3 +557,60 @@ def test_a_refused_turn_after_a_fork_leaves_the_forks_whole(url: str, store: Sto
             c.chat.completions.create(model="echo", messages=[*start, bad], metadata={"session_id": "r"})
     assert (stored(url, "r"), stored(url, "r~1")) == before
     assert forks(store, "r") == ["r~1"]
+
+
+# -- an edit of the first message ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("incoming", "new", "fork_at"),
+    [
+        (["u1*", "a1", "u2", "a2", "u3"], ["u1*", "a1", "u2", "a2", "u3"], 0),  # edited, then more
+        (["u1*", "a1", "u2"], ["u1*", "a1", "u2"], 0),  # edited, and u2 answered again
+        (["u1*"], ["u1*"], None),  # one message: a new one (an only-new client sends the same)
+        (["u1*", "u2"], ["u1*", "u2"], None),  # nothing after it lines up: new messages
+    ],
+)
+def test_an_edit_of_the_first_message_forks_at_it(
+    incoming: list[str], new: list[str], fork_at: int | None
+) -> None:
+    history = [u("u1"), a("a1"), u("u2"), a("a2")]
+    msg = {"u": u, "a": a}
+    out = reconcile(history, [msg[x[0]](x) for x in incoming])
+    assert [m.content for m in out.new] == new
+    assert out.fork_at == fork_at
+
+
+def test_an_edit_of_the_first_message_of_a_one_turn_session_forks() -> None:
+    """The rest of the history is one reply: resent at its place, it lines the edit up."""
+    out = reconcile([u("u1"), a("a1")], [u("u1*"), a("a1"), u("u2")])
+    assert (out.fork_at, [m.content for m in out.new]) == (0, ["u1*", "a1", "u2"])
+
+
+def test_a_resend_client_editing_its_first_message_does_not_duplicate_history(url: str, store: Store) -> None:
+    """A resend client (ChatOpenAI, the openai SDK) that edits its first user message and
+    goes on: the session holds the client's conversation once, the old one is a fork (it
+    held the old history and then the whole edited copy after it)."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+
+        def ask(messages: list[dict[str, Any]]) -> Any:
+            return c.chat.completions.create(
+                model="echo",
+                messages=[{"role": "system", "content": "be brief"}, *messages],
+                metadata={"session_id": "first"},
+            )
+
+        truth: list[dict[str, Any]] = []
+        for text in ["plan a trip to Porto", "in May"]:
+            truth.append({"role": "user", "content": text})
+            truth.append({"role": "assistant", "content": ask(truth).choices[0].message.content})
+        old = [(m["role"], m["content"]) for m in truth]
+        truth[0] = {"role": "user", "content": "plan a trip to Lisbon"}  # the client edits its first turn
+        truth.append({"role": "user", "content": "with trains"})
+        out = ask(truth)
+    assert out.model_extra is not None and out.model_extra["convo"]["forked"] == "first~1"
+    now = stored(url, "first")
+    assert now[0] == ("system", "be brief")
+    assert now[1:-1] == [(m["role"], m["content"]) for m in truth]  # each message once
+    assert now[-1][0] == "assistant" and len(now) == 1 + len(truth) + 1
+    assert stored(url, "first~1") == [("system", "be brief"), *old]

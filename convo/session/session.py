@@ -52,7 +52,16 @@ from convo.session.config import (
     from_legacy_kwargs,
     summary_cap,
 )
-from convo.session.history import Clock, History, check_session_id, clock_date, incoming_messages
+from convo.session.history import (
+    RESUME_SETTING,
+    Clock,
+    History,
+    check_session_id,
+    clock_date,
+    incoming_messages,
+    read_window,
+    resume_mark,
+)
 from convo.session.locking import TurnLock
 from convo.session.reply import Reply, TurnStats
 from convo.session.summaries import (
@@ -250,6 +259,11 @@ class Session:
             self._history = history
             known.remember(self.store, self.id, epoch, history)
             return tail.state
+        window_read = read_window(self.store, self.id) if mine is None and self.retriever is None else None
+        if window_read is not None:  # a first resume here: the window and the pinned part only
+            state, self._history = window_read
+            known.remember(self.store, self.id, state.epoch, self._history)
+            return state
         state, messages = self.store.load(self.id)
         if mine is not None and state.epoch != mine[0]:
             self._history = History()  # (dates of another session's turns do not carry over)
@@ -335,8 +349,9 @@ class Session:
 
     @property
     def messages(self) -> list[Message]:
-        """The full stored history: pinned messages first, then the conversation."""
-        return self._history.pinned + self._history.log
+        """The full stored history: pinned messages first, then the conversation (a
+        session resumed from its window reads the earlier turns from the store first)."""
+        return self._history.all_messages()
 
     @property
     def turn_dates(self) -> Mapping[int, str]:
@@ -376,10 +391,21 @@ class Session:
         that finished, so a state write never rolls a newer summary back."""
         with self._summary.key_lock():
             self._state = self._summary.picked_up(self._state, locked=True)
+            self._mark_window()
             if messages:
                 self.store.append(self.id, messages, state=self._state)
             else:
                 self.store.save_state(self._state)
+
+    def _mark_window(self) -> None:
+        """Record where the window starts in the state (:data:`RESUME_SETTING`), so that a
+        resume where nothing of the session is known reads only from there."""
+        mark = resume_mark(self._history, self._state)
+        if mark != self._state.settings.get(RESUME_SETTING):
+            settings = {k: v for k, v in self._state.settings.items() if k != RESUME_SETTING}
+            if mark is not None:
+                settings[RESUME_SETTING] = mark
+            self._state = replace(self._state, settings=settings)
 
     def add(self, message: MessageLike, *, date: str | None = None) -> None:
         """Append a message without generating (tool results, imported history...).

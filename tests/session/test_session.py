@@ -596,3 +596,50 @@ def test_a_turn_reads_only_what_was_stored_since(tmp_path) -> None:  # type: ign
     Session(engine, store=other, session_id="s").send("new life")
     fresh = Session(engine, store=store, session_id="s")
     assert [m.content for m in fresh.messages][:1] == ["new life"] and len(fresh.messages) == 2
+
+
+def test_a_first_resume_in_a_new_process_reads_only_the_window(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A session resumed where nothing of it is known (a new process: here a new store
+    object on the same file) reads its pinned part and the turns the summary and the
+    window still need, not the whole history; the earlier turns are read when asked."""
+    from convo.session import SummaryConfig
+    from convo.stores import SQLiteStore
+
+    budget = Budget(context_tokens=4096, max_new_tokens=32, window_turns=4, summarize_batch_turns=2)
+    summarizer = CountingSummarizer()
+    path = tmp_path / "s.db"
+    writer = _reads_counting_store(path)
+    session = Session(
+        FakeEngine(),
+        budget=budget,
+        store=writer,
+        session_id="s",
+        system_prompt="be brief",
+        summarizing=SummaryConfig(summarizer=summarizer),
+    )
+    for i in range(100):
+        session.send(f"question {i}")
+    session.wait_summary(10)
+    stored = len(session.messages)
+    assert stored == 1 + 200 and session.summarized_turns >= 90
+    engine = FakeEngine()
+    fresh = _reads_counting_store(path)  # nothing of "s" known through this store object
+    resumed = Session(engine, store=fresh, session_id="s", summarizing=SummaryConfig(summarizer=summarizer))
+    reply = resumed.send("one more")
+    window = 2 * (resumed.turn_count - resumed.summarized_turns)
+    assert fresh.read <= window + 2 < 40  # type: ignore[attr-defined]
+    assert reply.plan.parts["system"] > 0  # the system prompt came with the window
+    assert resumed.turn_count == 101 and reply.stats.turn == 101
+    # The whole history is still there for whoever asks (read from the store then).
+    assert [m.content for m in resumed.messages][:3] == [
+        "be brief",
+        "question 0",
+        session.messages[2].content,
+    ]
+    assert len(resumed.messages) == stored + 2
+    # What the resumed session shows equals what a session that read everything shows.
+    whole = Session(
+        engine, store=SQLiteStore(path), session_id="s", summarizing=SummaryConfig(summarizer=summarizer)
+    )
+    assert [t.messages for t in whole.turns(90)] == [t.messages for t in resumed.turns(90)]
+    assert whole.turn_count == resumed.turn_count

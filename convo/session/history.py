@@ -101,19 +101,19 @@ def open_calls_after(message: Message, pending: set[str]) -> set[str]:
 
 #: The ``settings`` key of a session's state where its session writes where its window
 #: starts in the store: ``{"epoch", "turn", "at", "pinned"}``, the first turn a resumed
-#: session needs (no later than the first turn the summary does not cover, nor the window's
-#: first turn), the stored position of its first message, and the pinned messages stored
+#: session needs (the window's first, or the first the summary does not cover yet when
+#: it is behind), the stored position of its first message, and the pinned messages stored
 #: before it (their positions and records; the pinned part is bounded by the budget's
 #: ``pinned_cap``). A session resumed where nothing of it is known reads only those and the
 #: messages from ``at`` on (:meth:`~convo.stores.Store.load_tail`), not the whole history.
 RESUME_SETTING = "resume"
 
 
-def resume_mark(history: History, state: SessionState) -> dict[str, Any] | None:
-    """The :data:`RESUME_SETTING` value for ``history`` under ``state``, or ``None`` when
-    a resume would gain nothing (the first turn is needed) or the mark cannot be made (the
-    needed turn is not read, a fork, whose positions are its parent's)."""
-    turn = min(state.summarized_turns, state.evicted_turns)
+def resume_mark(history: History, state: SessionState, turn: int) -> dict[str, Any] | None:
+    """The :data:`RESUME_SETTING` value for ``history`` under ``state`` where ``turn`` is
+    the first turn a prompt may show (the window's first, or the first the summary does not
+    cover), or ``None`` when a resume would gain nothing (turn 0) or the mark cannot be made
+    (the turn is not read; a fork, whose positions are its parent's)."""
     local = turn - history.base_turns
     if turn <= 0 or local < 0 or local >= len(history.turn_positions) or FORK_SETTING in state.settings:
         return None
@@ -126,14 +126,15 @@ def resume_mark(history: History, state: SessionState) -> dict[str, Any] | None:
 
 def valid_mark(mark: object, state: SessionState, count: int) -> bool:
     """Whether ``mark`` (a :data:`RESUME_SETTING` value read with ``state`` and the stored
-    ``count``) can be resumed from: this epoch, a turn no later than what the summary and
-    the window still need, a position inside the stored history, pinned positions before it."""
+    ``count``) can be resumed from: this epoch, a turn no later than the window's first
+    (a summary that fell behind it reads the turns it still owes when it asks for them), a
+    position inside the stored history, pinned positions before it."""
     if not isinstance(mark, Mapping) or mark.get("epoch") != state.epoch or FORK_SETTING in state.settings:
         return False
     turn, at, pinned = mark.get("turn"), mark.get("at"), mark.get("pinned")
     if not (isinstance(turn, int) and isinstance(at, int) and isinstance(pinned, list)):
         return False
-    if not 0 < turn <= min(state.summarized_turns, state.evicted_turns) or not turn <= at < count:
+    if not 0 < turn <= state.evicted_turns or not turn <= at < count:
         return False
     return all(
         isinstance(e, list)

@@ -348,6 +348,12 @@ class Session:
         return self._history.turn_count
 
     @property
+    def message_count(self) -> int:
+        """How many stored messages (pinned included) this session holds, read or not: a
+        session resumed from its window counts the earlier ones without reading them."""
+        return self._history.message_count
+
+    @property
     def messages(self) -> list[Message]:
         """The full stored history: pinned messages first, then the conversation (a
         session resumed from its window reads the earlier turns from the store first)."""
@@ -400,7 +406,7 @@ class Session:
     def _mark_window(self) -> None:
         """Record where the window starts in the state (:data:`RESUME_SETTING`), so that a
         resume where nothing of the session is known reads only from there."""
-        mark = resume_mark(self._history, self._state)
+        mark = resume_mark(self._history, self._state, self._summary.first_candidate_turn(self._state))
         if mark != self._state.settings.get(RESUME_SETTING):
             settings = {k: v for k, v in self._state.settings.items() if k != RESUME_SETTING}
             if mark is not None:

@@ -614,3 +614,56 @@ def test_a_resend_client_editing_its_first_message_does_not_duplicate_history(ur
     assert now[1:-1] == [(m["role"], m["content"]) for m in truth]  # each message once
     assert now[-1][0] == "assistant" and len(now) == 1 + len(truth) + 1
     assert stored(url, "first~1") == [("system", "be brief"), *old]
+
+
+# -- what a request reads ------------------------------------------------------------------------
+
+
+class CountingStore(SQLiteStore):
+    """Counts the messages its reads hand back."""
+
+    read = 0
+
+    def load(self, session_id: str) -> Any:
+        state, messages = super().load(session_id)
+        self.read += len(messages)
+        return state, messages
+
+    def load_tail(self, session_id: str, after: int) -> Any:
+        tail = super().load_tail(session_id, after)
+        self.read += len(tail.messages)
+        return tail
+
+
+def test_a_server_new_to_a_session_reads_its_window_for_a_new_message(tmp_path: Path) -> None:
+    """The first request on a long session in a new server process (a client that sends
+    only its new message) reads the window, not the whole history; a refused one still
+    leaves the session as it was."""
+    from convo.budget import OversizePolicy
+    from convo.session import Session
+
+    budget = Budget(
+        context_tokens=4000,
+        max_new_tokens=200,
+        window_turns=4,
+        summary_tokens=0,
+        oversize=OversizePolicy.RAISE,
+    )
+    path = tmp_path / "long.db"
+    seeded = Session(EchoEngine(), budget=budget, store=SQLiteStore(path), session_id="long")
+    for i in range(60):
+        seeded.send(f"question {i}")
+    store = CountingStore(path)  # a new process: nothing of "long" known
+    with serve(create_app(EchoEngine(), store=store, budget=budget, model_name="echo")) as url:
+        body = {"model": "echo", "messages": [{"role": "user", "content": "one more"}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": "long"})
+        assert r.status_code == 200, r.text
+        assert store.read < 20  # the window's turns, not 120 messages
+        before = stored(url, "long")
+        # A refused request (a message larger than the prompt) on it stores nothing.
+        store.read = 0
+        big = {**body, "messages": [{"role": "user", "content": "word " * 5000}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=big, headers={"X-Session-Id": "long"})
+        assert r.status_code == 400, r.text
+        assert stored(url, "long") == before
+    assert len(before) == 122 and before[-2] == ("user", "one more")

@@ -211,6 +211,8 @@ class History:
             :func:`clock_date`); kept across :meth:`load`.
         filler: reads the first ``n`` stored messages (:meth:`fill`); set with
             :meth:`load_window`.
+        last_message: the last message read (``None``: none), to check that a store still
+            holds it before the messages stored after it are read.
     """
 
     def __init__(self) -> None:
@@ -226,6 +228,7 @@ class History:
         self.filler: Callable[[int], Sequence[Message]] | None = None
         self._count = 0
         self._since_base: list[Message] = []  # every message read from base_count on (partial only)
+        self.last_message: Message | None = None
 
     def load(self, messages: Sequence[Message]) -> None:
         """Replace the messages by ``messages`` (the store's); known dates are kept."""
@@ -238,6 +241,7 @@ class History:
         )
         self.base_turns = self.base_count = self._count = 0
         self._since_base = []
+        self.last_message = None
         self.pending_tool_ids = set()
         for m in messages:
             self.index(m)
@@ -284,6 +288,7 @@ class History:
         """Add a stored message."""
         position = self._count
         self._count += 1
+        self.last_message = message
         if self.partial:
             self._since_base.append(message)
         if message.pinned:
@@ -306,7 +311,7 @@ class History:
             list(self.turn_positions),
         )
         out.base_turns, out.base_count, out._count = self.base_turns, self.base_count, self._count
-        out._since_base, out.filler = list(self._since_base), self.filler
+        out._since_base, out.filler, out.last_message = list(self._since_base), self.filler, self.last_message
         out.pending_tool_ids, out.dates = set(self.pending_tool_ids), dict(self.dates)
         return out
 

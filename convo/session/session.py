@@ -249,12 +249,18 @@ class Session:
         (:mod:`convo.session.known`: its own history, or another session object's), else
         all of them. ``mine``: this object's epoch and history, when it has read them."""
         for epoch, history in filter(None, (mine, known.known(self.store, self.id))):
-            tail = self.store.load_tail(self.id, history.message_count)
+            # From the last known message on: it must still be there (a fork's truncate
+            # keeps the epoch; cut back and grown again elsewhere, the history is another).
+            seen = history.message_count
+            tail = self.store.load_tail(self.id, max(seen - 1, 0))
             if tail.state.epoch != epoch or tail.count != tail.after + len(tail.messages):
                 continue  # another session under this id since
+            new = tail.messages[1:] if seen else tail.messages
+            if seen and tail.messages[:1] != [history.last_message]:
+                continue  # cut back below what is known, and grown again
             if history is not self._history:
                 history.dates.clear()  # another object's: a resumed session dates its turns anew
-            for m in tail.messages:
+            for m in new:
                 history.index(m)
             self._history = history
             known.remember(self.store, self.id, epoch, history)

@@ -588,7 +588,7 @@ def test_a_turn_reads_only_what_was_stored_since(tmp_path) -> None:  # type: ign
     Session(engine, store=other, session_id="s").send("from elsewhere")
     store.read = 0  # type: ignore[attr-defined]
     session = Session(engine, store=store, session_id="s")
-    assert store.read == 2  # type: ignore[attr-defined]
+    assert store.read == 3  # type: ignore[attr-defined]  # the 2 new ones and the last known (still there?)
     assert session.messages[-2].content == "from elsewhere"
     assert len(session.messages) == 1000 + 2 * 5
     # Deleted and created again elsewhere: nothing of the old history is reused.
@@ -643,3 +643,27 @@ def test_a_first_resume_in_a_new_process_reads_only_the_window(tmp_path) -> None
     )
     assert [t.messages for t in whole.turns(90)] == [t.messages for t in resumed.turns(90)]
     assert whole.turn_count == resumed.turn_count
+
+
+def test_a_history_cut_and_regrown_elsewhere_is_read_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Another process cuts the session back (a fork's truncate keeps the epoch) and
+    stores more than was there: a session object here that knew the old history must not
+    stitch the new tail onto it."""
+    from convo.stores import SQLiteStore
+
+    budget = Budget(context_tokens=4096, max_new_tokens=32, window_turns=4, summary_tokens=0)
+    here, there = SQLiteStore(tmp_path / "s.db"), SQLiteStore(tmp_path / "s.db")
+    engine = FakeEngine()
+    session = Session(engine, budget=budget, store=here, session_id="s")
+    for i in range(3):
+        session.send(f"old {i}")
+    state, _ = there.load("s")
+    there.truncate("s", 2, state=state)  # as the server's fork does
+    other = Session(engine, budget=budget, store=there, session_id="s")
+    for i in range(3):
+        other.send(f"new {i}")
+    truth = [m.content for m in there.load("s")[1]]
+    assert len(truth) == 8
+    assert [m.content for m in Session(engine, store=here, session_id="s").messages] == truth
+    session.send("and here")  # the live object catches up as well
+    assert [m.content for m in session.messages][:8] == truth

@@ -5,24 +5,27 @@ client and LangChain's ``ChatOpenAI``. The stored history holds each message onc
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import serve  # the suite's live-server helper
+from conftest import redis_or_skip, serve  # the suite's live-server helper
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from convo import Budget, Message, SQLiteStore
+from convo import Budget, Message, RedisStore, SQLiteStore
 from convo.errors import ConfigError
 from convo.messages import ToolCall
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
 from convo.server.reconcile import Reconciled, reconcile
 from convo.stores import Store
+from convo.summarize import Summarizer
 from convo.testing import EchoEngine
 
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)
@@ -667,3 +670,75 @@ def test_a_server_new_to_a_session_reads_its_window_for_a_new_message(tmp_path: 
         assert r.status_code == 400, r.text
         assert stored(url, "long") == before
     assert len(before) == 122 and before[-2] == ("user", "one more")
+
+
+# -- a fork fences the background summary of the history it replaced ---------------------------
+
+
+class _Gated(Summarizer):
+    """Folds ``messages`` into their first words, once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        self.started.set()
+        assert self.gate.wait(10), "test gate never opened"
+        return " ".join(m.content.split()[0] for m in messages)[:max_tokens]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_summary_of_the_replaced_history_never_lands_after_a_fork_on_another_replica(
+    kind: str, tmp_path: Path
+) -> None:
+    """Replica A is still folding turns into the summary when a client's edit reaches
+    replica B, which forks the session there (the replaced turns move to ``~1``): A's
+    summary, written from the turns the fork replaced, must not become the session's."""
+    from convo.session import Session, SummaryConfig
+    from convo.summarize import JobStatus, SummaryWorker
+
+    tight = Budget(
+        context_tokens=700, max_new_tokens=50, window_turns=1, summarize_batch_turns=2, summary_tokens=40
+    )
+    store_a: Store
+    store_b: Store
+    if kind == "sqlite":
+        store_a, store_b = SQLiteStore(tmp_path / "r.db"), SQLiteStore(tmp_path / "r.db")
+    else:
+        url = redis_or_skip()
+        prefix = f"convo-test:{uuid.uuid4().hex}:"
+        store_a, store_b = RedisStore(url, prefix=prefix), RedisStore(url, prefix=prefix)
+    worker_a = SummaryWorker(threads=1, max_defer_s=0.0)
+    summ = _Gated()
+    try:
+        a_side = Session(
+            EchoEngine(),
+            budget=tight,
+            store=store_a,
+            session_id="sh",
+            summarizing=SummaryConfig(summarizer=summ, worker=worker_a, wait_s=0),
+        )
+        for i in range(3):
+            a_side.send(f"dropped{i} " + "w " * 100)
+        assert summ.started.wait(10)  # replica A is folding the turns now
+        job = worker_a.job(store_a, "sh")
+        assert job is not None and (job.start, job.end) == (0, 2)  # turns 0 and 1
+        _, history = store_b.load("sh")
+        first = [{"role": m.role.value, "content": m.content} for m in history[:2]]
+        quiet = Budget(context_tokens=700, max_new_tokens=50, window_turns=1, summary_tokens=0)
+        with serve(create_app(EchoEngine(), store=store_b, budget=quiet, model_name="echo")) as base:
+            body = {"model": "echo", "messages": [*first, {"role": "user", "content": "edited"}]}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"X-Session-Id": "sh"})
+            assert r.status_code == 200, r.text
+            assert r.json()["convo"]["forked"] == "sh~1"
+            summ.gate.set()
+            assert job.wait(10)
+            assert job.status is JobStatus.CANCELLED  # refused: the session it read is gone
+        state, _ = store_b.load("sh")
+        assert "dropped1" not in state.summary  # turn 1 was replaced by the fork
+    finally:
+        summ.gate.set()
+        worker_a.close(wait=False)
+        store_a.close()
+        store_b.close()

@@ -667,3 +667,40 @@ def test_a_history_cut_and_regrown_elsewhere_is_read_again(tmp_path) -> None:  #
     assert [m.content for m in Session(engine, store=here, session_id="s").messages] == truth
     session.send("and here")  # the live object catches up as well
     assert [m.content for m in session.messages][:8] == truth
+
+
+def test_a_first_resume_reads_only_the_window_on_redis() -> None:
+    import uuid
+
+    from conftest import redis_or_skip
+
+    from convo.stores import RedisStore
+
+    url, prefix = redis_or_skip(), f"convo-test:{uuid.uuid4().hex}:"
+
+    class Counting(RedisStore):
+        read = 0
+
+        def load(self, session_id: str):  # type: ignore[no-untyped-def]
+            state, messages = super().load(session_id)
+            self.read += len(messages)
+            return state, messages
+
+        def load_tail(self, session_id: str, after: int):  # type: ignore[no-untyped-def]
+            tail = super().load_tail(session_id, after)
+            self.read += len(tail.messages)
+            return tail
+
+    budget = Budget(context_tokens=4096, max_new_tokens=32, window_turns=4, summary_tokens=0)
+    writer = RedisStore(url, prefix=prefix)
+    session = Session(FakeEngine(), budget=budget, store=writer, session_id="r", system_prompt="be brief")
+    for i in range(40):
+        session.send(f"question {i}")
+    fresh = Counting(url, prefix=prefix)
+    resumed = Session(FakeEngine(), store=fresh, session_id="r")
+    assert fresh.read < 20 and resumed.turn_count == 40
+    assert [t.messages for t in resumed.turns(36)] == [t.messages for t in session.turns(36)]
+    assert resumed.messages == session.messages  # the earlier turns, read when asked
+    writer.delete("r")
+    writer.close()
+    fresh.close()

@@ -13,8 +13,20 @@ import os
 DEFAULT_KV_SLOTS = 8
 #: KV slots ``kv_slots=None`` takes on CPU with ``quant="int4"`` (which runs only through
 #: the static decoder): a CPU decodes a few rows at once, so 8 slots of the budget would
-#: only take memory. fp32 on CPU keeps plain ``generate`` (0 slots) by default: whether
-#: static slots are faster there is not yet measured (issue 27, defect 21).
+#: only take memory.
+#:
+#: fp32 on CPU keeps plain ``generate`` (DynamicKV, 0 slots) by default, measured (issue
+#: 27 #21, ``benchmarks/cpu_default.py``, the embedded SmolLM2-135M on this 2-core machine,
+#: greedy, a warm-up turn first, scripted chats): static slots give the same replies (every
+#: turn's text equal to DynamicKV's) but are not faster. Median turn of 48 tokens, quiet
+#: machine: DynamicKV 3.10 s (16.1 tok/s), 2 slots 3.86 s (12.7), 1 slot 6.47 s (7.6), int4
+#: 4.16 s (11.6, other replies); loaded (load average ~10, turns interleaved across the
+#: settings): 6.85 s, 10.93 s, 10.44 s, 7.78 s; streamed, load ~14, two runs: DynamicKV
+#: 15.7 s and 14.3 s, 2 slots 18.9 s and 8.4 s (there the machine's load decides more than
+#: the path); 200-token replies, load ~14: 57.5 s against 63.5 s. On a loaded machine every
+#: path runs at 2-4 tok/s. What the static decoder does save is the first call: it warms up
+#: at load, while plain ``generate``'s first turn pays its set-up (5.6 s against 3.1 s
+#: quiet; 37-106 s loaded).
 DEFAULT_CPU_KV_SLOTS = 2
 #: Share of the free device memory (after the weights) that ``kv_slots=None`` lets the slot
 #: pool take on CUDA; the rest is left to prefill activations, graphs and other work.

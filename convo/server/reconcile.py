@@ -12,6 +12,7 @@ cases apart so that the server stores every message exactly once::
     incoming :       u2 a2 u3      window      -> append u3 (the stored tail it repeats)
     incoming : u1 a1 u2' ...       divergence  -> fork at 2 (u2 was edited)
     incoming : u1 a1 u2            regenerate  -> fork at 3 (a new answer to u2)
+    incoming : u1' a1 u2 a2 u3     first edit  -> fork at 0 (u1 was edited)
 
 **When two messages are the same message** (:func:`match_key`). Clients resend their own
 copy of the conversation, not the server's bytes, so messages match on what they say:
@@ -47,7 +48,13 @@ its first message matches a stored one:
    evidence (a client sending only "ok" again is sending a new message). The longest run
    wins; of equal runs, the earliest. A single message equal to the first stored one is a
    new message.
-3. Otherwise every message is new.
+3. Otherwise, if the client's *first* message differs from the stored first one and its
+   next messages repeat the stored ones at the same places (at least :data:`MIN_ANCHOR`
+   of them, or all the stored rest), the client edited its first message: the session
+   forks at 0 and continues as the client's messages (a resending client that edits its
+   first turn no longer has its whole history appended again as new). One message alone
+   is a new message: an only-new client sends exactly that.
+4. Otherwise every message is new.
 
 On a fork at ``k`` the stored messages from ``k`` on move, readable, to a new session
 ``<id>~<n>`` (same owner; ``GET /v1/sessions/<id>~<n>``), and the session continues as
@@ -70,7 +77,8 @@ from convo.messages import Message, Role
 FORK_SEPARATOR = "~"
 
 #: Fewest consecutive matching messages that anchor a divergence anywhere but at the start
-#: of the stored history (rule 2 of the module docstring).
+#: of the stored history, or line up the rest after an edited first message (rules 2 and 3
+#: of the module docstring).
 MIN_ANCHOR = 2
 
 # Letters and digits (``\w`` without the underscore, which is markdown markup).
@@ -155,7 +163,14 @@ def reconcile(stored: Sequence[Message], incoming: Sequence[Message]) -> Reconci
     if best is not None:
         p, k = best
         return Reconciled(new=tuple(incoming[k:]), fork_at=p + k)
-    # 3. Only new messages.
+    # 3. The first message edited, the rest resent at its place: fork at the start.
+    if have[0] != got[0] and len(got) > 1:
+        k = 0
+        while 1 + k < len(have) and 1 + k < len(got) and have[1 + k] == got[1 + k]:
+            k += 1
+        if k >= MIN_ANCHOR or (k and 1 + k == len(have)):
+            return Reconciled(new=tuple(incoming), fork_at=0)
+    # 4. Only new messages.
     return Reconciled(new=tuple(incoming))
 
 

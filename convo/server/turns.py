@@ -137,13 +137,22 @@ class Turn:
         incoming = [m for m in msgs if m.role is not Role.SYSTEM]
         session: Session | None = None
         history: list[Message] | None = None  # the session as it was, once loaded
+        count = 0  # its stored messages
         try:
             stored: list[Message] = []
             if before is not None:
                 # An existing session keeps the system part it was created with.
                 session = self._session(sid, None)
-                history = session.messages  # what a refusal puts back
-                stored = [m for m in history if not m.pinned]
+                count = session.message_count
+                if len(incoming) == 1 and session.turn_count:
+                    # One message is matched against the last stored one only (a retry of
+                    # a stored message, else a new one; see convo.server.reconcile): the
+                    # last turn is all it needs, and a session resumed from its window
+                    # reads nothing older.
+                    stored = [m for t in session.turns(session.turn_count - 1) for m in t.messages]
+                else:
+                    history = session.messages  # what a refusal puts back
+                    stored = [m for m in history if not m.pinned]
             # Store only what the session does not hold yet (see convo.server.reconcile).
             plan = reconcile(stored, incoming)
             # The message to answer: the last new one; else the last one kept (a regenerated
@@ -181,7 +190,9 @@ class Turn:
                     self.store.delete(sid)
                     if self.memory is not None:
                         self.memory.session_deleted([sid])
-            elif history is not None:
+            elif session is not None or history is not None:
+                if history is None:  # one message, no fork: the stored messages it appended to
+                    history = self.store.load(sid)[1][:count]
                 if _restore(self.store, sid, before, history) and self.memory is not None:
                     self.memory.session_reset(sid)
             if self.forked is not None:

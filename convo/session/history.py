@@ -5,18 +5,26 @@ The store is the source of truth (:mod:`convo.stores`); :class:`History` is what
 :class:`~convo.session.Session` read from it, cut into turns (a turn starts at each user
 message; messages before the first form turn 0), with the tool calls still open and the
 date of each turn.
+
+A history may hold only its **window**: the pinned messages and the turns from one turn on
+(:meth:`History.load_window`; what a session resumed in a new process reads, see
+:data:`RESUME_SETTING`). Turns keep their numbers; the earlier turns are read from the
+store the first time something asks for them (:meth:`History.fill`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime
-from typing import cast
+from typing import Any, cast
 
 from convo.budget import Budget, OversizePolicy
-from convo.errors import BudgetError, ConfigError, MessageError
+from convo.errors import BudgetError, ConfigError, MessageError, StoreError
 from convo.messages import Message, MessageLike, Role, check_text
 from convo.plan import Turn
+from convo.stores import SessionState, Store
+from convo.stores.base import FORK_SETTING
 from convo.tokens import TokenCounter
 
 #: Longest session id a :class:`~convo.session.Session` accepts, in characters.
@@ -91,64 +99,247 @@ def open_calls_after(message: Message, pending: set[str]) -> set[str]:
     return pending if message.pinned else set()
 
 
+#: The ``settings`` key of a session's state where its session writes where its window
+#: starts in the store: ``{"epoch", "turn", "at", "pinned"}``, the first turn a resumed
+#: session needs (the window's first, or the first the summary does not cover yet when
+#: it is behind), the stored position of its first message, and the pinned messages stored
+#: before it (their positions and records; the pinned part is bounded by the budget's
+#: ``pinned_cap``). A session resumed where nothing of it is known reads only those and the
+#: messages from ``at`` on (:meth:`~convo.stores.Store.load_tail`), not the whole history.
+RESUME_SETTING = "resume"
+
+
+def resume_mark(history: History, state: SessionState, turn: int) -> dict[str, Any] | None:
+    """The :data:`RESUME_SETTING` value for ``history`` under ``state`` where ``turn`` is
+    the first turn a prompt may show (the window's first, or the first the summary does not
+    cover), or ``None`` when a resume would gain nothing (turn 0) or the mark cannot be made
+    (the turn is not read; a fork, whose positions are its parent's)."""
+    local = turn - history.base_turns
+    if turn <= 0 or local < 0 or local >= len(history.turn_positions) or FORK_SETTING in state.settings:
+        return None
+    at = history.turn_positions[local]
+    pinned = [
+        [p, m.to_record()] for p, m in zip(history.pinned_positions, history.pinned, strict=True) if p < at
+    ]
+    return {"epoch": state.epoch, "turn": turn, "at": at, "pinned": pinned}
+
+
+def valid_mark(mark: object, state: SessionState, count: int) -> bool:
+    """Whether ``mark`` (a :data:`RESUME_SETTING` value read with ``state`` and the stored
+    ``count``) can be resumed from: this epoch, a turn no later than the window's first
+    (a summary that fell behind it reads the turns it still owes when it asks for them), a
+    position inside the stored history, pinned positions before it."""
+    if not isinstance(mark, Mapping) or mark.get("epoch") != state.epoch or FORK_SETTING in state.settings:
+        return False
+    turn, at, pinned = mark.get("turn"), mark.get("at"), mark.get("pinned")
+    if not (isinstance(turn, int) and isinstance(at, int) and isinstance(pinned, list)):
+        return False
+    if not 0 < turn <= state.evicted_turns or not turn <= at < count:
+        return False
+    return all(
+        isinstance(e, list)
+        and len(e) == 2
+        and isinstance(e[0], int)
+        and 0 <= e[0] < at
+        and isinstance(e[1], dict)
+        for e in pinned
+    )
+
+
+def store_filler(store: Store, session_id: str) -> Callable[[int], Sequence[Message]]:
+    """What :meth:`History.fill` reads with: the first ``n`` stored messages of
+    ``session_id`` (the store held weakly, as :mod:`convo.session.known` holds it)."""
+    ref = weakref.ref(store)
+
+    def head(n: int) -> Sequence[Message]:
+        live = ref()
+        if live is None:
+            raise StoreError(f"the store of session {session_id!r} is gone; its earlier turns cannot be read")
+        return live.load(session_id)[1][:n]
+
+    return head
+
+
+def read_window(store: Store, session_id: str) -> tuple[SessionState, History] | None:
+    """Read only the window of ``session_id`` (its :data:`RESUME_SETTING` mark: the
+    pinned messages it names, then :meth:`~convo.stores.Store.load_tail` from its
+    position): the state and that history, or ``None`` when the session has no usable mark
+    (written before marks, a fork, the summary reset since...) and must be read whole.
+    The caller holds the store's lock on the session."""
+    state, count = store.peek(session_id)
+    mark = state.settings.get(RESUME_SETTING)
+    if not valid_mark(mark, state, count):
+        return None
+    assert isinstance(mark, Mapping)
+    tail = store.load_tail(session_id, int(mark["at"]))
+    first = tail.messages[0] if tail.messages else None
+    if (
+        tail.state.epoch != state.epoch
+        or tail.state.settings.get(RESUME_SETTING) != mark
+        or tail.count != tail.after + len(tail.messages)
+        or first is None
+        or first.pinned
+        or first.role is not Role.USER
+    ):
+        return None  # written since, or not a turn's start: read it whole
+    history = History()
+    history.load_window(
+        pinned=[(int(p), Message.from_record(r)) for p, r in mark["pinned"]],
+        turn=int(mark["turn"]),
+        at=int(mark["at"]),
+        messages=tail.messages,
+        filler=store_filler(store, session_id),
+    )
+    return tail.state, history
+
+
 class History:
     """One session's messages as read from its store, indexed by turn.
 
     Attributes:
         pinned: the pinned messages (system prompt, pinned facts), in order.
-        log: the conversation's messages, in order.
+        pinned_positions: their positions in the store.
+        log: the conversation's messages, in order (from turn ``base_turns`` on).
         turn_starts: where each turn starts in ``log``.
+        turn_positions: where each turn starts in the store.
+        base_turns: turns before the first turn in ``log`` (0 unless only the window was
+            read, :meth:`load_window`).
+        base_count: stored messages before that turn's first one.
         pending_tool_ids: the tool calls the last assistant message made that no tool
             result answered yet.
         dates: turn index -> the date it is indexed with for retrieval (see
             :func:`clock_date`); kept across :meth:`load`.
+        filler: reads the first ``n`` stored messages (:meth:`fill`); set with
+            :meth:`load_window`.
+        last_message: the last message read (``None``: none), to check that a store still
+            holds it before the messages stored after it are read.
     """
 
     def __init__(self) -> None:
         self.pinned: list[Message] = []
+        self.pinned_positions: list[int] = []
         self.log: list[Message] = []
         self.turn_starts: list[int] = []
+        self.turn_positions: list[int] = []
+        self.base_turns = 0
+        self.base_count = 0
         self.pending_tool_ids: set[str] = set()
         self.dates: dict[int, str] = {}
+        self.filler: Callable[[int], Sequence[Message]] | None = None
+        self._count = 0
+        self._since_base: list[Message] = []  # every message read from base_count on (partial only)
+        self.last_message: Message | None = None
 
     def load(self, messages: Sequence[Message]) -> None:
         """Replace the messages by ``messages`` (the store's); known dates are kept."""
-        self.pinned, self.log, self.turn_starts = [], [], []
+        self.pinned, self.pinned_positions, self.log, self.turn_starts, self.turn_positions = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+        self.base_turns = self.base_count = self._count = 0
+        self._since_base = []
+        self.last_message = None
         self.pending_tool_ids = set()
         for m in messages:
             self.index(m)
 
+    def load_window(
+        self,
+        *,
+        pinned: Sequence[tuple[int, Message]],
+        turn: int,
+        at: int,
+        messages: Sequence[Message],
+        filler: Callable[[int], Sequence[Message]],
+    ) -> None:
+        """Replace the messages by a window: the ``pinned`` messages stored before ``at``
+        (with their positions), then ``messages``, the stored ones from position ``at`` on,
+        whose first starts turn ``turn``. ``filler`` reads the rest when asked (:meth:`fill`)."""
+        self.load(())
+        for position, m in pinned:
+            self.pinned.append(m)
+            self.pinned_positions.append(position)
+        self.base_turns, self.base_count, self._count = turn, at, at
+        self.filler = filler
+        for m in messages:
+            self.index(m)
+
+    @property
+    def partial(self) -> bool:
+        """Whether only the window was read (turns before ``base_turns`` are not held)."""
+        return self.base_count > 0
+
+    def fill(self) -> None:
+        """Read the turns before the window from the store (once): the history becomes
+        whole. Raises :class:`~convo.errors.StoreError` when they cannot be read."""
+        if not self.partial:
+            return
+        if self.filler is None:
+            raise StoreError("this history holds only its window and has no store to read the rest from")
+        head = list(self.filler(self.base_count))
+        if len(head) != self.base_count:
+            raise StoreError(f"the store holds {len(head)} of the {self.base_count} earlier messages")
+        self.load([*head, *self._since_base])
+
     def index(self, message: Message) -> None:
         """Add a stored message."""
+        position = self._count
+        self._count += 1
+        self.last_message = message
+        if self.partial:
+            self._since_base.append(message)
         if message.pinned:
             self.pinned.append(message)
+            self.pinned_positions.append(position)
             return
-        if message.role is Role.USER or not self.turn_starts:
+        if message.role is Role.USER or (not self.turn_starts and not self.base_turns):
             self.turn_starts.append(len(self.log))
+            self.turn_positions.append(position)
         self.log.append(message)
         self.pending_tool_ids = open_calls_after(message, self.pending_tool_ids)
 
     def copy(self) -> History:
         """An independent copy (the messages themselves are immutable and shared)."""
         out = History()
-        out.pinned, out.log, out.turn_starts = list(self.pinned), list(self.log), list(self.turn_starts)
+        out.pinned, out.pinned_positions = list(self.pinned), list(self.pinned_positions)
+        out.log, out.turn_starts, out.turn_positions = (
+            list(self.log),
+            list(self.turn_starts),
+            list(self.turn_positions),
+        )
+        out.base_turns, out.base_count, out._count = self.base_turns, self.base_count, self._count
+        out._since_base, out.filler, out.last_message = list(self._since_base), self.filler, self.last_message
         out.pending_tool_ids, out.dates = set(self.pending_tool_ids), dict(self.dates)
         return out
 
     @property
     def message_count(self) -> int:
-        return len(self.pinned) + len(self.log)
+        """Stored messages this history accounts for (read or, before the window, skipped)."""
+        return self._count
 
     @property
     def turn_count(self) -> int:
-        return len(self.turn_starts)
+        return self.base_turns + len(self.turn_starts)
+
+    def all_messages(self) -> list[Message]:
+        """Every message, pinned first, then the conversation (reads the turns before the
+        window first, :meth:`fill`)."""
+        self.fill()
+        return self.pinned + self.log
 
     def turns(self, start: int = 0) -> list[Turn]:
-        """Turns ``start..`` as :class:`~convo.plan.Turn` (index, messages)."""
+        """Turns ``start..`` as :class:`~convo.plan.Turn` (index, messages); turns before
+        the window are read from the store first (:meth:`fill`)."""
+        if start < self.base_turns:
+            self.fill()
         out = []
-        for i in range(start, len(self.turn_starts)):
+        base = self.base_turns
+        for i in range(max(start, base) - base, len(self.turn_starts)):
             end = self.turn_starts[i + 1] if i + 1 < len(self.turn_starts) else len(self.log)
-            out.append(Turn(index=i, messages=tuple(self.log[self.turn_starts[i] : end])))
+            out.append(Turn(index=base + i, messages=tuple(self.log[self.turn_starts[i] : end])))
         return out
 
     def messages_of(self, start: int, end: int) -> list[Message]:
@@ -158,7 +349,7 @@ class History:
     def date_stored_turns(self) -> None:
         """Date the turns read from the store (or imported) by when their first message
         was created (``Message.created_at``, local time); a date already known is kept."""
-        for turn, start in enumerate(self.turn_starts):
+        for turn, start in enumerate(self.turn_starts, self.base_turns):
             created = datetime.fromtimestamp(self.log[start].created_at)
             self.dates.setdefault(turn, created.isoformat(timespec="minutes"))
 

@@ -52,7 +52,16 @@ from convo.session.config import (
     from_legacy_kwargs,
     summary_cap,
 )
-from convo.session.history import Clock, History, check_session_id, clock_date, incoming_messages
+from convo.session.history import (
+    RESUME_SETTING,
+    Clock,
+    History,
+    check_session_id,
+    clock_date,
+    incoming_messages,
+    read_window,
+    resume_mark,
+)
 from convo.session.locking import TurnLock
 from convo.session.reply import Reply, TurnStats
 from convo.session.summaries import (
@@ -244,16 +253,27 @@ class Session:
         (:mod:`convo.session.known`: its own history, or another session object's), else
         all of them. ``mine``: this object's epoch and history, when it has read them."""
         for epoch, history in filter(None, (mine, known.known(self.store, self.id))):
-            tail = self.store.load_tail(self.id, history.message_count)
+            # From the last known message on: it must still be there (a fork's truncate
+            # keeps the epoch; cut back and grown again elsewhere, the history is another).
+            seen = history.message_count
+            tail = self.store.load_tail(self.id, max(seen - 1, 0))
             if tail.state.epoch != epoch or tail.count != tail.after + len(tail.messages):
                 continue  # another session under this id since
+            new = tail.messages[1:] if seen else tail.messages
+            if seen and tail.messages[:1] != [history.last_message]:
+                continue  # cut back below what is known, and grown again
             if history is not self._history:
                 history.dates.clear()  # another object's: a resumed session dates its turns anew
-            for m in tail.messages:
+            for m in new:
                 history.index(m)
             self._history = history
             known.remember(self.store, self.id, epoch, history)
             return tail.state
+        window_read = read_window(self.store, self.id) if mine is None and self.retriever is None else None
+        if window_read is not None:  # a first resume here: the window and the pinned part only
+            state, self._history = window_read
+            known.remember(self.store, self.id, state.epoch, self._history)
+            return state
         state, messages = self.store.load(self.id)
         if mine is not None and state.epoch != mine[0]:
             self._history = History()  # (dates of another session's turns do not carry over)
@@ -384,9 +404,16 @@ class Session:
         return self._history.turn_count
 
     @property
+    def message_count(self) -> int:
+        """How many stored messages (pinned included) this session holds, read or not: a
+        session resumed from its window counts the earlier ones without reading them."""
+        return self._history.message_count
+
+    @property
     def messages(self) -> list[Message]:
-        """The full stored history: pinned messages first, then the conversation."""
-        return self._history.pinned + self._history.log
+        """The full stored history: pinned messages first, then the conversation (a
+        session resumed from its window reads the earlier turns from the store first)."""
+        return self._history.all_messages()
 
     @property
     def turn_dates(self) -> Mapping[int, str]:
@@ -426,10 +453,21 @@ class Session:
         that finished, so a state write never rolls a newer summary back."""
         with self._summary.key_lock():
             self._state = self._summary.picked_up(self._state, locked=True)
+            self._mark_window()
             if messages:
                 self.store.append(self.id, messages, state=self._state)
             else:
                 self.store.save_state(self._state)
+
+    def _mark_window(self) -> None:
+        """Record where the window starts in the state (:data:`RESUME_SETTING`), so that a
+        resume where nothing of the session is known reads only from there."""
+        mark = resume_mark(self._history, self._state, self._summary.first_candidate_turn(self._state))
+        if mark != self._state.settings.get(RESUME_SETTING):
+            settings = {k: v for k, v in self._state.settings.items() if k != RESUME_SETTING}
+            if mark is not None:
+                settings[RESUME_SETTING] = mark
+            self._state = replace(self._state, settings=settings)
 
     def add(self, message: MessageLike, *, date: str | None = None) -> None:
         """Append a message without generating (tool results, imported history...).

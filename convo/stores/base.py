@@ -184,7 +184,9 @@ class Store(abc.ABC):
         """Keep the first ``keep`` stored messages (a fork's own: its tail) and drop the
         rest, optionally replacing the state, in one transaction. Forks sharing more than
         ``keep`` messages of this session are the caller's to keep whole (see
-        :data:`FORK_SETTING`).
+        :data:`FORK_SETTING`). The session gets a new epoch (:attr:`SessionState.epoch`):
+        its history is no longer an extension of the one before, so work bound to that one
+        (a background summary of turns it dropped, a copy a process keeps) is refused.
 
         The stores here do it in one transaction; this default (for other stores) deletes
         and re-creates the session.

@@ -76,7 +76,7 @@ class InMemoryStore(Store):
             if session_id not in self._data:
                 raise SessionNotFound(f"no session {session_id!r}")
             old, msgs = self._data[session_id]
-            self._data[session_id] = (state or old, msgs[: max(keep, 0)])
+            self._data[session_id] = (replace(state or old, epoch=new_epoch()), msgs[: max(keep, 0)])
 
     def save_state(self, state: SessionState) -> None:
         with self._lock:

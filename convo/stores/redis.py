@@ -348,6 +348,7 @@ class RedisStore(Store):
             fields = self._fields(replace(state, updated_at=time.time()), created=False)
         else:
             fields = ["updated_at", repr(time.time())]
+        fields = [*fields, "epoch", new_epoch()]  # another history: a new epoch
         if not self._run(self._truncate, session_id, [skey, mkey], [max(keep, 0), *fields]):
             raise SessionNotFound(f"no session {session_id!r}")
 

@@ -285,6 +285,7 @@ class SQLiteStore(Store):
                 " (SELECT seq FROM messages WHERE session_id = ? ORDER BY seq LIMIT ?)",
                 (session_id, session_id, max(keep, 0)),
             )
+            db.execute("UPDATE sessions SET epoch = ? WHERE id = ?", (new_epoch(), session_id))
             if state is not None:
                 self._update_state(db, state)
             else:

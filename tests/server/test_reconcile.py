@@ -5,24 +5,27 @@ client and LangChain's ``ChatOpenAI``. The stored history holds each message onc
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import serve  # the suite's live-server helper
+from conftest import redis_or_skip, serve  # the suite's live-server helper
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from convo import Budget, Message, SQLiteStore
+from convo import Budget, Message, RedisStore, SQLiteStore
 from convo.errors import ConfigError
 from convo.messages import ToolCall
 from convo.server.app import create_app
 from convo.server.limits import ServerLimits
 from convo.server.reconcile import Reconciled, reconcile
 from convo.stores import Store
+from convo.summarize import Summarizer
 from convo.testing import EchoEngine
 
 BUDGET = Budget(context_tokens=4000, max_new_tokens=200, window_turns=4, summary_tokens=0)
@@ -557,3 +560,185 @@ def test_a_refused_turn_after_a_fork_leaves_the_forks_whole(url: str, store: Sto
             c.chat.completions.create(model="echo", messages=[*start, bad], metadata={"session_id": "r"})
     assert (stored(url, "r"), stored(url, "r~1")) == before
     assert forks(store, "r") == ["r~1"]
+
+
+# -- an edit of the first message ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("incoming", "new", "fork_at"),
+    [
+        (["u1*", "a1", "u2", "a2", "u3"], ["u1*", "a1", "u2", "a2", "u3"], 0),  # edited, then more
+        (["u1*", "a1", "u2"], ["u1*", "a1", "u2"], 0),  # edited, and u2 answered again
+        (["u1*"], ["u1*"], None),  # one message: a new one (an only-new client sends the same)
+        (["u1*", "u2"], ["u1*", "u2"], None),  # nothing after it lines up: new messages
+    ],
+)
+def test_an_edit_of_the_first_message_forks_at_it(
+    incoming: list[str], new: list[str], fork_at: int | None
+) -> None:
+    history = [u("u1"), a("a1"), u("u2"), a("a2")]
+    msg = {"u": u, "a": a}
+    out = reconcile(history, [msg[x[0]](x) for x in incoming])
+    assert [m.content for m in out.new] == new
+    assert out.fork_at == fork_at
+
+
+def test_an_edit_of_the_first_message_of_a_one_turn_session_forks() -> None:
+    """The rest of the history is one reply: resent at its place, it lines the edit up."""
+    out = reconcile([u("u1"), a("a1")], [u("u1*"), a("a1"), u("u2")])
+    assert (out.fork_at, [m.content for m in out.new]) == (0, ["u1*", "a1", "u2"])
+
+
+def test_a_resend_client_editing_its_first_message_does_not_duplicate_history(url: str, store: Store) -> None:
+    """A resend client (ChatOpenAI, the openai SDK) that edits its first user message and
+    goes on: the session holds the client's conversation once, the old one is a fork (it
+    held the old history and then the whole edited copy after it)."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+
+        def ask(messages: list[dict[str, Any]]) -> Any:
+            return c.chat.completions.create(
+                model="echo",
+                messages=[{"role": "system", "content": "be brief"}, *messages],
+                metadata={"session_id": "first"},
+            )
+
+        truth: list[dict[str, Any]] = []
+        for text in ["plan a trip to Porto", "in May"]:
+            truth.append({"role": "user", "content": text})
+            truth.append({"role": "assistant", "content": ask(truth).choices[0].message.content})
+        old = [(m["role"], m["content"]) for m in truth]
+        truth[0] = {"role": "user", "content": "plan a trip to Lisbon"}  # the client edits its first turn
+        truth.append({"role": "user", "content": "with trains"})
+        out = ask(truth)
+    assert out.model_extra is not None and out.model_extra["convo"]["forked"] == "first~1"
+    now = stored(url, "first")
+    assert now[0] == ("system", "be brief")
+    assert now[1:-1] == [(m["role"], m["content"]) for m in truth]  # each message once
+    assert now[-1][0] == "assistant" and len(now) == 1 + len(truth) + 1
+    assert stored(url, "first~1") == [("system", "be brief"), *old]
+
+
+# -- what a request reads ------------------------------------------------------------------------
+
+
+class CountingStore(SQLiteStore):
+    """Counts the messages its reads hand back."""
+
+    read = 0
+
+    def load(self, session_id: str) -> Any:
+        state, messages = super().load(session_id)
+        self.read += len(messages)
+        return state, messages
+
+    def load_tail(self, session_id: str, after: int) -> Any:
+        tail = super().load_tail(session_id, after)
+        self.read += len(tail.messages)
+        return tail
+
+
+def test_a_server_new_to_a_session_reads_its_window_for_a_new_message(tmp_path: Path) -> None:
+    """The first request on a long session in a new server process (a client that sends
+    only its new message) reads the window, not the whole history; a refused one still
+    leaves the session as it was."""
+    from convo.budget import OversizePolicy
+    from convo.session import Session
+
+    budget = Budget(
+        context_tokens=4000,
+        max_new_tokens=200,
+        window_turns=4,
+        summary_tokens=0,
+        oversize=OversizePolicy.RAISE,
+    )
+    path = tmp_path / "long.db"
+    seeded = Session(EchoEngine(), budget=budget, store=SQLiteStore(path), session_id="long")
+    for i in range(60):
+        seeded.send(f"question {i}")
+    store = CountingStore(path)  # a new process: nothing of "long" known
+    with serve(create_app(EchoEngine(), store=store, budget=budget, model_name="echo")) as url:
+        body = {"model": "echo", "messages": [{"role": "user", "content": "one more"}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": "long"})
+        assert r.status_code == 200, r.text
+        assert store.read < 20  # the window's turns, not 120 messages
+        before = stored(url, "long")
+        # A refused request (a message larger than the prompt) on it stores nothing.
+        store.read = 0
+        big = {**body, "messages": [{"role": "user", "content": "word " * 5000}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=big, headers={"X-Session-Id": "long"})
+        assert r.status_code == 400, r.text
+        assert stored(url, "long") == before
+    assert len(before) == 122 and before[-2] == ("user", "one more")
+
+
+# -- a fork fences the background summary of the history it replaced ---------------------------
+
+
+class _Gated(Summarizer):
+    """Folds ``messages`` into their first words, once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        self.started.set()
+        assert self.gate.wait(10), "test gate never opened"
+        return " ".join(m.content.split()[0] for m in messages)[:max_tokens]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_summary_of_the_replaced_history_never_lands_after_a_fork_on_another_replica(
+    kind: str, tmp_path: Path
+) -> None:
+    """Replica A is still folding turns into the summary when a client's edit reaches
+    replica B, which forks the session there (the replaced turns move to ``~1``): A's
+    summary, written from the turns the fork replaced, must not become the session's."""
+    from convo.session import Session, SummaryConfig
+    from convo.summarize import JobStatus, SummaryWorker
+
+    tight = Budget(
+        context_tokens=700, max_new_tokens=50, window_turns=1, summarize_batch_turns=2, summary_tokens=40
+    )
+    store_a: Store
+    store_b: Store
+    if kind == "sqlite":
+        store_a, store_b = SQLiteStore(tmp_path / "r.db"), SQLiteStore(tmp_path / "r.db")
+    else:
+        url = redis_or_skip()
+        prefix = f"convo-test:{uuid.uuid4().hex}:"
+        store_a, store_b = RedisStore(url, prefix=prefix), RedisStore(url, prefix=prefix)
+    worker_a = SummaryWorker(threads=1, max_defer_s=0.0)
+    summ = _Gated()
+    try:
+        a_side = Session(
+            EchoEngine(),
+            budget=tight,
+            store=store_a,
+            session_id="sh",
+            summarizing=SummaryConfig(summarizer=summ, worker=worker_a, wait_s=0),
+        )
+        for i in range(3):
+            a_side.send(f"dropped{i} " + "w " * 100)
+        assert summ.started.wait(10)  # replica A is folding the turns now
+        job = worker_a.job(store_a, "sh")
+        assert job is not None and (job.start, job.end) == (0, 2)  # turns 0 and 1
+        _, history = store_b.load("sh")
+        first = [{"role": m.role.value, "content": m.content} for m in history[:2]]
+        quiet = Budget(context_tokens=700, max_new_tokens=50, window_turns=1, summary_tokens=0)
+        with serve(create_app(EchoEngine(), store=store_b, budget=quiet, model_name="echo")) as base:
+            body = {"model": "echo", "messages": [*first, {"role": "user", "content": "edited"}]}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"X-Session-Id": "sh"})
+            assert r.status_code == 200, r.text
+            assert r.json()["convo"]["forked"] == "sh~1"
+            summ.gate.set()
+            assert job.wait(10)
+            assert job.status is JobStatus.CANCELLED  # refused: the session it read is gone
+        state, _ = store_b.load("sh")
+        assert "dropped1" not in state.summary  # turn 1 was replaced by the fork
+    finally:
+        summ.gate.set()
+        worker_a.close(wait=False)
+        store_a.close()
+        store_b.close()

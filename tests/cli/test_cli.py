@@ -93,6 +93,8 @@ def test_plan_json_contract() -> None:
         "24GiB",
         "--quant",
         "nf4",
+        "--kv-slots",
+        "0",
         "--json",
     )
     assert out.returncode == 0, out.stderr

@@ -38,6 +38,7 @@ from convo.cli.common import (
     EXIT_INTERRUPTED,
     add_engine_arguments,
     add_local_engine_arguments,
+    add_memory_arguments,
     default_db_path,
     non_negative_int,
     positive_int,
@@ -183,6 +184,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="Redis: how long a dead replica's session lock lasts (default 30 s)",
     )
     add_local_engine_arguments(serve)
+    add_memory_arguments(serve)
     add_engine_arguments(serve)
 
 

@@ -212,7 +212,7 @@ def serve_kv_slots(kv_slots: int | None, quant: Quant, model_type: str, device: 
 
 
 def _build_memory_model(args: argparse.Namespace) -> tuple[VRAMModel, str]:
-    quant = planned_quant(args.quant, None)[0]
+    quant, dtype = planned_quant(args.quant, args.dtype)
     attn = Attn.parse(args.attn)
     cal: Calibration | None = None
     source = str(getattr(args, "calibration", "auto") or "auto")
@@ -225,7 +225,7 @@ def _build_memory_model(args: argparse.Namespace) -> tuple[VRAMModel, str]:
     mm = VRAMModel.from_model(
         args.model,
         quant=quant,
-        dtype=args.dtype,
+        dtype=dtype,
         kv_dtype=args.kv_dtype,
         attn=attn,
         calibration=cal,

@@ -112,7 +112,7 @@ def _build_staged(cfg: Any, tdtype: Any, attn: Attn, device: str) -> Any:
     return model
 
 
-def init_random_layer(layer: Any, device: Any, *, std: float = RANDOM_INIT_STD, seed: int = 0) -> None:
+def init_random_layer(layer: Any, device: Any, seed: int = 0, *, std: float = RANDOM_INIT_STD) -> None:
     """Give a decoder layer on the ``meta`` device random weights on ``device``: linear
     weights ``N(0, std)``, biases 0, norms 1 (transformers' initialization). ``seed`` makes
     each layer's weights reproducible (the engine passes the layer index)."""

@@ -322,7 +322,8 @@ def _refusal(
     weights = mm.weights.total_bytes
     return (
         f"{head}; the weights alone ({format_size(weights)}, load peak "
-        f"{format_size(mm.weights.load_peak_bytes)}) leave no room: a bigger limit, or smaller weights (--quant nf4 or int4)"
+        f"{format_size(mm.weights.load_peak_bytes)}) leave no room: a bigger limit, or smaller "
+        "weights (--quant nf4 or int4)"
     )
 
 

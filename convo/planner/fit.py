@@ -134,6 +134,8 @@ class ServeFit:
             "usable_bytes": self.usable_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "load_peak_bytes": self.load_peak_bytes,
+            "weights_bytes": self.prediction.weights_bytes,
+            "kv_pool_bytes": self.prediction.kv_bytes,
         }
 
 

@@ -66,3 +66,35 @@ def test_a_memory_limit_on_cpu_is_refused_before_loading() -> None:
 
     with pytest.raises(ConfigError, match="CUDA"):
         TransformersEngine("random:tiny-llama", device="cpu", kv=KVConfig(gpu_memory="1GiB"))
+
+
+@pytest.mark.gpu
+def test_cuda_int4_7b_loads_a_layer_at_a_time_inside_its_sized_plan() -> None:
+    """Llama-2-7B int4 (random weights) sized to 16 GiB: the slots picked are the slots
+    taken, and the device never held more than the plan's usable memory while loading
+    (the dense model, 12.6 GiB, never sits on the GPU)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pathlib import Path
+
+    from convo.engines.local.engine import TransformersEngine
+
+    config = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama-2-7b"
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_reserved()
+    engine = TransformersEngine(
+        f"random:{config}", quant="int4", kv=KVConfig(gpu_memory="16GiB", slot_tokens=2048)
+    )
+    try:
+        fit = engine.memory_fit
+        assert fit is not None and engine.decoder is not None
+        assert (
+            engine.decoder.pool.slots == fit.kv_slots
+            and engine.decoder.pool_measured_bytes == fit.prediction.kv_bytes
+        )
+        assert engine.decoder.int4_layout == ("both" if fit.int4_layouts == 2 else "plain")
+        assert torch.cuda.max_memory_reserved() - base <= fit.usable_bytes
+    finally:
+        engine.close()

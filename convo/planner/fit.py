@@ -172,6 +172,17 @@ def memory_limit_bytes(
     return int(utilization * total_bytes)
 
 
+def planned_kv_dtype(value: object) -> DType | None:
+    """A KV dtype setting as the planner prices it: ``None``, ``"auto"`` or anything that is
+    not a :class:`~convo.models.spec.DType` spelling means the compute dtype (``None``)."""
+    if value is None or str(value).lower() in ("auto", "none", ""):
+        return None
+    try:
+        return DType.parse(str(value))
+    except ConfigError:
+        return None
+
+
 def fit_serve(
     config: Mapping[str, Any],
     *,
@@ -206,6 +217,7 @@ def fit_serve(
             setting: the slots, else the budget one slot of which fits.
     """
     q = Quant.parse(quant).resolved(cuda=True)
+    kv_dtype = planned_kv_dtype(kv_dtype)
     if kv_slots is not None and kv_slots < 1:
         raise ConfigError("a server sized to a memory limit needs KV slots: --kv-slots must be >= 1")
     usable = memory_bytes - headroom_bytes(memory_bytes)

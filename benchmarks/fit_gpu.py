@@ -388,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child is not None:
         payload = json.loads(args.child)
-        result = child(Run(**payload["run"]), payload["load"])
+        try:
+            result = child(Run(**payload["run"]), payload["load"])
+        except Exception as exc:  # any failure is a result: the parent records it and goes on
+            oom = "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc)
+            result = {"error": f"{type(exc).__name__}: {exc}"[:600], "oom": "load" if oom else None}
         print(RESULT_MARK + json.dumps(result), flush=True)
         return 0
 

@@ -39,6 +39,7 @@ from convo.cli.common import (
     add_engine_arguments,
     add_kv_host_memory_argument,
     add_local_engine_arguments,
+    add_memory_arguments,
     default_db_path,
     non_negative_int,
     positive_int,
@@ -213,6 +214,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     add_local_engine_arguments(serve)
     add_kv_host_memory_argument(serve)
+    add_memory_arguments(serve)
     add_engine_arguments(serve)
 
 

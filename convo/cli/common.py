@@ -22,9 +22,17 @@ from convo.engines.local.engine import TransformersEngine
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model, default_gguf_path, looks_like_path
 from convo.engines.openai import OpenAIEngine
 from convo.errors import ConfigError, ConvoError
-from convo.models import BUILTIN_CONFIGS, INT4_KERNELS, Quant
+from convo.models import BUILTIN_CONFIGS, INT4_KERNELS, Quant, format_size, load_config
+from convo.models.spec import random_config_path
 from convo.models.units import parse_size
 from convo.paths import cache_dir
+from convo.planner.fit import (
+    FIT_HEADROOM_FRACTION,
+    FIT_MIN_HEADROOM_BYTES,
+    ServeFit,
+    fit_serve,
+    memory_limit_bytes,
+)
 from convo.stores import SQLiteStore
 
 #: ``--quant`` of ``convo chat``/``serve``: every :class:`Quant` the local engine loads
@@ -190,7 +198,7 @@ def add_int4_kernel_argument(parser: argparse.ArgumentParser) -> None:
 
 def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -> Any:
     """The local :class:`TransformersEngine` the flags ask for; a KV slot holds one session's
-    whole budget (``context_tokens``)."""
+    whole budget (``context_tokens``); ``--gpu-memory`` / ``--gpu-memory-utilization`` size it."""
     return TransformersEngine(
         args.model,
         quant=args.quant,
@@ -201,12 +209,102 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         tool_parser=getattr(args, "tool_parser", "auto"),
         progress=progress,
         **_kv_host_memory(args),
+        **memory_kwargs(args),
     )
 
 
 def _kv_host_memory(args: argparse.Namespace) -> dict[str, Any]:
     value = getattr(args, "kv_host_memory", None)
     return {} if value is None else {"kv_host_memory": value}
+
+
+def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's ``gpu_memory`` / ``gpu_memory_utilization`` from the flags (absent when unset)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "gpu_memory", None) is not None:
+        out["gpu_memory"] = args.gpu_memory
+    if getattr(args, "gpu_memory_utilization", None) is not None:
+        out["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return out
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu-memory`` and ``--gpu-memory-utilization``: a server that sizes itself."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="size the server to this much GPU memory, with a unit (24GiB, 16GB): the planner picks "
+        "the KV slots of --budget tokens, and with --quant int4 one weight layout or both, to fit "
+        f"with a headroom ({FIT_HEADROOM_FRACTION:.0%}, at least {format_size(FIT_MIN_HEADROOM_BYTES)}); "
+        "a setting that cannot fit is refused before loading, naming the largest that does; "
+        "--kv-slots and --int4-kernel, when given, win and are checked",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="the same as a share of the GPU's total memory, as vLLM spells it (e.g. 0.9)",
+    )
+
+
+def serve_memory_fit(args: argparse.Namespace, context_tokens: int) -> ServeFit | None:
+    """What ``--gpu-memory`` (or ``--gpu-memory-utilization``) makes the server take, priced
+    before anything loads: ``None`` without either flag (or when the model's config cannot be
+    read without loading it: the engine sizes itself once it has loaded).
+
+    Raises:
+        ConfigError: it cannot fit, naming the largest safe setting; or the server is not
+            on CUDA.
+    """
+    gpu_memory = getattr(args, "gpu_memory", None)
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if gpu_memory is None and utilization is None:
+        return None
+    total = _cuda_total_bytes()
+    limit = memory_limit_bytes(gpu_memory, utilization, total)
+    config = model_config(args.model)
+    fit = None
+    if config is not None:
+        kv_slots = getattr(args, "kv_slots", None)
+        if kv_slots == 0:
+            raise ConfigError("--gpu-memory sizes the KV slots: not with --kv-slots 0")
+        fit = fit_serve(
+            config,
+            memory_bytes=int(limit or 0),
+            slot_tokens=context_tokens,
+            quant=args.quant,
+            kv_dtype=getattr(args, "kv_dtype", None),
+            kv_slots=kv_slots,
+            int4_kernel=getattr(args, "int4_kernel", "auto"),
+        )
+    device = getattr(args, "device", None)
+    if (device and not str(device).startswith("cuda")) or total is None:
+        raise ConfigError("--gpu-memory sizes a CUDA server; no CUDA device here (pass --kv-slots on CPU)")
+    return fit
+
+
+def _cuda_total_bytes() -> int | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return int(torch.cuda.mem_get_info(0)[1]) if torch.cuda.is_available() else None
+
+
+def model_config(model: str | os.PathLike[str] | None) -> Mapping[str, Any] | None:
+    """``model``'s config without loading it: a built-in or ``random:`` name, a folder or
+    ``config.json`` (:func:`~convo.models.load_config`), a hub id's cached ``config.json``;
+    ``None`` when it cannot be read that cheaply."""
+    name = "default" if model is None else os.fspath(model)
+    try:
+        return load_config(name)
+    except ConfigError:
+        pass
+    if looks_like_path(name):
+        return None
+    cached = _hub_config(name)
+    return _read_config(cached) if cached is not None else None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -355,7 +453,8 @@ def model_context_tokens(model: str | os.PathLike[str] | None) -> int | None:
     """The context length ``model`` declares, from its config alone: no weights, no network.
 
     ``None`` or ``"default"``: the embedded model (its converted folder, else its GGUF);
-    ``random:NAME``: :data:`~convo.models.BUILTIN_CONFIGS`; a folder: its
+    ``random:NAME``: :data:`~convo.models.BUILTIN_CONFIGS`; ``random:<folder or
+    config.json>``: that config; a folder: its
     ``config.json`` (:data:`CONTEXT_LENGTH_KEYS`, also under ``text_config``); a ``.gguf``
     file: ``<arch>.context_length`` in its header; a hub id: its cached ``config.json``.
     ``None`` when it cannot be known that cheaply (a hub id not downloaded yet).
@@ -371,6 +470,10 @@ def model_context_tokens(model: str | os.PathLike[str] | None) -> int | None:
             return None
     if name in BUILTIN_CONFIGS:
         return _config_context_length(BUILTIN_CONFIGS[name])
+    random_config = random_config_path(name)
+    if random_config is not None:
+        config = _read_config(random_config)
+        return _config_context_length(config) if config is not None else None
     path = Path(name).expanduser()
     if path.is_dir():
         config = _read_config(path / "config.json")

@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from convo.cli.common import add_int4_kernel_argument, add_kv_host_memory_argument, positive_int
+from convo.cli.common import (
+    add_int4_kernel_argument,
+    add_kv_host_memory_argument,
+    non_negative_int,
+)
 from convo.errors import ConfigError, require
 from convo.models import (
     AUTO_SLOTS_MEMORY_FRACTION,
@@ -27,8 +31,10 @@ from convo.models import (
     model_key,
     parse_size,
 )
-from convo.models.defaults import default_kv_host_memory
+from convo.models.defaults import DEFAULT_CPU_KV_SLOTS, default_kv_host_memory
+from convo.models.spec import STATIC_DECODE_MODEL_TYPES
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
+from convo.planner.fit import ServeFit, fit_serve, headroom_bytes
 from convo.planner.grid import Plan, parse_int_list, plan_grid
 from convo.planner.measure import (
     MeasuredCell,
@@ -53,8 +59,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="default",
-        help="model folder, config.json, 'default' (SmolLM2-135M) or one of: "
-        + ", ".join(sorted(k for k in BUILTIN_CONFIGS if k != "default")),
+        help="model folder, config.json, random:<folder or config.json>, 'default' (SmolLM2-135M) or "
+        "one of: " + ", ".join(sorted(k for k in BUILTIN_CONFIGS if k != "default")),
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="the device whose convo serve defaults are planned (default auto: cuda when a GPU is "
+        "visible or --gpu-memory is given, else cpu)",
     )
     parser.add_argument(
         "--context", default="1024,4096,8192", help="comma-separated tokens per request, prompt + reply"
@@ -70,21 +83,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quant",
-        default="none",
+        default=None,
         choices=[q.value for q in Quant],
-        help="weight format: none/bf16/fp16/fp32 (dense), nf4/fp4/int8 (bitsandbytes), int4 (the "
-        "fast path of convo serve --quant int4: group-wise int4, static KV slots), auto (= nf4, "
-        "what convo serve picks on CUDA)",
+        help="weight format (default: convo serve's, auto: nf4 on CUDA, fp32 on CPU): none/bf16/fp16/"
+        "fp32 (dense), nf4/fp4/int8 (bitsandbytes), int4 (the fast path of convo serve --quant int4: "
+        "group-wise int4, static KV slots)",
     )
     parser.add_argument(
         "--kv-slots",
-        type=positive_int,
+        type=non_negative_int,
         default=None,
         help="plan convo serve's static KV slot pool: N slots of each cell's context tokens, taken "
-        "at load; requests beyond N queue instead of taking memory (default: none, i.e. "
-        "transformers' generate with one growing cache per request; with --quant int4: as the "
-        f"engine takes them, up to {DEFAULT_KV_SLOTS} as the memory allows). convo serve uses slots "
-        "by default on CUDA",
+        "at load; requests beyond N queue instead of taking memory; 0: transformers' generate with "
+        "one growing cache per request (default: as convo serve takes them: on CUDA up to "
+        f"{DEFAULT_KV_SLOTS} as the memory allows, on CPU {DEFAULT_CPU_KV_SLOTS} with --quant int4, "
+        "else 0)",
     )
     add_int4_kernel_argument(parser)
     add_kv_host_memory_argument(parser)
@@ -168,8 +181,43 @@ def plan_memory(flag: str | None) -> DeviceMemory:
     )
 
 
+def planned_device(device: str, gpu_memory: str | None) -> str:
+    """The device whose ``convo serve`` defaults ``convo plan`` prices: ``--device``, or
+    ``auto``: ``cuda`` when ``--gpu-memory`` is given or a GPU is visible, else ``cpu``."""
+    if device != "auto":
+        return device
+    return "cuda" if gpu_memory is not None or cuda_device_memory() is not None else "cpu"
+
+
+def serve_quant(quant: str | None, device: str) -> str:
+    """The weight format ``convo serve`` loads on ``device`` for ``--quant`` (``None``: its
+    default, ``auto``): nf4 on CUDA, fp32 on CPU."""
+    return Quant.parse(quant or Quant.AUTO.value).resolved(cuda=device == "cuda").value
+
+
+def serve_kv_slots(kv_slots: int | None, quant: Quant, model_type: str, device: str) -> int | str | None:
+    """The KV slots ``convo serve`` takes (what :class:`~convo.engines.local.TransformersEngine`
+    does with ``kv_slots``): a given count (0: none, plain ``generate``), else on CUDA
+    ``"auto"`` (up to :data:`~convo.models.DEFAULT_KV_SLOTS` as the memory allows) for an
+    architecture the static decoder runs, on CPU :data:`~convo.models.DEFAULT_CPU_KV_SLOTS`
+    for int4, else none.
+
+    Raises:
+        ConfigError: ``--kv-slots 0`` with int4 (which runs only in slots).
+    """
+    if kv_slots == 0:
+        if quant is Quant.INT4:
+            raise ConfigError("--quant int4 runs only on KV slots: --kv-slots must be >= 1")
+        return None
+    if kv_slots is not None:
+        return kv_slots
+    if quant is Quant.INT4:
+        return "auto" if device == "cuda" else DEFAULT_CPU_KV_SLOTS
+    return "auto" if device == "cuda" and model_type in STATIC_DECODE_MODEL_TYPES else None
+
+
 def _build_memory_model(args: argparse.Namespace) -> tuple[VRAMModel, str]:
-    quant = planned_quant(args.quant, None)[0]
+    quant, dtype = planned_quant(args.quant, args.dtype)
     attn = Attn.parse(args.attn)
     cal: Calibration | None = None
     source = str(getattr(args, "calibration", "auto") or "auto")
@@ -182,11 +230,14 @@ def _build_memory_model(args: argparse.Namespace) -> tuple[VRAMModel, str]:
     mm = VRAMModel.from_model(
         args.model,
         quant=quant,
-        dtype=args.dtype,
+        dtype=dtype,
         kv_dtype=args.kv_dtype,
         attn=attn,
         calibration=cal,
-        int4_layouts=INT4_CUDA_LAYOUTS if getattr(args, "int4_kernel", "auto") == "auto" else 1,
+        int4_layouts=INT4_CUDA_LAYOUTS
+        if getattr(args, "int4_kernel", "auto") == "auto"
+        and getattr(args, "planned_device", "cuda") == "cuda"
+        else 1,
     )
     return mm, source
 
@@ -195,8 +246,9 @@ def plan_to_json(plan: Plan, mm: VRAMModel, extra: Mapping[str, Any] | None = No
     """The ``--json`` object (field names are a contract; new ones are only added).
 
     Each cell carries ``headroom_bytes`` (memory minus the reserved peak; negative: over),
-    ``kv_slots``, ``running`` and ``queued``; the plan ``kv_slots`` and
-    ``load_peak_bytes`` (int4: the dense model before quantizing).
+    ``kv_slots``, ``running``, ``queued`` and ``reason`` (``"model max N"``: a context beyond
+    the model's window, never safe); the plan ``kv_slots`` and ``load_peak_bytes`` (int4:
+    the weights kept, one dense layer and its quantization's temporaries).
     """
     return {
         "model": plan.model,
@@ -227,6 +279,8 @@ def _signed_gib(n: int | None) -> str:
 
 
 def _safe_mark(c: CellPrediction) -> str:
+    if c.reason:
+        return f"no ({c.reason})"
     if not c.safe:
         return "NO"
     return f"yes, {c.queued} queue" if c.queued else "yes"
@@ -238,8 +292,11 @@ def render_plan_table(
     *,
     memory_source: str | None = None,
     quant: str | None = None,
+    picks: Mapping[int, ServeFit | str] | None = None,
+    header: str | None = None,
 ) -> str:
-    """The human table of ``convo plan`` (GiB)."""
+    """The human table of ``convo plan`` (GiB); ``picks``: per context, what ``convo serve
+    --gpu-memory`` would take (or why it cannot); ``header``: a line on what is planned."""
     slots = plan.kv_slots is not None
     head = f"{'context':>8} {'conc':>5}" + (f" {'slots':>5}" if slots else "")
     head += f" {'weights':>8} {'kv':>8} {'act':>7} {'alloc':>8} {'reserved':>9}"
@@ -252,11 +309,13 @@ def render_plan_table(
         f"KV {plan.kv_bytes_per_token:,} B/token, memory {memory}, "
         f"calibration: {plan.calibration_source}",
     ]
+    if header:
+        lines.append(header)
     if plan.load_peak_bytes > plan.weights_bytes:
         fits = "fits" if plan.load_peak_bytes <= plan.memory_bytes else "does NOT fit: every cell is NO"
         lines.append(
-            f"loading takes {format_size(plan.load_peak_bytes)} at its peak (the dense model "
-            f"before it is quantized): {fits}"
+            f"loading takes {format_size(plan.load_peak_bytes)} at its peak (int4: the weights kept, "
+            f"one dense layer moved over from host memory and its quantization's temporaries): {fits}"
         )
     if plan.kv_slots == "auto":
         lines.append(
@@ -307,7 +366,55 @@ def render_plan_table(
         "largest safe context per concurrency: "
         + ", ".join(f"{k}: {v}" for k, v in plan.max_safe_context().items())
     )
+    if picks:
+        head = picks_header(plan.memory_bytes)
+        lines.append(head + "; ".join(f"{ctx}: {_pick_text(p)}" for ctx, p in picks.items()))
     return "\n".join(lines)
+
+
+def picks_header(memory_bytes: int) -> str:
+    """The start of the table's line on what ``convo serve --gpu-memory`` would take."""
+    return (
+        f"convo serve --gpu-memory {format_size(memory_bytes)} --budget <context> would take "
+        f"({format_size(headroom_bytes(memory_bytes))} headroom): "
+    )
+
+
+def _pick_text(pick: ServeFit | str) -> str:
+    if isinstance(pick, str):
+        return pick
+    layout = ""
+    if pick.int4_layouts:
+        layout = ", both int4 layouts" if pick.int4_layouts == 2 else ", one int4 layout"
+    return f"{pick.kv_slots} slots{layout} ({_gib(pick.peak_reserved_bytes)} GiB)"
+
+
+def serve_picks(
+    mm: VRAMModel, model: str, contexts: list[int], memory_bytes: int, int4_kernel: str
+) -> dict[int, ServeFit | str]:
+    """Per context, what ``convo serve --gpu-memory memory_bytes --budget <context>`` takes
+    (:func:`~convo.planner.fit.fit_serve`), or why it cannot (a line of text)."""
+    if mm.shape.model_type not in STATIC_DECODE_MODEL_TYPES:
+        return {}
+    config = load_config(model)
+    picks: dict[int, ServeFit | str] = {}
+    for ctx in contexts:
+        if ctx > mm.shape.max_position_embeddings:
+            picks[ctx] = f"no (model max {mm.shape.max_position_embeddings})"
+            continue
+        try:
+            picks[ctx] = fit_serve(
+                config,
+                memory_bytes=memory_bytes,
+                slot_tokens=ctx,
+                quant=mm.quant if mm.quant is not Quant.NONE else mm.compute_dtype.value,
+                kv_dtype=mm.kv_dtype,
+                int4_kernel=int4_kernel,
+                calibration=mm.calibration,
+            )
+        except ConfigError as exc:
+            picks[ctx] = f"refused: {exc}"
+    return picks
 
 
 def run_plan_cli(args: argparse.Namespace) -> int:
@@ -325,12 +432,16 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (16 if measure else 256)
         if new_tokens < 0:
             raise ConfigError("--max-new-tokens must be >= 0")
+        target = planned_device(getattr(args, "device", "auto"), args.gpu_memory)
+        asked_quant = args.quant
+        args.quant = serve_quant(args.quant, target)
+        args.planned_device = target
         mm, _ = _build_memory_model(args)
-        kv_slots: int | str | None = getattr(args, "kv_slots", None)
-        if kv_slots is None and mm.quant is Quant.INT4:
-            kv_slots = "auto"  # int4 runs only on the static decoder: the engine's default slots
-        if kv_slots is not None and mm.kv_dtype is not mm.compute_dtype:
-            raise ConfigError("--kv-dtype: the KV slot pool is in the model's dtype (--dtype)")
+        kv_slots = serve_kv_slots(getattr(args, "kv_slots", None), mm.quant, mm.shape.model_type, target)
+        if measure and args.kv_slots is None and mm.quant is not Quant.INT4:
+            kv_slots = None  # --measure prices transformers' generate
+        if kv_slots is not None and mm.kv_dtype not in (mm.compute_dtype, DType.FP8):
+            raise ConfigError("--kv-dtype: the KV slot pool is in the model's dtype (--dtype) or fp8")
         if measure and kv_slots is not None:
             raise ConfigError("--measure runs transformers' generate: not with --kv-slots or --quant int4")
     except ConfigError as exc:
@@ -346,14 +457,41 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         kv_slots=kv_slots,
     )
     if not measure:
+        picks = serve_picks(mm, args.model, contexts, memory, args.int4_kernel) if target == "cuda" else {}
+        header = _serve_header(asked_quant, getattr(args, "kv_slots", None), mm, kv_slots, target)
         if args.json:
-            extra = {**_memory_json(device), **_host_kv_json(args, kv_slots)}
+            extra = {
+                **_memory_json(device),
+                **_host_kv_json(args, kv_slots),
+                "device": target,
+                "gpu_memory_pick": {
+                    str(k): ({"refused": p} if isinstance(p, str) else p.to_json()) for k, p in picks.items()
+                },
+            }
             print(json.dumps(plan_to_json(plan, mm, extra), indent=2))
         else:
-            print(render_plan_table(plan, memory_source=device.source, quant=_quant_label(mm, args.quant)))
+            label = _quant_label(mm, args.quant)
+            print(
+                render_plan_table(plan, memory_source=device.source, quant=label, picks=picks, header=header)
+            )
             print(_host_kv_line(args, kv_slots))
         return 0
     return _run_measure(args, mm, plan, contexts, concs, device, new_tokens)
+
+
+def _serve_header(
+    asked_quant: str | None, asked_slots: int | None, mm: VRAMModel, kv_slots: int | str | None, device: str
+) -> str | None:
+    """The line saying the plan is convo serve's defaults on ``device``, when it is."""
+    if asked_quant is not None and asked_slots is not None:
+        return None
+    slots = (
+        "plain generate"
+        if kv_slots is None
+        else ("KV slots as the engine takes them" if kv_slots == "auto" else f"{kv_slots} KV slots")
+    )
+    weights = mm.quant.value if mm.quant is not Quant.NONE else mm.compute_dtype.value
+    return f"planned as convo serve runs on {device}: {weights}, {slots} (flags given win)"
 
 
 def _quant_label(mm: VRAMModel, asked: str) -> str:

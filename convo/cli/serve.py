@@ -10,7 +10,14 @@ import sys
 from typing import Any
 
 from convo.budget import Budget
-from convo.cli.common import check_local_model, default_db_path, engine_from_args, local_engine, spinner
+from convo.cli.common import (
+    check_local_model,
+    default_db_path,
+    engine_from_args,
+    local_engine,
+    serve_memory_fit,
+    spinner,
+)
 from convo.embeddings import Embedder, default_model_path
 from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model
 from convo.errors import ConfigError, MissingDependency, ModelLoadError
@@ -93,6 +100,10 @@ def run_server(args: argparse.Namespace) -> int:
         check_local_model(
             args, {"--budget": budget.context_tokens, "--max-new-tokens": budget.max_new_tokens}
         )
+        # --gpu-memory: the slots (and int4 layouts) that fit, or a refusal, before any weight loads
+        fit = serve_memory_fit(args, budget.context_tokens)
+        if fit is not None:
+            print(f"[convo] --gpu-memory: {fit.describe()}", file=sys.stderr, flush=True)
         with spinner("loading model") as update:
             engine = local_engine(args, budget.context_tokens, update)
         name = os.path.basename(str(args.model).rstrip("/")) if args.model else DEFAULT_MODEL_NAME

@@ -238,6 +238,14 @@ class StaticDecoder:
             :class:`~convo.fast.int4.Int4Linear`).
         config: the int4 grid and what is compiled and captured
             (:class:`~convo.fast.config.DecoderConfig`). Default ``DecoderConfig()``.
+        stage: called as ``stage(index, layer)`` with each decoder layer just before the
+            decoder reads it, to bring it onto the decoder's device (the device of the
+            embeddings): the layers may then wait in host memory or on ``meta`` while the
+            rest of the model is on the device, and with ``weights="int4"`` and
+            ``free_dense`` each is quantized and its dense copy freed before the next one
+            comes over, so the dense model never sits on the device whole
+            (:func:`convo.engines.local.loading.layer_stager`). Default ``None``: the whole
+            model is on one device already.
         **legacy: the fields of ``config`` as flat keywords (``group_size=32``), as before:
             deprecated, with a ``DeprecationWarning``, for one release.
 
@@ -254,6 +262,7 @@ class StaticDecoder:
         slot_tokens: int,
         weights: str = "as-loaded",
         config: DecoderConfig | None = None,
+        stage: Callable[[int, Any], None] | None = None,
         **legacy: Any,
     ) -> None:
         (config,) = split_legacy(legacy, [("config", config or DecoderConfig())], owner="StaticDecoder")
@@ -275,12 +284,13 @@ class StaticDecoder:
             raise ConfigError(f"static decode needs a SiLU MLP, not {cfg.hidden_act!r}")
         if weights not in ("as-loaded", "int4"):
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
-        devices = {p.device for p in model.parameters()}
+        base = model.model
+        staged = {id(p) for layer in base.layers for p in layer.parameters()} if stage else set()
+        devices = {p.device for p in model.parameters() if id(p) not in staged}
         if len(devices) > 1:
             raise ConfigError(
                 f"static decode needs the whole model on one device, not {sorted(map(str, devices))}"
             )
-        base = model.model
         self.model = model
         self.device = base.embed_tokens.weight.device
         self.dtype = base.embed_tokens.weight.dtype
@@ -303,7 +313,13 @@ class StaticDecoder:
         self._eps = [round(float(layer.input_layernorm.variance_epsilon) * 1e12) for layer in base.layers]
 
         with torch.no_grad():
-            self.layers = [self._layer(layer, weights, group_size, free_dense) for layer in base.layers]
+            self.layers = []
+            for index, layer in enumerate(base.layers):
+                if stage is not None:
+                    stage(index, layer)
+                self.layers.append(self._layer(layer, weights, group_size, free_dense))
+                if stage is not None and cuda:
+                    empty_device_cache()  # the dense layer's blocks go back: reserved tracks the peak
             self.embed = base.embed_tokens.weight
             self.norm = base.norm.weight
             self.norm_eps = round(float(base.norm.variance_epsilon) * 1e12)

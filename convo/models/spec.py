@@ -336,8 +336,9 @@ def load_config(model: str | os.PathLike[str]) -> dict[str, Any]:
 
     Args:
         model: ``"default"`` (SmolLM2-135M), a ``"random:..."`` name from
-            :data:`BUILTIN_CONFIGS`, a model folder holding ``config.json``, or the path
-            of a ``config.json``.
+            :data:`BUILTIN_CONFIGS`, ``"random:<folder or config.json>"`` (any
+            architecture's config, built with random weights by the engine), a model
+            folder holding ``config.json``, or the path of a ``config.json``.
 
     Returns:
         The config as a dict (always with ``model_type``).
@@ -348,13 +349,13 @@ def load_config(model: str | os.PathLike[str]) -> dict[str, Any]:
     name = str(model)
     if name in BUILTIN_CONFIGS:
         return dict(BUILTIN_CONFIGS[name])
-    path = Path(name).expanduser()
+    path = random_config_path(name) or Path(name).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"no model {name!r}: give a folder with config.json, a config.json, or one of "
-            f"{sorted(BUILTIN_CONFIGS)}"
+            f"no model {name!r}: give a folder with config.json, a config.json, "
+            f"random:<folder or config.json>, or one of {sorted(BUILTIN_CONFIGS)}"
         )
     try:
         cfg = json.loads(path.read_text())
@@ -366,10 +367,35 @@ def load_config(model: str | os.PathLike[str]) -> dict[str, Any]:
     return cfg
 
 
+#: The prefix of a model with random weights: ``random:<built-in name>`` or
+#: ``random:<config folder or config.json>``.
+RANDOM_PREFIX = "random:"
+
+
+def is_random_model(model: str | os.PathLike[str] | None) -> bool:
+    """Whether ``model`` asks for random weights (``random:...``)."""
+    return model is not None and os.fspath(model).startswith(RANDOM_PREFIX)
+
+
+def random_config_path(model: str | os.PathLike[str]) -> Path | None:
+    """The ``config.json`` a ``random:<folder or config.json>`` model names, or ``None``
+    (not ``random:``, or a built-in name). The path need not exist (:func:`load_config`
+    says so)."""
+    name = os.fspath(model)
+    if not name.startswith(RANDOM_PREFIX) or name in BUILTIN_CONFIGS:
+        return None
+    path = Path(name[len(RANDOM_PREFIX) :]).expanduser()
+    return path / "config.json" if path.is_dir() or path.suffix != ".json" else path
+
+
 def model_key(model: str) -> str:
     """A file-name-safe key of a model name or folder (calibration files are named by it)."""
     if model in BUILTIN_CONFIGS:
         return model.replace(":", "-")
+    path = random_config_path(model)
+    if path is not None:
+        folder = path.parent if path.name == "config.json" else path.with_suffix("")
+        return "random-" + re.sub(r"[^A-Za-z0-9._-]+", "_", folder.resolve().name or "config")
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).expanduser().resolve().name or model)
 
 

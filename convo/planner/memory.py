@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -78,6 +79,7 @@ class CellPrediction:
 
     All byte counts are for the whole batch; ``peak_*`` include the weights.
     ``headroom_bytes`` is the device memory minus ``peak_reserved_bytes`` (negative: over).
+    A context beyond the model's own window is never safe: ``reason`` says so.
     """
 
     context: int
@@ -95,6 +97,9 @@ class CellPrediction:
     kv_slots: int | None = None
     running: int = 0  # requests decoding at once (all of them without slots)
     queued: int = 0  # requests waiting for a free slot
+    #: Why the cell cannot run whatever the memory (``safe`` is then False), e.g.
+    #: ``"model max 4096"``: the context is beyond the model's ``max_position_embeddings``.
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         if not self.running:
@@ -210,7 +215,34 @@ class VRAMModel:
         ``NONE`` in their dtype (see :func:`planned_quant`), ``int4`` in groups of
         ``int4_group_size`` inputs, ``int4_layouts`` copies (see :func:`weight_bytes`).
         """
-        cfg = load_config(model)
+        return cls.from_config(
+            load_config(model),
+            quant=quant,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            attn=attn,
+            calibration=calibration,
+            weights_method=weights_method,
+            int4_group_size=int4_group_size,
+            int4_layouts=int4_layouts,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Mapping[str, Any],
+        *,
+        quant: Quant | str = Quant.NONE,
+        dtype: DType | str | None = None,
+        kv_dtype: DType | str | None = None,
+        attn: Attn | str = Attn.SDPA,
+        calibration: Calibration | None = None,
+        weights_method: str = "auto",
+        int4_group_size: int = INT4_GROUP_SIZE,
+        int4_layouts: int = INT4_CUDA_LAYOUTS,
+    ) -> VRAMModel:
+        """Build from a config dict (a ``config.json``'s contents); the other arguments are
+        :meth:`from_model`'s."""
         shape = ModelShape.from_config(cfg)
         q, dt_given = planned_quant(quant, dtype)
         dt = dt_given or (DType.BF16 if q is Quant.INT4 else shape.dtype)
@@ -254,7 +286,7 @@ class VRAMModel:
         """The slots ``TransformersEngine(kv_slots=None)`` takes on a CUDA device of
         ``memory_bytes``: :data:`~convo.models.defaults.DEFAULT_KV_SLOTS`, or fewer
         when they do not fit in :data:`~convo.models.defaults.AUTO_SLOTS_MEMORY_FRACTION`
-        of the memory free after loading (``int4``: the dense model is still there); at least 1."""
+        of the memory free after loading (``int4``: the quantized weights); at least 1."""
         free = memory_bytes - self.weights.loaded_bytes * self.calibration.weights_reserved_ratio
         return max(1, auto_kv_slots(free, self.kv_pool_bytes(1, slot_tokens)))
 
@@ -454,6 +486,9 @@ class VRAMModel:
         safe = None
         if memory_bytes is not None:
             safe = reserved <= memory_bytes and self.weights.load_peak_bytes <= memory_bytes
+        reason = None
+        if cell.context > self.shape.max_position_embeddings:
+            safe, reason = False, f"model max {self.shape.max_position_embeddings}"
         return CellPrediction(
             context=cell.context,
             concurrency=cell.concurrency,
@@ -467,6 +502,7 @@ class VRAMModel:
             phase=phase,
             safe=safe,
             headroom_bytes=None if memory_bytes is None else memory_bytes - reserved,
+            reason=reason,
             **slots,
         )
 

@@ -42,10 +42,12 @@ class WeightReport:
         largest_linear_params: the biggest quantized ``nn.Linear`` (its dequantized copy
             is a prefill temporary).
         method: ``"meta"`` (measured on the meta device) or ``"analytic"``.
-        loaded_bytes: the weights as loaded, before the static decoder is built
-            (``int4``: the dense model); never below ``total_bytes``.
-        load_peak_bytes: the most the weights take while loading (``int4``: the dense
-            model plus the temporaries of quantizing one linear); never below ``total_bytes``.
+        loaded_bytes: the weights on the device once loaded, before the KV slots are
+            taken (``int4``: the quantized weights: the dense model stays in host memory,
+            moved over a layer at a time); never below ``total_bytes``.
+        load_peak_bytes: the most the weights take while loading (``int4``: the weights
+            kept plus one dense layer and the temporaries of quantizing its largest linear,
+            :func:`int4_load_peak_bytes`); never below ``total_bytes``.
     """
 
     total_bytes: int
@@ -121,6 +123,31 @@ def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_s
     return packed + scales_zeros
 
 
+def int4_load_peak_bytes(total_bytes: int, layer_params: int, largest_params: int, dtype: DType) -> int:
+    """The device's peak while int4 weights load layer by layer from host memory.
+
+    ::
+
+        | int4 weights kept (every layer, at most) | one dense layer | largest fused linear's
+        |                                          |  (moved over)   | fused copy + temporaries |
+
+    Args:
+        total_bytes: the weights the decoder keeps (int4 layers, dense embeddings/norms/head).
+        layer_params: parameters of one decoder layer's quantized linears, dense on the
+            device while that layer is quantized.
+        largest_params: the largest fused linear (its concatenated copy, ``dtype`` bytes, and
+            :data:`INT4_QUANTIZE_TEMP_BYTES_PER_PARAM` of temporaries).
+        dtype: the dense dtype.
+
+    Returns:
+        Bytes: ``total + layer * dtype + largest * (dtype + temporaries)``, an upper bound
+        (the last layer's int4 copy is counted while its dense copy still exists).
+    """
+    dense_layer = round_alloc(layer_params * dtype.nbytes)
+    fused = largest_params * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
+    return int(total_bytes + dense_layer + fused)
+
+
 def planned_quant(quant: Quant | str | None, dtype: DType | str | None) -> tuple[Quant, DType | None]:
     """What the memory model prices for a weight format: ``(quant, dtype)``.
 
@@ -153,8 +180,9 @@ def weight_bytes(
         quant: a :class:`~convo.models.quant.Quant`: dense (``none``, ``bf16``...),
             bitsandbytes (``int8``, ``nf4``, ``fp4``) or convo's ``int4`` (the decoder
             layers' linears, fused q/k/v and gate/up, group-wise; embeddings, norms and
-            ``lm_head`` stay dense; the dense copies are freed after quantizing, so
-            ``load_peak_bytes`` is the dense model plus one linear's temporaries).
+            ``lm_head`` stay dense; layers are moved to the device and quantized one at a
+            time, so ``load_peak_bytes`` is the weights kept plus one dense layer and its
+            largest linear's temporaries).
         dtype: dtype of unquantized weights; default: the config's (bf16 for ``int4``,
             what the engine loads it in on CUDA).
         double_quant: nf4/fp4 with ``bnb_4bit_use_double_quant``.
@@ -284,7 +312,10 @@ def _weight_bytes_meta(
                 continue
             seen.add(id(buf))
             ubytes += round_alloc(buf.numel() * buf.element_size())
-    return _weight_report("meta", quant, dtype, qbytes, qparams, ubytes, uparams, largest)
+    layers = max(len(model.model.layers), 1) if quant is Quant.INT4 else 1
+    return _weight_report(
+        "meta", quant, dtype, qbytes, qparams, ubytes, uparams, largest, -(-qparams // layers)
+    )
 
 
 def _weight_report(
@@ -296,17 +327,19 @@ def _weight_report(
     ubytes: int,
     uparams: int,
     largest: int,
+    layer_params: int = 0,
 ) -> WeightReport:
     """The report of weights counted by ``method``: ``qparams`` quantized parameters in
     ``qbytes``, ``uparams`` others in ``ubytes``, the largest quantized linear's
-    parameters. int4 loads the model dense, then quantizes linear by linear (freeing each
-    dense copy): its load peak is the dense model plus the temporaries of the first,
-    largest linear."""
+    parameters. int4 on CUDA loads the dense model into host memory and moves it to the
+    device one decoder layer at a time, quantizing that layer there and freeing its dense
+    copy (:func:`convo.engines.local.loading.stage_layer`): the device never holds more
+    than the weights it keeps, one dense layer (``layer_params``) and the temporaries of
+    quantizing that layer's largest fused linear (:func:`int4_load_peak_bytes`)."""
     load: dict[str, int] = {}
     if quant is Quant.INT4:
-        dense = ubytes + round_alloc(qparams * dtype.nbytes)
-        peak = dense + largest * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
-        load = {"loaded_bytes": dense, "load_peak_bytes": int(peak)}
+        peak = int4_load_peak_bytes(qbytes + ubytes, layer_params, largest, dtype)
+        load = {"loaded_bytes": qbytes + ubytes, "load_peak_bytes": peak}
     return WeightReport(
         total_bytes=qbytes + ubytes,
         quantized_params=qparams,
@@ -348,4 +381,5 @@ def _weight_bytes_analytic(
             qparams += o * n
             largest = max(largest, o * n)
     ubytes = round_alloc(uparams * elem)
-    return _weight_report("analytic", quant, dtype, qbytes, qparams, ubytes, uparams, largest)
+    layer_params = -(-qparams // max(shape.num_layers, 1))
+    return _weight_report("analytic", quant, dtype, qbytes, qparams, ubytes, uparams, largest, layer_params)

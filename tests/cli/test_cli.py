@@ -93,6 +93,8 @@ def test_plan_json_contract() -> None:
         "24GiB",
         "--quant",
         "nf4",
+        "--kv-slots",
+        "0",
         "--json",
     )
     assert out.returncode == 0, out.stderr
@@ -547,3 +549,26 @@ def test_serve_checks_its_budget_and_port_before_loading(tmp_path: Path) -> None
         f"--port {port}: cannot listen on 127.0.0.1:{port}" in taken.stderr
         and "loading model" not in taken.stderr
     )
+
+
+def test_serve_sizes_itself_to_a_memory_limit_and_refuses_before_loading(tmp_path: Path) -> None:
+    """`convo serve --gpu-memory` picks the slots that fit; a setting that cannot fit exits 2
+    before anything loads, naming the largest that does."""
+    db = ["--db", str(tmp_path / "s.db"), "--port", "0"]
+    llama = f"random:{Path(__file__).resolve().parents[2] / 'benchmarks' / 'configs' / 'llama-2-7b'}"
+    over = run_cli(
+        "serve", "--model", llama, "--quant", "int4", "--kv-slots", "30", "--gpu-memory", "16GiB", *db
+    )
+    assert over.returncode == 2, over.stderr[-1500:]
+    assert "--kv-slots 30 of 2048 tokens (int4) needs" in over.stderr
+    assert "the largest safe setting is --kv-slots 9" in over.stderr and "loading model" not in over.stderr
+    both = run_cli("serve", "--gpu-memory", "16GiB", "--gpu-memory-utilization", "0.9", *db)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if not torch.cuda.is_available():  # a setting that fits, on a machine with no GPU
+            fits = run_cli("serve", "--model", llama, "--quant", "int4", "--gpu-memory", "16GiB", *db)
+            assert fits.returncode == 2 and "sizes a CUDA server" in fits.stderr, fits.stderr[-1500:]

@@ -21,6 +21,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, PREFILL_GRAPH_TOKENS
 from convo.models.quant import INT4_GROUP_SIZE, INT4_KERNELS, check_int4_group_size
+from convo.planner.fit import memory_limit_bytes
 
 #: What ``LoadConfig.tool_parser`` (and ``--tool-parser``) take.
 TOOL_PARSER_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "none")
@@ -113,6 +114,15 @@ class KVConfig:
             dropped. ``None`` (default):
             :func:`~convo.models.defaults.default_kv_host_memory` (a quarter of the RAM, at
             most half of what is free at load); 0: evicted KV is dropped.
+        gpu_memory: size the engine to this much device memory (bytes, or a size with a
+            unit: ``"24GiB"``): the planner picks the KV slots, and with int4 one weight
+            layout or both, to fit under it with a headroom
+            (:func:`convo.planner.fit.fit_serve`), before any weight loads; a setting that
+            cannot fit raises :class:`~convo.errors.ConfigError` naming the largest safe
+            one. A given ``kv_slots`` (and ``LoadConfig.int4_kernel``) wins and is checked.
+            CUDA only. Default ``None``: the default slots (up to 8, as memory allows).
+        gpu_memory_utilization: the same as a share of the device's total memory (vLLM's
+            spelling, e.g. 0.9); not with ``gpu_memory``.
 
     Raises:
         ConfigError: a count or size out of range.
@@ -127,10 +137,14 @@ class KVConfig:
     max_cached_sessions: int = 8
     cache_idle_s: float = 600.0
     kv_host_memory: int | None = None
+    gpu_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_host_memory is not None and self.kv_host_memory < 0:
             raise ConfigError("kv_host_memory must be >= 0 bytes")
+        if self.gpu_memory is not None or self.gpu_memory_utilization is not None:
+            memory_limit_bytes(self.gpu_memory, self.gpu_memory_utilization, 1)  # validated here
         if self.prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
         if self.max_cached_sessions < 0:

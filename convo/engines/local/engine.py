@@ -37,7 +37,16 @@ import convo.fast as fast  # its torch-importing StaticDecoder loads on first us
 from convo.engines.base import Engine, GenerateOptions, GenerateRequest, KVBackend, KVCall, TextStream
 from convo.engines.local.config import KVConfig, LoadConfig
 from convo.engines.local.kv import DynamicKV, SlotKV
-from convo.engines.local.loading import default_model_path, progress_bars, resolve_model
+from convo.engines.local.loading import (
+    default_model_path,
+    layer_stager,
+    memory_fit,
+    move_all_but_layers,
+    pending_int4_bytes,
+    progress_bars,
+    resolve_model,
+    sized_configs,
+)
 from convo.engines.local.toolreply import (
     SPECIAL_MARKER_FAMILIES,
     ToolReply,
@@ -64,7 +73,7 @@ from convo.models.defaults import (
 from convo.models.generation import FinishReason, Generation, GenerationStats
 from convo.models.legacy import split_legacy
 from convo.models.quant import Quant
-from convo.models.random_model import build_random_model
+from convo.models.random_model import build_random_model, init_random_layer
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.tokens import HFTokenCounter
 from convo.tools import ToolParser
@@ -81,6 +90,23 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _config_before_loading(model: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The config of ``model`` read without loading it (a built-in or ``random:`` name, a
+    folder or ``config.json``; the embedded default's built-in twin), or ``None`` (a hub id,
+    a GGUF file: sized from the loaded model's config instead)."""
+    name = "default" if model is None else os.fspath(model)
+    try:
+        return load_config(name)
+    except ConfigError:
+        return None
+
+
+def _device_total(device: str) -> int | None:
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[1]) if torch.cuda.is_available() else None
 
 
 def _close_at_exit(ref: weakref.ref[TransformersEngine]) -> None:
@@ -254,17 +280,47 @@ class TransformersEngine(Engine):
         #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
         self.kv_host_memory = default_kv_host_memory() if kv.kv_host_memory is None else kv.kv_host_memory
         self._vocab_limit: int | None = None
+        cuda = self.device.startswith("cuda")
+        #: How the engine was sized to ``kv.gpu_memory`` (:class:`~convo.planner.fit.ServeFit`), or None.
+        self.memory_fit = None
+        config = loaded[0].config.to_dict() if loaded is not None else _config_before_loading(model)
+        if (kv.gpu_memory is not None or kv.gpu_memory_utilization is not None) and not cuda:
+            raise ConfigError("gpu_memory sizes a CUDA device; on CPU pass kv_slots")
+        if config is not None and cuda:
+            self.memory_fit = memory_fit(
+                config, kv=kv, load=load, quant=self.quant, max_input_tokens=max_input_tokens,
+                device_total_bytes=_device_total(self.device), kv_dtype=getattr(kv, "kv_dtype", None),
+            )  # fmt: skip
+            kv, load = self._sized(kv, load, progress)
+        # int4 on CUDA: the dense model waits in host memory (or on meta, random weights) and
+        # the static decoder moves and quantizes one layer at a time (loading.layer_stager).
+        self._staged = self.quant is Quant.INT4 and cuda and load.device_map is None and loaded is None
+        self._random_weights = False
         if loaded is not None:
             self.model, self.tokenizer = loaded
             self.model_path = "<in-memory>"
         elif str(model).startswith("random:"):
             self.model, self.tokenizer = self._random(str(model), load.attn_implementation, progress)
             self.model_path = str(model)
+            self._random_weights = True
         else:
             self.model_path = resolve_model(model, progress=progress)
             self.model, self.tokenizer = self._load(
-                self.model_path, load.device_map, load.offload_folder, load.attn_implementation, progress
+                self.model_path,
+                "cpu" if self._staged else load.device_map,
+                load.offload_folder,
+                load.attn_implementation,
+                progress,
             )
+            if self._staged:
+                move_all_but_layers(self.model, self.device)
+        if config is None and cuda and self.memory_fit is None:  # a hub id: sized from what loaded
+            self.memory_fit = memory_fit(
+                self.model.config.to_dict(), kv=kv, load=load, quant=self.quant,
+                max_input_tokens=max_input_tokens, device_total_bytes=_device_total(self.device),
+                kv_dtype=getattr(kv, "kv_dtype", None),
+            )  # fmt: skip
+            kv, load = self._sized(kv, load, progress)
         self.model.eval()
         self._counter = HFTokenCounter(self.tokenizer)
         #: How tool calls are read out of this model's replies (``None``: no tools).
@@ -321,6 +377,19 @@ class TransformersEngine(Engine):
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- loading ---------------------------------------------------------------------------------
+    def _sized(
+        self, kv: KVConfig, load: LoadConfig, progress: Callable[[str], None] | None
+    ) -> tuple[KVConfig, LoadConfig]:
+        """``kv`` and ``load`` with what :attr:`memory_fit` picked (unchanged without one)."""
+        if self.memory_fit is None:
+            return kv, load
+        kv, load = sized_configs(self.memory_fit, kv, load)
+        self.load_config, self.kv_config = load, kv
+        logger.info("sized to the memory limit: %s", self.memory_fit.describe())
+        if progress:
+            progress(f"sized to the memory limit: {self.memory_fit.describe()}")
+        return kv, load
+
     @property
     def compute_dtype(self) -> Any:
         import torch
@@ -399,7 +468,9 @@ class TransformersEngine(Engine):
         dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
         if progress:
             progress(f"building {name} with random weights ({self.quant.value}, {self.device})")
-        model = build_random_model(config, quant=quant, dtype=dtype, attn=Attn(attn), device=self.device)
+        model = build_random_model(
+            config, quant=quant, dtype=dtype, attn=Attn(attn), device=self.device, staged_layers=self._staged
+        )
         tokenizer = AutoTokenizer.from_pretrained(
             str(default_model_path(progress=progress)), local_files_only=True
         )
@@ -436,6 +507,10 @@ class TransformersEngine(Engine):
             import torch
 
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            if self._staged:  # the int4 layers are still to come over from host memory
+                free -= pending_int4_bytes(
+                    self.model.config.to_dict(), int4_kernel=self.int4_kernel, group_size=self.int4_group_size
+                )
             kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
             if kv_slots < 1 and self.quant is not Quant.INT4:
                 return None  # not even one slot fits: plain generate, whose cache grows as needed
@@ -456,6 +531,9 @@ class TransformersEngine(Engine):
                     free_dense=self.quant is Quant.INT4,
                     mixed_chunk_tokens=self.interleave_tokens,
                 ),
+                stage=layer_stager(self.device, init=init_random_layer if self._random_weights else None)
+                if self._staged
+                else None,
             )
         except ConfigError:
             if auto and self.quant is not Quant.INT4:

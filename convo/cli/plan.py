@@ -327,8 +327,8 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         kv_slots: int | str | None = getattr(args, "kv_slots", None)
         if kv_slots is None and mm.quant is Quant.INT4:
             kv_slots = "auto"  # int4 runs only on the static decoder: the engine's default slots
-        if kv_slots is not None and mm.kv_dtype is not mm.compute_dtype:
-            raise ConfigError("--kv-dtype: the KV slot pool is in the model's dtype (--dtype)")
+        if kv_slots is not None and mm.kv_dtype not in (mm.compute_dtype, DType.FP8):
+            raise ConfigError("--kv-dtype: the KV slot pool is in the model's dtype (--dtype) or fp8")
         if measure and kv_slots is not None:
             raise ConfigError("--measure runs transformers' generate: not with --kv-slots or --quant int4")
     except ConfigError as exc:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError
-from convo.models.defaults import kv_pool_bytes
+from convo.models.defaults import FP8_KV_SCALE_BYTES, kv_pool_bytes
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,18 @@ class _Slot:
 class KVSlotPool:
     """Preallocated KV memory: ``slots`` caches of ``slot_tokens`` tokens each.
 
-    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``.
-    The pool answers who may use which slot; the scheduler decides when to ask.
+    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``;
+    an fp8 pool (``dtype=torch.float8_e4m3fn``) also holds ``k_scale[layer]`` and
+    ``v_scale[layer]``, float32 ``[slots, kv_heads, slot_tokens]``: one scale per token and
+    head (:func:`convo.fast.kernels.quantize_kv`). :attr:`tensors` lists every tensor, each
+    indexed by slot first. The pool answers who may use which slot; the scheduler decides
+    when to ask.
 
     Args:
         num_layers, num_kv_heads, head_dim: from the model config.
         slots: sessions that can hold KV at once.
         slot_tokens: tokens one slot holds (prompt + reply): the session budget.
-        dtype, device: the model's KV dtype and device.
+        dtype, device: the KV dtype (the model's, or ``torch.float8_e4m3fn``) and device.
 
     Example:
         >>> pool = KVSlotPool(num_layers=2, num_kv_heads=1, head_dim=8, slots=2,
@@ -74,16 +78,28 @@ class KVSlotPool:
         shape = (slots, num_kv_heads, slot_tokens, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: Whether K/V are fp8 with per token and head scales (:attr:`k_scale`, :attr:`v_scale`).
+        self.scaled = dtype == torch.float8_e4m3fn
+        n = num_layers if self.scaled else 0
+        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
+        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
         self._table = [_Slot() for _ in range(slots)]
         self._lock = threading.Lock()
 
     @staticmethod
     def predicted_nbytes(
-        *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: float
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        slots: int,
+        slot_tokens: int,
+        dtype_bytes: float,
+        scaled: bool = False,
     ) -> int:
-        """``2 x layers x slots x kv_heads x slot_tokens x head_dim x dtype bytes``: the one
-        pool-size formula, :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a
-        pool with it too)."""
+        """``2 x layers x slots x kv_heads x slot_tokens x (head_dim x dtype bytes + scale
+        bytes)`` (``scaled``: an fp8 pool's float32 scales): the one pool-size formula,
+        :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a pool with it too)."""
         return kv_pool_bytes(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -91,12 +107,19 @@ class KVSlotPool:
             slots=slots,
             slot_tokens=slot_tokens,
             dtype_bytes=dtype_bytes,
+            scale_bytes=FP8_KV_SCALE_BYTES if scaled else 0,
         )
 
     @property
+    def tensors(self) -> list[Any]:
+        """Every tensor of the pool (K, V, and an fp8 pool's scales), each indexed by slot
+        first: slot ``i``'s state is ``[t[i] for t in pool.tensors]``."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the K and V tensors (measured from the tensors)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes of the pool's tensors (K, V and any scales; measured from the tensors)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @property
     def slot_nbytes(self) -> int:

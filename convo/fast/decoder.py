@@ -655,7 +655,6 @@ class StaticDecoder:
         rows = len(tokens)
         sizes = [c.end - c.start for c in chunks]
         shape = (self.heads, self.kv_heads, self.head_dim)
-        gqa = self.kv_heads != self.heads
         with torch.inference_mode():
             flat = [*tokens, *(t for c in chunks for t in c.ids[c.start : c.end])]
             where = [*positions, *(p for c in chunks for p in range(c.start, c.end))]
@@ -678,26 +677,8 @@ class StaticDecoder:
                     outs.append(a.reshape(rows, -1))
                 off = rows
                 for c, n, mask in zip(chunks, sizes, masks, strict=True):
-                    qc = q[off : off + n].transpose(0, 1)[None]
-                    if not sc:
-                        k_cache[c.slot, :, c.start : c.end] = k[off : off + n].transpose(0, 1)
-                        v_cache[c.slot, :, c.start : c.end] = v[off : off + n].transpose(0, 1)
-                        kc, vc = k_cache[c.slot, :, : c.end][None], v_cache[c.slot, :, : c.end][None]
-                    else:  # fp8: quantized in, dequantized out (SDPA reads the model's dtype)
-                        at = dev[1, off : off + n]
-                        self._store(i, at.new_full((n,), c.slot), at, k[off : off + n], v[off : off + n])
-                        ks, vs = sc["k_scale"][c.slot, :, : c.end], sc["v_scale"][c.slot, :, : c.end]
-                        kc = dequantize_kv(k_cache[c.slot, :, : c.end], ks, self.dtype)[None]
-                        vc = dequantize_kv(v_cache[c.slot, :, : c.end], vs, self.dtype)[None]
-                    if mask is None:
-                        a = F.scaled_dot_product_attention(
-                            qc, kc, vc, is_causal=True, scale=layer.scale, enable_gqa=gqa
-                        )
-                    else:
-                        a = F.scaled_dot_product_attention(
-                            qc, kc, vc, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
-                        )
-                    outs.append(a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+                    part = slice(off, off + n)
+                    outs.append(self._chunk_eager(i, c, q[part], k[part], v[part], dev[1, part], mask))
                     off += n
                 a = outs[0] if len(outs) == 1 else torch.cat(outs)
                 x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
@@ -709,6 +690,40 @@ class StaticDecoder:
             h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
             logits = self.lm_head(h).float()
             return (logits[:rows] if rows else None), list(logits[rows:].unbind(0))
+
+    def _chunk_eager(self, i: int, c: PrefillChunk, q: Any, k: Any, v: Any, positions: Any, mask: Any) -> Any:
+        """Layer ``i``'s K/V of chunk ``c`` (``[n, kv_heads, head_dim]``, at ``positions``)
+        written into its slot, and the chunk's attention over the slot's first ``c.end``
+        tokens, causal from ``c.start`` (``mask``: ``None`` from position 0), as
+        ``[n, heads * head_dim]``: SDPA on the slot's K/V; an fp8 pool's through the chunk
+        kernel on CUDA (in place), dequantized for SDPA elsewhere."""
+        import torch.nn.functional as F
+
+        k_cache, v_cache, sc = self._kv_layer(i)
+        n, scale = q.shape[0], self.layers[i].scale
+        if not sc:
+            k_cache[c.slot, :, c.start : c.end] = k.transpose(0, 1)
+            v_cache[c.slot, :, c.start : c.end] = v.transpose(0, 1)
+            kc, vc = k_cache[c.slot, :, : c.end][None], v_cache[c.slot, :, : c.end][None]
+        else:
+            self._store(i, positions.new_full((n,), c.slot), positions, k, v)
+            if q.device.type == "cuda":
+                slot = positions.new_full((1,), c.slot)
+                return chunk_attention(q, k_cache, v_cache, slot, positions[:1], scale=scale, **sc).reshape(
+                    n, -1
+                )
+            kc = dequantize_kv(k_cache[c.slot, :, : c.end], sc["k_scale"][c.slot, :, : c.end], self.dtype)[
+                None
+            ]
+            vc = dequantize_kv(v_cache[c.slot, :, : c.end], sc["v_scale"][c.slot, :, : c.end], self.dtype)[
+                None
+            ]
+        qc, gqa = q.transpose(0, 1)[None], self.kv_heads != self.heads
+        if mask is None:
+            a = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            a = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def mixed_step(
         self,

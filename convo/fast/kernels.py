@@ -310,6 +310,19 @@ def is_fp8(t: Any) -> bool:
     return getattr(t, "dtype", t) == torch.float8_e4m3fn
 
 
+def native_fp8(device: Any) -> bool:
+    """Whether Triton has an fp8 type on ``device``: CUDA from compute capability 8.9
+    (Ada, Hopper), and its interpreter. Elsewhere the attention kernels read an fp8 pool's
+    bytes and decode them (``e4m3`` into ``float16`` bits; the kernels take ``uint8``
+    views of the caches that way anywhere), and K/V are written by torch."""
+    import torch
+
+    if _interpreting():
+        return True
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def quantize_kv(x: Any) -> tuple[Any, Any]:
     """``x`` ``[..., head_dim]`` as fp8 (e4m3) values and one float32 scale per head
     vector ``[...]``: ``x ~ q.float() * scale[..., None]``, ``scale = amax(|x|) / 448``
@@ -350,7 +363,7 @@ def store_kv(
     tests check the kernel there on values exact in fp8 (:func:`_store_kv_kernel`).
     """
     caches = (k_cache, v_cache, k_scale, v_scale)
-    if k.device.type == "cuda" and _store_kv_kernel(*caches, slots, positions, k, v):
+    if k.device.type == "cuda" and native_fp8(k.device) and _store_kv_kernel(*caches, slots, positions, k, v):
         return
     import torch
 
@@ -406,7 +419,7 @@ def _triton_kernels() -> dict[str, Any] | None:
         stride_vs, stride_vh, stride_vt,
         stride_ss, stride_sh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        NSPLIT: tl.constexpr, SCALED: tl.constexpr,
+        NSPLIT: tl.constexpr, SCALED: tl.constexpr, BYTES: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -431,6 +444,10 @@ def _triton_kernels() -> dict[str, Any] | None:
             valid = offs_n < end
             k_ptr = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
             k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
+            if BYTES:  # e4m3 bytes s eeee mmm as float16 bits s 0eeee mmm0000000: value / 2**8
+                kb = k.to(tl.int16)
+                kb = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                k = kb.to(tl.float32) * 256.0
             s = tl.sum(k.to(tl.float32) * q[None, :], 1)
             if SCALED:
                 s = s * tl.load(KS + s_off + offs_n, mask=valid, other=0.0)
@@ -441,6 +458,10 @@ def _triton_kernels() -> dict[str, Any] | None:
             alpha = tl.exp(m_i - m_safe)
             v_ptr = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
             v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
+            if BYTES:  # e4m3 bytes s eeee mmm as float16 bits s 0eeee mmm0000000: value / 2**8
+                vb = v.to(tl.int16)
+                vb = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                v = vb.to(tl.float32) * 256.0
             pv = p
             if SCALED:  # V's scales weigh the probabilities (the sum l_i takes p as it is)
                 pv = p * tl.load(VS + s_off + offs_n, mask=valid, other=0.0)
@@ -480,7 +501,7 @@ def _triton_kernels() -> dict[str, Any] | None:
         stride_ss, stride_sh,
         stride_ot, stride_oh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SCALED: tl.constexpr,
+        SCALED: tl.constexpr, BYTES: tl.constexpr,
     ):  # fmt: skip
         mb = tl.program_id(0)
         h = tl.program_id(1)
@@ -508,7 +529,12 @@ def _triton_kernels() -> dict[str, Any] | None:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < hi
             k_ptr = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
-            k = tl.load(k_ptr, mask=n_valid[:, None], other=0.0).to(q.dtype)  # fp8: exact
+            k = tl.load(k_ptr, mask=n_valid[:, None], other=0.0)
+            if BYTES:  # e4m3 bytes s eeee mmm as float16 bits s 0eeee mmm0000000: value / 2**8
+                kb = k.to(tl.int16)
+                kb = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                k = kb.to(tl.float32) * 256.0
+            k = k.to(q.dtype)  # fp8 in bf16: exact
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
             if SCALED:
                 s = s * tl.load(KS + s_off + offs_n, mask=n_valid, other=0.0)[None, :]
@@ -519,7 +545,12 @@ def _triton_kernels() -> dict[str, Any] | None:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v_ptr = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
-            v = tl.load(v_ptr, mask=n_valid[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr, mask=n_valid[:, None], other=0.0)
+            if BYTES:  # e4m3 bytes s eeee mmm as float16 bits s 0eeee mmm0000000: value / 2**8
+                vb = v.to(tl.int16)
+                vb = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                v = vb.to(tl.float32) * 256.0
+            v = v.to(q.dtype)
             pv = p
             if SCALED:  # V's scales weigh the probabilities (the sum l_i takes p as it is)
                 pv = p * tl.load(VS + s_off + offs_n, mask=n_valid, other=0.0)[None, :]
@@ -596,6 +627,8 @@ def decode_attention(
 
     scaled = k_scale is not None
     ks, vs = (k_scale, v_scale) if scaled else (k_cache, v_cache)  # unread without scales
+    if scaled and not native_fp8(q.device):  # the kernel decodes the bytes itself
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     batch, heads, dim = q.shape
     kv_heads, slot_tokens = k_cache.shape[1], k_cache.shape[2]
     nsplit = math.ceil(slot_tokens / ATTENTION_SPLIT_TOKENS)
@@ -613,7 +646,8 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1),
         GROUP=heads // kv_heads, D=dim, BLOCK_N=min(ATTENTION_BLOCK_TOKENS, ATTENTION_SPLIT_TOKENS),
-        SPLIT=ATTENTION_SPLIT_TOKENS, NSPLIT=nsplit, SCALED=scaled, **extra,
+        SPLIT=ATTENTION_SPLIT_TOKENS, NSPLIT=nsplit, SCALED=scaled, BYTES=k_cache.dtype == torch.uint8,
+        **extra,
     )  # fmt: skip
     kernels["combine"][(batch * heads,)](
         acc, m, lse, out, NSPLIT=nsplit, NSPLIT_P2=_next_power_of_2(nsplit), D=dim
@@ -690,6 +724,8 @@ def chunk_attention(
 
     scaled = k_scale is not None
     ks, vs = (k_scale, v_scale) if scaled else (k_cache, v_cache)  # unread without scales
+    if scaled and not native_fp8(q.device):  # the kernel decodes the bytes itself
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _, block_m, block_n, warps, stages = cfg
     kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -702,7 +738,8 @@ def chunk_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled, **extra,
+        GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled,
+        BYTES=k_cache.dtype == torch.uint8, **extra,
     )  # fmt: skip
     return out
 

@@ -8,10 +8,10 @@ read):
 * **perplexity** of a fixed text: the first ``--tokens`` tokens (3,072) of the repository's
   ``README.md`` (or ``--text``), its sha256 in the JSON. One prefill with the logits of every
   token, chunks of 512: every attention input comes back out of the pool (fp8: quantized,
-  then dequantized). For the model in float32 (``kv fp32`` vs ``fp8``) and cast to bf16
-  (``kv bf16`` vs ``fp8``), and ``fp8-unscaled`` (benchmark-only: e4m3 without scales, the
-  scale of 1.0 that an uncalibrated per-tensor scheme uses), to show what the per-token
-  and head scales buy.
+  then dequantized). For the model in float32 (``kv fp32`` vs ``fp8``; ``--dtypes
+  fp32,bf16`` adds the model cast to bf16, ``kv bf16`` vs ``fp8``), and ``fp8-unscaled``
+  (benchmark-only: e4m3 without scales, the scale of 1.0 that an uncalibrated per-tensor
+  scheme uses), to show what the per-token and head scales buy.
 * **greedy token agreement** over a scripted multi-turn chat (``examples/demo_turns.txt``,
   then three more turns, up to ``--reply-tokens`` per reply): the reference (model-dtype
   K/V) chats greedily; fp8 then reads the same transcript, and at every reply token we ask
@@ -24,7 +24,7 @@ bf16 K/V and fp8 K/V, captured graphs on both; the pools' measured and predicted
 dynamo graphs and captures after warm-up (0 new). Target: decode within 5 % of bf16 KV,
 prefill unchanged.
 
-    python benchmarks/kv_fp8.py                     # CPU accuracy, ~10 min on 2 cores
+    python benchmarks/kv_fp8.py                     # CPU accuracy, ~15 min on 2 idle cores
     python benchmarks/kv_fp8.py --cuda --out benchmarks/results
 
 Prints one JSON object (and writes ``kv_fp8_<cpu|cuda>.json`` under ``--out``).
@@ -345,7 +345,7 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true", help="time decode and prefill on the GPU")
     p.add_argument("--text", default=str(ROOT / "README.md"), help="the perplexity text (default README.md)")
     p.add_argument("--tokens", type=int, default=3072, help="tokens of the text to score")
-    p.add_argument("--dtypes", default="fp32,bf16", help="model dtypes for the accuracy runs")
+    p.add_argument("--dtypes", default="fp32", help="model dtypes for the accuracy runs (fp32,bf16)")
     p.add_argument("--reply-tokens", type=int, default=64, help="most tokens of one chat reply")
     p.add_argument("--model", default="random:llama-2-7b", help="--cuda: the architecture (random weights)")
     p.add_argument("--weights", default="int4", choices=["int4", "as-loaded"], help="--cuda: int4 or bf16")

@@ -23,6 +23,7 @@ from convo.engines.local.loading import DEFAULT_MODEL_NAME, check_model, default
 from convo.engines.openai import OpenAIEngine
 from convo.errors import ConfigError, ConvoError
 from convo.models import BUILTIN_CONFIGS, INT4_KERNELS, Quant, format_size, load_config
+from convo.models.defaults import KV_DTYPE_CHOICES
 from convo.models.spec import random_config_path
 from convo.models.units import parse_size
 from convo.paths import cache_dir
@@ -153,6 +154,14 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
             " short; on CPU 0, plain generate, or 2 with --quant int4; 0 = off)"
         ),
     )
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPE_CHOICES,
+        help="how the KV slots store K/V: auto (the model's dtype) or fp8 (e4m3 with a scale per "
+        "token and head: about half the bytes of bf16, twice the slots; needs slots, so on CPU it "
+        "takes 2 by default)",
+    )
     add_int4_kernel_argument(parser)
     parser.add_argument(
         "--tool-parser",
@@ -204,6 +213,7 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         quant=args.quant,
         device=getattr(args, "device", None),
         kv_slots=getattr(args, "kv_slots", None),
+        kv_dtype=getattr(args, "kv_dtype", "auto"),
         slot_tokens=context_tokens,
         int4_kernel=getattr(args, "int4_kernel", "auto"),
         tool_parser=getattr(args, "tool_parser", "auto"),

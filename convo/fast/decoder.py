@@ -17,9 +17,16 @@ import torch
 from convo.errors import ConfigError
 from convo.fast.config import DecoderConfig
 from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
-from convo.fast.kernels import _interpreting, _w4_op, chunk_attention, decode_attention
+from convo.fast.kernels import (
+    _interpreting,
+    _w4_op,
+    chunk_attention,
+    decode_attention,
+    dequantize_kv,
+    store_kv,
+)
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
-from convo.models.defaults import MIXED_CHUNK_TOKENS
+from convo.models.defaults import KV_DTYPE_CHOICES, MIXED_CHUNK_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.legacy import split_legacy
 from convo.models.quant import int4_group_size
@@ -232,6 +239,11 @@ class StaticDecoder:
         model: a loaded ``*ForCausalLM`` of a supported type (:data:`SUPPORTED_MODEL_TYPES`).
         slots: KV slots (sessions generating or cached at once). Default 8.
         slot_tokens: tokens per slot: prompt + reply of one session (its budget).
+        kv_dtype: how the pool stores K/V (:data:`~convo.models.defaults.KV_DTYPE_CHOICES`):
+            ``"auto"`` (default) in the model's dtype; ``"fp8"`` as float8 e4m3 with a
+            float32 scale per token and head, about half the bytes of bf16 (the
+            attention kernels read it directly; without them, on CPU, it is dequantized
+            for SDPA: fp8 storage emulated).
         weights: ``"as-loaded"`` (default: the model's own weights; plain linears are
             fused q/k/v and gate/up, quantized modules such as bitsandbytes' are called as
             they are) or ``"int4"`` (quantize plain linears to
@@ -251,7 +263,7 @@ class StaticDecoder:
 
     Raises:
         ConfigError: unsupported architecture (sliding-window attention shorter than a
-            slot, an unknown model type, a non-SwiGLU MLP).
+            slot, an unknown model type, a non-SwiGLU MLP), an unknown ``kv_dtype``.
     """
 
     def __init__(
@@ -260,6 +272,7 @@ class StaticDecoder:
         *,
         slots: int = 8,
         slot_tokens: int,
+        kv_dtype: str = "auto",
         weights: str = "as-loaded",
         config: DecoderConfig | None = None,
         stage: Callable[[int, Any], None] | None = None,
@@ -282,6 +295,8 @@ class StaticDecoder:
             raise ConfigError(f"sliding window {window} < slot_tokens {slot_tokens}: not supported")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ConfigError(f"static decode needs a SiLU MLP, not {cfg.hidden_act!r}")
+        if kv_dtype not in KV_DTYPE_CHOICES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, not {kv_dtype!r}")
         if weights not in ("as-loaded", "int4"):
             raise ConfigError(f"weights must be 'as-loaded' or 'int4', not {weights!r}")
         base = model.model
@@ -335,13 +350,16 @@ class StaticDecoder:
         if cuda:
             torch.cuda.synchronize(self.device)
         allocated_before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        #: How the pool stores K/V: ``"auto"`` (the model's dtype) or ``"fp8"``.
+        self.kv_dtype = kv_dtype
+        pool_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else self.dtype
         self.pool = KVSlotPool(
             num_layers=len(self.layers),
             num_kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             slots=slots,
             slot_tokens=slot_tokens,
-            dtype=self.dtype,
+            dtype=pool_dtype,
             device=self.device,
         )
         #: Device bytes the pool took, measured with ``torch.cuda.memory_allocated`` (CUDA),
@@ -355,7 +373,8 @@ class StaticDecoder:
             head_dim=self.head_dim,
             slots=slots,
             slot_tokens=slot_tokens,
-            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            dtype_bytes=torch.empty((), dtype=pool_dtype).element_size(),
+            scaled=self.pool.scaled,
         )
         self.compiled = (cuda and not self.modules) if compile is None else compile
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
@@ -612,16 +631,14 @@ class StaticDecoder:
         pw = self._static_pw
         for i, layer in enumerate(self.layers):
             q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]), pw)
-            k_cache, v_cache = self.pool.k[i], self.pool.v[i]
+            k_cache, v_cache, sc = self._kv_layer(i)
             outs = []
             if decode is not None:
-                k_cache[decode[1], :, decode[2]] = k[:rows]
-                v_cache[decode[1], :, decode[2]] = v[:rows]
-                a = decode_attention(q[:rows], k_cache, v_cache, decode[1], lengths, scale=layer.scale)
+                self._store(i, decode[1], decode[2], k[:rows], v[:rows])
+                a = decode_attention(q[:rows], k_cache, v_cache, decode[1], lengths, scale=layer.scale, **sc)
                 outs.append(a.reshape(rows, -1))
-            k_cache[slots, :, chunk_positions] = k[rows:]
-            v_cache[slots, :, chunk_positions] = v[rows:]
-            a = chunk_attention(q[rows:], k_cache, v_cache, slot, start, scale=layer.scale)
+            self._store(i, slots, chunk_positions, k[rows:], v[rows:])
+            a = chunk_attention(q[rows:], k_cache, v_cache, slot, start, scale=layer.scale, **sc)
             outs.append(a.reshape(tokens, self.heads * self.head_dim))
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i], pw)
@@ -654,7 +671,6 @@ class StaticDecoder:
         rows = len(tokens)
         sizes = [c.end - c.start for c in chunks]
         shape = (self.heads, self.kv_heads, self.head_dim)
-        gqa = self.kv_heads != self.heads
         with torch.inference_mode():
             flat = [*tokens, *(t for c in chunks for t in c.ids[c.start : c.end])]
             where = [*positions, *(p for c in chunks for p in range(c.start, c.end))]
@@ -667,28 +683,18 @@ class StaticDecoder:
             masks = [None if c.start == 0 else causal_lower_right(c.end - c.start, c.end) for c in chunks]
             for i, layer in enumerate(self.layers):
                 q, k, v = _pre_attention(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
-                k_cache, v_cache = self.pool.k[i], self.pool.v[i]
+                k_cache, v_cache, sc = self._kv_layer(i)
                 outs = []
                 if rows:
-                    k_cache[row_slots, :, row_positions] = k[:rows]
-                    v_cache[row_slots, :, row_positions] = v[:rows]
-                    a = decode_attention(q[:rows], k_cache, v_cache, row_slots, lengths, scale=layer.scale)
+                    self._store(i, row_slots, row_positions, k[:rows], v[:rows])
+                    a = decode_attention(
+                        q[:rows], k_cache, v_cache, row_slots, lengths, scale=layer.scale, **sc
+                    )
                     outs.append(a.reshape(rows, -1))
                 off = rows
                 for c, n, mask in zip(chunks, sizes, masks, strict=True):
-                    k_cache[c.slot, :, c.start : c.end] = k[off : off + n].transpose(0, 1)
-                    v_cache[c.slot, :, c.start : c.end] = v[off : off + n].transpose(0, 1)
-                    qc = q[off : off + n].transpose(0, 1)[None]
-                    kc, vc = k_cache[c.slot, :, : c.end][None], v_cache[c.slot, :, : c.end][None]
-                    if mask is None:
-                        a = F.scaled_dot_product_attention(
-                            qc, kc, vc, is_causal=True, scale=layer.scale, enable_gqa=gqa
-                        )
-                    else:
-                        a = F.scaled_dot_product_attention(
-                            qc, kc, vc, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
-                        )
-                    outs.append(a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+                    part = slice(off, off + n)
+                    outs.append(self._chunk_eager(i, c, q[part], k[part], v[part], dev[1, part], mask))
                     off += n
                 a = outs[0] if len(outs) == 1 else torch.cat(outs)
                 x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
@@ -700,6 +706,40 @@ class StaticDecoder:
             h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
             logits = self.lm_head(h).float()
             return (logits[:rows] if rows else None), list(logits[rows:].unbind(0))
+
+    def _chunk_eager(self, i: int, c: PrefillChunk, q: Any, k: Any, v: Any, positions: Any, mask: Any) -> Any:
+        """Layer ``i``'s K/V of chunk ``c`` (``[n, kv_heads, head_dim]``, at ``positions``)
+        written into its slot, and the chunk's attention over the slot's first ``c.end``
+        tokens, causal from ``c.start`` (``mask``: ``None`` from position 0), as
+        ``[n, heads * head_dim]``: SDPA on the slot's K/V; an fp8 pool's through the chunk
+        kernel on CUDA (in place), dequantized for SDPA elsewhere."""
+        import torch.nn.functional as F
+
+        k_cache, v_cache, sc = self._kv_layer(i)
+        n, scale = q.shape[0], self.layers[i].scale
+        if not sc:
+            k_cache[c.slot, :, c.start : c.end] = k.transpose(0, 1)
+            v_cache[c.slot, :, c.start : c.end] = v.transpose(0, 1)
+            kc, vc = k_cache[c.slot, :, : c.end][None], v_cache[c.slot, :, : c.end][None]
+        else:
+            self._store(i, positions.new_full((n,), c.slot), positions, k, v)
+            if q.device.type == "cuda":
+                slot = positions.new_full((1,), c.slot)
+                return chunk_attention(q, k_cache, v_cache, slot, positions[:1], scale=scale, **sc).reshape(
+                    n, -1
+                )
+            kc = dequantize_kv(k_cache[c.slot, :, : c.end], sc["k_scale"][c.slot, :, : c.end], self.dtype)[
+                None
+            ]
+            vc = dequantize_kv(v_cache[c.slot, :, : c.end], sc["v_scale"][c.slot, :, : c.end], self.dtype)[
+                None
+            ]
+        qc, gqa = q.transpose(0, 1)[None], self.kv_heads != self.heads
+        if mask is None:
+            a = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            a = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return a[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def mixed_step(
         self,
@@ -755,6 +795,24 @@ class StaticDecoder:
         ``[3 * rows]`` decode inputs, then the chunk's ``[tokens + 3]``."""
         return self._static_forward(inputs[: 3 * rows].view(3, rows), inputs[3 * rows :], tokens)
 
+    # -- the pool's K/V ------------------------------------------------------------------------
+    def _kv_layer(self, i: int) -> tuple[Any, Any, dict[str, Any]]:
+        """Layer ``i``'s K and V caches, and the attention kernels' ``k_scale`` and
+        ``v_scale`` keywords (empty unless the pool is fp8)."""
+        pool = self.pool
+        scales = {"k_scale": pool.k_scale[i], "v_scale": pool.v_scale[i]} if pool.scaled else {}
+        return pool.k[i], pool.v[i], scales
+
+    def _store(self, i: int, slots: Any, positions: Any, k: Any, v: Any) -> None:
+        """Write ``k``, ``v`` ``[N, kv_heads, head_dim]`` at ``positions`` of ``slots`` of
+        layer ``i`` (an fp8 pool quantizes them, :func:`~convo.fast.kernels.store_kv`)."""
+        pool = self.pool
+        if pool.scaled:
+            store_kv(pool.k[i], pool.v[i], pool.k_scale[i], pool.v_scale[i], slots, positions, k, v)
+        else:
+            pool.k[i][slots, :, positions] = k
+            pool.v[i][slots, :, positions] = v
+
     # -- decode --------------------------------------------------------------------------------
     def _step(self, inputs: Any) -> Any:
         """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions)."""
@@ -769,10 +827,9 @@ class StaticDecoder:
         shape = (self.heads, self.kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = self._pre(x, layer.ln1, layer.qkv, cos, sin, (*shape, self._eps[i]))
-            k_cache, v_cache = self.pool.k[i], self.pool.v[i]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
-            a = decode_attention(q, k_cache, v_cache, slots, lengths, scale=layer.scale)
+            k_cache, v_cache, sc = self._kv_layer(i)
+            self._store(i, slots, positions, k, v)
+            a = decode_attention(q, k_cache, v_cache, slots, lengths, scale=layer.scale, **sc)
             x = self._post(x, a.reshape(n, -1), layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
         h = _rms_norm(x, self.norm, self.norm_eps * 1e-12)
         return self.lm_head(h).float()

@@ -19,7 +19,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.fast.kv_host import HostEntry, HostKVStore
 from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
-from convo.models.defaults import kv_pool_bytes
+from convo.models.defaults import FP8_KV_SCALE_BYTES, kv_pool_bytes
 from convo.tokens import common_prefix_length
 
 #: Host copies are taken in whole blocks of this many tokens (the last one rounded up, within
@@ -51,9 +51,12 @@ class _Slot:
 class KVSlotPool:
     """Preallocated KV memory: ``slots`` caches of ``slot_tokens`` tokens each.
 
-    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``
-    (:meth:`slot_tensors` lists every tensor a slot's KV is made of). The pool answers who
-    may use which slot; the scheduler decides when to ask. With host memory
+    Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``;
+    an fp8 pool (``dtype=torch.float8_e4m3fn``) also holds ``k_scale[layer]`` and
+    ``v_scale[layer]``, float32 ``[slots, kv_heads, slot_tokens]``: one scale per token and
+    head (:func:`convo.fast.kernels.quantize_kv`). :attr:`tensors` lists every tensor, each
+    indexed by slot first (:meth:`slot_tensors`: every tensor a slot's KV is made of). The
+    pool answers who may use which slot; the scheduler decides when to ask. With host memory
     (:meth:`set_host_memory`), :meth:`acquire` copies the KV of the session it evicts to
     host and copies a session's KV back from host; a slot it hands out is usable once
     :meth:`ready` (at once on CPU; on CUDA when the side-stream copies are done).
@@ -62,7 +65,7 @@ class KVSlotPool:
         num_layers, num_kv_heads, head_dim: from the model config.
         slots: sessions that can hold KV at once.
         slot_tokens: tokens one slot holds (prompt + reply): the session budget.
-        dtype, device: the model's KV dtype and device.
+        dtype, device: the KV dtype (the model's, or ``torch.float8_e4m3fn``) and device.
         policy: which kept cache to give away first
             (:class:`~convo.fast.kv_policy.NextUsePolicy` by default).
         clock: the time source of the policy (``time.monotonic``; simulations pass their own).
@@ -103,6 +106,11 @@ class KVSlotPool:
         self.policy: EvictionPolicy = policy if policy is not None else NextUsePolicy()
         self.clock = clock
         self._table = [_Slot(last_used=clock()) for _ in range(slots)]
+        #: Whether K/V are fp8 with per token and head scales (:attr:`k_scale`, :attr:`v_scale`).
+        self.scaled = dtype == torch.float8_e4m3fn
+        n = num_layers if self.scaled else 0
+        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
+        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
         self._lock = threading.Lock()
         #: Host memory for evicted sessions' KV (``None``: evicted KV is dropped).
         self.host: HostKVStore | None = None
@@ -112,11 +120,18 @@ class KVSlotPool:
 
     @staticmethod
     def predicted_nbytes(
-        *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: float
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        slots: int,
+        slot_tokens: int,
+        dtype_bytes: float,
+        scaled: bool = False,
     ) -> int:
-        """``2 x layers x slots x kv_heads x slot_tokens x head_dim x dtype bytes``: the one
-        pool-size formula, :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a
-        pool with it too)."""
+        """``2 x layers x slots x kv_heads x slot_tokens x (head_dim x dtype bytes + scale
+        bytes)`` (``scaled``: an fp8 pool's float32 scales): the one pool-size formula,
+        :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a pool with it too)."""
         return kv_pool_bytes(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -124,12 +139,19 @@ class KVSlotPool:
             slots=slots,
             slot_tokens=slot_tokens,
             dtype_bytes=dtype_bytes,
+            scale_bytes=FP8_KV_SCALE_BYTES if scaled else 0,
         )
 
     @property
+    def tensors(self) -> list[Any]:
+        """Every tensor of the pool (K, V, and an fp8 pool's scales), each indexed by slot
+        first: slot ``i``'s state is ``[t[i] for t in pool.tensors]``."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the K and V tensors (measured from the tensors)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes of the pool's tensors (K, V and any scales; measured from the tensors)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @property
     def slot_nbytes(self) -> int:
@@ -141,7 +163,7 @@ class KVSlotPool:
         host copies go through this list only, so a tensor added here (scales of a
         quantized cache) moves with the rest. A tensor whose axis 2 is ``slot_tokens`` long
         is copied up to the cached tokens on that axis; any other whole, for the slot."""
-        return [*self.k, *self.v]
+        return self.tensors
 
     # -- host memory -------------------------------------------------------------------------------
     def set_host_memory(self, limit_bytes: int) -> None:

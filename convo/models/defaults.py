@@ -83,11 +83,28 @@ def _ram_bytes(name: str) -> int:
         return 0
 
 
+#: What ``KVConfig.kv_dtype`` (and ``convo serve --kv-dtype``) take: ``"auto"``, K/V in
+#: the model's dtype; ``"fp8"``, float8 e4m3 values with a float32 scale per token and head
+#: (about half the bytes of bf16: :data:`FP8_KV_SCALE_BYTES` more per ``head_dim`` bytes).
+KV_DTYPE_CHOICES = ("auto", "fp8")
+#: Bytes of the scale an fp8 KV pool stores with each head vector of each token's K and V
+#: (a float32: ``amax / 448`` of the vector, see :func:`convo.fast.kernels.quantize_kv`).
+FP8_KV_SCALE_BYTES = 4
+
+
 def kv_pool_bytes(
-    *, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, slot_tokens: int, dtype_bytes: float
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    slots: int,
+    slot_tokens: int,
+    dtype_bytes: float,
+    scale_bytes: int = 0,
 ) -> int:
     """Bytes of the static KV slot pool: ``2 x layers x slots x kv_heads x slot_tokens x
-    head_dim x dtype bytes`` (one K and one V tensor per layer). The one pool-size formula:
-    :class:`convo.fast.kv_pool.KVSlotPool` predicts its own size with it and the planner
-    prices a pool with it (exact: checked against ``torch.cuda.memory_allocated``)."""
-    return int(2 * num_layers * slots * num_kv_heads * slot_tokens * head_dim * dtype_bytes)
+    (head_dim x dtype bytes + scale bytes)`` (one K and one V tensor per layer, and for an
+    fp8 pool one scale per head vector, :data:`FP8_KV_SCALE_BYTES`). The one pool-size
+    formula: :class:`convo.fast.kv_pool.KVSlotPool` predicts its own size with it and the
+    planner prices a pool with it (exact: checked against ``torch.cuda.memory_allocated``)."""
+    return int(2 * num_layers * slots * num_kv_heads * slot_tokens * (head_dim * dtype_bytes + scale_bytes))

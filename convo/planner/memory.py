@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 from convo.errors import ConfigError
 from convo.models.defaults import (
     DEFAULT_STEP_TOKENS,
+    FP8_KV_SCALE_BYTES,
     MIXED_CHUNK_TOKENS,
     PREFILL_GRAPH_TOKENS,
     auto_kv_slots,
@@ -176,7 +177,8 @@ class VRAMModel:
         shape: the model's shape.
         weights: the weight report.
         compute_dtype: dtype of activations (bf16 for nf4 with bf16 compute).
-        kv_dtype: KV cache dtype.
+        kv_dtype: KV cache dtype (``fp8``: convo's fp8 slots, float8 e4m3 with a float32
+            scale per token and head, :data:`~convo.models.defaults.FP8_KV_SCALE_BYTES`).
         attn: attention implementation.
         calibration: the activation/allocator constants.
         quant: the weight quantization (decides the dequantization workspace); dense
@@ -265,13 +267,17 @@ class VRAMModel:
     # -- parts ------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token across layers, in ``kv_dtype``."""
+        """KV bytes per token across layers, in ``kv_dtype`` (fp8: with its scales, as the
+        slot pool stores them: :meth:`kv_pool_bytes` of one slot of one token)."""
+        if self.kv_dtype is DType.FP8:
+            return self.kv_pool_bytes(1, 1)
         return self.shape.kv_bytes_per_token(self.kv_dtype)
 
     def kv_pool_bytes(self, slots: int, slot_tokens: int) -> int:
         """The static KV slot pool (:class:`convo.fast.kv_pool.KVSlotPool`): ``slots`` caches of
-        ``slot_tokens`` tokens, taken once at load. Exact: the pool is these bytes (checked
-        against ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
+        ``slot_tokens`` tokens, taken once at load; an fp8 pool adds its float32 scale per
+        token and head. Exact: the pool is these bytes (checked against
+        ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
         s = self.shape
         return kv_pool_bytes(
             num_layers=s.num_layers,
@@ -280,6 +286,7 @@ class VRAMModel:
             slots=slots,
             slot_tokens=slot_tokens,
             dtype_bytes=self.kv_dtype.nbytes,
+            scale_bytes=FP8_KV_SCALE_BYTES if self.kv_dtype is DType.FP8 else 0,
         )
 
     def auto_kv_slots(self, memory_bytes: int, slot_tokens: int) -> int:

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from convo.errors import ConfigError
-from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS, PREFILL_GRAPH_TOKENS
+from convo.models.defaults import (
+    DEFAULT_INTERLEAVE_TOKENS,
+    DEFAULT_STEP_TOKENS,
+    KV_DTYPE_CHOICES,
+    PREFILL_GRAPH_TOKENS,
+)
 from convo.models.quant import INT4_GROUP_SIZE, INT4_KERNELS, check_int4_group_size
 from convo.planner.fit import memory_limit_bytes
 
@@ -92,6 +97,14 @@ class KVConfig:
             the input cap. Default ``None``: the engine's ``max_input_tokens`` if given,
             else the model's context limit up to
             :data:`~convo.models.defaults.DEFAULT_SLOT_TOKENS`.
+        kv_dtype: how the KV slots store K and V
+            (:data:`~convo.models.defaults.KV_DTYPE_CHOICES`): ``"auto"`` (default) in the
+            model's dtype; ``"fp8"`` as float8 e4m3 with a float32 scale per token and head
+            (:mod:`convo.fast.kernels`): about half the bytes of bf16, so twice the slots or
+            the context in the same memory, at a small accuracy cost (``benchmarks/kv_fp8.py``
+            measures it). fp8 lives in static slots only: ``kv_slots=0`` is refused, and
+            ``kv_slots=None`` takes slots on CPU too
+            (:data:`~convo.models.defaults.DEFAULT_CPU_KV_SLOTS`).
         step_tokens: static decode: the token budget of one scheduler step (running
             replies' rows first, then prefill chunks of waiting turns; see
             :mod:`convo.fast.scheduler`). Default
@@ -125,11 +138,12 @@ class KVConfig:
             spelling, e.g. 0.9); not with ``gpu_memory``.
 
     Raises:
-        ConfigError: a count or size out of range.
+        ConfigError: a count or size out of range, an unknown ``kv_dtype``, fp8 without slots.
     """
 
     kv_slots: int | None = None
     slot_tokens: int | None = None
+    kv_dtype: str = "auto"
     step_tokens: int = DEFAULT_STEP_TOKENS
     interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS
     prefill_chunk_tokens: int = PREFILL_GRAPH_TOKENS
@@ -155,3 +169,7 @@ class KVConfig:
             raise ConfigError("slot_tokens must be >= 2")
         if self.step_tokens < 1 or self.interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, not {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.kv_slots == 0:
+            raise ConfigError("kv_dtype='fp8' is stored in static KV slots: kv_slots must be > 0 (or None)")

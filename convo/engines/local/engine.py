@@ -67,8 +67,10 @@ from convo.models.defaults import (
     DEFAULT_CPU_KV_SLOTS,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
+    FP8_KV_SCALE_BYTES,
     auto_kv_slots,
     default_kv_host_memory,
+    kv_pool_bytes,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
 from convo.models.legacy import split_legacy
@@ -138,7 +140,7 @@ class TransformersEngine(Engine):
             ``int4_group_size``, ``int4_kernel``). Default ``LoadConfig()``.
         kv: where the sessions' KV caches live and how they decode
             (:class:`~convo.engines.local.config.KVConfig`: ``kv_slots``, ``slot_tokens``,
-            ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
+            ``kv_dtype``, ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
             ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``, ``kv_host_memory``). Default
             ``KVConfig()``.
         tool_parser: shorthand for ``load=LoadConfig(tool_parser=...)``: ``"auto"``
@@ -338,9 +340,23 @@ class TransformersEngine(Engine):
         if self.max_input_tokens < 1:
             raise ConfigError("max_input_tokens must be >= 1")
         kv_dtype = {torch.float32: DType.FP32, torch.float16: DType.FP16}.get(self.compute_dtype, DType.BF16)
+        #: How the KV slots store K and V: ``"auto"`` (the model's dtype) or ``"fp8"``.
+        self.kv_dtype = kv.kv_dtype
+        shape = ModelShape.from_config(self.model.config)
         #: KV bytes one token costs (batch of one), from the config: 2 x layers x kv_heads
-        #: x head_dim x dtype bytes; checked against the cache tensors in every report.
-        self.kv_bytes_per_token = ModelShape.from_config(self.model.config).kv_bytes_per_token(kv_dtype)
+        #: x head_dim x dtype bytes (fp8: 1 byte, plus a scale per head vector); checked
+        #: against the cache tensors in every report.
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
+        if self.kv_dtype == "fp8":
+            self.kv_bytes_per_token = kv_pool_bytes(
+                num_layers=shape.num_layers,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+                slots=1,
+                slot_tokens=1,
+                dtype_bytes=DType.FP8.nbytes,
+                scale_bytes=FP8_KV_SCALE_BYTES,
+            )
         self._eos = self._eos_ids()
         self.int4_group_size = load.int4_group_size
         self.int4_kernel = load.int4_kernel
@@ -489,6 +505,8 @@ class TransformersEngine(Engine):
         default; ``None``: plain ``generate`` with a growing cache."""
         auto = kv_slots is None
         cuda = self.device.startswith("cuda")
+        # int4 runs only through the static decoder, and fp8 KV lives only in its slots.
+        needs_slots = self.quant is Quant.INT4 or self.kv_dtype == "fp8"
         if auto:
             # A model spread over devices or offloaded (device_map) keeps plain generate.
             spread = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
@@ -496,11 +514,13 @@ class TransformersEngine(Engine):
                 kv_slots = 0
             elif cuda:
                 kv_slots = DEFAULT_KV_SLOTS
-            else:  # CPU: int4 needs slots, a few; fp32 keeps plain generate
-                kv_slots = DEFAULT_CPU_KV_SLOTS if self.quant is Quant.INT4 else 0
+            else:  # CPU: int4 and fp8 KV need slots, a few; fp32 keeps plain generate
+                kv_slots = DEFAULT_CPU_KV_SLOTS if needs_slots else 0
         if not kv_slots:
             if self.quant is Quant.INT4:
                 raise ConfigError("quant='int4' runs only through static decode: kv_slots must be > 0")
+            if self.kv_dtype == "fp8":
+                raise ConfigError("kv_dtype='fp8' is stored in static KV slots: kv_slots must be > 0")
             return None
         tokens = slot_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
         if auto and cuda:  # as many slots as half the free device memory holds, up to the default
@@ -512,16 +532,18 @@ class TransformersEngine(Engine):
                     self.model.config.to_dict(), int4_kernel=self.int4_kernel, group_size=self.int4_group_size
                 )
             kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
-            if kv_slots < 1 and self.quant is not Quant.INT4:
+            if kv_slots < 1 and not needs_slots:
                 return None  # not even one slot fits: plain generate, whose cache grows as needed
             kv_slots = max(kv_slots, 1)
         if progress:
-            progress(f"static decode: {kv_slots} KV slots of {tokens} tokens")
+            fp8 = " (fp8 K/V)" if self.kv_dtype == "fp8" else ""
+            progress(f"static decode: {kv_slots} KV slots of {tokens} tokens{fp8}")
         try:
             decoder = fast.StaticDecoder(
                 self.model,
                 slots=kv_slots,
                 slot_tokens=tokens,
+                kv_dtype=self.kv_dtype,
                 weights="int4" if self.quant is Quant.INT4 else "as-loaded",
                 config=DecoderConfig(
                     group_size=self.int4_group_size,
@@ -536,7 +558,7 @@ class TransformersEngine(Engine):
                 else None,
             )
         except ConfigError:
-            if auto and self.quant is not Quant.INT4:
+            if auto and not needs_slots:
                 return None  # an architecture the static decoder does not know: plain generate
             raise
         if progress:

@@ -91,6 +91,21 @@ def open_calls_after(message: Message, pending: set[str]) -> set[str]:
     return pending if message.pinned else set()
 
 
+def starts_turn(previous: Message | None, message: Message) -> bool:
+    """Whether ``message`` opens a new turn after ``previous`` (``None``: it is the first).
+
+    A user message opens one; so does an assistant message right after another assistant
+    message that called no tool: nothing answered in between, so it opens a new exchange
+    (an earlier chat that opened with the assistant's greeting, imported or added after
+    the previous chat's last reply) instead of being folded into the previous turn and
+    taking that turn's date. Only the stored messages decide, so a session read back
+    from its store cuts its turns the same way.
+    """
+    if previous is None or message.role is Role.USER:
+        return True
+    return message.role is Role.ASSISTANT and previous.role is Role.ASSISTANT and not previous.tool_calls
+
+
 class History:
     """One session's messages as read from its store, indexed by turn.
 
@@ -123,7 +138,7 @@ class History:
         if message.pinned:
             self.pinned.append(message)
             return
-        if message.role is Role.USER or not self.turn_starts:
+        if not self.turn_starts or starts_turn(self.log[-1] if self.log else None, message):
             self.turn_starts.append(len(self.log))
         self.log.append(message)
         self.pending_tool_ids = open_calls_after(message, self.pending_tool_ids)

@@ -84,6 +84,7 @@ TYPES = (
 SHORT = ("ss-user", "ss-assistant", "ss-pref", "multi", "update", "temporal")
 #: Query-time / index-time variants of ``retrieval`` (``RetrievalConfig(**overrides)``).
 VARIANTS: dict[str, dict[str, Any]] = {
+    "own-words": {"context_words": False},
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-neighbour": {"neighbour_weight": 0.0},

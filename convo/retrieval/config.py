@@ -50,6 +50,9 @@ class RetrievalConfig:
             ``context_weight`` times the previous message's, and its words are searched
             with the last :data:`~convo.retrieval.memory.CONTEXT_CHARS` characters of it.
             Default True.
+        context_words: search a message's words with the tail of the previous message's
+            (``neighbours`` on). Default True; measured on LongMemEval with
+            ``benchmarks/longmemeval.py --variants own-words``.
         context_weight: weight of the previous message's vector in a message's vector
             (each is embedded alone, so a long previous message never crowds the
             message's own text out). Default 0.5; 0 embeds the message alone.
@@ -156,6 +159,7 @@ class RetrievalConfig:
     unit_candidates: int = 256
     min_score: float = 0.2
     neighbours: bool = True
+    context_words: bool = True
     context_weight: float = 0.5
     embed_chars: int = 300
     date_in_text: bool = True

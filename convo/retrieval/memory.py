@@ -202,7 +202,8 @@ class RetrievalMemory(Retriever):
             rec = Record(
                 text=head + "\n".join(lines), source=f"turn {turn.index}", key=turn_key(turn.index), meta=meta
             )
-            items.append((rec, dense, dense))
+            words = dense if self.config.context_words else list(lines)
+            items.append((rec, words, words))
         store.add(items, vectors=self._unit_vectors(owns, contexts) if items else None)
         if self.config.expand_terms > 0 and items:
             self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])

@@ -1411,3 +1411,31 @@ def test_recency_weight_prefers_the_newest_of_changed_facts() -> None:
     assert on[0].meta["turn"] == 2 and "2023/03/01" in str(on[0].meta.get("group", on[0].text))
     with pytest.raises(ConfigError):
         RetrievalConfig(recency_weight=-1.0)
+
+
+def test_budget_defaults_give_memory_the_room_the_recent_turns_leave(cl100k: TiktokenCounter) -> None:
+    """Issue 24: the defaults capped memory at 384 tokens and 6 passages, half the evidence
+    of LongMemEval's questions. Now retrieval takes what the recent turns' guaranteed share
+    leaves, and the recent turns keep that share."""
+    budget = Budget()
+    assert budget.retrieval_tokens is None and budget.retrieval_cap == budget.available_prompt_tokens
+    assert Budget(retrieval_tokens=100).retrieval_cap == 100
+    assert Budget.from_dict(budget.to_dict()) == budget
+    long = "I talked about the garden, the weather and the shed for quite a while today. " * 3
+    history = [
+        Turn(
+            index=i,
+            messages=(
+                Message(role=Role.USER, content=f"{i}: {long}"),
+                Message(role=Role.ASSISTANT, content="ok"),
+            ),
+        )
+        for i in range(7)  # with the question: window_turns (8)
+    ]
+    turns = [*history, Turn(index=7, messages=(Message(role=Role.USER, content="What did I note?"),))]
+    plan = plan_prompt(budget=budget, counter=cl100k, turns=turns, passages=_day_lines(60, first_turn=1000))
+    assert plan.parts["retrieved"] > 384
+    assert len(plan.passages_used) > 6
+    history_tokens = sum(cl100k.message_tokens(m) for t in turns for m in t.messages)
+    assert plan.parts["recent"] >= 0.9 * min(budget.recent_min, history_tokens)
+    assert plan.total_tokens <= budget.context_tokens

@@ -421,9 +421,10 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "no-expansion": {"expand_terms": 0, "expand_query_words": 0},
     "no-query-words": {"expand_query_words": 0},
     # Unit vectors (issue 24): a line embedded alone plus this share of its context's vector.
-    "context-0.3": {"context_weight": 0.3},
-    "context-1": {"context_weight": 1.0},
-    "no-context": {"context_weight": 0.0},
+    "embed-alone": {"embed_alone": True},
+    "embed-alone-context-0.3": {"embed_alone": True, "context_weight": 0.3},
+    "embed-alone-context-1": {"embed_alone": True, "context_weight": 1.0},
+    "embed-alone-no-context": {"embed_alone": True, "context_weight": 0.0},
 }
 
 

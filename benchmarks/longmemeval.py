@@ -85,6 +85,7 @@ SHORT = ("ss-user", "ss-assistant", "ss-pref", "multi", "update", "temporal")
 #: Query-time / index-time variants of ``retrieval`` (``RetrievalConfig(**overrides)``).
 VARIANTS: dict[str, dict[str, Any]] = {
     "own-words": {"context_words": False},
+    "embed-alone": {"embed_alone": True},
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-neighbour": {"neighbour_weight": 0.0},

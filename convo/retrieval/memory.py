@@ -204,7 +204,8 @@ class RetrievalMemory(Retriever):
             )
             words = dense if self.config.context_words else list(lines)
             items.append((rec, words, words))
-        store.add(items, vectors=self._unit_vectors(owns, contexts) if items else None)
+        alone = self.config.embed_alone and items
+        store.add(items, vectors=self._unit_vectors(owns, contexts) if alone else None)
         if self.config.expand_terms > 0 and items:
             self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])
 

@@ -1314,7 +1314,7 @@ def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() 
     # message filled MiniLM's 256 word pieces and none of the message's own text was read.
     # Now every line is embedded alone (its head), and the context is added as a vector.
     enc = RecordingEncoder()
-    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0)
+    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0, embed_alone=True)
     mem = RetrievalMemory(enc, config=cfg)
     long_reply = "word " * 2000
     turns = [
@@ -1339,7 +1339,7 @@ def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() 
 
 def test_a_new_session_is_not_embedded_with_the_last_reply_of_an_earlier_one() -> None:
     enc = RecordingEncoder()
-    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0)
+    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0, embed_alone=True)
     mem = RetrievalMemory(enc, config=cfg)
     first = Turn(index=0, messages=(Message(role=Role.ASSISTANT, content="Anything else about your trip?"),))
     mem.remember_turns("s", [first], dates={0: "2023/05/01 (Mon) 10:00"})

@@ -205,7 +205,7 @@ class LocalSession:
         turns.append(Turn(index=len(turns), messages=(Message(role=Role.USER, content=question),)))
         passages = []
         min_score = float("-inf")
-        if self.retriever is not None and self.budget.retrieval_tokens > 0:
+        if self.retriever is not None and self.budget.retrieval_cap > 0:
             passages = self.retriever.retrieve(
                 question, session_id=self.session_id, top_k=self.budget.retrieval_top_k
             )
@@ -420,6 +420,11 @@ RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
     "same-day-seeds": {"hop_distinct_days": False},
     "no-expansion": {"expand_terms": 0, "expand_query_words": 0},
     "no-query-words": {"expand_query_words": 0},
+    # Unit vectors (issue 24): a line embedded alone plus this share of its context's vector.
+    "embed-alone": {"embed_alone": True},
+    "embed-alone-context-0.3": {"embed_alone": True, "context_weight": 0.3},
+    "embed-alone-context-1": {"embed_alone": True, "context_weight": 1.0},
+    "embed-alone-no-context": {"embed_alone": True, "context_weight": 0.0},
 }
 
 

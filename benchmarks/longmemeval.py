@@ -17,7 +17,7 @@ the same token room (``Budget.retrieval_tokens = context_tokens``):
 ``dense``           recent window + MiniLM cosine over messages (message text alone)
 ``retrieval``       recent window + :class:`convo.RetrievalMemory` (library defaults)
 ``retrieval:NAME``  the same with :data:`VARIANTS` ``NAME`` on top
-``defaults``        the library's ``Budget`` defaults (``retrieval_tokens`` 384, top-k 6)
+``defaults``        the library's ``Budget`` defaults (``retrieval_tokens`` None: the room left, top-k 40)
 ``budget:S/K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
 ==================  ==============================================================
 
@@ -53,8 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.locomo import REPLY_TOKENS, CachedEmbeddings, environment
 from convo.budget import Budget
 from convo.messages import Message, Role
+from convo.paths import cache_dir
 from convo.plan import Passage, Turn, plan_prompt, turn_key
 from convo.retrieval.indexes.bm25 import BM25Index
+from convo.retrieval.memory import head_text
 from convo.tokens import TiktokenCounter, TokenCounter
 
 _DATA = Path("shared") / "data" / "longmemeval" / "longmemeval-s-dev.json.gz"
@@ -65,6 +67,10 @@ DEFAULT_DATA = next(
 )
 #: Passages the planner may use at most (tokens bind first at these budgets).
 TOP_K = 60
+#: Embeddings kept between runs: under convo's cache folder, never in the repository.
+DEFAULT_EMBED_CACHE = cache_dir() / "longmemeval" / "longmemeval-s-dev-all-MiniLM-L6-v2.npz"
+#: Histories indexed between saves of the embedding cache.
+SAVE_EVERY = 2
 #: Recent turns considered for the window in retrieval strategies (``Budget.window_turns``).
 WINDOW_TURNS = 8
 TYPES = (
@@ -78,6 +84,8 @@ TYPES = (
 SHORT = ("ss-user", "ss-assistant", "ss-pref", "multi", "update", "temporal")
 #: Query-time / index-time variants of ``retrieval`` (``RetrievalConfig(**overrides)``).
 VARIANTS: dict[str, dict[str, Any]] = {
+    "own-words": {"context_words": False},
+    "embed-alone": {"embed_alone": True},
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-neighbour": {"neighbour_weight": 0.0},
@@ -87,6 +95,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "recency": {"recency_weight": 0.1},
     "recency-lexical": {"recency_weight": 0.1, "dense_weight": 0.3},
 }
+
+
+#: What ``--lexical-only`` sets on every retrieval strategy's config.
+LEXICAL_ONLY: dict[str, Any] = {
+    "fusion": "lexical",
+    "expand_terms": 0,
+    "expand_query_words": 0,
+    "episode_weight": 0.0,
+}
+
+
+class ZeroEncoder:
+    """A text encoder with no model: every vector is zero (``--lexical-only``)."""
+
+    dim = 8
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        return np.zeros((len(list(texts)), self.dim), dtype=np.float32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,14 +242,22 @@ class BM25Messages:
 
 
 class DenseMessages:
-    """MiniLM cosine over every message's own text."""
+    """MiniLM cosine over every message's own text: its ``role: content`` line's first
+    ``embed_chars`` characters, as :class:`convo.RetrievalMemory` embeds it (the same
+    texts, so one embedding cache serves both)."""
 
     min_score = float("-inf")
 
-    def __init__(self, item: Item, embedder: Any) -> None:
+    def __init__(self, item: Item, embedder: Any, embed_chars: int) -> None:
         self.passages = _line_passages(item)
         self.embedder = embedder
-        self.vecs = embedder.encode([m.content for t in item.turns for m in t.messages])
+        self.vecs = embedder.encode(
+            [
+                head_text(f"{m.role.value}: {m.content.strip()}", embed_chars)
+                for t in item.turns
+                for m in t.messages
+            ]
+        )
 
     def retrieve(self, query: str, *, top_k: int, **_: Any) -> list[Passage]:
         sims = self.vecs @ self.embedder.encode([query])[0]
@@ -308,7 +342,7 @@ def run_item(
         budget = budget_for(name, b, top_k)
         passages: list[Passage] = []
         min_score = float("-inf")
-        if retriever is not None and budget.retrieval_tokens > 0:
+        if retriever is not None and budget.retrieval_cap > 0:
             passages = retriever.retrieve(
                 item.question, session_id=item.qid, top_k=budget.retrieval_top_k, today=item.question_date
             )
@@ -445,10 +479,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--variants", default="", help=f"comma-separated of {','.join(VARIANTS)}")
     ap.add_argument("--top-k", type=int, default=TOP_K)
     ap.add_argument("--folds", type=int, default=2)
+    ap.add_argument(
+        "--lexical-only",
+        action="store_true",
+        help="RetrievalMemory without a model (zero vectors, fusion lexical, no expansion or "
+        "episode score): the word side of the ranking and the budgets, on every question in "
+        "minutes; 'dense' is then not meaningful",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument(
-        "--embed-cache", default="", help="an .npz of embeddings kept between runs (outside the repo)"
+        "--embed-cache",
+        default=str(DEFAULT_EMBED_CACHE),
+        help="an .npz of embeddings kept between runs (outside the repo; '' for none); "
+        "default under convo's cache folder",
     )
     args = ap.parse_args(argv)
 
@@ -462,24 +506,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.embed_cache:
         embedder = CachedEmbeddings(embedder, Path(args.embed_cache))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    base: dict[str, Any] = {}
+    if args.lexical_only:  # no model: the ranking's word side alone, cheap on a busy CPU
+        embedder = ZeroEncoder()
+        base = dict(LEXICAL_ONLY)
     configs = {
-        "retrieval": RetrievalConfig(),
-        **{f"retrieval:{v}": RetrievalConfig(**VARIANTS[v]) for v in variants},
+        "retrieval": RetrievalConfig(**base),
+        **{f"retrieval:{v}": RetrievalConfig(**{**base, **VARIANTS[v]}) for v in variants},
     }
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] + [
         f"retrieval:{v}" for v in variants
     ]
 
     def factory(name: str, item: Item) -> Any:
+        built[0] += 1
+        if isinstance(embedder, CachedEmbeddings) and built[0] % SAVE_EVERY == 0:
+            embedder.save()  # a long first run keeps what it embedded if it is stopped
         if name == "window":
             return None
         if name == "bm25":
             return BM25Messages(item)
         if name == "dense":
-            return DenseMessages(item, embedder)
-        mem = RetrievalMemory(embedder, config=configs.get(name, RetrievalConfig()))
+            return DenseMessages(item, embedder, RetrievalConfig().embed_chars)
+        mem = RetrievalMemory(embedder, config=configs.get(name, configs["retrieval"]))
         mem.remember_turns(item.qid, item.turns, dates=item.dates)
         return mem
+
+    built = [0]
 
     counter = TiktokenCounter("cl100k_base")
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
@@ -502,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "top_k": args.top_k,
             "window_turns": WINDOW_TURNS,
             "reply_tokens": REPLY_TOKENS,
-            "retrieval": RetrievalConfig().to_dict(),
+            "retrieval": configs["retrieval"].to_dict(),
+            "lexical_only": args.lexical_only,
             "variants": {v: VARIANTS[v] for v in variants},
         },
         "environment": environment(),
@@ -513,7 +567,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         embedder.save()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"longmemeval_dev_{'_'.join(map(str, budgets))}" + (f"_n{args.limit}" if args.limit else "")
+    stem = (
+        f"longmemeval_dev_{'_'.join(map(str, budgets))}"
+        + (f"_n{args.limit}" if args.limit else "")
+        + ("_lexical" if args.lexical_only else "")
+    )
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     try:
         import matplotlib

@@ -49,8 +49,16 @@ class Budget:
             context that holds no summary is refused when the session is made.
         summarize_batch_turns: fold evicted turns into the summary only once this many
             are waiting, so the model is not asked to re-summarize every turn. Default 4.
-        retrieval_tokens: cap on retrieved passages. Default 384; 0 disables retrieval.
-        retrieval_top_k: at most this many passages. Default 6.
+        retrieval_tokens: cap on retrieved passages; 0 disables retrieval. Default
+            ``None``: no cap of its own, memory takes what the pinned part, the summary
+            and the recent turns' guaranteed share (``recent_min_tokens``) leave
+            (:attr:`retrieval_cap`), and what it leaves unused goes back to the recent
+            turns. Only a session with a retriever uses it. (It was 384 with top-k 6,
+            which starved memory: on LongMemEval's development questions a session with
+            memory on got 0.27 of the evidence into the prompt at 2,048 tokens where plain
+            BM25 given the room got 0.73; see ``benchmarks/longmemeval.py``.)
+        retrieval_top_k: at most this many passages. Default 40 (a chat's lines are short:
+            a line of LoCoMo is ~30 tokens, so the tokens bind first at these budgets).
         pinned_tokens: cap on the pinned part (system prompt, pinned facts). Default
             ``None``: a quarter of the prompt room (:attr:`pinned_cap`).
         recent_min_tokens: share guaranteed to the recent turns before the summary and
@@ -73,8 +81,8 @@ class Budget:
     window_turns: int = 8
     summary_tokens: int = 256
     summarize_batch_turns: int = 4
-    retrieval_tokens: int = 384
-    retrieval_top_k: int = 6
+    retrieval_tokens: int | None = None
+    retrieval_top_k: int = 40
     pinned_tokens: int | None = None
     recent_min_tokens: int | None = None
     margin_tokens: int = 0
@@ -92,6 +100,8 @@ class Budget:
             "margin_tokens",
         ):
             value = getattr(self, name)
+            if name == "retrieval_tokens" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"Budget.{name} must be an int, got {value!r}")
             if value < 0:
@@ -131,6 +141,15 @@ class Budget:
     def available_prompt_tokens(self) -> int:
         """Tokens a rendered prompt may use: context minus reply reserve and margin."""
         return self.context_tokens - self.max_new_tokens - self.margin_tokens
+
+    @property
+    def retrieval_cap(self) -> int:
+        """The retrieved passages' cap: ``retrieval_tokens``, or the whole prompt room when
+        it is ``None`` (the recent turns' guaranteed share and the other parts bound it
+        first; derived on every read)."""
+        if self.retrieval_tokens is not None:
+            return self.retrieval_tokens
+        return self.available_prompt_tokens
 
     @property
     def pinned_cap(self) -> int:

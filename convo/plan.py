@@ -490,7 +490,7 @@ def plan_prompt(
     # depends on how much retrieval takes, so: turns that fit even if retrieval takes its
     # whole cap are certainly shown; select passages against those; fit the recent turns;
     # then drop any passage whose turn made it into the prompt after all, and refit.
-    cap = min(max(extra_room, 0), budget.retrieval_tokens)
+    cap = min(max(extra_room, 0), budget.retrieval_cap)
     try:
         certain = _fit_recent(window, turn_costs, avail - summary_cost - cap, counter, budget)[1]
     except BudgetError:
@@ -514,7 +514,7 @@ def plan_prompt(
     # Recent turns are shown whole, so they rarely take all the room retrieval left them
     # (their guaranteed share included): what they leave goes back to retrieval, within
     # retrieval_tokens, keeping what it chose. The turns shown stay the same.
-    room = min(budget.retrieval_tokens, avail - summary_cost - recent_cost)
+    room = min(budget.retrieval_cap, avail - summary_cost - recent_cost)
     if room > retrieved_cost and any(d.reason == "token_cap" for d in dropped):
         used, dropped = _select_passages(
             passages,
@@ -881,7 +881,7 @@ def _fit(
     pinned, turns, originals = _candidate_turns(messages, budget, counter)
     rest = [m for t in turns for m in t.messages]
     passages: list[Passage] = []
-    if retriever is not None and budget.retrieval_tokens > 0 and budget.retrieval_top_k > 0:
+    if retriever is not None and budget.retrieval_cap > 0 and budget.retrieval_top_k > 0:
         query = next((m.content for m in reversed(rest) if m.role is Role.USER), "")
         if query:
             passages = retriever.retrieve(query, session_id=session_id, top_k=budget.retrieval_top_k)

@@ -69,6 +69,15 @@ def _with_context(context: str, line: str) -> str:
     return f"{context}\n{line}"
 
 
+def head_text(text: str, chars: int) -> str:
+    """The first ``chars`` characters of ``text``, cut at a word when one ends near."""
+    if len(text) <= chars:
+        return text
+    cut = text[:chars]
+    space = cut.rfind(" ")
+    return cut[:space] if space > chars // 2 else cut
+
+
 def _same_day(a: str | None, b: str | None) -> bool:
     """Whether two turn dates name the same day (two unreadable dates: if equal)."""
     if a == b:
@@ -151,6 +160,8 @@ class RetrievalMemory(Retriever):
         """
         store = self._store(session_id)
         items = []
+        owns: list[str] = []  # each unit's own line, and the line it is read with ("": none)
+        contexts: list[str] = []
         last_lines: dict[int, str] = {}  # of this call's turns: not in the store yet
         last_dates: dict[int, str | None] = {}
         for turn in turns:
@@ -176,6 +187,10 @@ class RetrievalMemory(Retriever):
                     prev = self._last_line(store, turn.index, date)
                 ctx = [prev, *lines[:-1]]
                 dense = [_with_context(c, line) for c, line in zip(ctx, lines, strict=True)]
+                contexts += ctx
+            else:
+                contexts += [""] * len(lines)
+            owns += lines
             meta: dict[str, Any] = {
                 "session_id": session_id,
                 "turn": turn.index,
@@ -187,10 +202,33 @@ class RetrievalMemory(Retriever):
             rec = Record(
                 text=head + "\n".join(lines), source=f"turn {turn.index}", key=turn_key(turn.index), meta=meta
             )
-            items.append((rec, dense, dense))
-        store.add(items)
+            words = dense if self.config.context_words else list(lines)
+            items.append((rec, words, words))
+        alone = self.config.embed_alone and items
+        store.add(items, vectors=self._unit_vectors(owns, contexts) if alone else None)
         if self.config.expand_terms > 0 and items:
             self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])
+
+    def _unit_vectors(self, owns: Sequence[str], contexts: Sequence[str]) -> np.ndarray:
+        """Each unit's vector: its own line's head (``embed_chars``) plus ``context_weight``
+        times the vector of the line it is read with, normalized.
+
+        Every line is embedded alone and once (a line is the next one's context too), so
+        the context never crowds the line's own text out of its vector (issue 24), and an
+        embedding cache keyed by text serves a line whatever precedes it.
+        """
+        cfg = self.config
+        heads = [head_text(t, cfg.embed_chars) for t in owns]
+        ctx = [head_text(t, cfg.embed_chars) if t and cfg.context_weight > 0 else "" for t in contexts]
+        texts = list(dict.fromkeys([*heads, *(c for c in ctx if c)]))
+        row = {t: i for i, t in enumerate(texts)}
+        vecs = self.embedder.encode(texts)
+        out = vecs[[row[h] for h in heads]].astype(np.float32, copy=True)
+        has = [i for i, c in enumerate(ctx) if c]
+        if has:
+            out[has] += cfg.context_weight * vecs[[row[ctx[i]] for i in has]]
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return np.ascontiguousarray(out / np.where(norms > 0, norms, 1.0), dtype=np.float32)
 
     def retrieve(
         self, query: str, *, session_id: str, top_k: int, today: date | str | None = None

@@ -80,8 +80,18 @@ class UnitStore:
     def __len__(self) -> int:
         return len(self.records)
 
-    def add(self, items: Sequence[tuple[Record, Sequence[str], Sequence[str]]]) -> list[int]:
-        """Add passages. Each item: (record, dense unit texts, lexical unit texts)."""
+    def add(
+        self,
+        items: Sequence[tuple[Record, Sequence[str], Sequence[str]]],
+        *,
+        vectors: np.ndarray | None = None,
+    ) -> list[int]:
+        """Add passages. Each item: (record, dense unit texts, lexical unit texts).
+
+        ``vectors``: the units' vectors, one row per dense text in order, when the caller
+        computed them (:class:`~convo.retrieval.RetrievalMemory` mixes a line's vector with
+        its context's); ``None`` (default): the dense texts are encoded here.
+        """
         for rec, _, _ in items:
             if rec.key and rec.key in self.by_key:
                 self.remove(self.by_key[rec.key])
@@ -107,7 +117,9 @@ class UnitStore:
                 uids.append(uid)
                 dense_texts.append(d)
         if uids:
-            vecs = self.encoder.encode(dense_texts)
+            vecs = self.encoder.encode(dense_texts) if vectors is None else np.asarray(vectors, np.float32)
+            if vecs.shape[0] != len(uids):
+                raise ValueError(f"{len(uids)} units but {vecs.shape[0]} vectors")
             if self.vectors is None:
                 self.vectors = VectorIndex(vecs.shape[1], exact_max=self.exact_max, nprobe=self.nprobe)
             self.vectors.add(uids, vecs)

@@ -193,6 +193,21 @@ def read_window(store: Store, session_id: str) -> tuple[SessionState, History] |
     return tail.state, history
 
 
+def starts_turn(previous: Message | None, message: Message) -> bool:
+    """Whether ``message`` opens a new turn after ``previous`` (``None``: it is the first).
+
+    A user message opens one; so does an assistant message right after another assistant
+    message that called no tool: nothing answered in between, so it opens a new exchange
+    (an earlier chat that opened with the assistant's greeting, imported or added after
+    the previous chat's last reply) instead of being folded into the previous turn and
+    taking that turn's date. Only the stored messages decide, so a session read back
+    from its store cuts its turns the same way.
+    """
+    if previous is None or message.role is Role.USER:
+        return True
+    return message.role is Role.ASSISTANT and previous.role is Role.ASSISTANT and not previous.tool_calls
+
+
 class History:
     """One session's messages as read from its store, indexed by turn.
 
@@ -295,7 +310,10 @@ class History:
             self.pinned.append(message)
             self.pinned_positions.append(position)
             return
-        if message.role is Role.USER or (not self.turn_starts and not self.base_turns):
+        previous = self.log[-1] if self.log else None
+        if (not self.turn_starts and not self.base_turns) or (
+            (previous is not None or message.role is Role.USER) and starts_turn(previous, message)
+        ):
             self.turn_starts.append(len(self.log))
             self.turn_positions.append(position)
         self.log.append(message)

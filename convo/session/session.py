@@ -839,7 +839,7 @@ class Session:
         min_score = float("-inf")
         if (
             self.retriever is not None
-            and budget.retrieval_tokens > 0
+            and budget.retrieval_cap > 0
             and budget.retrieval_top_k > 0
             and last_user
         ):

@@ -1300,11 +1300,22 @@ class RecordingEncoder(HashEncoder):
         return super().encode(texts)
 
 
+def _cosine_of(found: Sequence[Passage], line: str) -> float:
+    return float(next(p.meta["cosine"] for p in found if p.text == line))
+
+
+def _unit(own: np.ndarray, context: np.ndarray | None, weight: float) -> np.ndarray:
+    v = own + weight * context if context is not None else own
+    return v / np.linalg.norm(v)
+
+
 def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() -> None:
-    # Issue 24: each message is embedded with the previous one as context; a long previous
+    # Issue 24: each message was embedded as "previous message + message"; a long previous
     # message filled MiniLM's 256 word pieces and none of the message's own text was read.
+    # Now every line is embedded alone (its head), and the context is added as a vector.
     enc = RecordingEncoder()
-    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0, embed_alone=True)
+    mem = RetrievalMemory(enc, config=cfg)
     long_reply = "word " * 2000
     turns = [
         Turn(
@@ -1317,27 +1328,39 @@ def test_a_long_previous_message_does_not_crowd_out_the_message_in_its_vector() 
         Turn(index=1, messages=(Message(role=Role.USER, content="My dog is called Biscuit."),)),
     ]
     mem.remember_turns("s", turns, dates={0: "2023/05/01 (Mon) 10:00", 1: "2023/05/01 (Mon) 10:05"})
-    text = next(t for t in enc.seen if "Biscuit" in t)
-    assert text.endswith("user: My dog is called Biscuit.")
-    assert "word" in text and len(text) <= 500  # some context, capped
+    assert "user: My dog is called Biscuit." in enc.seen  # its own text, alone
+    assert max(map(len, enc.seen)) <= cfg.embed_chars  # the long reply: its head only
+    query = "What is my dog called?"
+    found = mem.retrieve(query, session_id="s", top_k=3)
+    own, ctx = enc.encode(["user: My dog is called Biscuit.", next(t for t in enc.seen if "word" in t)])
+    expected = float(_unit(own, ctx, cfg.context_weight) @ enc.encode([query])[0])
+    assert _cosine_of(found, "user: My dog is called Biscuit.") == pytest.approx(expected, abs=1e-4)
 
 
 def test_a_new_session_is_not_embedded_with_the_last_reply_of_an_earlier_one() -> None:
     enc = RecordingEncoder()
-    mem = RetrievalMemory(enc, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0, embed_alone=True)
+    mem = RetrievalMemory(enc, config=cfg)
     first = Turn(index=0, messages=(Message(role=Role.ASSISTANT, content="Anything else about your trip?"),))
     mem.remember_turns("s", [first], dates={0: "2023/05/01 (Mon) 10:00"})
     later = Turn(index=1, messages=(Message(role=Role.ASSISTANT, content="Welcome back! Your new job?"),))
     mem.remember_turns("s", [later], dates={1: "2023/06/01 (Thu) 09:00"})
-    assert enc.seen[-1] == "assistant: Welcome back! Your new job?"
-    # Within one call too, and the same day still reads its context.
-    enc2 = RecordingEncoder()
-    mem2 = RetrievalMemory(enc2, config=RetrievalConfig(expand_terms=0, expand_query_words=0))
+    query = "Anything else about your new job?"
+    q = enc.encode([query])[0]
+    own = enc.encode(["assistant: Welcome back! Your new job?"])[0]
+    found = mem.retrieve(query, session_id="s", top_k=3)
+    welcome = "assistant: Welcome back! Your new job?"
+    assert _cosine_of(found, welcome) == pytest.approx(float(own @ q), abs=1e-4)
+    # Within one call too; the same day still reads its context.
+    mem2 = RetrievalMemory(enc, config=cfg)
     same = Turn(index=2, messages=(Message(role=Role.USER, content="Yes, it starts Monday."),))
     mem2.remember_turns("s", [first, later, same], dates={0: "2023/05/01", 1: "2023/06/01", 2: "2023/06/01"})
-    assert "assistant: Welcome back! Your new job?" in enc2.seen
-    assert "assistant: Welcome back! Your new job?\nuser: Yes, it starts Monday." in enc2.seen
-    found = mem2.retrieve("new job", session_id="s", top_k=3, today="2023/06/02")
+    found = mem2.retrieve(query, session_id="s", top_k=3, today="2023/06/02")
+    welcome = "assistant: Welcome back! Your new job?"
+    assert _cosine_of(found, welcome) == pytest.approx(float(own @ q), abs=1e-4)
+    reply = enc.encode(["user: Yes, it starts Monday."])[0]
+    with_context = float(_unit(reply, own, cfg.context_weight) @ q)
+    assert _cosine_of(found, "user: Yes, it starts Monday.") == pytest.approx(with_context, abs=1e-4)
     assert any("2023/06/01" in str(p.meta.get("date")) for p in found)
 
 
@@ -1388,3 +1411,31 @@ def test_recency_weight_prefers_the_newest_of_changed_facts() -> None:
     assert on[0].meta["turn"] == 2 and "2023/03/01" in str(on[0].meta.get("group", on[0].text))
     with pytest.raises(ConfigError):
         RetrievalConfig(recency_weight=-1.0)
+
+
+def test_budget_defaults_give_memory_the_room_the_recent_turns_leave(cl100k: TiktokenCounter) -> None:
+    """Issue 24: the defaults capped memory at 384 tokens and 6 passages, half the evidence
+    of LongMemEval's questions. Now retrieval takes what the recent turns' guaranteed share
+    leaves, and the recent turns keep that share."""
+    budget = Budget()
+    assert budget.retrieval_tokens is None and budget.retrieval_cap == budget.available_prompt_tokens
+    assert Budget(retrieval_tokens=100).retrieval_cap == 100
+    assert Budget.from_dict(budget.to_dict()) == budget
+    long = "I talked about the garden, the weather and the shed for quite a while today. " * 3
+    history = [
+        Turn(
+            index=i,
+            messages=(
+                Message(role=Role.USER, content=f"{i}: {long}"),
+                Message(role=Role.ASSISTANT, content="ok"),
+            ),
+        )
+        for i in range(7)  # with the question: window_turns (8)
+    ]
+    turns = [*history, Turn(index=7, messages=(Message(role=Role.USER, content="What did I note?"),))]
+    plan = plan_prompt(budget=budget, counter=cl100k, turns=turns, passages=_day_lines(60, first_turn=1000))
+    assert plan.parts["retrieved"] > 384
+    assert len(plan.passages_used) > 6
+    history_tokens = sum(cl100k.message_tokens(m) for t in turns for m in t.messages)
+    assert plan.parts["recent"] >= 0.9 * min(budget.recent_min, history_tokens)
+    assert plan.total_tokens <= budget.context_tokens

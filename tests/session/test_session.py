@@ -704,3 +704,30 @@ def test_a_first_resume_reads_only_the_window_on_redis() -> None:
     writer.delete("r")
     writer.close()
     fresh.close()
+
+
+def test_a_chat_that_opens_with_the_assistant_starts_its_own_turn(fake_engine: FakeEngine) -> None:
+    """An assistant message right after the previous chat's last reply opens a new turn
+    with its own date (it was folded into the previous turn and took that turn's date),
+    and a session read back from its store cuts its turns the same way."""
+    from convo.stores import MemoryStore
+
+    store = MemoryStore()
+    session = Session(fake_engine, store=store, session_id="s", budget=Budget(summary_tokens=0))
+    session.add(Message(role=Role.USER, content="I moved to Porto."), date="2026-05-01")
+    session.add(assistant("Nice city!"))
+    session.add(assistant("Welcome back! How is the new flat?"), date="2026-06-01")
+    session.add(Message(role=Role.USER, content="Still unpacking."))
+    assert session.turn_count == 3
+    assert session.turn_dates == {0: "2026-05-01", 1: "2026-06-01"}
+    resumed = Session(fake_engine, store=store, session_id="s", budget=Budget(summary_tokens=0))
+    assert resumed.turn_count == 3
+
+
+def test_a_reply_after_tool_results_stays_in_its_turn(fake_engine: FakeEngine) -> None:
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    session.add(Message(role=Role.USER, content="Weather?"))
+    session.add(assistant("", tool_calls=[ToolCall(id="w1", name="weather", arguments="{}")]))
+    session.add(tool("sunny", tool_call_id="w1"))
+    session.add(assistant("Sunny."))
+    assert session.turn_count == 1

@@ -186,10 +186,15 @@ def child(args: argparse.Namespace) -> None:
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
     elif args.model or args.quant or args.kv_slots is not None:
+        from convo.engines.local.config import KVConfig
         from convo.engines.local.engine import TransformersEngine
+        from convo.models.units import parse_size
 
+        host = None if args.kv_host_memory is None else parse_size(args.kv_host_memory)
         engine = TransformersEngine(
-            args.model, quant=args.quant or "auto", kv_slots=args.kv_slots, slot_tokens=args.budget
+            args.model,
+            quant=args.quant or "auto",
+            kv=KVConfig(kv_slots=args.kv_slots, slot_tokens=args.budget, kv_host_memory=host),
         )
         name = args.model or "default"
     else:
@@ -864,6 +869,11 @@ def main() -> int:
     )
     p.add_argument("--waves", type=int, default=1, help="loads back to back, each with new sessions (1)")
     p.add_argument(
+        "--kv-host-memory",
+        default=None,
+        help="local engine: host memory for evicted KV (16GiB; 0 = off; default: the engine's)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -958,7 +968,7 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
         "admission_tokens",
     ):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("model", "quant", "kv_slots", "preset"):
+    for name in ("model", "quant", "kv_slots", "preset", "kv_host_memory"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if step_file:

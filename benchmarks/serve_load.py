@@ -190,7 +190,13 @@ def child(args: argparse.Namespace) -> None:
         from convo.engines.local.engine import TransformersEngine
         from convo.models.units import parse_size
 
-        host = None if args.kv_host_memory is None else parse_size(args.kv_host_memory)
+        host = (
+            None
+            if args.kv_host_memory is None
+            else 0
+            if args.kv_host_memory == "0"
+            else parse_size(args.kv_host_memory)
+        )
         engine = TransformersEngine(
             args.model,
             quant=args.quant or "auto",

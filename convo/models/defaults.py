@@ -50,9 +50,18 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 #: graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512
 
-#: Share of the machine's RAM that the KV of sessions evicted from their slots may take in
-#: host memory by default (``KVConfig.kv_host_memory=None``, ``--kv-host-memory`` left out).
-#: A 1,700-token window of Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
+#: Bytes of host memory for the KV of sessions evicted from their slots when
+#: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out: 0, host KV off. Measured
+#: on the H200 (``benchmarks/serve_load.py --preset chat-users``, Llama-2-7B int4, 16 slots,
+#: 64 users): with host KV off, TTFT p50 0.16 s / p95 1.78 s, the scheduler busy 90 % of the
+#: wall; with 8 GiB, re-prefill fell from 1.02 to 0.85 but TTFT p95 rose to 6.4 s, the
+#: scheduler busy 52 % and the server's RSS 34.5 GB: each swap allocates pinned memory on
+#: the scheduler's thread, and PyTorch's pinned cache holds ~4x the bytes accounted. Until
+#: the copies take their buffers from a preallocated pinned arena, host KV is opt-in.
+DEFAULT_KV_HOST_MEMORY = 0
+#: Share of the machine's RAM :func:`default_kv_host_memory` suggests for host KV (what
+#: ``--kv-host-memory auto`` would take once the arena exists). A 1,700-token window of
+#: Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
 KV_HOST_MEMORY_FRACTION = 0.25
 #: ... and never more than this share of the RAM that is free when the engine loads.
 KV_HOST_AVAILABLE_FRACTION = 0.5
@@ -70,7 +79,8 @@ def default_kv_host_memory(total_bytes: int | None = None, available_bytes: int 
     """Bytes of host memory the KV of evicted sessions may take by default:
     :data:`KV_HOST_MEMORY_FRACTION` of the RAM, at most :data:`KV_HOST_AVAILABLE_FRACTION` of
     the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say).
-    The engine takes it when ``kv_host_memory`` is left out, and ``convo plan`` prices it."""
+    A size to start from when turning host KV on (the engine's default is
+    :data:`DEFAULT_KV_HOST_MEMORY`, off)."""
     total = _ram_bytes("SC_PHYS_PAGES") if total_bytes is None else total_bytes
     available = _ram_bytes("SC_AVPHYS_PAGES") if available_bytes is None else available_bytes
     return max(0, int(min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)))

@@ -125,8 +125,8 @@ class KVConfig:
             slot was given to another session (pinned on CUDA): their next turn copies it
             back instead of prefilling it again. Beyond it, the entries needed last are
             dropped. ``None`` (default):
-            :func:`~convo.models.defaults.default_kv_host_memory` (a quarter of the RAM, at
-            most half of what is free at load); 0: evicted KV is dropped.
+            :data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY` (0: evicted KV is dropped;
+            its docstring says why host KV is opt-in for now).
         gpu_memory: size the engine to this much device memory (bytes, or a size with a
             unit: ``"24GiB"``): the planner picks the KV slots, and with int4 one weight
             layout or both, to fit under it with a headroom

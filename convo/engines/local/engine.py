@@ -65,11 +65,11 @@ from convo.messages import Message, ToolCall
 from convo.models.defaults import (
     AUTO_SLOTS_MEMORY_FRACTION,
     DEFAULT_CPU_KV_SLOTS,
+    DEFAULT_KV_HOST_MEMORY,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
     FP8_KV_SCALE_BYTES,
     auto_kv_slots,
-    default_kv_host_memory,
     kv_pool_bytes,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
@@ -280,7 +280,7 @@ class TransformersEngine(Engine):
         self.max_cached_sessions = kv.max_cached_sessions
         self.cache_idle_s = kv.cache_idle_s
         #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
-        self.kv_host_memory = default_kv_host_memory() if kv.kv_host_memory is None else kv.kv_host_memory
+        self.kv_host_memory = DEFAULT_KV_HOST_MEMORY if kv.kv_host_memory is None else kv.kv_host_memory
         self._vocab_limit: int | None = None
         cuda = self.device.startswith("cuda")
         #: How the engine was sized to ``kv.gpu_memory`` (:class:`~convo.planner.fit.ServeFit`), or None.

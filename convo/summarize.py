@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from convo.errors import ConfigError
 from convo.messages import Message, Role
@@ -42,6 +42,7 @@ from convo.summary_worker import (
     SHUTDOWN_TIMEOUT_S,
     SUMMARY_LAG_BUCKETS,
     JobStatus,
+    Summarizer,
     SummaryJob,
     SummaryState,
     SummaryStats,
@@ -61,31 +62,6 @@ DEFAULT_TEMPLATE = (
     "Summarize the earlier summary and the conversation above in at most {max_words} words. "
     "Keep every name, number, date, place, preference and decision."
 )
-
-
-@runtime_checkable
-class Summarizer(Protocol):
-    """Folds messages into a summary. The session injects one of these.
-
-    Subclass it to inherit ``supports_cancel = False`` and ``supports_owner = False``, or
-    declare both attributes (a summarizer that declares neither is refused when the session
-    is built). A summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
-    :class:`threading.Event`) and stops its generation when it is set; one that declares
-    ``supports_owner`` takes ``owner=``: the ``cache_key`` of the session it summarizes,
-    which it passes to its model calls (``GenerateOptions.owner``) so that a KV-caching
-    engine serves the summary from that session's own cached prefix or slot and never
-    evicts another session for it. A summarizer of before ``supports_owner`` that
-    subclasses this protocol keeps working: it is called without ``owner=``.
-    """
-
-    #: :meth:`summarize` takes ``cancel=``.
-    supports_cancel: bool = False
-    #: :meth:`summarize` takes ``owner=`` (the summarized session's ``cache_key``).
-    supports_owner: bool = False
-
-    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
-        """Return the new summary, at most ``max_tokens`` tokens long."""
-        ...
 
 
 def format_messages(messages: Sequence[Message]) -> str:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from convo.errors import ConfigError, SessionNotFound
 from convo.messages import Message
@@ -31,7 +31,6 @@ from convo.metrics import Histogram, HistogramSnapshot
 
 if TYPE_CHECKING:
     from convo.stores import Store
-    from convo.summarize import Summarizer
 
 logger = logging.getLogger("convo.summarize")
 
@@ -57,6 +56,31 @@ DEFAULT_SUMMARY_BACKLOG = 256
 BACKLOG_FULL = "summary backlog full: the turns stay owed and the next turn submits them again"
 #: Bucket bounds of the summary lag histogram (``convo_summary_lag_seconds``), in seconds.
 SUMMARY_LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Folds messages into a summary. The session injects one of these.
+
+    Subclass it to inherit ``supports_cancel = False`` and ``supports_owner = False``, or
+    declare both attributes (a summarizer that declares neither is refused when the session
+    is built). A summarizer that declares ``supports_cancel`` takes ``cancel=`` (a
+    :class:`threading.Event`) and stops its generation when it is set; one that declares
+    ``supports_owner`` takes ``owner=``: the ``cache_key`` of the session it summarizes,
+    which it passes to its model calls (``GenerateOptions.owner``) so that a KV-caching
+    engine serves the summary from that session's own cached prefix or slot and never
+    evicts another session for it. A summarizer of before ``supports_owner`` that
+    subclasses this protocol keeps working: it is called without ``owner=``.
+    """
+
+    #: :meth:`summarize` takes ``cancel=``.
+    supports_cancel: bool = False
+    #: :meth:`summarize` takes ``owner=`` (the summarized session's ``cache_key``).
+    supports_owner: bool = False
+
+    def summarize(self, *, previous: str, messages: Sequence[Message], max_tokens: int) -> str:
+        """Return the new summary, at most ``max_tokens`` tokens long."""
+        ...
 
 
 class SummaryStatus(enum.StrEnum):

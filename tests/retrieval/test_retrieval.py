@@ -779,6 +779,7 @@ def test_old_import_paths_still_work() -> None:
         "NEAR_KEPT",
         "RetrievalConfig",
         "RetrievalMemory",
+        "ScopedMemory",
         "TURN_LINES",
         "VectorIndex",
         "chunk_text",

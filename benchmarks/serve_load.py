@@ -84,6 +84,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from convo.cli.common import kv_host_memory_size
 from convo.testing import wait_until_serving
 
 WORDS = (
@@ -188,19 +189,11 @@ def child(args: argparse.Namespace) -> None:
     elif args.model or args.quant or args.kv_slots is not None:
         from convo.engines.local.config import KVConfig
         from convo.engines.local.engine import TransformersEngine
-        from convo.models.units import parse_size
 
-        host = (
-            None
-            if args.kv_host_memory is None
-            else 0
-            if args.kv_host_memory == "0"
-            else parse_size(args.kv_host_memory)
-        )
         engine = TransformersEngine(
             args.model,
             quant=args.quant or "auto",
-            kv=KVConfig(kv_slots=args.kv_slots, slot_tokens=args.budget, kv_host_memory=host),
+            kv=KVConfig(kv_slots=args.kv_slots, slot_tokens=args.budget, kv_host_memory=args.kv_host_memory),
         )
         name = args.model or "default"
     else:
@@ -876,6 +869,7 @@ def main() -> int:
     p.add_argument("--waves", type=int, default=1, help="loads back to back, each with new sessions (1)")
     p.add_argument(
         "--kv-host-memory",
+        type=kv_host_memory_size,
         default=None,
         help="local engine: host memory for evicted KV (16GiB; 0 = off; default: the engine's)",
     )

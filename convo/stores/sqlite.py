@@ -115,12 +115,34 @@ class SQLiteStore(Store):
                 self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
             )
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            self._use_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             self._local.conn = conn
             self._local.pid = os.getpid()
         return conn
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        """Put the file in WAL mode (it stays so: the mode is kept in the file).
+
+        Switching the journal mode does not wait on SQLite's busy handler: when another
+        process is creating the same new file it fails at once with "database is locked".
+        So it is retried here, within ``busy_timeout_s``."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        pause = 0.005
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"cannot open {self.path} in WAL mode within {self.busy_timeout_s} s: {exc}"
+                    ) from exc
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -48,6 +48,31 @@ class _Slot:
     copies: list[HostEntry] = field(default_factory=list)  # copies in flight on the slot
 
 
+def _one_allocation(layout: Sequence[tuple[tuple[int, ...], Any]], device: Any) -> tuple[Any, list[Any]]:
+    """One zeroed byte buffer holding a tensor of each ``(shape, dtype)`` in ``layout``,
+    back to back (each offset aligned to 256 bytes, which every element size divides),
+    and the tensors as views into it."""
+    import torch
+
+    sizes = [
+        int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        for shape, dtype in layout
+    ]
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // _ALIGN) * _ALIGN
+    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+    views = [
+        buffer[off : off + size].view(dtype).view(shape)
+        for (shape, dtype), off, size in zip(layout, offsets, sizes, strict=True)
+    ]
+    return buffer, views
+
+
+_ALIGN = 256  # bytes between the starts of the pool's tensors in its buffer
+
+
 class KVSlotPool:
     """Preallocated KV memory: ``slots`` caches of ``slot_tokens`` tokens each.
 
@@ -100,17 +125,22 @@ class KVSlotPool:
         self.slots, self.slot_tokens = slots, slot_tokens
         self.dtype = dtype
         shape = (slots, num_kv_heads, slot_tokens, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: Whether K/V are fp8 with per token and head scales (:attr:`k_scale`, :attr:`v_scale`).
+        self.scaled = dtype == torch.float8_e4m3fn
+        n = num_layers if self.scaled else 0
+        layout = [(shape, dtype)] * (2 * num_layers) + [(shape[:3], torch.float32)] * (2 * n)
+        #: The pool's one device allocation; every K, V and scale tensor is a view into it.
+        #: One allocation is what makes the pool's device bytes exactly the predicted ones:
+        #: the CUDA allocator serves a tensor from a cached free block up to 1 MiB larger
+        #: without splitting it (counted whole), so a hundred separate tensors made next to
+        #: freed ones (a second decoder, after warm-up) came out MiBs over the formula.
+        self.buffer, views = _one_allocation(layout, device)
+        self.k, self.v = views[:num_layers], views[num_layers : 2 * num_layers]
+        self.k_scale, self.v_scale = views[2 * num_layers : 2 * num_layers + n], views[2 * num_layers + n :]
         self.device = torch.device(device)
         self.policy: EvictionPolicy = policy if policy is not None else NextUsePolicy()
         self.clock = clock
         self._table = [_Slot(last_used=clock()) for _ in range(slots)]
-        #: Whether K/V are fp8 with per token and head scales (:attr:`k_scale`, :attr:`v_scale`).
-        self.scaled = dtype == torch.float8_e4m3fn
-        n = num_layers if self.scaled else 0
-        self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
-        self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(n)]
         self._lock = threading.Lock()
         #: Host memory for evicted sessions' KV (``None``: evicted KV is dropped).
         self.host: HostKVStore | None = None
@@ -150,8 +180,9 @@ class KVSlotPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pool's tensors (K, V and any scales; measured from the tensors)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        """Bytes of the pool's device allocation (K, V, any scales, and the alignment
+        between them, none for the usual sizes): what ``torch.cuda.memory_allocated`` sees."""
+        return int(self.buffer.numel())
 
     @property
     def slot_nbytes(self) -> int:

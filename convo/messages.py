@@ -19,7 +19,7 @@ import enum
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from convo.errors import MessageError
@@ -110,6 +110,10 @@ class Message:
         pinned: a pinned message is never evicted: it is always shown in the prompt's
             system part. System messages are pinned implicitly.
         created_at: UNIX time, seconds.
+        opens_turn: the message opens a new turn although its role alone would not (an
+            assistant message added with a new day's date, :meth:`Session.add
+            <convo.session.Session.add>`). Stored with it, so a session read back cuts its
+            turns the same way; not part of what a model is shown, nor of equality.
 
     Example:
         >>> Message(role="user", content="hi").role
@@ -123,6 +127,7 @@ class Message:
     name: str | None = None
     pinned: bool = False
     created_at: float = field(default_factory=time.time, compare=False)
+    opens_turn: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -170,6 +175,8 @@ class Message:
         out = self.to_dict()
         out["pinned"] = self.pinned
         out["created_at"] = self.created_at
+        if self.opens_turn:
+            out["opens_turn"] = True
         return out
 
     def to_openai(self) -> dict[str, Any]:
@@ -266,7 +273,8 @@ class Message:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Message:
         """Build a message from a stored record (or any OpenAI-style dict)."""
-        return cls.from_openai(record)
+        message = cls.from_openai(record)
+        return replace(message, opens_turn=True) if record.get("opens_turn") is True else message
 
 
 #: Fields of an OpenAI message dict that a model is shown but convo cannot count:

@@ -200,10 +200,11 @@ def starts_turn(previous: Message | None, message: Message) -> bool:
     message that called no tool: nothing answered in between, so it opens a new exchange
     (an earlier chat that opened with the assistant's greeting, imported or added after
     the previous chat's last reply) instead of being folded into the previous turn and
-    taking that turn's date. Only the stored messages decide, so a session read back
-    from its store cuts its turns the same way.
+    taking that turn's date. So does a message marked :attr:`~convo.messages.Message.opens_turn`
+    (an assistant message added with a new day's date). Only the stored messages decide,
+    so a session read back from its store cuts its turns the same way.
     """
-    if previous is None or message.role is Role.USER:
+    if previous is None or message.role is Role.USER or message.opens_turn:
         return True
     return message.role is Role.ASSISTANT and previous.role is Role.ASSISTANT and not previous.tool_calls
 

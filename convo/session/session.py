@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any, Unpack, cast
 
 from convo.budget import Budget
+from convo.dates import as_day
 from convo.engines.base import (
     AsyncTextStream,
     Engine,
@@ -61,6 +62,7 @@ from convo.session.history import (
     incoming_messages,
     read_window,
     resume_mark,
+    starts_turn,
 )
 from convo.session.locking import TurnLock
 from convo.session.reply import Reply, TurnStats
@@ -477,13 +479,18 @@ class Session:
                 (assistant ``tool_calls``, ``tool`` results...); tool results must answer
                 a pending tool call.
             date: a human date for the turn this message starts or belongs to (indexed
-                with it for retrieval, e.g. ``"8 May 2023"``).
+                with it for retrieval, e.g. ``"8 May 2023"``). An assistant message dated
+                another day than the turn it would join opens a turn of its own (an
+                earlier chat that opened with the assistant, imported after a chat that
+                ended on a user message), so it is not indexed under the old day.
 
         Raises:
             MessageError / BudgetError: invalid message; nothing is stored.
         """
         message = Message.from_openai(message)
         with self._turn_lock.hold(self.lock_timeout_s):
+            if date is not None and self._opens_a_new_day(message, date):
+                message = replace(message, opens_turn=True)
             self._commit([message], dated=date)
             if date is not None and self.turn_count:
                 self._history.dates.setdefault(self.turn_count - 1, date)
@@ -491,6 +498,18 @@ class Session:
                 self._advance_window()
                 self._remember_completed_turns()
                 self._maybe_summarize()
+
+    def _opens_a_new_day(self, message: Message, date: str) -> bool:
+        """Whether ``message``, dated ``date``, would join a turn of another day as its
+        reply: an assistant message (no tool calls) right after that turn's unanswered
+        user message. A reply after tool results, or a call, stays with its turn."""
+        history = self._history
+        if message.role is not Role.ASSISTANT or message.tool_calls or message.pinned or not history.log:
+            return False
+        if history.log[-1].role is not Role.USER or starts_turn(history.log[-1], message):
+            return False
+        day, turn_day = as_day(date), as_day(history.dates.get(self.turn_count - 1))
+        return day is not None and turn_day is not None and day != turn_day
 
     def extend(self, messages: Sequence[MessageLike]) -> None:
         """Append several messages at once (imported history, a client's earlier turns):

@@ -724,6 +724,51 @@ def test_a_chat_that_opens_with_the_assistant_starts_its_own_turn(fake_engine: F
     assert resumed.turn_count == 3
 
 
+def test_an_assistant_message_of_a_new_day_opens_a_turn_after_an_unanswered_question(
+    fake_engine: FakeEngine, tmp_path: Any
+) -> None:
+    """The previous chat ended on a user message nobody answered; the next chat opens with
+    the assistant, dated a month later. It opens its own turn with its own date (it used
+    to join the old question's turn under the old date), the marker is stored with the
+    message, so a session read back from SQLite cuts the same turns, and a same-day reply
+    or a reply without a date still joins its question's turn."""
+    from convo.stores import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "days.db")
+    session = Session(fake_engine, store=store, session_id="d", budget=Budget(summary_tokens=0))
+    session.add(Message(role=Role.USER, content="Any tips for Porto?"), date="2026-05-01")
+    session.add(assistant("Walk along the river."), date="1 May 2026")  # same day, other spelling
+    session.add(Message(role=Role.USER, content="And for food?"), date="2026-05-01")
+    session.add(assistant("Welcome back! How was the trip?"), date="2026-06-01")
+    session.add(Message(role=Role.USER, content="Great."), date="2026-06-01")
+    session.add(assistant("Glad to hear."))
+    assert session.turn_count == 4
+    assert [len(t.messages) for t in session.turns()] == [2, 1, 1, 2]
+    assert session.turn_dates == {0: "2026-05-01", 1: "2026-05-01", 2: "2026-06-01", 3: "2026-06-01"}
+    assert [m.opens_turn for m in session.messages] == [False, False, False, True, False, False]
+    resumed = Session(fake_engine, store=SQLiteStore(tmp_path / "days.db"), session_id="d")
+    assert [len(t.messages) for t in resumed.turns()] == [2, 1, 1, 2]
+    assert resumed.messages == session.messages
+
+
+def test_a_new_days_tool_result_and_its_call_stay_in_their_turn(fake_engine: FakeEngine) -> None:
+    """A reply after tool results, and a tool call, stay in their question's turn, whatever
+    their date: they answer it."""
+    session = Session(fake_engine, budget=Budget(summary_tokens=0))
+    session.add(Message(role=Role.USER, content="Weather?"), date="2026-05-01")
+    session.add(assistant("", tool_calls=[ToolCall(id="w1", name="weather", arguments="{}")]))
+    session.add(tool("sunny", tool_call_id="w1"), date="2026-05-02")
+    session.add(assistant("Sunny."), date="2026-05-02")
+    assert session.turn_count == 1
+    session2 = Session(fake_engine, budget=Budget(summary_tokens=0))
+    session2.add(Message(role=Role.USER, content="Weather?"), date="2026-05-01")
+    session2.add(
+        assistant("", tool_calls=[ToolCall(id="w1", name="weather", arguments="{}")]), date="2026-05-02"
+    )
+    session2.add(tool("sunny", tool_call_id="w1"), date="2026-05-02")
+    assert session2.turn_count == 1
+
+
 def test_a_reply_after_tool_results_stays_in_its_turn(fake_engine: FakeEngine) -> None:
     session = Session(fake_engine, budget=Budget(summary_tokens=0))
     session.add(Message(role=Role.USER, content="Weather?"))

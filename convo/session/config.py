@@ -177,6 +177,9 @@ def check_budget_fits(budget: Budget, engine: Engine | None) -> None:
         )
 
 
+_CAPS_LOGGED: set[tuple[int, int, int]] = set()  # (cap, summary_tokens, context) said already
+
+
 def summary_cap(summarizer: Summarizer | None, summary_tokens: int) -> int:
     """The cap a session's summaries get: ``Budget.summary_tokens``, lowered for a
     :class:`~convo.summarize.ModelSummarizer` to what one summary call holds in its
@@ -195,7 +198,8 @@ def summary_cap(summarizer: Summarizer | None, summary_tokens: int) -> int:
         raise ConfigError(f"Budget.summary_tokens={summary_tokens}: {exc}") from None
     except ConvoError:  # e.g. a remote engine that cannot be asked now: each summary checks
         return summary_tokens
-    if cap < summary_tokens:
+    if cap < summary_tokens and (key := (cap, summary_tokens, summarizer.context_tokens)) not in _CAPS_LOGGED:
+        _CAPS_LOGGED.add(key)  # once per setting, not at every session a server opens
         logger.info(
             "summaries capped at %d tokens: Budget.summary_tokens=%d leaves a summary call no room "
             "in the model's %d-token context",

@@ -609,6 +609,23 @@ def test_the_summary_cap_follows_a_512_token_context(worker: SummaryWorker) -> N
     assert session.counter.count_text(session.summary) <= session.summary_cap
 
 
+def test_a_lowered_summary_cap_is_logged_once_not_at_every_session(
+    worker: SummaryWorker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server opens a Session per request: the cap's note was logged at every one."""
+    import logging
+
+    from convo.session import SummaryConfig
+
+    engine = SummaryCallsEngine(context_window=509)  # a context no other test uses: a fresh note
+    budget = Budget(context_tokens=509, max_new_tokens=64, window_turns=1)
+    with caplog.at_level(logging.INFO, logger="convo.session"):
+        for _ in range(3):
+            Session(engine, budget=budget, summarizing=SummaryConfig(worker=worker))
+    notes = [r for r in caplog.records if "summaries capped at" in r.getMessage()]
+    assert len(notes) == 1 and "509-token context" in notes[0].getMessage()
+
+
 def test_a_context_too_small_for_any_summary_is_refused_at_construction() -> None:
     store = MemoryStore()
     engine = FakeEngine(context_window=120)

@@ -417,6 +417,7 @@ class DecodeScheduler:
             host_dropped=host.dropped if host is not None else 0,
             host_limit_bytes=pool.host_limit_bytes,
             prefills=self.prefill_requests,
+            host_reserved_bytes=pool.host_reserved_bytes,
         )
 
     def _count(self, kind: str, started: float) -> None:

@@ -238,6 +238,8 @@ class SchedulerStats:
         host_bytes_peak: most bytes of KV held in host memory at once.
         host_dropped: host entries dropped (or never kept) because host memory was full.
         host_limit_bytes: the host memory bound (0: evicted KV is dropped).
+        host_reserved_bytes: bytes of the host KV arena, taken once (the whole blocks
+            within the bound): what the process holds for host KV, in use or not.
         prefills: background prefill requests run (a prompt's KV computed ahead of its turn).
     """
 
@@ -254,3 +256,4 @@ class SchedulerStats:
     host_dropped: int = 0
     host_limit_bytes: int = 0
     prefills: int = 0
+    host_reserved_bytes: int = 0

@@ -103,6 +103,11 @@ class EngineCollector(Collector):
                 "host memory bound for KV (0: none)",
                 stats.host_limit_bytes,
             ),
+            (
+                "convo_engine_kv_host_reserved_bytes",
+                "bytes of the host KV arena, taken once (in use or not)",
+                stats.host_reserved_bytes,
+            ),
         ):
             yield GaugeMetricFamily(name, text, value=value)
 

@@ -280,6 +280,10 @@ class DecodeScheduler:
             (:data:`DEFAULT_BACKGROUND_MIN_IDLE_S`).
         background_max_wait_s: seconds such a request waits before it takes the least
             recently used idle slot anyway (:data:`DEFAULT_BACKGROUND_MAX_WAIT_S`).
+        clock: the time of deadlines, waits and first tokens (``time.monotonic``; a
+            request's ``deadline`` and ``started_at`` are on it). Simulations pass their own.
+        timer: the time steps are measured with (``time.perf_counter``; the step costs
+            that grow a streaming step's prefill, :func:`prompt_token_budget`).
 
     Raises:
         ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
@@ -295,12 +299,15 @@ class DecodeScheduler:
         background: bool = True,
         background_min_idle_s: float = DEFAULT_BACKGROUND_MIN_IDLE_S,
         background_max_wait_s: float = DEFAULT_BACKGROUND_MAX_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
         if not (background_min_idle_s >= 0 and background_max_wait_s >= 0):
             raise ConfigError("background_min_idle_s and background_max_wait_s must be >= 0")
         self.background_min_idle_s = background_min_idle_s
+        self.clock, self.timer = clock, timer
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
@@ -422,7 +429,7 @@ class DecodeScheduler:
 
     def _count(self, kind: str, started: float) -> None:
         self._kind_steps[kind] += 1
-        self._kind_busy[kind] += time.perf_counter() - started
+        self._kind_busy[kind] += self.timer() - started
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -464,7 +471,7 @@ class DecodeScheduler:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both
             rows = self._active
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 logits, outs = self.decoder.mixed_step(*self._rows(rows), [c for _, c in batch])
             except BaseException as exc:  # a device error ends every request in it
@@ -477,7 +484,7 @@ class DecodeScheduler:
             self._count("mixed", started)
             return
         if self._active:
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 self._step()
                 self._count("decode", started)
@@ -485,7 +492,7 @@ class DecodeScheduler:
                 self._fail(self._active, exc)
                 self._active = []
         if batch:
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 self._prefill(batch)
                 self._count("prefill", started)
@@ -498,7 +505,7 @@ class DecodeScheduler:
         self, req: DecodeRequest, reason: FinishReason | None, error: BaseException | None = None
     ) -> None:
         req.finish, req.error = reason, error
-        req.finished_at = time.monotonic()
+        req.finished_at = self.clock()
         if req.slot >= 0:
             kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
@@ -513,7 +520,7 @@ class DecodeScheduler:
 
     def _expire(self) -> None:
         """Finish waiting and prefilling requests that were cancelled or ran out of time."""
-        now = time.monotonic()
+        now = self.clock()
         with self._cv:
             gone = [(r, why) for r in self._pending if (why := r._stop_reason(now)) is not None]
             self._pending = [r for r in self._pending if r._stop_reason(now) is None]
@@ -543,7 +550,7 @@ class DecodeScheduler:
                     return
                 req = min(waiting, key=lambda r: (r.priority, r._order))
                 patient = req.priority > Priority.REPLY
-                patient = patient and time.monotonic() - req.started_at < self.background_max_wait_s
+                patient = patient and self.clock() - req.started_at < self.background_max_wait_s
                 # Work for a session (its summary, its prefill) takes only its own or an empty
                 # slot while it is patient: it never evicts a session that is thinking.
                 own = req.owner is not None or req.prefill_only
@@ -649,7 +656,7 @@ class DecodeScheduler:
         import torch
 
         first = _sample(torch.stack([out for _, out in ready]), reqs)
-        now = time.monotonic()
+        now = self.clock()
         for req, token in zip(reqs, first, strict=True):
             if req.first_token_at is None:  # (a preempted request had its first token)
                 req.first_token_at = now
@@ -665,7 +672,7 @@ class DecodeScheduler:
         elif len(req.new_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         else:
-            reason = req._stop_reason(time.monotonic())
+            reason = req._stop_reason(self.clock())
             if reason is None:
                 return False
         self._finish(req, reason)

@@ -18,11 +18,13 @@ Until it is written, the summary block is a provisional stand-in (the same text 
 turn). Once it is written, the session's next prompt prefix is prefilled in the background
 (``prefill_only``) when the session is idle, as :meth:`~convo.session.Session.prefill_next` does.
 
-Reported per run: ``preemptions``; ``summaries_due``, ``summaries_written`` and
-``summary_backlog_end`` (jobs queued or running when the last user's last turn ends);
-summary lag p50/p95 (due to written); ``reprefill`` (prompt tokens the scheduler prefilled,
-summaries and background prefills included, over the replies' prompt tokens); TTFT and turn
-p50/p95 of the replies (fake seconds); swaps.
+Reported per run: ``preemptions`` (and of them ``parked``: resumed by a copy from host);
+``summaries_due``, ``summaries_written`` and ``summary_backlog_end`` (jobs queued or running
+when the last user's last turn ends), ``drain_s`` (seconds after it until none is left;
+``None``: not within :data:`DRAIN_LIMIT_S`), ``provisional_turns`` (turns whose prompt
+carried the stand-in); summary lag p50/p95 (due to written); ``reprefill`` (prompt tokens
+the scheduler prefilled, summaries and background prefills included, over the replies'
+prompt tokens); TTFT and turn p50/p95 of the replies (fake seconds); swaps.
 
     python benchmarks/kv_sched.py --preset think-16
     python benchmarks/kv_sched.py --preset chat-users --out benchmarks/results/kv_policy_chat-users.json
@@ -46,6 +48,8 @@ from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.scheduler import SLOT_POLL_S, DecodeRequest, DecodeScheduler
 from convo.models import GREEDY, Priority
 
+#: Fake seconds the run goes on after the last turn, for the summaries left to be written.
+DRAIN_LIMIT_S = 120.0
 #: The loads of issue 22 (``benchmarks/serve_load.py``'s presets of the same names).
 PRESETS: dict[str, dict[str, Any]] = {
     "think-16": {"users": 16, "slots": 16, "turns": 12, "think": (2.0, 2.0), "spread_s": 0.0},
@@ -191,6 +195,7 @@ def simulate(load: Load) -> dict[str, Any]:
     lag: list[float] = []
     written = [0]
     due = [0]
+    provisional = [0]  # turns whose prompt carried the provisional stand-in
 
     def submit(kind: str, u: User, req: DecodeRequest, extra: Any = None) -> None:
         req.started_at = clock.now
@@ -223,6 +228,7 @@ def simulate(load: Load) -> dict[str, Any]:
             u.owed_since = clock.now if u.owed_since is None else u.owed_since
         ids = [*prefix(u), *message]
         requested[0] += len(ids)
+        provisional[0] += bool(u.owed)
         u.in_turn = True
         first: list[float] = []
         req = DecodeRequest(
@@ -272,14 +278,19 @@ def simulate(load: Load) -> dict[str, Any]:
 
     for u in users:
         push(rng.uniform(0, load.spread_s), "turn", u)
-    end = None
+    end: float | None = None
+    at_end: dict[str, Any] = {}
     while True:
         while events and events[0][0] <= clock.now:
             _, _, _, u = heapq.heappop(events)
             turn(u)
         reap()
-        if all(u.turns >= load.turns for u in users):
-            end = clock.now
+        if end is None and all(u.turns >= load.turns for u in users):
+            end = clock.now  # the load is over: what is left drains (or not) from here
+            stats = sched.stats()
+            at_end = {"written": written[0], "backlog": len(worker) + running_jobs[0], "stats": stats}
+        backlog = len(worker) + running_jobs[0]
+        if end is not None and (not backlog or clock.now > end + DRAIN_LIMIT_S):
             break
         if sched.idle:
             clock.now = events[0][0]
@@ -289,13 +300,17 @@ def simulate(load: Load) -> dict[str, Any]:
         reap()
         if clock.now == before:  # only work that waits for a slot: the loop polls
             clock.now = min(events[0][0] if events else before + SLOT_POLL_S, before + SLOT_POLL_S)
-    stats = sched.stats()
+    assert end is not None
+    stats = at_end["stats"]
     return {
         "wall_s": round(end, 2),
         "preemptions": stats.preemptions,
+        "parked": getattr(stats, "parked", 0),  # (absent before parking)
         "summaries_due": due[0],
-        "summaries_written": written[0],
-        "summary_backlog_end": len(worker) + running_jobs[0],
+        "summaries_written": at_end["written"],
+        "summary_backlog_end": at_end["backlog"],
+        "drain_s": round(clock.now - end, 2) if not len(worker) + running_jobs[0] else None,
+        "provisional_turns": provisional[0],
         "summary_lag_p50_s": _pct(lag, 0.5),
         "summary_lag_p95_s": _pct(lag, 0.95),
         "reprefill": round(stats.prompt_tokens / max(requested[0], 1), 3),

@@ -28,6 +28,9 @@ from convo.tokens import common_prefix_length
 #: scales, of one slot): host memory is taken and accounted in whole blocks, and an entry's
 #: run of consecutive blocks moves in one copy per pool tensor.
 HOST_BLOCK_TOKENS = 128
+#: Host keys of work parked by :meth:`KVSlotPool.park` start with this (no session's key
+#: does): they are the work's own KV, not a session's, and :meth:`KVSlotPool.owners` omits them.
+PARKED_PREFIX = "\x00parked:"
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,31 @@ class KVSlotPool:
         self.swaps_in += 1
         self.swap_bytes += entry.nbytes
 
+    def park(self, index: int, key: str, tokens: Sequence[int], *, wanted: Collection[str] = ()) -> bool:
+        """Copy the first ``len(tokens)`` tokens of slot ``index`` (``tokens``: what it
+        holds) to host memory under ``key`` (:data:`PARKED_PREFIX` first): work stopped to
+        free its slot, to be resumed by :meth:`acquire` with ``restore=key`` (a copy back,
+        not a recompute). False, copying nothing, when host memory is off or has no room
+        (then it is recomputed). Dropped by :meth:`forget` once the work is done."""
+        with self._lock:
+            host = self.host
+            if host is None or not tokens:
+                return False
+            now = self.clock()
+            n = min(len(tokens), self.slot_tokens)
+            use = CacheUse(key=key, tokens=n, last_used=now)
+            got = host.reserve(use, n, now=now, wanted={*wanted, key})
+            if got is None:
+                return False
+            blocks = got[0]
+            event = self.copy_out(index, n, blocks)
+            nbytes = len(blocks) * host.arena.block_bytes
+            host.put(HostEntry(key, list(tokens[:n]), blocks, nbytes, now, event))
+            self._table[index].copies.append(_Copy(event))
+            self.swaps_out += 1
+            self.swap_bytes += nbytes
+            return True
+
     # -- who holds which slot ---------------------------------------------------------------------
     def acquire(
         self,
@@ -344,6 +372,8 @@ class KVSlotPool:
         evict: bool = True,
         wanted: Collection[str] = (),
         reply: bool = True,
+        restore: str | None = None,
+        spare_s: float | None = None,
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
@@ -367,6 +397,13 @@ class KVSlotPool:
             evict: whether the slot of a session that is thinking may be taken.
             wanted: sessions with queued work (their caches are kept).
             reply: the work is ``key``'s next turn (the policy learns its think time).
+            restore: the host key of this work's own KV, parked (:meth:`park`): copied into
+                the slot (``key``'s tokens there go to host first) and returned as the
+                tokens held; if host memory dropped it meanwhile, nothing is restored.
+            spare_s: without ``evict``, the slot of a thinking session may still be taken
+                when host memory would keep its KV (it comes back by a copy, not a
+                recompute) and the policy expects it back no sooner than ``spare_s``
+                seconds (the work's expected length); ``None``: never.
         """
         with self._lock:
             now = self.clock()
@@ -379,8 +416,10 @@ class KVSlotPool:
                 idle = [
                     i for i, s in enumerate(self._table) if not s.busy and now - s.last_used >= min_idle_s
                 ]
-                if not evict:  # only the slots of sessions whose users are gone
-                    idle = [i for i in idle if self._gone(i, now, wanted)]
+                if not evict:  # only the slots of sessions whose users are gone (or away long enough)
+                    idle = [
+                        i for i in idle if self._gone(i, now, wanted) or self._away(i, now, wanted, spare_s)
+                    ]
                 if not idle:
                     return None
                 chosen = max(idle, key=lambda i: self._eviction_order(i, now, wanted))
@@ -390,8 +429,14 @@ class KVSlotPool:
                 slot.tokens = []
             if key is not None and reply and not guest:
                 self.policy.returned(key, now)
+            parked = self.host.get(restore) if self.host is not None and restore is not None else None
             entry = self.host.get(key) if self.host is not None and key is not None else None
-            if entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
+            if parked is not None:  # the work's own KV comes back; the slot's go to host first
+                if slot.tokens and common_prefix_length(slot.tokens, parked.tokens) < len(slot.tokens):
+                    self._swap_out(chosen, now, wanted)
+                self._swap_in(chosen, parked, keep=False)
+                slot.tokens = list(parked.tokens)
+            elif entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
                 self._swap_in(chosen, entry, keep=guest)  # a guest overwrites part: host keeps it
                 slot.tokens = list(entry.tokens)
             elif guest and ids is not None and slot.tokens:
@@ -399,6 +444,20 @@ class KVSlotPool:
                     self._swap_out(chosen, now, wanted)  # the summary would overwrite them
             slot.owner, slot.busy, slot.guest = key, True, guest and key is not None
             return chosen, list(slot.tokens)
+
+    def _away(self, index: int, now: float, wanted: Collection[str], spare_s: float | None) -> bool:
+        """Whether slot ``index``'s session is expected back no sooner than ``spare_s`` and
+        host memory would keep its KV meanwhile (see :meth:`acquire`)."""
+        s, host = self._table[index], self.host
+        if spare_s is None or host is None or s.owner is None or s.owner in wanted:
+            return False
+        use = CacheUse(key=s.owner, tokens=len(s.tokens), last_used=s.last_used)
+        if self.policy.next_use_s(use, now, wanted) < spare_s:
+            return False
+        held = host.get(s.owner)
+        if held is not None and held.tokens[: len(s.tokens)] == s.tokens:
+            return True  # the host has it all already
+        return host.would_keep(use, self.host_nbytes(len(s.tokens)), now=now, wanted=wanted)
 
     def _gone(self, index: int, now: float, wanted: Collection[str]) -> bool:
         s = self._table[index]
@@ -426,8 +485,10 @@ class KVSlotPool:
             slot = self._table[index]
             slot.busy, slot.last_used = False, now
             owner = slot.owner
+            # (A slot busy with work done for the owner, a summary, holds that work's tokens,
+            # not the owner's: it is no twin.)
             twin = owner is not None and any(
-                s.owner == owner for i, s in enumerate(self._table) if i != index
+                s.owner == owner and not (s.busy and s.guest) for i, s in enumerate(self._table) if i != index
             )
             if owner is None or twin or not tokens:  # nothing (new) to keep for the owner
                 slot.owner, slot.tokens = None, []
@@ -454,7 +515,7 @@ class KVSlotPool:
         with self._lock:
             keys = [s.owner for s in self._table if s.owner is not None]
             if self.host is not None:
-                keys += [k for k in self.host.keys() if k not in keys]
+                keys += [k for k in self.host.keys() if k not in keys and not k.startswith(PARKED_PREFIX)]
             return keys
 
 

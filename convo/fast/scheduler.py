@@ -49,13 +49,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
-from convo.fast.kv_pool import PrefillChunk
+from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.generation import FinishReason, Priority, SchedulerStats
 from convo.tokens import common_prefix_length
 
 __all__ = [
+    "DEFAULT_BACKGROUND_FINISH_TOKENS",
     "DEFAULT_BACKGROUND_MAX_WAIT_S",
     "DEFAULT_BACKGROUND_MIN_IDLE_S",
     "DEFAULT_INTERLEAVE_TOKENS",
@@ -78,6 +79,12 @@ DEFAULT_BACKGROUND_MIN_IDLE_S = 1.0
 DEFAULT_BACKGROUND_MAX_WAIT_S = 10.0
 #: How often the loop looks for a slot again while only work that waits for one is left.
 SLOT_POLL_S = 0.02
+#: A reply that finds every slot busy does not preempt background work with at most this
+#: many tokens left to generate: it waits for it (that many steps at most) rather than
+#: throw the work away or copy it out, and of the others it stops the one with the most
+#: left to do (``benchmarks/kv_sched.py``: on think-16, a third of the summaries a reply
+#: stopped had over 200 of their 256 tokens).
+DEFAULT_BACKGROUND_FINISH_TOKENS = 16
 
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
@@ -222,6 +229,7 @@ class DecodeRequest:
     _generator: Any = None
     _order: int = field(default_factory=lambda: next(_ARRIVALS))
     _shared: int = 0  # tokens of the owner's cache this work shares
+    _parked: str | None = None  # host key of its own KV, parked when it was preempted
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0
@@ -284,6 +292,11 @@ class DecodeScheduler:
             request's ``deadline`` and ``started_at`` are on it). Simulations pass their own.
         timer: the time steps are measured with (``time.perf_counter``; the step costs
             that grow a streaming step's prefill, :func:`prompt_token_budget`).
+        park: with host memory, work done for a session (``owner``: a summary) that a
+            reply preempts is parked there (:meth:`~convo.fast.kv_pool.KVSlotPool.park`)
+            and resumes by a copy, not a recompute (``False``: recompute, as before).
+        background_finish_tokens: background work with at most this many tokens left is
+            not preempted (:data:`DEFAULT_BACKGROUND_FINISH_TOKENS`; 0: any may be).
 
     Raises:
         ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
@@ -299,15 +312,26 @@ class DecodeScheduler:
         background: bool = True,
         background_min_idle_s: float = DEFAULT_BACKGROUND_MIN_IDLE_S,
         background_max_wait_s: float = DEFAULT_BACKGROUND_MAX_WAIT_S,
-        clock: Callable[[], float] = time.monotonic,
-        timer: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
+        timer: Callable[[], float] | None = None,
+        park: bool = True,
+        background_finish_tokens: int = DEFAULT_BACKGROUND_FINISH_TOKENS,
+        background_slots: int | None = None,
+        evict_to_host: bool = True,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
         if not (background_min_idle_s >= 0 and background_max_wait_s >= 0):
             raise ConfigError("background_min_idle_s and background_max_wait_s must be >= 0")
         self.background_min_idle_s = background_min_idle_s
-        self.clock, self.timer = clock, timer
+        self.clock = clock if clock is not None else time.monotonic
+        self.timer = timer if timer is not None else time.perf_counter
+        self.park = park
+        if background_finish_tokens < 0:
+            raise ConfigError("background_finish_tokens must be >= 0")
+        self.background_finish_tokens = background_finish_tokens
+        self.background_slots = background_slots
+        self.evict_to_host = evict_to_host
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
@@ -334,6 +358,8 @@ class DecodeScheduler:
         self.max_prefill_tokens = 0
         #: Requests stopped to free a slot for a reply (they went on later).
         self.preemptions = 0
+        #: Of those, the ones whose KV was parked in host memory (resumed by a copy).
+        self.parked = 0
         #: Background prefill requests (``prefill_only``) run to their end.
         self.prefill_requests = 0
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
@@ -425,6 +451,7 @@ class DecodeScheduler:
             host_limit_bytes=pool.host_limit_bytes,
             prefills=self.prefill_requests,
             host_reserved_bytes=pool.host_reserved_bytes,
+            parked=self.parked,
         )
 
     def _count(self, kind: str, started: float) -> None:
@@ -506,6 +533,9 @@ class DecodeScheduler:
     ) -> None:
         req.finish, req.error = reason, error
         req.finished_at = self.clock()
+        if req._parked is not None:  # (it ended while it waited to resume)
+            self.decoder.pool.forget(req._parked)
+            req._parked = None
         if req.slot >= 0:
             kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
@@ -549,12 +579,16 @@ class DecodeScheduler:
                 if not waiting:
                     return
                 req = min(waiting, key=lambda r: (r.priority, r._order))
+                if req.priority > Priority.REPLY and self._background_full():
+                    self._blocked = True
+                    passed.add(id(req))
+                    continue
                 patient = req.priority > Priority.REPLY
                 patient = patient and self.clock() - req.started_at < self.background_max_wait_s
                 # Work for a session (its summary, its prefill) takes only its own or an empty
                 # slot while it is patient: it never evicts a session that is thinking.
                 own = req.owner is not None or req.prefill_only
-                wanted = {k for r in self._pending if (k := r.session) is not None}
+                wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
                 got = self.decoder.pool.acquire(
                     req.session,
                     min_idle_s=self.background_min_idle_s if patient else 0.0,
@@ -563,6 +597,8 @@ class DecodeScheduler:
                     evict=not (patient and own),
                     wanted=wanted,
                     reply=req.priority <= Priority.REPLY,
+                    restore=req._parked,
+                    spare_s=self._expected_s(req) if self.evict_to_host else None,
                 )
                 if got is None:
                     if self._preempt(req):
@@ -576,7 +612,12 @@ class DecodeScheduler:
             req.slot, kept = got
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
-            req.cached_tokens = req.kv_tokens = req._shared = common
+            if req._parked is None:
+                req._shared = common
+            else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
+                self.decoder.pool.forget(req._parked)
+                req._parked = None
+            req.cached_tokens = req.kv_tokens = common
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
                 req.slot = -1
@@ -596,21 +637,58 @@ class DecodeScheduler:
 
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
-        ``req``'s (the latest of them) and put it back in the queue. Re-admitted, it
+        ``req``'s (of those, the one with the most tokens left, then the latest; never one
+        with at most ``background_finish_tokens`` left) and put it back in the queue. Re-admitted, it
         prefills its prompt and the reply so far (:meth:`DecodeRequest.context`) and goes
         on where it stopped (vLLM's preemption by recompute). False: nothing to preempt."""
         running = [r for r in (*self._active, *self._prefilling) if r.priority > req.priority]
+        running = [r for r in running if self._left(r) > self.background_finish_tokens]
         if not running:
             return False
-        victim = max(running, key=lambda r: (r.priority, r._order))
+        victim = max(running, key=lambda r: (r.priority, self._left(r), r._order))
         self._active = [r for r in self._active if r is not victim]
         self._prefilling = [r for r in self._prefilling if r is not victim]
-        self.decoder.pool.release(victim.slot, victim.kept())
+        pool = self.decoder.pool
+        if self.park and victim.owner is not None and victim.kv_tokens > victim._shared:
+            # Work done for a session keeps none of its own KV in the slot: park it in host
+            # memory, so that it resumes by a copy instead of a recompute.
+            key = f"{PARKED_PREFIX}{victim._order}"
+            wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
+            if pool.park(victim.slot, key, victim.held(), wanted=wanted):
+                victim._parked = key
+                self.parked += 1
+        pool.release(victim.slot, victim.kept())
         victim.slot, victim.kv_tokens = -1, 0
         victim.preemptions += 1
         self.preemptions += 1
         self._pending.append(victim)
         return True
+
+    def _expected_s(self, req: DecodeRequest) -> float | None:
+        """Seconds ``req`` is expected to hold a slot: its prompt at the measured cost per
+        prompt token, then its tokens at the measured decode step (``None``: not measured)."""
+        costs = _step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens)
+        if costs is None:
+            return None
+        decode_s, token_s = costs
+        prompt = len(req.ids) + len(req.new_ids) - req.kv_tokens
+        return prompt * token_s + self._left(req) * decode_s
+
+    def _background_full(self) -> bool:
+        """Whether background work holds ``background_slots`` slots already."""
+        if self.background_slots is None:
+            return False
+        held = sum(
+            1 for r in (*self._copying, *self._prefilling, *self._active) if r.priority > Priority.REPLY
+        )
+        return held >= self.background_slots
+
+    @staticmethod
+    def _left(req: DecodeRequest) -> int:
+        """Tokens ``req`` has left to generate (a prefill has all of them left)."""
+        if req.prefill_only:
+            return req.max_new_tokens + len(req.ids) - req.kv_tokens
+        return req.max_new_tokens - len(req.new_ids)
 
     def _plan_prefill(self, budget: int) -> list[tuple[DecodeRequest, PrefillChunk]]:
         batch = []

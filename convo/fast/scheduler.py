@@ -20,20 +20,34 @@ to prefill, the chunks of several turns together in one forward.
 A request waits for a slot (in priority, then arrival order) while every slot holds a
 turn. Background work takes a slot whose session's cache is hot only once it has been
 idle a while (``background_min_idle_s``) or the work has waited long
-(``background_max_wait_s``); a reply that finds every slot busy preempts the latest
-background request, which later prefills its prompt and what it generated so far again
-and goes on (vLLM's preemption by recompute). A request finishes with ``timeout`` when
-its deadline passes and with ``cancelled`` when its ``cancel`` event is set, whether it is
-waiting, prefilling or decoding.
+(``background_max_wait_s``). A request finishes with ``timeout`` when its deadline passes
+and with ``cancelled`` when its ``cancel`` event is set, whether it is waiting, prefilling
+or decoding.
 
 Sessions' KV outlives their slots when the pool has host memory
 (:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`): a request whose slot receives
 KV from host (or gives its old KV to host) waits until the copy is done, while the other
-sessions' steps run; then it prefills only what is not cached. Background work done for a
-session (``owner``: its summary) runs in that session's own slot, or in an empty one, and
-takes no other session's slot before it has waited ``background_max_wait_s`` (then it
-evicts, to host, the session needed last). A ``prefill_only`` request computes a prompt's
-KV and keeps it for its session, sampling nothing.
+sessions' steps run; then it prefills only what is not cached. A ``prefill_only`` request
+computes a prompt's KV and keeps it for its session, sampling nothing.
+
+Background work never costs the foreground more than it must (issue 22; each rule
+measured with ``benchmarks/kv_sched.py``, the real scheduler on a fake clock):
+
+* it holds at most ``background_slots`` slots at once (half the pool by default), so a
+  wave of turns finds slots while the summaries drain in the pauses;
+* work done for a session (``owner``: its summary) runs in that session's own slot, or in
+  an empty one, and takes no other session's slot before it has waited
+  ``background_max_wait_s`` (then it evicts, to host, the session needed last); with host
+  memory it may take at once the slot of a session the policy expects back only after
+  the work is done (``evict_to_host``: that session's KV comes back by a copy);
+* a reply that finds every slot busy waits for a running request that frees its slot
+  within a few tokens (``reply_wait_tokens``; ``background_finish_tokens`` when the stop
+  would throw work away), else it preempts background work: never work about to finish
+  (``background_finish_tokens``), of the rest the one with the most left. Work done for a
+  session keeps none of its KV in the slot, so with host memory it is parked there
+  (:meth:`~convo.fast.kv_pool.KVSlotPool.park`) and resumes by a copy; otherwise (and for
+  other work, whose KV stays with its session) it later prefills its prompt and what it
+  generated again and goes on (vLLM's preemption by recompute).
 """
 
 from __future__ import annotations

@@ -64,6 +64,14 @@ from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
+from convo.fast.sampling import sample_rows
+from convo.fast.step_budget import (
+    DEFAULT_GAP_STEPS,
+    MIN_COST_STEPS,
+    PILEUP_CHUNKS,
+    prompt_token_budget,
+    step_costs,
+)
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.generation import FinishReason, Priority, SchedulerStats
@@ -74,9 +82,12 @@ __all__ = [
     "DEFAULT_BACKGROUND_MAX_WAIT_S",
     "DEFAULT_BACKGROUND_MIN_IDLE_S",
     "DEFAULT_BACKGROUND_SLOT_SHARE",
+    "DEFAULT_GAP_STEPS",
     "DEFAULT_INTERLEAVE_TOKENS",
     "DEFAULT_REPLY_WAIT_TOKENS",
     "DEFAULT_STEP_TOKENS",
+    "MIN_COST_STEPS",
+    "PILEUP_CHUNKS",
     "SLOT_POLL_S",
     "STEP_KINDS",
     "DecodeRequest",
@@ -128,71 +139,6 @@ _ARRIVALS = itertools.count()
 _PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
     "convo_decode_priority", default=Priority.REPLY
 )
-
-
-# -- the prompt tokens of one step while replies stream -------------------------------------------
-
-#: While replies stream and prompt tokens pile up, a step may grow its prefill until it is
-#: expected to take this many decode-only steps: the gap between two tokens of a running
-#: reply (issue 22 bounds the p95 gap at 3x the steady step; this keeps a margin).
-DEFAULT_GAP_STEPS = 2.5
-#: Prompt tokens pile up once more than this many streaming steps' chunks
-#: (``interleave_tokens`` each) wait; the step then takes 1/PILEUP_CHUNKS of what waits,
-#: so a burst drains in about this many steps at most, as fast as the gap allows.
-PILEUP_CHUNKS = 16
-#: Decode-only steps measured before the step cost is trusted (until then, and on a
-#: decoder whose steps cost nothing measurable, a streaming step prefills
-#: ``interleave_tokens``).
-MIN_COST_STEPS = 8
-
-
-def prompt_token_budget(
-    *,
-    waiting: int,
-    rows: int,
-    step_tokens: int,
-    interleave_tokens: int,
-    decode_s: float | None,
-    token_s: float | None,
-    gap_steps: float = DEFAULT_GAP_STEPS,
-) -> int:
-    """Prompt tokens one step may prefill while replies stream.
-
-    Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the ``rows``
-    decode rows, at least 1). When more than :data:`PILEUP_CHUNKS` such chunks of prompt
-    tokens are ``waiting``, it grows to 1/PILEUP_CHUNKS of them, toward the whole step
-    budget (full prefill speed), but never past what keeps the step within ``gap_steps``
-    decode-only steps: a step of ``p`` prompt tokens costs about ``decode_s + p *
-    token_s`` (both measured by the scheduler; ``None``: not known yet, no growth).
-
-    >>> prompt_token_budget(waiting=300, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    256
-    >>> prompt_token_budget(waiting=30_000, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    384
-    """
-    room = max(step_tokens - rows, 1)
-    base = max(min(room, interleave_tokens), 1)
-    want = waiting // PILEUP_CHUNKS
-    if want <= base or not decode_s or not token_s or decode_s <= 0 or token_s <= 0:
-        return base
-    afford = int((gap_steps - 1.0) * decode_s / token_s)
-    return max(base, min(want, room, afford))
-
-
-def _step_costs(
-    steps: dict[str, int], busy_s: dict[str, float], prompt_tokens: int
-) -> tuple[float, float] | None:
-    """``(decode_s, token_s)`` from the scheduler's counters: a decode-only step's mean
-    seconds, and the seconds of prefill and mixed steps per prompt token they ran (the
-    mixed steps' decode rows counted in: on the high side, as a grown chunk runs in a
-    forward of its own beside the rows' step); ``None`` until measured."""
-    if steps["decode"] < MIN_COST_STEPS or prompt_tokens <= 0:
-        return None
-    decode_s = busy_s["decode"] / steps["decode"]
-    token_s = (busy_s["mixed"] + busy_s["prefill"]) / prompt_tokens
-    return (decode_s, token_s) if token_s > 0 else None
 
 
 @contextlib.contextmanager
@@ -526,7 +472,7 @@ class DecodeScheduler:
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
-                costs = _step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
+                costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
                 budget = prompt_token_budget(
                     waiting=sum(len(r.ids) + len(r.new_ids) - r.kv_tokens for r in self._prefilling),
                     rows=len(self._active),
@@ -715,7 +661,7 @@ class DecodeScheduler:
     def _expected_s(self, req: DecodeRequest) -> float | None:
         """Seconds ``req`` is expected to hold a slot: its prompt at the measured cost per
         prompt token, then its tokens at the measured decode step (``None``: not measured)."""
-        costs = _step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens)
+        costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens)
         if costs is None:
             return None
         decode_s, token_s = costs
@@ -779,7 +725,7 @@ class DecodeScheduler:
                 req._generator = torch.Generator(device=ready[0][1].device).manual_seed(req.sampling.seed)
         import torch
 
-        first = _sample(torch.stack([out for _, out in ready]), reqs)
+        first = sample_rows(torch.stack([out for _, out in ready]), reqs)
         now = self.clock()
         for req, token in zip(reqs, first, strict=True):
             if req.first_token_at is None:  # (a preempted request had its first token)
@@ -814,53 +760,10 @@ class DecodeScheduler:
         """Take a decode step's logits: sample, record, finish rows that are done."""
         for r in rows:
             r.kv_tokens = r.position + 1
-        tokens = _sample(logits, rows)
+        tokens = sample_rows(logits, rows)
         self.steps += 1
         self.rows += len(rows)
         self._active = [r for r, t in zip(rows, tokens, strict=True) if not self._accept(r, t)]
-
-
-def _sample(logits: Any, rows: Sequence[DecodeRequest]) -> list[int]:
-    """Next token per row: greedy rows by one argmax, the others with their own settings."""
-    import torch
-
-    out = logits.argmax(dim=-1)
-    special = [
-        i
-        for i, r in enumerate(rows)
-        if r.sampling.temperature > 0
-        or r.sampling.repetition_penalty != 1.0
-        or len(r.new_ids) < r.sampling.min_new_tokens
-    ]
-    if not special:
-        return [int(t) for t in out.tolist()]
-    result = out.tolist()
-    for i in special:
-        r, s = rows[i], rows[i].sampling
-        row = logits[i].clone()
-        if s.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.ids) | set(r.new_ids)), device=row.device)
-            seen = seen[seen < row.shape[0]]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
-        if len(r.new_ids) < s.min_new_tokens and r.eos:
-            eos = torch.tensor(sorted(r.eos), device=row.device)
-            row[eos[eos < row.shape[0]]] = float("-inf")
-        if s.temperature == 0:
-            result[i] = int(row.argmax())
-            continue
-        row = row / s.temperature
-        if s.top_k:
-            kth = torch.topk(row, min(s.top_k, row.shape[0])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) > s.top_p
-            row[order[drop]] = float("-inf")
-        probs = torch.softmax(row, dim=-1)
-        result[i] = int(torch.multinomial(probs, 1, generator=r._generator))
-    return [int(t) for t in result]
 
 
 def _device_error(exc: BaseException) -> BaseException:

@@ -306,8 +306,9 @@ def simulate(load: Load) -> dict[str, Any]:
                 worker.append(u)
             if load.prefill_next and not u.in_turn:
                 window = u.window[u.ahead :] if u.ahead_written else u.window
+                ids = [*system, *block(u), *itertools.chain.from_iterable(window)]
                 submit("prefill", u, DecodeRequest(
-                    ids=[*system, *block(u), *itertools.chain.from_iterable(window)], max_new_tokens=1, deadline=float("inf"), sampling=GREEDY,
+                    ids=ids, max_new_tokens=1, deadline=float("inf"), sampling=GREEDY,
                     cache_key=u.key, prefill_only=True, priority=Priority.BACKGROUND,
                 ))  # fmt: skip
         start_jobs()

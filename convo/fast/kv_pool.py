@@ -4,7 +4,9 @@
 With host memory (:meth:`KVSlotPool.set_host_memory`), a session that loses its slot keeps
 its KV: the cached tokens are copied into blocks of a preallocated
 :class:`~convo.fast.kv_host.HostKVArena` (a :class:`~convo.fast.kv_host.HostKVStore`
-entry) and copied back into whichever slot its next turn gets. Which slot is given away is the
+entry) and copied back into whichever slot its next turn gets. Work stopped to free its
+slot (a summary a reply preempts) can be parked there too (:meth:`KVSlotPool.park`) and
+resume by a copy instead of a recompute. Which slot is given away is the
 :mod:`~convo.fast.kv_policy`'s choice (by default the one whose session is expected to
 speak last, not the least recently used).
 """

@@ -628,9 +628,13 @@ class DecodeScheduler:
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
         ``req``'s (of those, the one with the most tokens left, then the latest; never one
-        with at most ``background_finish_tokens`` left) and put it back in the queue. Re-admitted, it
-        prefills its prompt and the reply so far (:meth:`DecodeRequest.context`) and goes
-        on where it stopped (vLLM's preemption by recompute). False: nothing to preempt."""
+        with at most ``background_finish_tokens`` left) and put it back in the queue.
+        Work done for a session is parked in host memory when there is some (it resumes by
+        a copy); else, re-admitted, it prefills its prompt and the reply so far
+        (:meth:`DecodeRequest.context`) and goes on where it stopped (vLLM's preemption by
+        recompute). False, stopping nothing: no such request, or a running request frees
+        its slot within ``reply_wait_tokens`` tokens (``background_finish_tokens`` when the
+        stop would be a recompute), which ``req`` waits for."""
         running = [r for r in (*self._active, *self._prefilling) if r.priority > req.priority]
         parks = self.park and self.decoder.pool.host is not None
         wait = self.reply_wait_tokens if parks else self.background_finish_tokens

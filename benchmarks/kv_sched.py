@@ -54,6 +54,10 @@ DRAIN_LIMIT_S = 120.0
 PRESETS: dict[str, dict[str, Any]] = {
     "think-16": {"users": 16, "slots": 16, "turns": 12, "think": (2.0, 2.0), "spread_s": 0.0},
     "chat-users": {"users": 64, "slots": 16, "turns": 6, "think": (3.0, 8.0), "spread_s": 10.0},
+    # Issue 11's load, twice (``serve_load.py --preset gpu-chat --waves 2``): 16 sessions, 8
+    # turns, no pause but the client's between a reply and its next turn (0.05-0.15 s);
+    # once the first wave's last turn ends, 16 new sessions.
+    "gpu-chat": {"users": 16, "slots": 16, "turns": 8, "think": (0.05, 0.15), "spread_s": 0.0, "waves": 2},
 }
 
 
@@ -88,6 +92,7 @@ class Load:
     prefill_fixed_s: float = 0.004
     token_s: float = 0.00005
     seed: int = 0
+    waves: int = 1  # loads of ``users`` new sessions, each once the one before has ended
     scheduler: dict[str, Any] = field(default_factory=dict)  # DecodeScheduler keywords
 
 
@@ -140,6 +145,7 @@ class SimDecoder:
 @dataclass
 class User:
     key: str
+    wave: int = 0
     window: list[list[int]] = field(default_factory=list)  # kept turns: message and reply
     summary: list[int] = field(default_factory=list)  # the written summary
     owed: list[list[int]] = field(default_factory=list)  # evicted turns not summarized yet
@@ -176,7 +182,8 @@ def simulate(load: Load) -> dict[str, Any]:
     )
     fresh = itertools.count(1000)
     system = [next(fresh) for _ in range(load.system_tokens)]
-    users = [User(f"u{i}") for i in range(load.users)]
+    users = [User(f"w{w}u{i}", wave=w) for w in range(load.waves) for i in range(load.users)]
+    waves: list[dict[str, Any]] = [{"ttft": [], "start": None, "end": None} for _ in range(load.waves)]
     events: list[tuple[float, int, str, Any]] = []
     seq = itertools.count()
 
@@ -273,6 +280,7 @@ def simulate(load: Load) -> dict[str, Any]:
         if kind == "reply":
             message, at, first = extra
             ttft.append(first[0] - at)
+            waves[u.wave]["ttft"].append(first[0] - at)
             turn_s.append(clock.now - at)
             u.window.append([*message, *req.new_ids])
             u.in_turn, u.turns = False, u.turns + 1
@@ -288,6 +296,10 @@ def simulate(load: Load) -> dict[str, Any]:
                     worker.append(u)
             if u.turns < load.turns:
                 push(clock.now + rng.uniform(*load.think), "turn", u)
+            elif all(v.turns >= load.turns for v in users if v.wave == u.wave):
+                waves[u.wave]["end"] = clock.now
+                if u.wave + 1 < load.waves:  # the next wave: new sessions
+                    start_wave(u.wave + 1)
         elif kind == "summary":
             running_jobs[0] -= 1
             u.job = False
@@ -318,8 +330,13 @@ def simulate(load: Load) -> dict[str, Any]:
             flight.remove(entry)
             finished(*entry)
 
-    for u in users:
-        push(rng.uniform(0, load.spread_s), "turn", u)
+    def start_wave(w: int) -> None:
+        waves[w]["start"] = clock.now
+        for u in users:
+            if u.wave == w:
+                push(clock.now + rng.uniform(0, load.spread_s), "turn", u)
+
+    start_wave(0)
     end: float | None = None
     at_end: dict[str, Any] = {}
     while True:
@@ -344,6 +361,24 @@ def simulate(load: Load) -> dict[str, Any]:
             clock.now = min(events[0][0] if events else before + SLOT_POLL_S, before + SLOT_POLL_S)
     assert end is not None
     stats = at_end["stats"]
+    per_wave = [
+        {
+            "wall_s": round(w["end"] - w["start"], 2),
+            "ttft_p50_s": _pct(w["ttft"], 0.5),
+            "ttft_p95_s": _pct(w["ttft"], 0.95),
+        }
+        for w in waves
+    ]
+    extra: dict[str, Any] = {}
+    if load.waves > 1:
+        a, b = per_wave[0], per_wave[1]
+        extra = {
+            "waves": per_wave,
+            "wave2_over_wave1": {
+                "wall": round(b["wall_s"] / a["wall_s"], 2),
+                "ttft_p50": round(b["ttft_p50_s"] / a["ttft_p50_s"], 2),
+            },
+        }
     return {
         "wall_s": round(end, 2),
         "preemptions": stats.preemptions,
@@ -365,6 +400,7 @@ def simulate(load: Load) -> dict[str, Any]:
         "swaps_out": stats.swaps_out,
         "swaps_in": stats.swaps_in,
         "background_prefills": stats.prefills,
+        **extra,
     }
 
 

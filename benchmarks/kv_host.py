@@ -64,15 +64,19 @@ def copy_times(dec: StaticDecoder, tokens: int, device: str) -> dict[str, float]
         sync(device)
         prefill.append(time.perf_counter() - t)
         t = time.perf_counter()
-        hosts, event = pool.copy_out(0, tokens)
+        assert pool.host is not None
+        blocks = pool.host.arena.alloc(pool.host.arena.blocks_for(tokens))
+        assert blocks is not None
+        event = pool.copy_out(0, tokens, blocks)  # into the arena: nothing is allocated
         if event is not None:
             event.synchronize()
         out.append(time.perf_counter() - t)
         t = time.perf_counter()
-        event = pool.copy_in(1, hosts, tokens)
+        event = pool.copy_in(1, blocks, tokens)
         if event is not None:
             event.synchronize()
         back.append(time.perf_counter() - t)
+        pool.host.arena.free(blocks)
     nbytes = pool.host_nbytes(tokens)
     return {
         "tokens": tokens,
@@ -82,6 +86,14 @@ def copy_times(dec: StaticDecoder, tokens: int, device: str) -> dict[str, float]
         "prefill_ms": round(1000 * pct(prefill[1:], 0.5), 2),
         "in_gb_s": round(nbytes / max(pct(back[1:], 0.5), 1e-9) / 1e9, 1),
     }
+
+
+def _rss_peak_bytes() -> int:
+    """The process's peak resident set (Linux: ``ru_maxrss`` in KiB): with the arena it
+    stays near the model's host share plus ``host_reserved_bytes``, not a multiple of it."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def chat_load(dec: StaticDecoder, args: argparse.Namespace, policy: str, vocab: int) -> dict[str, Any]:
@@ -159,6 +171,8 @@ def chat_load(dec: StaticDecoder, args: argparse.Namespace, policy: str, vocab: 
         "swaps_in": after.swaps_in - before.swaps_in,
         "swap_bytes": after.swap_bytes - before.swap_bytes,
         "host_bytes_peak": after.host_bytes_peak,
+        "host_reserved_bytes": after.host_reserved_bytes,
+        "rss_peak_bytes": _rss_peak_bytes(),
         "host_dropped": after.host_dropped - before.host_dropped,
         "ttft_p50_s": round(pct(ttft, 0.5), 3),
         "ttft_p95_s": round(pct(ttft, 0.95), 3),

@@ -3,8 +3,12 @@
 No model and no device: the real :class:`~convo.fast.kv_pool.KVSlotPool` (one-float
 tensors, host memory on the CPU) under a fake clock, and the scheduler's admission rules
 re-enacted over a fake step whose time is a model of the H200's (``--prefill-tps``,
-``--step-s``). Users arrive spread over ``--spread-s``, each turn sends ``--user-tokens``
-new tokens and gets ``--reply-tokens`` back, then the user thinks uniform
+``--step-s``). The re-enactment is of the admission rules before the background rules of
+``benchmarks/kv_sched.py`` (slot share, parking, waits), which drives the scheduler's own
+code with window slides and summaries: use that one for background work.
+
+Users arrive spread over ``--spread-s``, each turn sends ``--user-tokens`` new tokens and
+gets ``--reply-tokens`` back, then the user thinks uniform
 ``--think-lo``..``--think-hi`` seconds. With ``--summary-every N`` a rolling summary of the
 session (its transcript and an instruction, 64 new tokens) is queued at background
 priority after every N-th turn.

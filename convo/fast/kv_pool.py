@@ -2,14 +2,18 @@
 :class:`PrefillChunk`, a piece of a turn to prefill into a slot.
 
 With host memory (:meth:`KVSlotPool.set_host_memory`), a session that loses its slot keeps
-its KV: the cached tokens are copied to a :class:`~convo.fast.kv_host.HostKVStore` and
-copied back into whichever slot its next turn gets. Which slot is given away is the
+its KV: the cached tokens are copied into blocks of a preallocated
+:class:`~convo.fast.kv_host.HostKVArena` (a :class:`~convo.fast.kv_host.HostKVStore`
+entry) and copied back into whichever slot its next turn gets. Work stopped to free its
+slot (a summary a reply preempts) can be parked there too (:meth:`KVSlotPool.park`) and
+resume by a copy instead of a recompute. Which slot is given away is the
 :mod:`~convo.fast.kv_policy`'s choice (by default the one whose session is expected to
 speak last, not the least recently used).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -17,14 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError
-from convo.fast.kv_host import HostEntry, HostKVStore
+from convo.fast.kv_host import HostEntry, HostKVArena, HostKVStore, Region
 from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
 from convo.models.defaults import FP8_KV_SCALE_BYTES, kv_pool_bytes
 from convo.tokens import common_prefix_length
 
-#: Host copies are taken in whole blocks of this many tokens (the last one rounded up, within
-#: the slot): fewer distinct copy sizes, so the allocators reuse their blocks.
+#: Tokens of one block of the host KV arena (every layer's K and V, and an fp8 pool's
+#: scales, of one slot): host memory is taken and accounted in whole blocks, and an entry's
+#: run of consecutive blocks moves in one copy per pool tensor.
 HOST_BLOCK_TOKENS = 128
+#: Host keys of work parked by :meth:`KVSlotPool.park` start with this (no session's key
+#: does): they are the work's own KV, not a session's, and :meth:`KVSlotPool.owners` omits them.
+PARKED_PREFIX = "\x00parked:"
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,21 @@ class _Slot:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     guest: bool = False  # busy with work done for ``owner`` (a summary) that keeps none of its KV
-    copies: list[HostEntry] = field(default_factory=list)  # copies in flight on the slot
+    copies: list[_Copy] = field(default_factory=list)  # copies in flight on the slot
+
+
+@dataclass(eq=False)
+class _Copy:
+    """A copy between a slot and the host arena: done once ``event`` is (``None``: done)."""
+
+    event: Any = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
 
 
 def _one_allocation(layout: Sequence[tuple[tuple[int, ...], Any]], device: Any) -> tuple[Any, list[Any]]:
@@ -147,6 +169,7 @@ class KVSlotPool:
         #: Sessions' KV copied to host / back into a slot, and the bytes both moved.
         self.swaps_out = self.swaps_in = self.swap_bytes = 0
         self._stream: Any = None  # CUDA: the side stream the copies run on
+        self._host_block_bytes: int | None = None
 
     @staticmethod
     def predicted_nbytes(
@@ -190,47 +213,69 @@ class KVSlotPool:
         return self.nbytes // self.slots
 
     def slot_tensors(self) -> list[Any]:
-        """Every tensor the pool holds, each ``[slots, ...]``: what one slot's KV is. The
-        host copies go through this list only, so a tensor added here (scales of a
-        quantized cache) moves with the rest. A tensor whose axis 2 is ``slot_tokens`` long
-        is copied up to the cached tokens on that axis; any other whole, for the slot."""
+        """Every tensor the pool holds, each ``[slots, kv_heads, slot_tokens, ...]``: what
+        one slot's KV is. The host copies go through this list only, so a tensor added here
+        (scales of a quantized cache) moves with the rest, up to the cached tokens on axis 2."""
         return self.tensors
 
     # -- host memory -------------------------------------------------------------------------------
     def set_host_memory(self, limit_bytes: int) -> None:
         """Keep evicted sessions' KV in at most ``limit_bytes`` of host memory (0: drop it,
-        the default). Pinned memory and a side stream on CUDA."""
+        the default). The arena is taken here, once: as many whole blocks
+        (:attr:`host_block_bytes`) as fit, page-locked on CUDA. Call it at start, not while
+        the scheduler steps (it allocates, and waits for copies to the old arena)."""
         if limit_bytes < 0:
             raise ConfigError("kv host memory must be >= 0 bytes")
         with self._lock:
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy may still use the old arena
             if self.host is not None:
                 self.host.clear()
-            self.host = HostKVStore(limit_bytes, self.policy) if limit_bytes else None
+            self.host = None
+            if limit_bytes:
+                arena = HostKVArena(
+                    self._host_layout(),
+                    block_tokens=HOST_BLOCK_TOKENS,
+                    blocks=limit_bytes // self.host_block_bytes,
+                    pin=self.device.type == "cuda",
+                )
+                self.host = HostKVStore(limit_bytes, self.policy, arena)
 
     @property
     def host_limit_bytes(self) -> int:
         """The host memory bound (0: none)."""
         return self.host.limit_bytes if self.host is not None else 0
 
-    def host_nbytes(self, tokens: int) -> int:
-        """Bytes a host copy of ``tokens`` cached tokens takes (rounded up to
-        :data:`HOST_BLOCK_TOKENS`, within the slot)."""
-        n = self._block(tokens)
-        total = 0
+    @property
+    def host_reserved_bytes(self) -> int:
+        """Bytes of the host arena (the whole blocks within the bound; 0: none): what the
+        process holds for host KV, whatever is in use."""
+        return self.host.reserved_bytes if self.host is not None else 0
+
+    def _host_layout(self) -> list[Region]:
+        layout = []
         for t in self.slot_tensors():
-            per_slot = t[0].numel() * t.element_size()
-            total += per_slot * n // self.slot_tokens if self._has_tokens(t) else per_slot
-        return total
+            if t.dim() < 3 or t.shape[2] != self.slot_tokens:
+                raise ConfigError("every slot tensor needs its tokens on axis 2 to go to host memory")
+            layout.append((t.dtype, (t.shape[1], *t.shape[3:])))
+        return layout
 
-    def _block(self, tokens: int) -> int:
-        return min(-(-tokens // HOST_BLOCK_TOKENS) * HOST_BLOCK_TOKENS, self.slot_tokens)
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one host block: :data:`HOST_BLOCK_TOKENS` tokens of one slot's KV."""
+        if self._host_block_bytes is None:
+            self._host_block_bytes = HostKVArena.block_nbytes(self._host_layout(), HOST_BLOCK_TOKENS)
+        return self._host_block_bytes
 
-    def _has_tokens(self, t: Any) -> bool:
-        return t.dim() > 2 and t.shape[2] == self.slot_tokens
+    def host_nbytes(self, tokens: int) -> int:
+        """Bytes a host copy of ``tokens`` cached tokens takes: whole blocks
+        (:data:`HOST_BLOCK_TOKENS` tokens each), never more than a slot's."""
+        n = min(tokens, self.slot_tokens)
+        return -(-n // HOST_BLOCK_TOKENS) * self.host_block_bytes
 
-    def _views(self, index: int, tokens: int) -> list[Any]:
-        n = self._block(tokens)
-        return [t[index, :, :n] if self._has_tokens(t) else t[index] for t in self.slot_tensors()]
+    def _token_views(self, index: int, start: int, end: int) -> list[Any]:
+        """Slot ``index``'s tokens ``start:end`` of every slot tensor, ``[tokens, ...]``."""
+        return [t[index, :, start:end].movedim(1, 0) for t in self.slot_tensors()]
 
     def _side_stream(self) -> Any:
         import torch
@@ -240,40 +285,42 @@ class KVSlotPool:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after what ran on the slot
         return self._stream
 
-    def copy_out(self, index: int, tokens: int) -> tuple[list[Any], Any]:
-        """Copy the first ``tokens`` cached tokens of slot ``index`` to host memory: the host
-        tensors and the CUDA event after which they are filled (``None`` on CPU: done)."""
+    def _copies(self, index: int, blocks: Sequence[int], tokens: int, *, out: bool) -> Any:
+        """Copy the first ``tokens`` tokens of slot ``index`` into (``out``) or from the
+        host ``blocks``, run by run: the CUDA event after which they are done (``None`` on
+        CPU: done). One code path: on CUDA the copies are queued on the side stream."""
         import torch
 
-        views = self._views(index, tokens)
-        if self.device.type != "cuda":
-            return [v.clone() for v in views], None
-        stream = self._side_stream()
-        with torch.cuda.stream(stream):
-            hosts = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in views]
-            for h, v in zip(hosts, views, strict=True):
-                h.copy_(v, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return hosts, event
-
-    def copy_in(self, index: int, tensors: Sequence[Any], tokens: int) -> Any:
-        """Copy host ``tensors`` (from :meth:`copy_out` of ``tokens`` tokens) into slot
-        ``index``: the CUDA event after which the slot holds them (``None`` on CPU: done)."""
-        import torch
-
-        views = self._views(index, tokens)
-        if self.device.type != "cuda":
-            for v, h in zip(views, tensors, strict=True):
-                v.copy_(h)
-            return None
-        stream = self._side_stream()
-        with torch.cuda.stream(stream):
-            for v, h in zip(views, tensors, strict=True):
-                v.copy_(h, non_blocking=True)
+        host = self.host
+        if host is None:
+            raise ConfigError("the pool has no host memory")
+        arena = host.arena
+        cuda = self.device.type == "cuda"
+        stream = self._side_stream() if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            for first, count, start, end in arena.runs(blocks, min(tokens, self.slot_tokens)):
+                hosts = arena.run_views(first, count, end - start)
+                for h, v in zip(hosts, self._token_views(index, start, end), strict=True):
+                    if out:
+                        h.copy_(v, non_blocking=cuda)
+                    else:
+                        v.copy_(h, non_blocking=cuda)
+            if not cuda:
+                return None
             event = torch.cuda.Event()
             event.record(stream)
         return event
+
+    def copy_out(self, index: int, tokens: int, blocks: Sequence[int]) -> Any:
+        """Copy the first ``tokens`` cached tokens of slot ``index`` into host ``blocks``
+        (from :meth:`~convo.fast.kv_host.HostKVStore.reserve`): the CUDA event after which
+        they hold them (``None`` on CPU: done)."""
+        return self._copies(index, blocks, tokens, out=True)
+
+    def copy_in(self, index: int, blocks: Sequence[int], tokens: int) -> Any:
+        """Copy ``tokens`` tokens from host ``blocks`` (filled by :meth:`copy_out`) into
+        slot ``index``: the CUDA event after which the slot holds them (``None`` on CPU)."""
+        return self._copies(index, blocks, tokens, out=False)
 
     def ready(self, index: int, *, wait: bool = False) -> bool:
         """Whether slot ``index``'s copies (to or from host) are done, so the model may
@@ -299,24 +346,53 @@ class KVSlotPool:
         held = host.get(slot.owner)
         if held is not None and held.tokens[: len(slot.tokens)] == slot.tokens:
             return
-        nbytes = self.host_nbytes(len(slot.tokens))
         use = CacheUse(key=slot.owner, tokens=len(slot.tokens), last_used=slot.last_used)
-        if not host.would_keep(use, nbytes, now=now, wanted=wanted):
-            host.dropped += 1  # it would be the first to go: no copy
-            return
-        tensors, event = self.copy_out(index, len(slot.tokens))
-        entry = HostEntry(slot.owner, list(slot.tokens), tensors, nbytes, slot.last_used, event)
-        host.put(entry, now=now, wanted=wanted)
-        slot.copies.append(entry)
+        got = host.reserve(use, min(len(slot.tokens), self.slot_tokens), now=now, wanted=wanted)
+        if got is None:
+            return  # it would be the first to go: no copy
+        blocks = got[0]
+        event = self.copy_out(index, len(slot.tokens), blocks)
+        nbytes = len(blocks) * host.arena.block_bytes
+        host.put(HostEntry(slot.owner, list(slot.tokens), blocks, nbytes, slot.last_used, event))
+        slot.copies.append(_Copy(event))
         self.swaps_out += 1
         self.swap_bytes += nbytes
 
-    def _swap_in(self, index: int, entry: HostEntry) -> None:
-        # (A copy out of the entry still running is on the same side stream: ordered before.)
-        event = self.copy_in(index, entry.tensors, len(entry.tokens))
-        self._table[index].copies.append(HostEntry(entry.key, entry.tokens, entry.tensors, 0, 0.0, event))
+    def _swap_in(self, index: int, entry: HostEntry, *, keep: bool) -> None:
+        """Copy ``entry`` into slot ``index``; the host lets go of it unless ``keep``. (A
+        copy into the entry still running is on the same side stream: ordered before; its
+        blocks, freed, are written again only by later copies on that stream.)"""
+        event = self.copy_in(index, entry.blocks, len(entry.tokens))
+        self._table[index].copies.append(_Copy(event))
+        if not keep and self.host is not None:
+            self.host.discard(entry.key)
         self.swaps_in += 1
         self.swap_bytes += entry.nbytes
+
+    def park(self, index: int, key: str, tokens: Sequence[int], *, wanted: Collection[str] = ()) -> bool:
+        """Copy the first ``len(tokens)`` tokens of slot ``index`` (``tokens``: what it
+        holds) to host memory under ``key`` (:data:`PARKED_PREFIX` first): work stopped to
+        free its slot, to be resumed by :meth:`acquire` with ``restore=key`` (a copy back,
+        not a recompute). False, copying nothing, when host memory is off or has no room
+        (then it is recomputed). Dropped by :meth:`forget` once the work is done."""
+        with self._lock:
+            host = self.host
+            if host is None or not tokens:
+                return False
+            now = self.clock()
+            n = min(len(tokens), self.slot_tokens)
+            use = CacheUse(key=key, tokens=n, last_used=now)
+            got = host.reserve(use, n, now=now, wanted={*wanted, key})
+            if got is None:
+                return False
+            blocks = got[0]
+            event = self.copy_out(index, n, blocks)
+            nbytes = len(blocks) * host.arena.block_bytes
+            host.put(HostEntry(key, list(tokens[:n]), blocks, nbytes, now, event))
+            self._table[index].copies.append(_Copy(event))
+            self.swaps_out += 1
+            self.swap_bytes += nbytes
+            return True
 
     # -- who holds which slot ---------------------------------------------------------------------
     def acquire(
@@ -329,6 +405,8 @@ class KVSlotPool:
         evict: bool = True,
         wanted: Collection[str] = (),
         reply: bool = True,
+        restore: str | None = None,
+        spare_s: float | None = None,
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
@@ -352,6 +430,13 @@ class KVSlotPool:
             evict: whether the slot of a session that is thinking may be taken.
             wanted: sessions with queued work (their caches are kept).
             reply: the work is ``key``'s next turn (the policy learns its think time).
+            restore: the host key of this work's own KV, parked (:meth:`park`): copied into
+                the slot (``key``'s tokens there go to host first) and returned as the
+                tokens held; if host memory dropped it meanwhile, nothing is restored.
+            spare_s: without ``evict``, the slot of a thinking session may still be taken
+                when host memory would keep its KV (it comes back by a copy, not a
+                recompute) and the policy expects it back no sooner than ``spare_s``
+                seconds (the work's expected length); ``None``: never.
         """
         with self._lock:
             now = self.clock()
@@ -364,8 +449,10 @@ class KVSlotPool:
                 idle = [
                     i for i, s in enumerate(self._table) if not s.busy and now - s.last_used >= min_idle_s
                 ]
-                if not evict:  # only the slots of sessions whose users are gone
-                    idle = [i for i in idle if self._gone(i, now, wanted)]
+                if not evict:  # only the slots of sessions whose users are gone (or away long enough)
+                    idle = [
+                        i for i in idle if self._gone(i, now, wanted) or self._away(i, now, wanted, spare_s)
+                    ]
                 if not idle:
                     return None
                 chosen = max(idle, key=lambda i: self._eviction_order(i, now, wanted))
@@ -375,17 +462,35 @@ class KVSlotPool:
                 slot.tokens = []
             if key is not None and reply and not guest:
                 self.policy.returned(key, now)
+            parked = self.host.get(restore) if self.host is not None and restore is not None else None
             entry = self.host.get(key) if self.host is not None and key is not None else None
-            if entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
-                if not guest:  # a guest overwrites part of it: the host keeps its copy
-                    self.host.pop(entry.key)  # type: ignore[union-attr]
-                self._swap_in(chosen, entry)
+            if parked is not None:  # the work's own KV comes back; the slot's go to host first
+                if slot.tokens and common_prefix_length(slot.tokens, parked.tokens) < len(slot.tokens):
+                    self._swap_out(chosen, now, wanted)
+                self._swap_in(chosen, parked, keep=False)
+                slot.tokens = list(parked.tokens)
+            elif entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
+                self._swap_in(chosen, entry, keep=guest)  # a guest overwrites part: host keeps it
                 slot.tokens = list(entry.tokens)
             elif guest and ids is not None and slot.tokens:
                 if common_prefix_length(slot.tokens, ids, len(ids) - 1) < len(slot.tokens):
                     self._swap_out(chosen, now, wanted)  # the summary would overwrite them
             slot.owner, slot.busy, slot.guest = key, True, guest and key is not None
             return chosen, list(slot.tokens)
+
+    def _away(self, index: int, now: float, wanted: Collection[str], spare_s: float | None) -> bool:
+        """Whether slot ``index``'s session is expected back no sooner than ``spare_s`` and
+        host memory would keep its KV meanwhile (see :meth:`acquire`)."""
+        s, host = self._table[index], self.host
+        if spare_s is None or host is None or s.owner is None or s.owner in wanted:
+            return False
+        use = CacheUse(key=s.owner, tokens=len(s.tokens), last_used=s.last_used)
+        if self.policy.next_use_s(use, now, wanted) < spare_s:
+            return False
+        held = host.get(s.owner)
+        if held is not None and held.tokens[: len(s.tokens)] == s.tokens:
+            return True  # the host has it all already
+        return host.would_keep(use, self.host_nbytes(len(s.tokens)), now=now, wanted=wanted)
 
     def _gone(self, index: int, now: float, wanted: Collection[str]) -> bool:
         s = self._table[index]
@@ -413,8 +518,10 @@ class KVSlotPool:
             slot = self._table[index]
             slot.busy, slot.last_used = False, now
             owner = slot.owner
+            # (A slot busy with work done for the owner, a summary, holds that work's tokens,
+            # not the owner's: it is no twin.)
             twin = owner is not None and any(
-                s.owner == owner for i, s in enumerate(self._table) if i != index
+                s.owner == owner and not (s.busy and s.guest) for i, s in enumerate(self._table) if i != index
             )
             if owner is None or twin or not tokens:  # nothing (new) to keep for the owner
                 slot.owner, slot.tokens = None, []
@@ -441,7 +548,7 @@ class KVSlotPool:
         with self._lock:
             keys = [s.owner for s in self._table if s.owner is not None]
             if self.host is not None:
-                keys += [k for k in self.host.keys() if k not in keys]
+                keys += [k for k in self.host.keys() if k not in keys and not k.startswith(PARKED_PREFIX)]
             return keys
 
 

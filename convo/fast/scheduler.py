@@ -20,20 +20,34 @@ to prefill, the chunks of several turns together in one forward.
 A request waits for a slot (in priority, then arrival order) while every slot holds a
 turn. Background work takes a slot whose session's cache is hot only once it has been
 idle a while (``background_min_idle_s``) or the work has waited long
-(``background_max_wait_s``); a reply that finds every slot busy preempts the latest
-background request, which later prefills its prompt and what it generated so far again
-and goes on (vLLM's preemption by recompute). A request finishes with ``timeout`` when
-its deadline passes and with ``cancelled`` when its ``cancel`` event is set, whether it is
-waiting, prefilling or decoding.
+(``background_max_wait_s``). A request finishes with ``timeout`` when its deadline passes
+and with ``cancelled`` when its ``cancel`` event is set, whether it is waiting, prefilling
+or decoding.
 
 Sessions' KV outlives their slots when the pool has host memory
 (:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`): a request whose slot receives
 KV from host (or gives its old KV to host) waits until the copy is done, while the other
-sessions' steps run; then it prefills only what is not cached. Background work done for a
-session (``owner``: its summary) runs in that session's own slot, or in an empty one, and
-takes no other session's slot before it has waited ``background_max_wait_s`` (then it
-evicts, to host, the session needed last). A ``prefill_only`` request computes a prompt's
-KV and keeps it for its session, sampling nothing.
+sessions' steps run; then it prefills only what is not cached. A ``prefill_only`` request
+computes a prompt's KV and keeps it for its session, sampling nothing.
+
+Background work never costs the foreground more than it must (issue 22; each rule
+measured with ``benchmarks/kv_sched.py``, the real scheduler on a fake clock):
+
+* it holds at most ``background_slots`` slots at once (half the pool by default), so a
+  wave of turns finds slots while the summaries drain in the pauses;
+* work done for a session (``owner``: its summary) runs in that session's own slot, or in
+  an empty one, and takes no other session's slot before it has waited
+  ``background_max_wait_s`` (then it evicts, to host, the session needed last); with host
+  memory it may take at once the slot of a session the policy expects back only after
+  the work is done (``evict_to_host``: that session's KV comes back by a copy);
+* a reply that finds every slot busy waits for a running request that frees its slot
+  within a few tokens (``reply_wait_tokens``; ``background_finish_tokens`` when the stop
+  would throw work away), else it preempts background work: never work about to finish
+  (``background_finish_tokens``), of the rest the one with the most left. Work done for a
+  session keeps none of its KV in the slot, so with host memory it is parked there
+  (:meth:`~convo.fast.kv_pool.KVSlotPool.park`) and resumes by a copy; otherwise (and for
+  other work, whose KV stays with its session) it later prefills its prompt and what it
+  generated again and goes on (vLLM's preemption by recompute).
 """
 
 from __future__ import annotations
@@ -49,17 +63,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
-from convo.fast.kv_pool import PrefillChunk
+from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
+from convo.fast.sampling import sample_rows
+from convo.fast.step_budget import (
+    DEFAULT_GAP_STEPS,
+    MIN_COST_STEPS,
+    PILEUP_CHUNKS,
+    prompt_token_budget,
+    step_costs,
+)
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.generation import FinishReason, Priority, SchedulerStats
 from convo.tokens import common_prefix_length
 
 __all__ = [
+    "DEFAULT_BACKGROUND_FINISH_TOKENS",
     "DEFAULT_BACKGROUND_MAX_WAIT_S",
     "DEFAULT_BACKGROUND_MIN_IDLE_S",
+    "DEFAULT_BACKGROUND_SLOT_SHARE",
+    "DEFAULT_GAP_STEPS",
     "DEFAULT_INTERLEAVE_TOKENS",
+    "DEFAULT_REPLY_WAIT_TOKENS",
     "DEFAULT_STEP_TOKENS",
+    "MIN_COST_STEPS",
+    "PILEUP_CHUNKS",
     "SLOT_POLL_S",
     "STEP_KINDS",
     "DecodeRequest",
@@ -78,6 +106,27 @@ DEFAULT_BACKGROUND_MIN_IDLE_S = 1.0
 DEFAULT_BACKGROUND_MAX_WAIT_S = 10.0
 #: How often the loop looks for a slot again while only work that waits for one is left.
 SLOT_POLL_S = 0.02
+#: A reply that finds every slot busy does not preempt background work with at most this
+#: many tokens left to generate: it waits for it (that many steps at most) rather than
+#: throw the work away or copy it out, and of the others it stops the one with the most
+#: left to do (``benchmarks/kv_sched.py``: on think-16, a third of the summaries a reply
+#: stopped had over 200 of their 256 tokens).
+DEFAULT_BACKGROUND_FINISH_TOKENS = 16
+#: A reply that finds every slot busy waits, rather than stop background work, while a
+#: running request will free its slot within this many tokens: within
+#: :data:`DEFAULT_REPLY_WAIT_TOKENS` when the stopped work would be parked in host memory
+#: (a copy, ~17 ms for a 1,700-token Llama-2-7B window on the H200), within
+#: :data:`DEFAULT_BACKGROUND_FINISH_TOKENS` when it would be recomputed. Measured with
+#: ``benchmarks/kv_sched.py`` (16 slots): waiting up to 16 tokens also with host memory
+#: takes think-16 to 0 preemptions but costs chat-users 0.1 s of TTFT p95; 4 costs nothing.
+DEFAULT_REPLY_WAIT_TOKENS = 4
+#: Share of the KV slots that background work (summaries, background prefills) may hold
+#: at once (at least one slot): the rest is left to replies, so a wave of turns finds
+#: slots without stopping the summaries, which drain in the pauses. Measured with
+#: ``benchmarks/kv_sched.py`` on think-16 (16 users on 16 slots, host memory on): no cap,
+#: 49 preemptions; 8 slots, 2 and summaries as fast (lag p50 8.1 s against 7.5 s); 4 slots,
+#: summaries lag 13 s.
+DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
@@ -90,71 +139,6 @@ _ARRIVALS = itertools.count()
 _PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
     "convo_decode_priority", default=Priority.REPLY
 )
-
-
-# -- the prompt tokens of one step while replies stream -------------------------------------------
-
-#: While replies stream and prompt tokens pile up, a step may grow its prefill until it is
-#: expected to take this many decode-only steps: the gap between two tokens of a running
-#: reply (issue 22 bounds the p95 gap at 3x the steady step; this keeps a margin).
-DEFAULT_GAP_STEPS = 2.5
-#: Prompt tokens pile up once more than this many streaming steps' chunks
-#: (``interleave_tokens`` each) wait; the step then takes 1/PILEUP_CHUNKS of what waits,
-#: so a burst drains in about this many steps at most, as fast as the gap allows.
-PILEUP_CHUNKS = 16
-#: Decode-only steps measured before the step cost is trusted (until then, and on a
-#: decoder whose steps cost nothing measurable, a streaming step prefills
-#: ``interleave_tokens``).
-MIN_COST_STEPS = 8
-
-
-def prompt_token_budget(
-    *,
-    waiting: int,
-    rows: int,
-    step_tokens: int,
-    interleave_tokens: int,
-    decode_s: float | None,
-    token_s: float | None,
-    gap_steps: float = DEFAULT_GAP_STEPS,
-) -> int:
-    """Prompt tokens one step may prefill while replies stream.
-
-    Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the ``rows``
-    decode rows, at least 1). When more than :data:`PILEUP_CHUNKS` such chunks of prompt
-    tokens are ``waiting``, it grows to 1/PILEUP_CHUNKS of them, toward the whole step
-    budget (full prefill speed), but never past what keeps the step within ``gap_steps``
-    decode-only steps: a step of ``p`` prompt tokens costs about ``decode_s + p *
-    token_s`` (both measured by the scheduler; ``None``: not known yet, no growth).
-
-    >>> prompt_token_budget(waiting=300, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    256
-    >>> prompt_token_budget(waiting=30_000, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    384
-    """
-    room = max(step_tokens - rows, 1)
-    base = max(min(room, interleave_tokens), 1)
-    want = waiting // PILEUP_CHUNKS
-    if want <= base or not decode_s or not token_s or decode_s <= 0 or token_s <= 0:
-        return base
-    afford = int((gap_steps - 1.0) * decode_s / token_s)
-    return max(base, min(want, room, afford))
-
-
-def _step_costs(
-    steps: dict[str, int], busy_s: dict[str, float], prompt_tokens: int
-) -> tuple[float, float] | None:
-    """``(decode_s, token_s)`` from the scheduler's counters: a decode-only step's mean
-    seconds, and the seconds of prefill and mixed steps per prompt token they ran (the
-    mixed steps' decode rows counted in: on the high side, as a grown chunk runs in a
-    forward of its own beside the rows' step); ``None`` until measured."""
-    if steps["decode"] < MIN_COST_STEPS or prompt_tokens <= 0:
-        return None
-    decode_s = busy_s["decode"] / steps["decode"]
-    token_s = (busy_s["mixed"] + busy_s["prefill"]) / prompt_tokens
-    return (decode_s, token_s) if token_s > 0 else None
 
 
 @contextlib.contextmanager
@@ -222,6 +206,7 @@ class DecodeRequest:
     _generator: Any = None
     _order: int = field(default_factory=lambda: next(_ARRIVALS))
     _shared: int = 0  # tokens of the owner's cache this work shares
+    _parked: str | None = None  # host key of its own KV, parked when it was preempted
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0
@@ -280,6 +265,22 @@ class DecodeScheduler:
             (:data:`DEFAULT_BACKGROUND_MIN_IDLE_S`).
         background_max_wait_s: seconds such a request waits before it takes the least
             recently used idle slot anyway (:data:`DEFAULT_BACKGROUND_MAX_WAIT_S`).
+        clock: the time of deadlines, waits and first tokens (``time.monotonic``; a
+            request's ``deadline`` and ``started_at`` are on it). Simulations pass their own.
+        timer: the time steps are measured with (``time.perf_counter``; the step costs
+            that grow a streaming step's prefill, :func:`prompt_token_budget`).
+        park: with host memory, work done for a session (``owner``: a summary) that a
+            reply preempts is parked there (:meth:`~convo.fast.kv_pool.KVSlotPool.park`)
+            and resumes by a copy, not a recompute (``False``: recompute, as before).
+        background_finish_tokens: background work with at most this many tokens left is
+            not preempted (:data:`DEFAULT_BACKGROUND_FINISH_TOKENS`; 0: any may be).
+        background_slots: slots background work may hold at once (default
+            :data:`DEFAULT_BACKGROUND_SLOT_SHARE` of the pool's, at least 1).
+        reply_wait_tokens: a reply waits for a slot that frees within this many tokens
+            rather than park background work (:data:`DEFAULT_REPLY_WAIT_TOKENS`).
+        evict_to_host: with host memory, work done for a session may take the slot of a
+            session the policy expects back only after the work is done (its KV goes to
+            host and comes back by a copy) instead of waiting ``background_max_wait_s``.
 
     Raises:
         ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
@@ -295,12 +296,32 @@ class DecodeScheduler:
         background: bool = True,
         background_min_idle_s: float = DEFAULT_BACKGROUND_MIN_IDLE_S,
         background_max_wait_s: float = DEFAULT_BACKGROUND_MAX_WAIT_S,
+        clock: Callable[[], float] | None = None,
+        timer: Callable[[], float] | None = None,
+        park: bool = True,
+        background_finish_tokens: int = DEFAULT_BACKGROUND_FINISH_TOKENS,
+        background_slots: int | None = None,
+        reply_wait_tokens: int = DEFAULT_REPLY_WAIT_TOKENS,
+        evict_to_host: bool = True,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
         if not (background_min_idle_s >= 0 and background_max_wait_s >= 0):
             raise ConfigError("background_min_idle_s and background_max_wait_s must be >= 0")
         self.background_min_idle_s = background_min_idle_s
+        self.clock = clock if clock is not None else time.monotonic
+        self.timer = timer if timer is not None else time.perf_counter
+        self.park = park
+        if background_finish_tokens < 0:
+            raise ConfigError("background_finish_tokens must be >= 0")
+        self.background_finish_tokens = background_finish_tokens
+        if background_slots is None:
+            background_slots = max(1, int(decoder.pool.slots * DEFAULT_BACKGROUND_SLOT_SHARE))
+        if background_slots < 1 or reply_wait_tokens < 0:
+            raise ConfigError("background_slots must be >= 1 and reply_wait_tokens >= 0")
+        self.background_slots = background_slots
+        self.reply_wait_tokens = reply_wait_tokens
+        self.evict_to_host = evict_to_host
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
@@ -327,6 +348,8 @@ class DecodeScheduler:
         self.max_prefill_tokens = 0
         #: Requests stopped to free a slot for a reply (they went on later).
         self.preemptions = 0
+        #: Of those, the ones whose KV was parked in host memory (resumed by a copy).
+        self.parked = 0
         #: Background prefill requests (``prefill_only``) run to their end.
         self.prefill_requests = 0
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
@@ -417,11 +440,13 @@ class DecodeScheduler:
             host_dropped=host.dropped if host is not None else 0,
             host_limit_bytes=pool.host_limit_bytes,
             prefills=self.prefill_requests,
+            host_reserved_bytes=pool.host_reserved_bytes,
+            parked=self.parked,
         )
 
     def _count(self, kind: str, started: float) -> None:
         self._kind_steps[kind] += 1
-        self._kind_busy[kind] += time.perf_counter() - started
+        self._kind_busy[kind] += self.timer() - started
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -447,7 +472,7 @@ class DecodeScheduler:
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
-                costs = _step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
+                costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
                 budget = prompt_token_budget(
                     waiting=sum(len(r.ids) + len(r.new_ids) - r.kv_tokens for r in self._prefilling),
                     rows=len(self._active),
@@ -463,7 +488,7 @@ class DecodeScheduler:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both
             rows = self._active
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 logits, outs = self.decoder.mixed_step(*self._rows(rows), [c for _, c in batch])
             except BaseException as exc:  # a device error ends every request in it
@@ -476,7 +501,7 @@ class DecodeScheduler:
             self._count("mixed", started)
             return
         if self._active:
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 self._step()
                 self._count("decode", started)
@@ -484,7 +509,7 @@ class DecodeScheduler:
                 self._fail(self._active, exc)
                 self._active = []
         if batch:
-            started = time.perf_counter()
+            started = self.timer()
             try:
                 self._prefill(batch)
                 self._count("prefill", started)
@@ -497,7 +522,10 @@ class DecodeScheduler:
         self, req: DecodeRequest, reason: FinishReason | None, error: BaseException | None = None
     ) -> None:
         req.finish, req.error = reason, error
-        req.finished_at = time.monotonic()
+        req.finished_at = self.clock()
+        if req._parked is not None:  # (it ended while it waited to resume)
+            self.decoder.pool.forget(req._parked)
+            req._parked = None
         if req.slot >= 0:
             kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
@@ -512,7 +540,7 @@ class DecodeScheduler:
 
     def _expire(self) -> None:
         """Finish waiting and prefilling requests that were cancelled or ran out of time."""
-        now = time.monotonic()
+        now = self.clock()
         with self._cv:
             gone = [(r, why) for r in self._pending if (why := r._stop_reason(now)) is not None]
             self._pending = [r for r in self._pending if r._stop_reason(now) is None]
@@ -541,12 +569,16 @@ class DecodeScheduler:
                 if not waiting:
                     return
                 req = min(waiting, key=lambda r: (r.priority, r._order))
+                if req.priority > Priority.REPLY and self._background_full():
+                    self._blocked = True
+                    passed.add(id(req))
+                    continue
                 patient = req.priority > Priority.REPLY
-                patient = patient and time.monotonic() - req.started_at < self.background_max_wait_s
+                patient = patient and self.clock() - req.started_at < self.background_max_wait_s
                 # Work for a session (its summary, its prefill) takes only its own or an empty
                 # slot while it is patient: it never evicts a session that is thinking.
                 own = req.owner is not None or req.prefill_only
-                wanted = {k for r in self._pending if (k := r.session) is not None}
+                wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
                 got = self.decoder.pool.acquire(
                     req.session,
                     min_idle_s=self.background_min_idle_s if patient else 0.0,
@@ -555,6 +587,8 @@ class DecodeScheduler:
                     evict=not (patient and own),
                     wanted=wanted,
                     reply=req.priority <= Priority.REPLY,
+                    restore=req._parked,
+                    spare_s=self._expected_s(req) if self.evict_to_host else None,
                 )
                 if got is None:
                     if self._preempt(req):
@@ -568,7 +602,12 @@ class DecodeScheduler:
             req.slot, kept = got
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
-            req.cached_tokens = req.kv_tokens = req._shared = common
+            if req._parked is None:
+                req._shared = common
+            else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
+                self.decoder.pool.forget(req._parked)
+                req._parked = None
+            req.cached_tokens = req.kv_tokens = common
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
                 req.slot = -1
@@ -588,21 +627,64 @@ class DecodeScheduler:
 
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
-        ``req``'s (the latest of them) and put it back in the queue. Re-admitted, it
-        prefills its prompt and the reply so far (:meth:`DecodeRequest.context`) and goes
-        on where it stopped (vLLM's preemption by recompute). False: nothing to preempt."""
+        ``req``'s (of those, the one with the most tokens left, then the latest; never one
+        with at most ``background_finish_tokens`` left) and put it back in the queue.
+        Work done for a session is parked in host memory when there is some (it resumes by
+        a copy); else, re-admitted, it prefills its prompt and the reply so far
+        (:meth:`DecodeRequest.context`) and goes on where it stopped (vLLM's preemption by
+        recompute). False, stopping nothing: no such request, or a running request frees
+        its slot within ``reply_wait_tokens`` tokens (``background_finish_tokens`` when the
+        stop would be a recompute), which ``req`` waits for."""
         running = [r for r in (*self._active, *self._prefilling) if r.priority > req.priority]
+        parks = self.park and self.decoder.pool.host is not None
+        wait = self.reply_wait_tokens if parks else self.background_finish_tokens
+        if any(self._left(r) <= wait for r in self._active):
+            return False  # a slot frees within that many steps: wait for it
+        running = [r for r in running if self._left(r) > self.background_finish_tokens]
         if not running:
             return False
-        victim = max(running, key=lambda r: (r.priority, r._order))
+        victim = max(running, key=lambda r: (r.priority, self._left(r), r._order))
         self._active = [r for r in self._active if r is not victim]
         self._prefilling = [r for r in self._prefilling if r is not victim]
-        self.decoder.pool.release(victim.slot, victim.kept())
+        pool = self.decoder.pool
+        if self.park and victim.owner is not None and victim.kv_tokens > victim._shared:
+            # Work done for a session keeps none of its own KV in the slot: park it in host
+            # memory, so that it resumes by a copy instead of a recompute.
+            key = f"{PARKED_PREFIX}{victim._order}"
+            wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
+            if pool.park(victim.slot, key, victim.held(), wanted=wanted):
+                victim._parked = key
+                self.parked += 1
+        pool.release(victim.slot, victim.kept())
         victim.slot, victim.kv_tokens = -1, 0
         victim.preemptions += 1
         self.preemptions += 1
         self._pending.append(victim)
         return True
+
+    def _expected_s(self, req: DecodeRequest) -> float | None:
+        """Seconds ``req`` is expected to hold a slot: its prompt at the measured cost per
+        prompt token, then its tokens at the measured decode step (``None``: not measured)."""
+        costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens)
+        if costs is None:
+            return None
+        decode_s, token_s = costs
+        prompt = len(req.ids) + len(req.new_ids) - req.kv_tokens
+        return prompt * token_s + self._left(req) * decode_s
+
+    def _background_full(self) -> bool:
+        """Whether background work holds ``background_slots`` slots already."""
+        held = sum(
+            1 for r in (*self._copying, *self._prefilling, *self._active) if r.priority > Priority.REPLY
+        )
+        return held >= self.background_slots
+
+    @staticmethod
+    def _left(req: DecodeRequest) -> int:
+        """Tokens ``req`` has left to generate (a prefill has all of them left)."""
+        if req.prefill_only:
+            return req.max_new_tokens + len(req.ids) - req.kv_tokens
+        return req.max_new_tokens - len(req.new_ids)
 
     def _plan_prefill(self, budget: int) -> list[tuple[DecodeRequest, PrefillChunk]]:
         batch = []
@@ -647,8 +729,8 @@ class DecodeScheduler:
                 req._generator = torch.Generator(device=ready[0][1].device).manual_seed(req.sampling.seed)
         import torch
 
-        first = _sample(torch.stack([out for _, out in ready]), reqs)
-        now = time.monotonic()
+        first = sample_rows(torch.stack([out for _, out in ready]), reqs)
+        now = self.clock()
         for req, token in zip(reqs, first, strict=True):
             if req.first_token_at is None:  # (a preempted request had its first token)
                 req.first_token_at = now
@@ -664,7 +746,7 @@ class DecodeScheduler:
         elif len(req.new_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         else:
-            reason = req._stop_reason(time.monotonic())
+            reason = req._stop_reason(self.clock())
             if reason is None:
                 return False
         self._finish(req, reason)
@@ -682,53 +764,10 @@ class DecodeScheduler:
         """Take a decode step's logits: sample, record, finish rows that are done."""
         for r in rows:
             r.kv_tokens = r.position + 1
-        tokens = _sample(logits, rows)
+        tokens = sample_rows(logits, rows)
         self.steps += 1
         self.rows += len(rows)
         self._active = [r for r, t in zip(rows, tokens, strict=True) if not self._accept(r, t)]
-
-
-def _sample(logits: Any, rows: Sequence[DecodeRequest]) -> list[int]:
-    """Next token per row: greedy rows by one argmax, the others with their own settings."""
-    import torch
-
-    out = logits.argmax(dim=-1)
-    special = [
-        i
-        for i, r in enumerate(rows)
-        if r.sampling.temperature > 0
-        or r.sampling.repetition_penalty != 1.0
-        or len(r.new_ids) < r.sampling.min_new_tokens
-    ]
-    if not special:
-        return [int(t) for t in out.tolist()]
-    result = out.tolist()
-    for i in special:
-        r, s = rows[i], rows[i].sampling
-        row = logits[i].clone()
-        if s.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.ids) | set(r.new_ids)), device=row.device)
-            seen = seen[seen < row.shape[0]]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
-        if len(r.new_ids) < s.min_new_tokens and r.eos:
-            eos = torch.tensor(sorted(r.eos), device=row.device)
-            row[eos[eos < row.shape[0]]] = float("-inf")
-        if s.temperature == 0:
-            result[i] = int(row.argmax())
-            continue
-        row = row / s.temperature
-        if s.top_k:
-            kth = torch.topk(row, min(s.top_k, row.shape[0])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) > s.top_p
-            row[order[drop]] = float("-inf")
-        probs = torch.softmax(row, dim=-1)
-        result[i] = int(torch.multinomial(probs, 1, generator=r._generator))
-    return [int(t) for t in result]
 
 
 def _device_error(exc: BaseException) -> BaseException:

@@ -56,8 +56,9 @@ PREFILL_GRAPH_TOKENS = 512
 #: 64 users): with host KV off, TTFT p50 0.16 s / p95 1.78 s, the scheduler busy 90 % of the
 #: wall; with 8 GiB, re-prefill fell from 1.02 to 0.85 but TTFT p95 rose to 6.4 s, the
 #: scheduler busy 52 % and the server's RSS 34.5 GB: each swap allocates pinned memory on
-#: the scheduler's thread, and PyTorch's pinned cache holds ~4x the bytes accounted. Until
-#: the copies take their buffers from a preallocated pinned arena, host KV is opt-in.
+#: the scheduler's thread, and PyTorch's pinned cache holds ~4x the bytes accounted. The
+#: copies now use a preallocated arena (:class:`convo.fast.kv_host.HostKVArena`); host KV
+#: stays opt-in until that is measured on the H200.
 DEFAULT_KV_HOST_MEMORY = 0
 #: Share of the machine's RAM :func:`default_kv_host_memory` suggests for host KV (what
 #: ``--kv-host-memory auto`` would take once the arena exists). A 1,700-token window of

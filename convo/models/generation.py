@@ -238,6 +238,10 @@ class SchedulerStats:
         host_bytes_peak: most bytes of KV held in host memory at once.
         host_dropped: host entries dropped (or never kept) because host memory was full.
         host_limit_bytes: the host memory bound (0: evicted KV is dropped).
+        host_reserved_bytes: bytes of the host KV arena, taken once (the whole blocks
+            within the bound): what the process holds for host KV, in use or not.
+        parked: of the preemptions, those whose KV was parked in host memory (the work
+            resumed by a copy, not a recompute).
         prefills: background prefill requests run (a prompt's KV computed ahead of its turn).
     """
 
@@ -254,3 +258,5 @@ class SchedulerStats:
     host_dropped: int = 0
     host_limit_bytes: int = 0
     prefills: int = 0
+    host_reserved_bytes: int = 0
+    parked: int = 0

@@ -85,6 +85,7 @@ class EngineCollector(Collector):
             ("convo_engine_decode_rows", "tokens decoded by the scheduler", stats.decode_rows),
             ("convo_engine_prompt_tokens", "prompt tokens prefilled by the scheduler", stats.prompt_tokens),
             ("convo_engine_preemptions", "requests stopped to free a slot for a reply", stats.preemptions),
+            ("convo_engine_preemptions_parked", "preempted work parked in host memory", stats.parked),
             ("convo_engine_kv_swaps_out", "sessions' KV copied from a slot to host memory", stats.swaps_out),
             ("convo_engine_kv_swaps_in", "sessions' KV copied from host memory into a slot", stats.swaps_in),
             ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),
@@ -102,6 +103,11 @@ class EngineCollector(Collector):
                 "convo_engine_kv_host_limit_bytes",
                 "host memory bound for KV (0: none)",
                 stats.host_limit_bytes,
+            ),
+            (
+                "convo_engine_kv_host_reserved_bytes",
+                "bytes of the host KV arena, taken once (in use or not)",
+                stats.host_reserved_bytes,
             ),
         ):
             yield GaugeMetricFamily(name, text, value=value)

@@ -124,11 +124,14 @@ def test_host_copies_hold_only_the_cached_tokens_in_whole_blocks() -> None:
 
     pool = KVDecoder(slots=2, slot_tokens=4 * HOST_BLOCK_TOKENS).pool
     per_token = pool.slot_nbytes // pool.slot_tokens
+    assert pool.host_block_bytes == HOST_BLOCK_TOKENS * per_token
     assert pool.host_nbytes(1) == HOST_BLOCK_TOKENS * per_token
     assert pool.host_nbytes(HOST_BLOCK_TOKENS + 1) == 2 * HOST_BLOCK_TOKENS * per_token
     assert pool.host_nbytes(10**6) == pool.slot_nbytes  # never more than the slot
-    hosts, event = pool.copy_out(1, 3)
-    assert event is None and sum(h.numel() * h.element_size() for h in hosts) == pool.host_nbytes(3)
+    pool.set_host_memory(pool.host_nbytes(3))
+    assert pool.host is not None
+    blocks = pool.host.arena.alloc(1)
+    assert blocks is not None and pool.copy_out(1, 3, blocks) is None  # CPU: done on return
 
 
 class Clock:
@@ -388,7 +391,7 @@ def test_cuda_greedy_output_is_exact_after_host_and_back_and_nothing_recompiles(
             b2 = turn(f"b{n}", [*prompts["b"], *b1.new_ids, 4])
             assert b2.cached_tokens == 150 + 11
             host = dec.pool.host
-            assert host is not None and all(host.get(k).tensors[0].is_pinned() for k in host.keys())  # type: ignore[union-attr]
+            assert host is not None and host.arena.pinned and host.arena.tensor.is_pinned()
             for key in (f"a{n}", f"b{n}"):
                 dec.pool.forget(key)
             torch.cuda.synchronize()

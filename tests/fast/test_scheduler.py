@@ -433,7 +433,8 @@ def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
     freed at once); the summary, re-admitted later, prefills its prompt and the tokens it
     had generated, and its reply is the one it would have written without the stop."""
     dec = FakeDecoder(slots=1)
-    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    # (0: preempt even work about to finish; by default it would be waited for.)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, background_finish_tokens=0)
     summary = sched.submit(request(5, max_new=8, priority=Priority.BACKGROUND))
     for _ in range(3):
         sched.run_step()

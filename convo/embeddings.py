@@ -23,6 +23,7 @@ messages and ~4,000 vocabulary words):
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -48,6 +49,9 @@ DEFAULT_CACHE_SIZE = 4096
 #: The precisions :class:`Embedder` runs its model in; ``"auto"``: bfloat16 on a CPU with
 #: native bfloat16 arithmetic, else float32.
 PRECISIONS = ("auto", "float32", "bfloat16")
+#: Environment variable: the default ``precision`` of every :class:`Embedder` (``float32``
+#: to keep exact float32 vectors everywhere); unset: ``"auto"``.
+PRECISION_ENV = "CONVO_EMBED_PRECISION"
 
 _INSTALL_HINT = "pip install 'convo[retrieval]'"
 
@@ -97,9 +101,10 @@ class Embedder:
         device: ``"cpu"``, ``"cuda"``, ...; ``None`` lets sentence-transformers choose.
         cache_size: query embeddings kept (LRU) so repeated texts are not re-encoded;
             0 disables the cache. Default 4096.
-        precision: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (default: bfloat16 on a
-            CPU with native bfloat16 arithmetic, where it is about twice as fast; float32
-            elsewhere). See :attr:`precision_in_use`.
+        precision: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on a CPU with
+            native bfloat16 arithmetic, where it is about twice as fast; float32
+            elsewhere). ``None`` (default): ``$CONVO_EMBED_PRECISION``, else ``"auto"``.
+            See :attr:`precision_in_use`.
         word_cache: answer single words from the model's shared
             :class:`~convo.word_vectors.WordVectorCache`, kept on disk under convo's cache
             folder (``$CONVO_WORD_CACHE=0``: in the process only). ``False``: every word is
@@ -121,13 +126,15 @@ class Embedder:
         batch_size: int = DEFAULT_BATCH_SIZE,
         device: str | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
-        precision: str = "auto",
+        precision: str | None = None,
         word_cache: bool = True,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"Embedder.batch_size must be an int >= 1, got {batch_size!r}")
         if not isinstance(cache_size, int) or cache_size < 0:
             raise ConfigError(f"Embedder.cache_size must be an int >= 0, got {cache_size!r}")
+        if precision is None:
+            precision = os.environ.get(PRECISION_ENV, "").strip().lower() or "auto"
         if precision not in PRECISIONS:
             raise ConfigError(f"Embedder.precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision = precision
@@ -186,8 +193,9 @@ class Embedder:
     @property
     def precision_in_use(self) -> str:
         """``"float32"`` or ``"bfloat16"``: what the model runs in (loads it if needed)."""
-        self._load()
-        assert self._precision_in_use is not None
+        model = self._load()
+        if self._precision_in_use is None:  # a model handed in, not loaded here
+            self._precision_in_use = "bfloat16" if _in_bfloat16(model) else "float32"
         return self._precision_in_use
 
     @property
@@ -241,11 +249,15 @@ class Embedder:
             vecs = model.encode(
                 group,
                 batch_size=size,
-                normalize_embeddings=True,
+                normalize_embeddings=False,
                 convert_to_numpy=True,
                 show_progress_bar=False,
             )
-            fresh.update(zip(group, np.asarray(vecs, dtype=np.float32), strict=True))
+            # Normalized here, in float32: a bfloat16 model's own normalization leaves
+            # norms up to 0.4 % off one.
+            vecs = np.asarray(vecs, dtype=np.float32)
+            norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+            fresh.update(zip(group, vecs / np.where(norms > 0, norms, 1.0), strict=True))
         return fresh
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -297,3 +309,10 @@ def _resolve_precision(precision: str, model: Any) -> str:
     except (AttributeError, RuntimeError):
         native = False
     return "bfloat16" if native else "float32"
+
+
+def _in_bfloat16(model: Any) -> bool:
+    """Whether ``model``'s first parameter is bfloat16 (``False`` for an object with none)."""
+    params = getattr(model, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    return str(getattr(first, "dtype", "")) == "torch.bfloat16"

@@ -827,9 +827,13 @@ def test_minilm_embeds_offline_normalized(minilm) -> None:  # type: ignore[no-un
 def test_minilm_one_query_matches_the_batched_vector(minilm) -> None:  # type: ignore[no-untyped-def]
     # A single text takes the short path (straight through the modules); it must give the
     # vector sentence-transformers' own encode gives, also past the 256-token truncation.
+    # (In float32: bfloat16, the default on CPUs with native bf16, is checked apart.)
     texts = ["Where did Maria go camping last summer?", " ".join(["word"] * 600)]
     from sentence_transformers import SentenceTransformer
 
+    from convo.embeddings import Embedder
+
+    minilm = Embedder(precision="float32")
     model = SentenceTransformer(minilm.model_path, device="cpu", local_files_only=True)
     for text in texts:
         ours = minilm.encode([text])

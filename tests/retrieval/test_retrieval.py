@@ -1382,7 +1382,7 @@ def test_embedder_encodes_short_texts_in_bigger_batches_in_order() -> None:
             self.batches.append((len(texts), batch_size))
             return HashEncoder(8).encode(texts)
 
-    emb = embeddings.Embedder(batch_size=4, cache_size=0)
+    emb = embeddings.Embedder(batch_size=4, cache_size=0, word_cache=False)  # words reach the model
     fake = FakeModel()
     emb._model, emb._dim = fake, 8
     long = "a sentence well over forty characters long, number "

@@ -17,7 +17,8 @@ Two measurements, one JSON report (``--json-out``):
 
     Model loading is timed apart (``model_load_s``). Each phase reports the median of
     ``--repeats`` runs and the runs; ``embed_messages_s`` and ``embed_words_s`` split the
-    embedder's time.
+    embedder's time; ``cpu_s`` is the process's CPU time (with one thread, about what the
+    wall time would be on an idle machine: a busy neighbour inflates it far less).
 
 ``retrieval``
     Per size (``--sizes``, default 1,000 and 10,000 turns) one session of synthetic turns
@@ -156,12 +157,15 @@ def stats_ms(times: Sequence[float]) -> dict[str, float]:
 
 
 def measure(memory: RetrievalMemory, qs: Sequence[str], top_k: int) -> dict[str, float]:
-    times = []
+    """Wall milliseconds per query (p50, p95, ...), and ``cpu_p50_ms``: this process's CPU
+    time per query, which a busy neighbour inflates far less than the wall time."""
+    times, cpu = [], []
     for q in qs:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         memory.retrieve(q, session_id="s", top_k=top_k)
         times.append((time.perf_counter() - t0) * 1000)
-    return stats_ms(times)
+        cpu.append((time.process_time() - c0) * 1000)
+    return {**stats_ms(times), "cpu_p50_ms": round(statistics.median(cpu), 2)}
 
 
 def measure_chat(
@@ -214,11 +218,12 @@ def retrieval_at(
     for q in qs[:20]:  # warm-up: model, FAISS, caches
         memory.retrieve(q, session_id="s", top_k=ks[0])
     qs = qs[20:]
-    embed = []
+    embed, embed_cpu = [], []
     for q in qs:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         query_encoder.encode([q + " (embed only)"])
         embed.append((time.perf_counter() - t0) * 1000)
+        embed_cpu.append((time.process_time() - c0) * 1000)
     results = {f"top_k={k}": measure(memory, qs, k) for k in ks}
     # The same queries again with their vectors cached: the search alone.
     query_encoder.cache_size = 2 * len(qs) + 10
@@ -239,7 +244,7 @@ def retrieval_at(
         "store_encoder": "model" if model_store else "hash",
         "index_kind": vectors.kind if vectors is not None else None,
         "index_seconds": round(index_s, 1),
-        "query_embedding": stats_ms(embed),
+        "query_embedding": {**stats_ms(embed), "cpu_p50_ms": round(statistics.median(embed_cpu), 2)},
         "retrieve": results,
         "search_only": search_only,
         "retrieve_after_new_turn": chat,
@@ -291,11 +296,12 @@ def index_once(args: argparse.Namespace, config: RetrievalConfig) -> dict[str, A
         timed = TimedEncoder(embedder)
         memory = RetrievalMemory(timed, config=config)
         load = os.getloadavg()[0]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         memory.remember_turns(item.qid, item.turns, dates=item.dates)
         runs.append(
             {
                 "index_s": round(time.perf_counter() - t0, 2),
+                "cpu_s": round(time.process_time() - c0, 2),
                 "embed_messages_s": round(timed.seconds["messages"], 2),
                 "embed_words_s": round(timed.seconds["words"], 2),
                 "vocabulary_words": len(memory.vocabulary(item.qid)),
@@ -332,6 +338,7 @@ def indexing(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     for name, runs in phases.items():
         out[name] = {
             "index_s_median": round(statistics.median(r["index_s"] for r in runs), 2),
+            "cpu_s_median": round(statistics.median(r["cpu_s"] for r in runs), 2),
             "embed_messages_s_median": round(statistics.median(r["embed_messages_s"] for r in runs), 2),
             "embed_words_s_median": round(statistics.median(r["embed_words_s"] for r in runs), 2),
             "runs": runs,
@@ -354,6 +361,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=2000,
         help="stored turns embedded by the model up to this many, above by hashing (default 2000)",
+    )
+    ap.add_argument("--turns", type=int, default=None, help="one size only (the older spelling of --sizes N)")
+    ap.add_argument(
+        "--store-encoder",
+        choices=["auto", "model", "hash"],
+        default="auto",
+        help="stored turns by the model or hashed; auto: per --model-store-max (default)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -380,6 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = RetrievalConfig(**json.loads(args.config))
     except (ValueError, TypeError) as exc:
         ap.error(f"--config: {exc}")
+    if args.turns is not None:
+        args.sizes = str(args.turns)
+    if args.store_encoder != "auto":
+        args.model_store_max = sys.maxsize if args.store_encoder == "model" else -1
     if args.index_once:
         print(json.dumps(index_once(args, config)))
         return 0

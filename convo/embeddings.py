@@ -273,6 +273,8 @@ class Embedder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if not self.cache_size:  # turned off (or down to 0) since: what it held is not used
+            self._cache.clear()
         todo = [t for t in dict.fromkeys(texts) if t not in self._cache]
         fresh: dict[str, np.ndarray] = {}
         words = [t for t in todo if is_word(t)] if self.word_cache else []

@@ -155,3 +155,26 @@ def test_minilm_bfloat16_is_near_float32_and_normalized(cache_home: Path) -> Non
     for got in (half.encode(texts), np.stack([half.encode([t])[0] for t in texts])):
         assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
         assert ((got * exact).sum(axis=1) > 0.995).all()
+
+
+def test_a_cache_turned_off_is_not_read_any_more() -> None:
+    # cache_size=0 means "no cache": what it held before must not answer (a benchmark
+    # timed cached queries as embedded ones).
+    from convo.embeddings import Embedder
+
+    class CountingModel:
+        calls = 0
+
+        def encode(self, texts: list[str], **_: object) -> np.ndarray:
+            CountingModel.calls += len(texts)
+            return HashingEncoder(DIM).encode(texts)
+
+    emb = Embedder(cache_size=10, word_cache=False)
+    emb._model, emb._dim = CountingModel(), DIM
+    texts = ["a question about the garden", "another question about music"]
+    emb.encode(texts)
+    emb.encode(texts)
+    assert CountingModel.calls == 2
+    emb.cache_size = 0
+    emb.encode(texts)
+    assert CountingModel.calls == 4

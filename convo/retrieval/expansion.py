@@ -88,23 +88,34 @@ class Vocabulary:
             self.index[word] = n + k
             self.terms.append(word)
         sims = self._vecs[: n + m] @ self._vecs[n : n + m].T  # (all words, new words)
-        for k in range(m):
-            i = n + k
-            col = sims[:, k].copy()
-            col[i] = -2.0
-            # The new word's own nearest, among all words (the other new ones too) ...
-            top = np.arange(len(col))
-            if len(col) > NEAR_KEPT:
-                top = np.argpartition(-col, NEAR_KEPT)[:NEAR_KEPT]
-            top = top[np.argsort(-col[top], kind="stable")]
-            top = top[col[top] > -2.0]
-            self._near[i, : len(top)], self._cos[i, : len(top)] = top, col[top]
-            # ... and the earlier words it is now among the nearest of.
-            for j in np.flatnonzero(col[:n] > self._cos[:n, -1]).tolist():
-                pos = int(np.searchsorted(-self._cos[j], -col[j], side="right"))
-                self._near[j, pos + 1 :] = self._near[j, pos:-1].copy()
-                self._cos[j, pos + 1 :] = self._cos[j, pos:-1].copy()
-                self._near[j, pos], self._cos[j, pos] = i, col[j]
+        # Each new word's own nearest, among all words (the other new ones too), in one
+        # pass over the chunk (a loop per word, an argpartition over every word each, was
+        # most of a 10,000-turn rebuild: issue 24) ...
+        own = np.ascontiguousarray(sims.T)  # (new words, all words)
+        own[np.arange(m), n + np.arange(m)] = -2.0  # not its own neighbour
+        top = np.broadcast_to(np.arange(n + m), (m, n + m))
+        if n + m > NEAR_KEPT:
+            top = np.argpartition(-own, NEAR_KEPT, axis=1)[:, :NEAR_KEPT]
+        self._near[n : n + m], self._cos[n : n + m] = _best(np.take_along_axis(own, top, axis=1), top)
+        if not n:
+            return
+        # ... and the earlier words some new word is now among the nearest of: what they
+        # kept merged with the new words' best (on a tie the word kept earlier stays first).
+        earlier = sims[:n]  # (earlier words, new words)
+        rows = np.flatnonzero(earlier.max(axis=1) > self._cos[:n, -1])
+        if not len(rows):
+            return
+        cand = earlier[rows]
+        ids = np.broadcast_to(np.arange(n, n + m), cand.shape)
+        if m > NEAR_KEPT:
+            pick = np.argpartition(-cand, NEAR_KEPT, axis=1)[:, :NEAR_KEPT]
+            cand, ids = np.take_along_axis(cand, pick, axis=1), np.take_along_axis(ids, pick, axis=1)
+        new_ids, new_cos = _best(cand, ids)
+        cos = np.concatenate([self._cos[rows], new_cos], axis=1)
+        near = np.concatenate([self._near[rows], new_ids], axis=1)
+        order = np.argsort(-cos, axis=1, kind="stable")[:, :NEAR_KEPT]
+        self._cos[rows] = np.take_along_axis(cos, order, axis=1)
+        self._near[rows] = np.take_along_axis(near, order, axis=1)
 
     def save(self, path: Path, *, owner: str) -> None:
         """Write the vocabulary to ``path`` (``.npz``, no pickle), recording ``owner``."""
@@ -149,6 +160,22 @@ class Vocabulary:
         out.index = {t: i for i, t in enumerate(out.terms)}
         out._vecs[:n], out._near[:n], out._cos[:n] = vecs, near, cos
         return out
+
+
+def _best(cos: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the :data:`NEAR_KEPT` best of candidate ``ids`` by cosine ``cos`` (both
+    ``(rows, k)``), best first, a tie by the lower id; short rows, and candidates at -2
+    (none), are filled with id -1 and cosine -2."""
+    rows = cos.shape[0]
+    order = np.lexsort((ids, -cos), axis=1)[:, :NEAR_KEPT]
+    best_cos = np.take_along_axis(cos, order, axis=1)
+    best_ids = np.take_along_axis(ids, order, axis=1).astype(np.int64)
+    out_ids = np.full((rows, NEAR_KEPT), -1, dtype=np.int64)
+    out_cos = np.full((rows, NEAR_KEPT), -2.0, dtype=np.float32)
+    out_ids[:, : order.shape[1]], out_cos[:, : order.shape[1]] = best_ids, best_cos
+    none = out_cos <= -2.0
+    out_ids[none], out_cos[none] = -1, -2.0
+    return out_ids, out_cos
 
 
 def _misfit(words: np.ndarray, vecs: np.ndarray, near: np.ndarray, cos: np.ndarray, dim: int) -> str:

@@ -25,6 +25,7 @@ from convo.errors import ConfigError
 from convo.messages import Message
 from convo.plan import Passage, Retriever, Turn, turn_key
 from convo.retrieval._io import FORMAT, child_folder, damaged, read_json, write_json
+from convo.retrieval._threads import one_blas_thread
 from convo.retrieval.config import Fusion, RetrievalConfig
 from convo.retrieval.documents import DocumentCollection
 from convo.retrieval.expansion import Vocabulary, expansion_words
@@ -252,6 +253,10 @@ class RetrievalMemory(Retriever):
         """
         if top_k <= 0 or not query.strip():
             return []
+        with one_blas_thread():  # small products: more BLAS threads only wait (issue 24)
+            return self._retrieve(query, session_id, top_k, today)
+
+    def _retrieve(self, query: str, session_id: str, top_k: int, today: date | str | None) -> list[Passage]:
         n = top_k * self.config.candidates_factor
         sources = [s for s in [self._sessions.get(session_id)] if s is not None and len(s)]
         colls = [*self._shared, *self._attached.get(session_id, [])]

@@ -827,9 +827,13 @@ def test_minilm_embeds_offline_normalized(minilm) -> None:  # type: ignore[no-un
 def test_minilm_one_query_matches_the_batched_vector(minilm) -> None:  # type: ignore[no-untyped-def]
     # A single text takes the short path (straight through the modules); it must give the
     # vector sentence-transformers' own encode gives, also past the 256-token truncation.
+    # (In float32: bfloat16, the default on CPUs with native bf16, is checked apart.)
     texts = ["Where did Maria go camping last summer?", " ".join(["word"] * 600)]
     from sentence_transformers import SentenceTransformer
 
+    from convo.embeddings import Embedder
+
+    minilm = Embedder(precision="float32")
     model = SentenceTransformer(minilm.model_path, device="cpu", local_files_only=True)
     for text in texts:
         ours = minilm.encode([text])
@@ -1378,7 +1382,7 @@ def test_embedder_encodes_short_texts_in_bigger_batches_in_order() -> None:
             self.batches.append((len(texts), batch_size))
             return HashEncoder(8).encode(texts)
 
-    emb = embeddings.Embedder(batch_size=4, cache_size=0)
+    emb = embeddings.Embedder(batch_size=4, cache_size=0, word_cache=False)  # words reach the model
     fake = FakeModel()
     emb._model, emb._dim = fake, 8
     long = "a sentence well over forty characters long, number "

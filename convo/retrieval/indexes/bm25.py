@@ -82,6 +82,11 @@ class BM25Index:
         # Per-term arrays (ids, term frequencies, document lengths) for vectorized
         # scoring, built on first use and dropped when the term's postings change.
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Documents added since a term's arrays were built: (id, tf, length), appended to
+        # them on next use. In a chat every new message uses common words whose arrays
+        # hold thousands of documents; rebuilding those for each question cost more than
+        # the search (issue 24).
+        self._appended: dict[str, list[tuple[int, int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -98,10 +103,11 @@ class BM25Index:
         """Index ``text`` under ``doc_id`` (replacing what that id held)."""
         self.remove(doc_id)
         tf = Counter(terms(text))
+        length = sum(tf.values())
         for term, n in tf.items():
             self._postings.setdefault(term, {})[doc_id] = n
-            self._arrays.pop(term, None)
-        length = sum(tf.values())
+            if term in self._arrays:  # appended on next use, not rebuilt from every posting
+                self._appended.setdefault(term, []).append((doc_id, n, length))
         self._lengths[doc_id] = length
         self._doc_terms[doc_id] = list(tf)
         self._total += length
@@ -114,6 +120,7 @@ class BM25Index:
         self._total -= length
         for term in self._doc_terms.pop(doc_id, []):
             self._arrays.pop(term, None)
+            self._appended.pop(term, None)
             postings = self._postings.get(term)
             if postings is None:
                 continue
@@ -127,6 +134,15 @@ class BM25Index:
         if not postings:
             return None
         cached = self._arrays.get(term)
+        extra = self._appended.pop(term, None)
+        if cached is not None and extra:
+            ids, tfs, lens = cached
+            more = np.asarray(extra, dtype=np.int64).reshape(-1, 3)
+            cached = self._arrays[term] = (
+                np.concatenate([ids, more[:, 0]]),
+                np.concatenate([tfs, more[:, 1].astype(np.float64)]),
+                np.concatenate([lens, more[:, 2].astype(np.float64)]),
+            )
         if cached is None:
             ids = np.fromiter(postings.keys(), dtype=np.int64, count=len(postings))
             tfs = np.fromiter(postings.values(), dtype=np.float64, count=len(postings))

@@ -71,9 +71,12 @@ class VectorIndex:
         self.nprobe = nprobe
         self._index: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self._ids: set[int] = set()
-        # A copy of every vector by id: the second retrieval hop and MMR read stored
-        # vectors, and an IVF index cannot hand them back by id.
-        self._vecs: dict[int, np.ndarray] = {}
+        # A copy of every vector, one row per id: the second retrieval hop and MMR read
+        # stored vectors (a thousand a query), and an IVF index cannot hand them back by
+        # id. Rows of removed ids are reused.
+        self._mat = np.zeros((0, dim), dtype=np.float32)
+        self._row: dict[int, int] = {}
+        self._free: list[int] = []
 
     @property
     def kind(self) -> str:
@@ -119,7 +122,21 @@ class VectorIndex:
         else:
             self._index.add_with_ids(arr, id_arr)
         self._ids.update(id_arr.tolist())
-        self._vecs.update(zip(id_arr.tolist(), arr.copy(), strict=True))
+        self._keep(id_arr.tolist(), arr)
+
+    def _keep(self, ids: Sequence[int], arr: np.ndarray) -> None:
+        """Copy ``arr``'s rows into the store of vectors, under ``ids`` (not yet in it)."""
+        need = len(ids) - len(self._free)
+        if need > 0:
+            n = len(self._mat)
+            grown = np.zeros((max(2 * n, n + need, 64), self.dim), dtype=np.float32)
+            grown[:n] = self._mat
+            self._mat = grown
+            used = len(self._row) + len(self._free)
+            self._free.extend(range(len(self._mat) - 1, used - 1, -1))
+        rows = [self._free.pop() for _ in ids]
+        self._mat[rows] = arr
+        self._row.update(zip(ids, rows, strict=True))
 
     def _dump(self) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
@@ -147,7 +164,7 @@ class VectorIndex:
         removed = int(self._index.remove_ids(np.asarray(present, dtype=np.int64)))
         self._ids.difference_update(present)
         for i in present:
-            self._vecs.pop(i, None)
+            self._free.append(self._row.pop(i))
         return removed
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
@@ -158,7 +175,8 @@ class VectorIndex:
         """
         if not len(ids):
             return np.zeros((0, self.dim), np.float32)
-        return np.stack([self._vecs[int(i)] for i in ids])
+        row = self._row
+        return self._mat[[row[int(i)] for i in ids]]
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best ids for each query row.
@@ -248,7 +266,7 @@ class VectorIndex:
             ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
             vecs = np.concatenate(codes) if codes else np.zeros((0, out.dim), np.float32)
         out._ids = {int(i) for i in ids}
-        out._vecs = dict(zip((int(i) for i in ids), vecs, strict=True))
+        out._keep([int(i) for i in ids], np.asarray(vecs, dtype=np.float32).reshape(len(ids), out.dim))
         if out._index.d != out.dim or len(out._ids) != count:
             raise damaged(target, "the index and its settings disagree (a partial save)")
         return out

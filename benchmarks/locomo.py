@@ -263,6 +263,10 @@ class CachedEmbeddings:
     def dim(self) -> int:
         return int(self.inner.dim)
 
+    def has(self, text: str) -> bool:
+        """Whether ``text``'s vector is kept."""
+        return text in self._vecs
+
     def encode(self, texts: Sequence[str]) -> Any:
         texts = list(texts)
         todo = [t for t in dict.fromkeys(texts) if t not in self._vecs]

@@ -41,7 +41,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from convo.messages import Message, Role
 from convo.paths import cache_dir
 from convo.plan import Passage, Turn, plan_prompt, turn_key
 from convo.retrieval.indexes.bm25 import BM25Index
-from convo.retrieval.memory import head_text
+from convo.retrieval.memory import RetrievalMemory, head_text
 from convo.tokens import TiktokenCounter, TokenCounter
 
 _DATA = Path("shared") / "data" / "longmemeval" / "longmemeval-s-dev.json.gz"
@@ -69,6 +69,8 @@ DEFAULT_DATA = next(
 TOP_K = 60
 #: Embeddings kept between runs: under convo's cache folder, never in the repository.
 DEFAULT_EMBED_CACHE = cache_dir() / "longmemeval" / "longmemeval-s-dev-all-MiniLM-L6-v2.npz"
+#: Texts embedded between saves of the embedding cache by ``--precompute``.
+PRECOMPUTE_CHUNK = 2048
 #: Histories indexed between saves of the embedding cache.
 SAVE_EVERY = 2
 #: Recent turns considered for the window in retrieval strategies (``Budget.window_turns``).
@@ -94,6 +96,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lexical-heavy": {"dense_weight": 0.3},
     "recency": {"recency_weight": 0.1},
     "recency-lexical": {"recency_weight": 0.1, "dense_weight": 0.3},
+    "role": {"role_weight": 0.1},
+    "role-2": {"role_weight": 0.2},
+    "role-3": {"role_weight": 0.3},
+    "role-5": {"role_weight": 0.5},
+    "role-10": {"role_weight": 1.0},
+    "role-3-own-words": {"role_weight": 0.3, "context_words": False},
+    "role-3-recency": {"role_weight": 0.3, "recency_weight": 0.05},
+    "role-3-lexical": {"role_weight": 0.3, "dense_weight": 0.3},
+    "role-3-alone": {"role_weight": 0.3, "embed_alone": True},
+    "role-5-alone": {"role_weight": 0.5, "embed_alone": True},
 }
 
 
@@ -113,6 +125,63 @@ class ZeroEncoder:
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return np.zeros((len(list(texts)), self.dim), dtype=np.float32)
+
+
+class RecordingEncoder:
+    """A text encoder that records what it is asked to embed and answers zeros: a dry run
+    of a strategy collects every text it needs (``--precompute``)."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.texts: dict[str, None] = {}
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        texts = list(texts)
+        self.texts.update(dict.fromkeys(texts))
+        return np.zeros((len(texts), self.dim), dtype=np.float32)
+
+
+def precompute(
+    items: Sequence[Item],
+    factory: Callable[[str, Item, Any], Any],
+    strategies: Sequence[str],
+    cache: CachedEmbeddings,
+    *,
+    chunk: int = PRECOMPUTE_CHUNK,
+    progress: Callable[[str], None] = print,
+) -> int:
+    """Embed, in few large length-sorted batches, every text ``strategies`` need on
+    ``items`` and is not in ``cache`` (found by a dry run with a :class:`RecordingEncoder`),
+    saving the cache after each ``chunk`` texts, so a later run embeds nothing and a
+    stopped one keeps what it did. Returns how many texts were embedded."""
+    rec = RecordingEncoder(cache.dim)
+    for name in strategies:
+        for item in items:
+            retriever = factory(name, item, rec)
+            if retriever is None:
+                continue
+            retriever.retrieve(item.question, session_id=item.qid, top_k=TOP_K, today=item.question_date)
+            if isinstance(retriever, RetrievalMemory):
+                # The expansion vocabulary's words (the same for every config), as
+                # RetrievalMemory picks them: the dry run does not build its neighbour
+                # lists (seconds per history), see ``build`` in :func:`main`.
+                rec.encode(vocabulary_words(retriever, item.qid))
+    todo = sorted((t for t in rec.texts if not cache.has(t)), key=len)
+    progress(f"precompute: {len(rec.texts)} texts, {len(todo)} to embed")
+    t0 = time.perf_counter()
+    for start in range(0, len(todo), chunk):
+        cache.encode(todo[start : start + chunk])
+        cache.save()
+        done = min(start + chunk, len(todo))
+        progress(f"precompute: {done}/{len(todo)} in {time.perf_counter() - t0:.0f} s")
+    return len(todo)
+
+
+def vocabulary_words(memory: RetrievalMemory, session_id: str) -> list[str]:
+    """The words ``memory``'s expansion vocabulary of ``session_id`` embeds: indexed
+    words two or more messages use, numbers left out."""
+    lexical = memory._sessions[session_id].lexical
+    return [t for t in lexical.indexed_terms() if not t.isdigit() and lexical.document_frequency(t) >= 2]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -486,6 +555,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "episode score): the word side of the ranking and the budgets, on every question in "
         "minutes; 'dense' is then not meaningful",
     )
+    ap.add_argument(
+        "--precompute",
+        action="store_true",
+        help="only embed (length-sorted, in large batches, saved as it goes) every text the "
+        "strategies need that the embedding cache lacks, then stop: the first run of a new "
+        "setting, on a quiet CPU",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument(
@@ -497,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from convo.embeddings import Embedder
-    from convo.retrieval import RetrievalConfig, RetrievalMemory
+    from convo.retrieval import RetrievalConfig
 
     budgets = [int(b) for b in args.budget.split(",") if b.strip()]
     types = [t.strip() for t in args.types.split(",") if t.strip()]
@@ -518,24 +594,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"retrieval:{v}" for v in variants
     ]
 
-    def factory(name: str, item: Item) -> Any:
-        built[0] += 1
-        if isinstance(embedder, CachedEmbeddings) and built[0] % SAVE_EVERY == 0:
-            embedder.save()  # a long first run keeps what it embedded if it is stopped
+    def build(name: str, item: Item, encoder: Any) -> Any:
         if name == "window":
             return None
         if name == "bm25":
             return BM25Messages(item)
         if name == "dense":
-            return DenseMessages(item, embedder, RetrievalConfig().embed_chars)
-        mem = RetrievalMemory(embedder, config=configs.get(name, configs["retrieval"]))
+            return DenseMessages(item, encoder, RetrievalConfig().embed_chars)
+        config = configs.get(name, configs["retrieval"])
+        if isinstance(encoder, RecordingEncoder):  # a dry run: the vocabulary apart
+            config = replace(config, expand_terms=0, expand_query_words=0)
+        mem = RetrievalMemory(encoder, config=config)
         mem.remember_turns(item.qid, item.turns, dates=item.dates)
         return mem
 
+    def factory(name: str, item: Item) -> Any:
+        built[0] += 1
+        if isinstance(embedder, CachedEmbeddings) and built[0] % SAVE_EVERY == 0:
+            embedder.save()  # a long first run keeps what it embedded if it is stopped
+        return build(name, item, embedder)
+
     built = [0]
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    if args.precompute:
+        if not isinstance(embedder, CachedEmbeddings):
+            ap.error("--precompute needs --embed-cache")
+        precompute(items, build, strategies, embedder, progress=log)
+        return 0
 
     counter = TiktokenCounter("cl100k_base")
-    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     results = evaluate(
         items,
         strategies=strategies,

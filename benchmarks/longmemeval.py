@@ -18,6 +18,7 @@ the same token room (``Budget.retrieval_tokens = context_tokens``):
 ``retrieval``       recent window + :class:`convo.RetrievalMemory` (library defaults)
 ``retrieval:NAME``  the same with :data:`VARIANTS` ``NAME`` on top
 ``defaults``        the library's ``Budget`` defaults (``retrieval_tokens`` None: the room left, top-k 40)
+``defaults:NAME``   the same with :data:`VARIANTS` ``NAME`` as the memory's config
 ``budget:S/K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
 ==================  ==============================================================
 
@@ -87,7 +88,7 @@ SHORT = ("ss-user", "ss-assistant", "ss-pref", "multi", "update", "temporal")
 #: Query-time / index-time variants of ``retrieval`` (``RetrievalConfig(**overrides)``).
 VARIANTS: dict[str, dict[str, Any]] = {
     "own-words": {"context_words": False},
-    "embed-alone": {"embed_alone": True},
+    "embed-alone": {"embed_alone": True},  # with the default role_weight
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-neighbour": {"neighbour_weight": 0.0},
@@ -104,8 +105,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "role-3-own-words": {"role_weight": 0.3, "context_words": False},
     "role-3-recency": {"role_weight": 0.3, "recency_weight": 0.05},
     "role-3-lexical": {"role_weight": 0.3, "dense_weight": 0.3},
+    "no-role": {"role_weight": 0.0},
+    "alone-no-role": {"embed_alone": True, "role_weight": 0.0},
     "role-3-alone": {"role_weight": 0.3, "embed_alone": True},
     "role-5-alone": {"role_weight": 0.5, "embed_alone": True},
+    "role-10-alone": {"role_weight": 1.0, "embed_alone": True},
 }
 
 
@@ -154,9 +158,12 @@ def precompute(
     ``items`` and is not in ``cache`` (found by a dry run with a :class:`RecordingEncoder`),
     saving the cache after each ``chunk`` texts, so a later run embeds nothing and a
     stopped one keeps what it did. Returns how many texts were embedded."""
-    rec = RecordingEncoder(cache.dim)
-    for name in strategies:
-        for item in items:
+    t0 = time.perf_counter()
+    total = 0
+    todo: list[str] = []
+    for i, item in enumerate(items):  # item by item: a stopped run leaves whole questions
+        rec = RecordingEncoder(cache.dim)
+        for name in strategies:
             retriever = factory(name, item, rec)
             if retriever is None:
                 continue
@@ -166,15 +173,16 @@ def precompute(
                 # RetrievalMemory picks them: the dry run does not build its neighbour
                 # lists (seconds per history), see ``build`` in :func:`main`.
                 rec.encode(vocabulary_words(retriever, item.qid))
-    todo = sorted((t for t in rec.texts if not cache.has(t)), key=len)
-    progress(f"precompute: {len(rec.texts)} texts, {len(todo)} to embed")
-    t0 = time.perf_counter()
-    for start in range(0, len(todo), chunk):
-        cache.encode(todo[start : start + chunk])
-        cache.save()
-        done = min(start + chunk, len(todo))
-        progress(f"precompute: {done}/{len(todo)} in {time.perf_counter() - t0:.0f} s")
-    return len(todo)
+        todo += sorted((t for t in rec.texts if not cache.has(t)), key=len)
+        if len(todo) >= chunk or i == len(items) - 1:
+            cache.encode(todo)
+            cache.save()
+            total += len(todo)
+            todo = []
+            progress(
+                f"precompute: {i + 1}/{len(items)} questions, {total} texts, {time.perf_counter() - t0:.0f} s"
+            )
+    return total
 
 
 def vocabulary_words(memory: RetrievalMemory, session_id: str) -> list[str]:
@@ -371,7 +379,7 @@ class Tally:
 
 
 def budget_for(name: str, context_tokens: int, top_k: int) -> Budget:
-    if name == "defaults":
+    if name == "defaults" or name.startswith("defaults:"):
         return Budget(context_tokens=context_tokens, max_new_tokens=REPLY_TOKENS)
     if name.startswith("budget:"):  # "budget:SHARE/TOP_K": Budget defaults but these two
         share, k = name.split(":", 1)[1].split("/")
@@ -504,8 +512,10 @@ def cross_validate(
         def rows(name: str, train: bool, f: int = f) -> list[dict[str, Any]]:
             return [r for r in results[name][str(budget)]["per_question"] if (fold_of[r["id"]] != f) == train]
 
-        scored = [(summarize(rows(n, True))["recall_all"] or 0.0, n) for n in cands]
-        best = max(scored, key=lambda x: x[0])
+        # Ties (a small fold) are broken by session recall on the same training fold.
+        train = {n: summarize(rows(n, True)) for n in cands}
+        scored = [(train[n]["recall_all"] or 0.0, n) for n in cands]
+        best = max(scored, key=lambda x: (x[0], train[x[1]]["session_recall"] or 0.0))
         held = rows(best[1], False)
         test_rows += held
         out_folds.append({"fold": f, "chosen": best[1], "train_recall_all": best[0], "test": summarize(held)})
@@ -586,13 +596,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lexical_only:  # no model: the ranking's word side alone, cheap on a busy CPU
         embedder = ZeroEncoder()
         base = dict(LEXICAL_ONLY)
-    configs = {
-        "retrieval": RetrievalConfig(**base),
-        **{f"retrieval:{v}": RetrievalConfig(**{**base, **VARIANTS[v]}) for v in variants},
-    }
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] + [
         f"retrieval:{v}" for v in variants
     ]
+    configs = {
+        "retrieval": RetrievalConfig(**base),
+        **{f"retrieval:{v}": RetrievalConfig(**{**base, **VARIANTS[v]}) for v in variants},
+        **{
+            s: RetrievalConfig(**{**base, **VARIANTS[s.split(":", 1)[1]]})
+            for s in strategies
+            if s.startswith("defaults:")
+        },
+    }
 
     def build(name: str, item: Item, encoder: Any) -> Any:
         if name == "window":

@@ -149,15 +149,21 @@ ASKS_ASSISTANT = re.compile(
     r"|\bour (?:previous|last|earlier|past|recent) (?:conversation|chat|discussion|session|talk)",
     re.IGNORECASE,
 )
+#: How a question asks to recall something without saying who said it ("remind me of
+#: that restaurant", "I'm trying to recall"): either side may hold the answer.
+ASKS_EITHER = re.compile(r"\bremind me\b|\brecall\b|\bwe (?:talked|discussed|spoke)\b", re.IGNORECASE)
 #: The speaker of a message without a name, by side (``Role.value``).
 USER, ASSISTANT = "user", "assistant"
 
 
-def asked_role(query: str) -> str:
+def asked_role(query: str) -> str | None:
     """Whose messages answer ``query`` in a chat between a person and an assistant:
-    ``"assistant"`` when it asks what the assistant said earlier (:data:`ASKS_ASSISTANT`),
+    ``"assistant"`` when it asks what the assistant said earlier (:data:`ASKS_ASSISTANT`);
+    ``None`` when it asks to recall something without saying whose (:data:`ASKS_EITHER`);
     else ``"user"`` (a person's facts, plans and tastes are in what they said)."""
-    return ASSISTANT if ASKS_ASSISTANT.search(query) else USER
+    if ASKS_ASSISTANT.search(query):
+        return ASSISTANT
+    return None if ASKS_EITHER.search(query) else USER
 
 
 def role_boosted(
@@ -167,9 +173,9 @@ def role_boosted(
 
     Only unnamed messages have a role for a speaker (``"user"``, ``"assistant"``); in a
     conversation between named people nothing changes."""
-    if weight <= 0:
-        return dict(fused)
     side = asked_role(query)
+    if weight <= 0 or side is None:
+        return dict(fused)
     return {u: sc + (weight if speaker.get(u) == side else 0.0) for u, sc in fused.items()}
 
 

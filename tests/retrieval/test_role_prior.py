@@ -49,9 +49,10 @@ def turns(named: bool) -> list[Turn]:
         ("You recommended a harness for my dog, which one was it?", "assistant"),
         ("In our previous chat you suggested dog food; what brand?", "assistant"),
         ("What dog food did you recommend?", "assistant"),
+        ("Can you remind me of that restaurant that serves great Nasi Goreng?", None),
     ],
 )
-def test_asked_role_reads_who_the_question_is_about(question: str, side: str) -> None:
+def test_asked_role_reads_who_the_question_is_about(question: str, side: str | None) -> None:
     assert asked_role(question) == side
 
 
@@ -61,6 +62,7 @@ def test_role_boosted_adds_the_weight_to_the_asked_side_only() -> None:
     assert role_boosted(fused, speaker, "What is my dog's name?", 0.2) == {0: 0.7, 1: 0.5, 2: 0.5}
     assert role_boosted(fused, speaker, "What did you recommend?", 0.2) == {0: 0.5, 1: 0.7, 2: 0.5}
     assert role_boosted(fused, speaker, "What is my dog's name?", 0.0) == fused
+    assert role_boosted(fused, speaker, "Remind me of that dog's name?", 0.2) == fused  # either side
 
 
 def best(memory: RetrievalMemory, question: str) -> str:

@@ -30,6 +30,14 @@ Usage::
 
     python benchmarks/longmemeval.py --budget 2048,4096 --limit 20 --json
 
+Real vectors are kept in ``--embed-cache`` (under convo's cache folder). Embedding a
+whole split's ~58k messages costs tens of minutes of a busy CPU; ``--precompute`` (same
+``--limit``, ``--strategies`` and ``--variants`` as the run it prepares) embeds question
+by question, in length-sorted batches, saving as it goes, so a stopped run keeps whole
+questions and the run itself embeds nothing. ``embed_alone`` variants and ``dense`` share
+one set of texts (each message's head, at most ``embed_chars``), shorter and cheaper than the
+default's context-joint texts.
+
 The data file is read by path and never copied.
 """
 

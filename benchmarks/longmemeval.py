@@ -22,8 +22,8 @@ the same token room (``Budget.retrieval_tokens = context_tokens``):
 ``budget:S/K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
 ==================  ==============================================================
 
-With ``--folds 2`` (default) the questions are cut into two folds (alternating, so each
-fold has every type); for each fold the retrieval strategy with the best ``recall_all``
+With ``--folds 2`` (default) the questions are cut into two folds (alternating within
+each type, so each fold has every type); for each fold the retrieval strategy with the best ``recall_all``
 on the other fold is chosen and scored on this one (``cross_validation``).
 
 Usage::
@@ -511,8 +511,13 @@ def cross_validate(
     results: dict[str, Any], items: Sequence[Item], budget: int, folds: int = 2
 ) -> dict[str, Any]:
     """Choose among the ``retrieval*`` strategies on the other folds, score on this one."""
-    ids = [it.qid for it in items]
-    fold_of = {q: i % folds for i, q in enumerate(ids)}
+    # Alternating within each type, so every fold has every type (alternating over the
+    # round-robin order of ``--limit`` would put types 1, 3, 5 in one fold only).
+    seen: dict[str, int] = defaultdict(int)
+    fold_of = {}
+    for it in items:
+        fold_of[it.qid] = seen[it.qtype] % folds
+        seen[it.qtype] += 1
     cands = [n for n in results if n.startswith("retrieval")]
     out_folds, test_rows = [], []
     for f in range(folds):

@@ -263,6 +263,10 @@ class CachedEmbeddings:
     def dim(self) -> int:
         return int(self.inner.dim)
 
+    def has(self, text: str) -> bool:
+        """Whether ``text``'s vector is kept."""
+        return text in self._vecs
+
     def encode(self, texts: Sequence[str]) -> Any:
         texts = list(texts)
         todo = [t for t in dict.fromkeys(texts) if t not in self._vecs]
@@ -392,6 +396,8 @@ _FIFTH: dict[str, Any] = {
     "expand_query_words": 0,
 }
 RETRIEVAL_VARIANTS: dict[str, dict[str, Any]] = {
+    # Without the user/assistant role prior (LoCoMo's speakers are named: the same ranking).
+    "no-role": {"role_weight": 0.0},
     # The first default: whole turns, one passage each.
     "turns": {"turn_lines": "all", "group_passages": False, **_GROUPED},
     "grouped": _GROUPED,

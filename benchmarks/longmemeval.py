@@ -18,16 +18,25 @@ the same token room (``Budget.retrieval_tokens = context_tokens``):
 ``retrieval``       recent window + :class:`convo.RetrievalMemory` (library defaults)
 ``retrieval:NAME``  the same with :data:`VARIANTS` ``NAME`` on top
 ``defaults``        the library's ``Budget`` defaults (``retrieval_tokens`` None: the room left, top-k 40)
+``defaults:NAME``   the same with :data:`VARIANTS` ``NAME`` as the memory's config
 ``budget:S/K``      ``Budget`` defaults but ``retrieval_tokens = S * context_tokens``, top-k ``K``
 ==================  ==============================================================
 
-With ``--folds 2`` (default) the questions are cut into two folds (alternating, so each
-fold has every type); for each fold the retrieval strategy with the best ``recall_all``
+With ``--folds 2`` (default) the questions are cut into two folds (alternating within
+each type, so each fold has every type); for each fold the retrieval strategy with the best ``recall_all``
 on the other fold is chosen and scored on this one (``cross_validation``).
 
 Usage::
 
     python benchmarks/longmemeval.py --budget 2048,4096 --limit 20 --json
+
+Real vectors are kept in ``--embed-cache`` (under convo's cache folder). Embedding a
+whole split's ~58k messages costs tens of minutes of a busy CPU; ``--precompute`` (same
+``--limit``, ``--strategies`` and ``--variants`` as the run it prepares) embeds question
+by question, in length-sorted batches, saving as it goes, so a stopped run keeps whole
+questions and the run itself embeds nothing. ``embed_alone`` variants and ``dense`` share
+one set of texts (each message's head, at most ``embed_chars``), shorter and cheaper than the
+default's context-joint texts.
 
 The data file is read by path and never copied.
 """
@@ -41,7 +50,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -56,7 +65,7 @@ from convo.messages import Message, Role
 from convo.paths import cache_dir
 from convo.plan import Passage, Turn, plan_prompt, turn_key
 from convo.retrieval.indexes.bm25 import BM25Index
-from convo.retrieval.memory import head_text
+from convo.retrieval.memory import RetrievalMemory, head_text
 from convo.tokens import TiktokenCounter, TokenCounter
 
 _DATA = Path("shared") / "data" / "longmemeval" / "longmemeval-s-dev.json.gz"
@@ -69,6 +78,8 @@ DEFAULT_DATA = next(
 TOP_K = 60
 #: Embeddings kept between runs: under convo's cache folder, never in the repository.
 DEFAULT_EMBED_CACHE = cache_dir() / "longmemeval" / "longmemeval-s-dev-all-MiniLM-L6-v2.npz"
+#: Texts embedded between saves of the embedding cache by ``--precompute``.
+PRECOMPUTE_CHUNK = 2048
 #: Histories indexed between saves of the embedding cache.
 SAVE_EVERY = 2
 #: Recent turns considered for the window in retrieval strategies (``Budget.window_turns``).
@@ -85,7 +96,7 @@ SHORT = ("ss-user", "ss-assistant", "ss-pref", "multi", "update", "temporal")
 #: Query-time / index-time variants of ``retrieval`` (``RetrievalConfig(**overrides)``).
 VARIANTS: dict[str, dict[str, Any]] = {
     "own-words": {"context_words": False},
-    "embed-alone": {"embed_alone": True},
+    "embed-alone": {"embed_alone": True},  # with the default role_weight
     "no-hop": {"second_hop": 0.0},
     "no-episode": {"episode_weight": 0.0},
     "no-neighbour": {"neighbour_weight": 0.0},
@@ -94,6 +105,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lexical-heavy": {"dense_weight": 0.3},
     "recency": {"recency_weight": 0.1},
     "recency-lexical": {"recency_weight": 0.1, "dense_weight": 0.3},
+    "role": {"role_weight": 0.1},
+    "role-2": {"role_weight": 0.2},
+    "role-3": {"role_weight": 0.3},
+    "role-5": {"role_weight": 0.5},
+    "role-10": {"role_weight": 1.0},
+    "role-3-own-words": {"role_weight": 0.3, "context_words": False},
+    "role-3-recency": {"role_weight": 0.3, "recency_weight": 0.05},
+    "role-3-lexical": {"role_weight": 0.3, "dense_weight": 0.3},
+    "no-role": {"role_weight": 0.0},
+    "alone-no-role": {"embed_alone": True, "role_weight": 0.0},
+    "role-3-alone": {"role_weight": 0.3, "embed_alone": True},
+    "role-5-alone": {"role_weight": 0.5, "embed_alone": True},
+    "role-10-alone": {"role_weight": 1.0, "embed_alone": True},
 }
 
 
@@ -113,6 +137,67 @@ class ZeroEncoder:
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return np.zeros((len(list(texts)), self.dim), dtype=np.float32)
+
+
+class RecordingEncoder:
+    """A text encoder that records what it is asked to embed and answers zeros: a dry run
+    of a strategy collects every text it needs (``--precompute``)."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.texts: dict[str, None] = {}
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        texts = list(texts)
+        self.texts.update(dict.fromkeys(texts))
+        return np.zeros((len(texts), self.dim), dtype=np.float32)
+
+
+def precompute(
+    items: Sequence[Item],
+    factory: Callable[[str, Item, Any], Any],
+    strategies: Sequence[str],
+    cache: CachedEmbeddings,
+    *,
+    chunk: int = PRECOMPUTE_CHUNK,
+    progress: Callable[[str], None] = print,
+) -> int:
+    """Embed, in few large length-sorted batches, every text ``strategies`` need on
+    ``items`` and is not in ``cache`` (found by a dry run with a :class:`RecordingEncoder`),
+    saving the cache after each ``chunk`` texts, so a later run embeds nothing and a
+    stopped one keeps what it did. Returns how many texts were embedded."""
+    t0 = time.perf_counter()
+    total = 0
+    todo: list[str] = []
+    for i, item in enumerate(items):  # item by item: a stopped run leaves whole questions
+        rec = RecordingEncoder(cache.dim)
+        for name in strategies:
+            retriever = factory(name, item, rec)
+            if retriever is None:
+                continue
+            retriever.retrieve(item.question, session_id=item.qid, top_k=TOP_K, today=item.question_date)
+            if isinstance(retriever, RetrievalMemory):
+                # The expansion vocabulary's words (the same for every config), as
+                # RetrievalMemory picks them: the dry run does not build its neighbour
+                # lists (seconds per history), see ``build`` in :func:`main`.
+                rec.encode(vocabulary_words(retriever, item.qid))
+        todo += sorted((t for t in rec.texts if not cache.has(t)), key=len)
+        if len(todo) >= chunk or i == len(items) - 1:
+            cache.encode(todo)
+            cache.save()
+            total += len(todo)
+            todo = []
+            progress(
+                f"precompute: {i + 1}/{len(items)} questions, {total} texts, {time.perf_counter() - t0:.0f} s"
+            )
+    return total
+
+
+def vocabulary_words(memory: RetrievalMemory, session_id: str) -> list[str]:
+    """The words ``memory``'s expansion vocabulary of ``session_id`` embeds: indexed
+    words two or more messages use, numbers left out."""
+    lexical = memory._sessions[session_id].lexical
+    return [t for t in lexical.indexed_terms() if not t.isdigit() and lexical.document_frequency(t) >= 2]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,7 +387,7 @@ class Tally:
 
 
 def budget_for(name: str, context_tokens: int, top_k: int) -> Budget:
-    if name == "defaults":
+    if name == "defaults" or name.startswith("defaults:"):
         return Budget(context_tokens=context_tokens, max_new_tokens=REPLY_TOKENS)
     if name.startswith("budget:"):  # "budget:SHARE/TOP_K": Budget defaults but these two
         share, k = name.split(":", 1)[1].split("/")
@@ -426,8 +511,13 @@ def cross_validate(
     results: dict[str, Any], items: Sequence[Item], budget: int, folds: int = 2
 ) -> dict[str, Any]:
     """Choose among the ``retrieval*`` strategies on the other folds, score on this one."""
-    ids = [it.qid for it in items]
-    fold_of = {q: i % folds for i, q in enumerate(ids)}
+    # Alternating within each type, so every fold has every type (alternating over the
+    # round-robin order of ``--limit`` would put types 1, 3, 5 in one fold only).
+    seen: dict[str, int] = defaultdict(int)
+    fold_of = {}
+    for it in items:
+        fold_of[it.qid] = seen[it.qtype] % folds
+        seen[it.qtype] += 1
     cands = [n for n in results if n.startswith("retrieval")]
     out_folds, test_rows = [], []
     for f in range(folds):
@@ -435,8 +525,10 @@ def cross_validate(
         def rows(name: str, train: bool, f: int = f) -> list[dict[str, Any]]:
             return [r for r in results[name][str(budget)]["per_question"] if (fold_of[r["id"]] != f) == train]
 
-        scored = [(summarize(rows(n, True))["recall_all"] or 0.0, n) for n in cands]
-        best = max(scored, key=lambda x: x[0])
+        # Ties (a small fold) are broken by session recall on the same training fold.
+        train = {n: summarize(rows(n, True)) for n in cands}
+        scored = [(train[n]["recall_all"] or 0.0, n) for n in cands]
+        best = max(scored, key=lambda x: (x[0], train[x[1]]["session_recall"] or 0.0))
         held = rows(best[1], False)
         test_rows += held
         out_folds.append({"fold": f, "chosen": best[1], "train_recall_all": best[0], "test": summarize(held)})
@@ -486,6 +578,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "episode score): the word side of the ranking and the budgets, on every question in "
         "minutes; 'dense' is then not meaningful",
     )
+    ap.add_argument(
+        "--precompute",
+        action="store_true",
+        help="only embed (length-sorted, in large batches, saved as it goes) every text the "
+        "strategies need that the embedding cache lacks, then stop: the first run of a new "
+        "setting, on a quiet CPU",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument(
@@ -497,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from convo.embeddings import Embedder
-    from convo.retrieval import RetrievalConfig, RetrievalMemory
+    from convo.retrieval import RetrievalConfig
 
     budgets = [int(b) for b in args.budget.split(",") if b.strip()]
     types = [t.strip() for t in args.types.split(",") if t.strip()]
@@ -510,32 +609,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lexical_only:  # no model: the ranking's word side alone, cheap on a busy CPU
         embedder = ZeroEncoder()
         base = dict(LEXICAL_ONLY)
-    configs = {
-        "retrieval": RetrievalConfig(**base),
-        **{f"retrieval:{v}": RetrievalConfig(**{**base, **VARIANTS[v]}) for v in variants},
-    }
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] + [
         f"retrieval:{v}" for v in variants
     ]
+    configs = {
+        "retrieval": RetrievalConfig(**base),
+        **{f"retrieval:{v}": RetrievalConfig(**{**base, **VARIANTS[v]}) for v in variants},
+        **{
+            s: RetrievalConfig(**{**base, **VARIANTS[s.split(":", 1)[1]]})
+            for s in strategies
+            if s.startswith("defaults:")
+        },
+    }
 
-    def factory(name: str, item: Item) -> Any:
-        built[0] += 1
-        if isinstance(embedder, CachedEmbeddings) and built[0] % SAVE_EVERY == 0:
-            embedder.save()  # a long first run keeps what it embedded if it is stopped
+    def build(name: str, item: Item, encoder: Any) -> Any:
         if name == "window":
             return None
         if name == "bm25":
             return BM25Messages(item)
         if name == "dense":
-            return DenseMessages(item, embedder, RetrievalConfig().embed_chars)
-        mem = RetrievalMemory(embedder, config=configs.get(name, configs["retrieval"]))
+            return DenseMessages(item, encoder, RetrievalConfig().embed_chars)
+        config = configs.get(name, configs["retrieval"])
+        if isinstance(encoder, RecordingEncoder):  # a dry run: the vocabulary apart
+            config = replace(config, expand_terms=0, expand_query_words=0)
+        mem = RetrievalMemory(encoder, config=config)
         mem.remember_turns(item.qid, item.turns, dates=item.dates)
         return mem
 
+    def factory(name: str, item: Item) -> Any:
+        built[0] += 1
+        if isinstance(embedder, CachedEmbeddings) and built[0] % SAVE_EVERY == 0:
+            embedder.save()  # a long first run keeps what it embedded if it is stopped
+        return build(name, item, embedder)
+
     built = [0]
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    if args.precompute:
+        if not isinstance(embedder, CachedEmbeddings):
+            ap.error("--precompute needs --embed-cache")
+        precompute(items, build, strategies, embedder, progress=log)
+        return 0
 
     counter = TiktokenCounter("cl100k_base")
-    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     results = evaluate(
         items,
         strategies=strategies,

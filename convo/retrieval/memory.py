@@ -37,6 +37,7 @@ from convo.retrieval.ranking import (
     hop_seeds,
     mmr,
     propagate,
+    role_boosted,
     speaker_boosted,
     strip_names,
     time_scored,
@@ -372,6 +373,8 @@ class RetrievalMemory(Retriever):
             return []
         if cfg.second_hop > 0 and store.vectors is not None:
             boosted = speaker_boosted(fused, self._speakers(store), named, cfg.speaker_boost)
+            if cfg.role_weight > 0:
+                boosted = role_boosted(boosted, self._speakers(store), asked or query, cfg.role_weight)
             ranking = sorted(boosted, key=lambda u: (-boosted[u], u))
             seeds = hop_seeds(fused, ranking, self._episodes(store)[2], cfg)
             q2 = qvec + store.vectors.vectors(seeds).mean(axis=0)
@@ -414,6 +417,8 @@ class RetrievalMemory(Retriever):
                 fused[u] += cfg.content_weight * min(size.get(u, 0) / full, 1.0)
         if named:
             fused = speaker_boosted(fused, self._speakers(store), named, cfg.speaker_boost)
+        if cfg.role_weight > 0:
+            fused = role_boosted(fused, self._speakers(store), asked or query, cfg.role_weight)
         if cfg.turn_lines != "each":
             return [self._turn_passage(store.records[h.pid], h) for h in store.hits(fused, dense, lexical, n)]
         ranked = top_keys(fused, max(n, 1) * 2)

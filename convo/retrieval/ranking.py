@@ -8,6 +8,8 @@ int id; a stage takes ``{unit id: score}`` and returns new scores or an order:
 - :func:`time_scored`: messages of the days a question names gain;
 - :func:`propagate`: a share of the better neighbour's score;
 - :func:`speaker_boosted`: messages of a speaker the question names gain;
+- :func:`asked_role`, :func:`role_boosted`: in a user-assistant chat, the messages of the
+  side the question asks about gain;
 - :func:`top_keys`, :func:`mmr`: the best units, plainly or with diversity.
 
 :class:`~convo.retrieval.RetrievalMemory` chains them (see
@@ -136,6 +138,45 @@ def speaker_boosted(
 ) -> dict[int, float]:
     """``fused`` with ``boost`` added to the units whose speaker is in ``named``."""
     return {u: sc + (boost if named and speaker.get(u) in named else 0.0) for u, sc in fused.items()}
+
+
+#: How a question asks what the assistant itself said earlier ("you mentioned", "did you
+#: recommend", "our previous conversation"): then the assistant's messages hold the answer.
+ASKS_ASSISTANT = re.compile(
+    r"\byou\s+(?:\w+ly\s+)?(?:said|told|mentioned|suggested|recommended|gave|provided|listed|shared|"
+    r"wrote|created|described|explained|named|offered|proposed|came up)\b"
+    r"|\b(?:did|do|would|could) you (?:say|tell|mention|suggest|recommend|give|provide|list|share)\b"
+    r"|\bour (?:previous|last|earlier|past|recent) (?:conversation|chat|discussion|session|talk)",
+    re.IGNORECASE,
+)
+#: How a question asks to recall something without saying who said it ("remind me of
+#: that restaurant", "I'm trying to recall"): either side may hold the answer.
+ASKS_EITHER = re.compile(r"\bremind me\b|\brecall\b|\bwe (?:talked|discussed|spoke)\b", re.IGNORECASE)
+#: The speaker of a message without a name, by side (``Role.value``).
+USER, ASSISTANT = "user", "assistant"
+
+
+def asked_role(query: str) -> str | None:
+    """Whose messages answer ``query`` in a chat between a person and an assistant:
+    ``"assistant"`` when it asks what the assistant said earlier (:data:`ASKS_ASSISTANT`);
+    ``None`` when it asks to recall something without saying whose (:data:`ASKS_EITHER`);
+    else ``"user"`` (a person's facts, plans and tastes are in what they said)."""
+    if ASKS_ASSISTANT.search(query):
+        return ASSISTANT
+    return None if ASKS_EITHER.search(query) else USER
+
+
+def role_boosted(
+    fused: Mapping[int, float], speaker: Mapping[int, str], query: str, weight: float
+) -> dict[int, float]:
+    """``fused`` with ``weight`` added to the units said by :func:`asked_role` of ``query``.
+
+    Only unnamed messages have a role for a speaker (``"user"``, ``"assistant"``); in a
+    conversation between named people nothing changes."""
+    side = asked_role(query)
+    if weight <= 0 or side is None:
+        return dict(fused)
+    return {u: sc + (weight if speaker.get(u) == side else 0.0) for u, sc in fused.items()}
 
 
 def hop_seeds(

@@ -12,6 +12,7 @@ from typing import Any
 from conftest import HashEncoder
 
 from benchmarks import longmemeval as lme
+from benchmarks.locomo import CachedEmbeddings
 from convo.retrieval import RetrievalConfig, RetrievalMemory
 from convo.tokens import TiktokenCounter
 
@@ -95,3 +96,32 @@ def test_items_split_sessions_and_find_the_evidence(tmp_path: Path) -> None:
     assert results["retrieval"]["600"]["recall_all"] == 1.0
     cv = lme.cross_validate(results, items, 600)
     assert cv["candidates"] == ["retrieval"] and len(cv["folds"]) == 2
+
+
+def test_precompute_embeds_every_text_a_run_needs(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.json.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump([tiny_record()], f)
+    items = lme.load(path)
+    inner = HashEncoder()
+    cache = CachedEmbeddings(inner, tmp_path / "vectors.npz")
+
+    def build(name: str, it: lme.Item, encoder: Any) -> Any:
+        if name == "dense":
+            return lme.DenseMessages(it, encoder, RetrievalConfig().embed_chars)
+        mem = RetrievalMemory(encoder, config=RetrievalConfig(min_score=0.0))
+        mem.remember_turns(it.qid, it.turns, dates=it.dates)
+        return mem
+
+    assert lme.precompute(items, build, ["dense", "retrieval"], cache, progress=lambda _: None) > 0
+    assert (tmp_path / "vectors.npz").exists()
+    # A run from the saved cache embeds nothing more (queries and vocabulary included).
+    again = CachedEmbeddings(inner, tmp_path / "vectors.npz")
+    calls = inner.calls
+    for name in ("dense", "retrieval"):
+        got = build(name, items[0], again)
+        got.retrieve(
+            items[0].question, session_id=items[0].qid, top_k=lme.TOP_K, today=items[0].question_date
+        )
+    assert inner.calls == calls
+    assert lme.precompute(items, build, ["dense", "retrieval"], again, progress=lambda _: None) == 0

@@ -268,14 +268,14 @@ def test_sqlite_many_openers_of_one_new_file_all_open(tmp_path: Path) -> None:
         path = tmp_path / f"new-{round_}.db"
         start = threading.Barrier(8)
 
-        def open_it() -> None:
+        def open_it(path: Path, start: threading.Barrier) -> None:
             start.wait()
             try:
                 SQLiteStore(path)
-            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            except Exception as exc:  # collected and asserted below
                 failures.append(repr(exc))
 
-        openers = [threading.Thread(target=open_it) for _ in range(8)]
+        openers = [threading.Thread(target=open_it, args=(path, start)) for _ in range(8)]
         for t in openers:
             t.start()
         for t in openers:

@@ -3,16 +3,37 @@ its own temperature, top-p, top-k, repetition penalty, minimum length and genera
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from convo.fast.scheduler import DecodeRequest
-
-__all__ = ["sample_rows"]
+__all__ = ["SampledRow", "sample_rows"]
 
 
-def sample_rows(logits: Any, rows: Sequence[DecodeRequest]) -> list[int]:
+class SampledRow(Protocol):
+    """What sampling reads of a row (a :class:`~convo.fast.scheduler.DecodeRequest`)."""
+
+    @property
+    def ids(self) -> Sequence[int]:
+        """The prompt's token ids."""
+
+    @property
+    def new_ids(self) -> Sequence[int]:
+        """The tokens generated so far."""
+
+    @property
+    def eos(self) -> Collection[int]:
+        """Tokens that end the reply (masked until ``min_new_tokens``)."""
+
+    @property
+    def sampling(self) -> Any:
+        """``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``min_new_tokens``."""
+
+    @property
+    def _generator(self) -> Any:
+        """The row's seeded ``torch.Generator``, or ``None``."""
+
+
+def sample_rows(logits: Any, rows: Sequence[SampledRow]) -> list[int]:
     """Next token per row: greedy rows by one argmax, the others with their own settings."""
     import torch
 

@@ -156,6 +156,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(base: str, proc: subprocess.Popen[Any], timeout_s: float, output: Any) -> None:
+    """Poll ``base``'s ``/health`` until it answers 200; fail with ``output()`` (what the
+    process printed) when ``proc`` exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the server at {base} did not start: {output()!r}")
+        time.sleep(0.1)
+
+
 @contextmanager
 def serve(app: Any) -> Iterator[str]:
     """Run ``app`` on a free loopback port in a thread; yields the base URL."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +31,12 @@ def fp8_server(tmp_path: Path) -> Iterator[str]:
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise AssertionError(f"convo serve did not start: {log.read()[-3000:]!r}")
-            time.sleep(0.25)
+
+        def printed() -> bytes:
+            log.seek(0)
+            return log.read()[-3000:]
+
+        wait_healthy(base, proc, 240, printed)
         yield base
     finally:
         proc.terminate()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import REDIS_URL, free_port, redis_or_skip, serve  # noqa: F401  (also imported from here)
+from conftest import REDIS_URL, free_port, redis_or_skip, serve, wait_healthy  # noqa: F401  (also imported from here)
 
 from convo import AdmissionController, Budget, InMemoryStore, SQLiteStore
 from convo.admission import AdmissionLimits
@@ -453,16 +453,7 @@ def replica(redis_url: str, env: dict[str, str]) -> Iterator[str]:
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"replica did not start: {proc.stderr.read() if proc.stderr else ''!r}")
-            time.sleep(0.1)
+        wait_healthy(base, proc, 30, lambda: proc.stderr.read() if proc.stderr else "")
         yield base
     finally:
         proc.terminate()

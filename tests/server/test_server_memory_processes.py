@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import free_port, start_redis, stop_redis
+from conftest import free_port, start_redis, stop_redis, wait_healthy
 
 from convo.retrieval.scopes import MemoryRecord
 
@@ -34,16 +34,7 @@ def replica(store_args: list[str], env: dict[str, str]) -> Iterator[tuple[str, s
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"replica did not start: {proc.stderr.read() if proc.stderr else ''!r}")
-            time.sleep(0.1)
+        wait_healthy(base, proc, 60, lambda: proc.stderr.read() if proc.stderr else "")
         yield base, proc
     finally:
         if proc.poll() is None:

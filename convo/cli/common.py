@@ -190,7 +190,7 @@ def add_kv_host_memory_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with KV slots: host memory for the KV of sessions whose slot was given to another "
         "(their next turn copies it back instead of recomputing it), e.g. 32GiB; 0 = off "
-        "(default 0, off: see DEFAULT_KV_HOST_MEMORY for the measurement)",
+        "(default: on CUDA 25%% of the RAM, at most half of what is free; 0 on CPU)",
     )
 
 

@@ -31,7 +31,7 @@ from convo.models import (
     model_key,
     parse_size,
 )
-from convo.models.defaults import DEFAULT_CPU_KV_SLOTS, DEFAULT_KV_HOST_MEMORY
+from convo.models.defaults import DEFAULT_CPU_KV_SLOTS, resolve_kv_host_memory
 from convo.models.spec import STATIC_DECODE_MODEL_TYPES
 from convo.planner.calibration import Calibration, calibration_path, find_calibration, load_calibration
 from convo.planner.fit import ServeFit, fit_serve, headroom_bytes
@@ -509,12 +509,13 @@ def _quant_label(mm: VRAMModel, asked: str) -> str:
 
 def _host_kv_bytes(args: argparse.Namespace, kv_slots: int | str | None) -> int:
     """Host memory (not device memory) the KV of sessions evicted from their slots may take:
-    ``--kv-host-memory``, else the engine's default (:data:`DEFAULT_KV_HOST_MEMORY`, off);
-    0 without KV slots."""
+    ``--kv-host-memory``, else what the engine takes on this machine (on CUDA
+    :func:`~convo.models.defaults.resolve_kv_host_memory`: a share of its RAM); 0 without
+    KV slots."""
     if kv_slots is None or kv_slots == 0:
         return 0
-    given = getattr(args, "kv_host_memory", None)
-    return DEFAULT_KV_HOST_MEMORY if given is None else int(given)
+    cuda = getattr(args, "planned_device", "cuda") == "cuda"
+    return resolve_kv_host_memory(getattr(args, "kv_host_memory", None), cuda=cuda)
 
 
 def _host_kv_json(args: argparse.Namespace, kv_slots: int | str | None) -> dict[str, Any]:

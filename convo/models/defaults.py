@@ -51,18 +51,17 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 PREFILL_GRAPH_TOKENS = 512
 
 #: Bytes of host memory for the KV of sessions evicted from their slots when
-#: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out: 0, host KV off. Measured
-#: on the H200 (``benchmarks/serve_load.py --preset chat-users``, Llama-2-7B int4, 16 slots,
-#: 64 users): with host KV off, TTFT p50 0.16 s / p95 1.78 s, the scheduler busy 90 % of the
-#: wall; with 8 GiB, re-prefill fell from 1.02 to 0.85 but TTFT p95 rose to 6.4 s, the
-#: scheduler busy 52 % and the server's RSS 34.5 GB: each swap allocates pinned memory on
-#: the scheduler's thread, and PyTorch's pinned cache holds ~4x the bytes accounted. The
-#: copies now use a preallocated arena (:class:`convo.fast.kv_host.HostKVArena`); host KV
-#: stays opt-in until that is measured on the H200.
-DEFAULT_KV_HOST_MEMORY = 0
-#: Share of the machine's RAM :func:`default_kv_host_memory` suggests for host KV (what
-#: ``--kv-host-memory auto`` would take once the arena exists). A 1,700-token window of
-#: Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
+#: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out. ``None``: on CUDA,
+#: :func:`default_kv_host_memory` (a share of the RAM); on CPU 0, since the slots already
+#: live in host memory (more slots do what host KV would). Measured on the H200
+#: (``benchmarks/serve_load.py --preset chat-users``: Llama-2-7B int4, 16 slots, 64 users,
+#: think time 3-8 s, 2026-12-02): host KV off, TTFT p50 0.15 s / p95 1.34 s, turn p95
+#: 1.85 s, re-prefill 0.99; 8 GiB, p95 1.64 s, re-prefill 0.82 (8 GiB holds ~10 of the 64
+#: windows); 32 GiB, **p95 0.34 s, turn p95 0.99 s, re-prefill 0.51**, and the server's RSS
+#: flat at the arena's size. Registering 32 GiB of pinned memory adds ~20 s to the start.
+DEFAULT_KV_HOST_MEMORY: int | None = None
+#: Share of the machine's RAM :func:`default_kv_host_memory` takes for host KV on CUDA. A
+#: 1,700-token window of Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
 KV_HOST_MEMORY_FRACTION = 0.25
 #: ... and never more than this share of the RAM that is free when the engine loads.
 KV_HOST_AVAILABLE_FRACTION = 0.5
@@ -80,11 +79,20 @@ def default_kv_host_memory(total_bytes: int | None = None, available_bytes: int 
     """Bytes of host memory the KV of evicted sessions may take by default:
     :data:`KV_HOST_MEMORY_FRACTION` of the RAM, at most :data:`KV_HOST_AVAILABLE_FRACTION` of
     the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say).
-    A size to start from when turning host KV on (the engine's default is
-    :data:`DEFAULT_KV_HOST_MEMORY`, off)."""
+    What a CUDA engine takes when ``kv_host_memory`` is left out."""
     total = _ram_bytes("SC_PHYS_PAGES") if total_bytes is None else total_bytes
     available = _ram_bytes("SC_AVPHYS_PAGES") if available_bytes is None else available_bytes
     return max(0, int(min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)))
+
+
+def resolve_kv_host_memory(given: int | None, *, cuda: bool) -> int:
+    """The host KV bytes an engine takes: ``given``, else :data:`DEFAULT_KV_HOST_MEMORY`,
+    else (``None``) :func:`default_kv_host_memory` on CUDA and 0 on CPU."""
+    if given is not None:
+        return int(given)
+    if DEFAULT_KV_HOST_MEMORY is not None:
+        return DEFAULT_KV_HOST_MEMORY
+    return default_kv_host_memory() if cuda else 0
 
 
 def _ram_bytes(name: str) -> int:

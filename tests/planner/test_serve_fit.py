@@ -25,11 +25,15 @@ LLAMA = load_config("random:llama-2-7b")
 
 
 def test_the_capped_runs_that_hold_today_are_priced_as_before() -> None:
-    # measured on the H200 under a capped allocator, 16 sessions x 8 turns, no OOM (issue 23)
-    for quant, slots, expected in (("int4", 12, 21.34), ("int4", 8, 17.29), ("nf4", 8, 12.46)):
+    # measured on the H200 under a capped allocator (24, 20 and 14 GiB), 16 sessions x 8
+    # turns, no OOM (issue 23); since then the warm-up's eager prefill runs are priced
+    # (+0.49 GiB: 21.34, 17.29 and 12.46 GiB before), still under the caps they ran at
+    runs = (("int4", 12, 21.83, 24), ("int4", 8, 17.78, 20), ("nf4", 8, 12.79, 14))
+    for quant, slots, expected, cap_gib in runs:
         mm = VRAMModel.from_model("random:llama-2-7b", quant=quant)
         cell = mm.predict(context=2048, concurrency=16, kv_slots=slots)
         assert round(cell.peak_reserved_bytes / GiB, 2) == expected, (quant, slots)
+        assert cell.peak_reserved_bytes + headroom_bytes(cap_gib * GiB) <= cap_gib * GiB
         assert mm.kv_pool_bytes(slots, 2048) == slots * 2048 * 524_288  # pool bytes exact
 
 
@@ -73,7 +77,7 @@ def test_int4_keeps_one_layout_where_memory_is_tight_and_both_where_it_is_not() 
     # the layout is chosen on bytes: bf16 and fp8 KV choose alike, fp8 gets ~2x the slots
     bf16 = fit_serve(LLAMA, memory_bytes=16 * GiB, slot_tokens=2048, quant="int4")
     fp8 = fit_serve(LLAMA, memory_bytes=16 * GiB, slot_tokens=2048, quant="int4", kv_dtype="fp8")
-    assert fp8.int4_layouts == bf16.int4_layouts and fp8.kv_slots >= 1.9 * bf16.kv_slots
+    assert fp8.int4_layouts == bf16.int4_layouts and fp8.kv_slots >= 1.8 * bf16.kv_slots
     # an explicit kernel keeps its one layout
     one = fit_serve(LLAMA, memory_bytes=48 * GiB, slot_tokens=2048, quant="int4", int4_kernel="tinygemm")
     assert (one.int4_layouts, one.int4_kernel) == (1, "tinygemm")
@@ -164,7 +168,7 @@ def test_plan_refuses_contexts_beyond_the_model_and_plans_serves_defaults(
     assert "no (model max 4096)" in table
     assert "largest safe context per concurrency: 1: 2048" in table
     assert "convo serve --gpu-memory 24.00 GiB --budget <context> would take" in table
-    assert "2048: 17 slots, one int4 layout" in table
+    assert "2048: 16 slots, one int4 layout" in table  # 17 peaked 22.84 GiB on the H200
     # on a CPU, convo serve runs fp32 with plain generate
     cpu = json.loads(_plan(capsys, "--model", "random:llama-2-7b", "--device", "cpu", "--json"))
     assert (cpu["device"], cpu["dtype"], cpu["kv_slots"], cpu["gpu_memory_pick"]) == ("cpu", "fp32", None, {})

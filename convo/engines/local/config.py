@@ -124,9 +124,10 @@ class KVConfig:
         kv_host_memory: static decode: bytes of host memory for the KV of sessions whose
             slot was given to another session (pinned on CUDA): their next turn copies it
             back instead of prefilling it again. Beyond it, the entries needed last are
-            dropped. ``None`` (default):
-            :data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY` (0: evicted KV is dropped;
-            its docstring says why host KV is opt-in for now).
+            dropped; 0 turns it off. ``None`` (default): a share of the RAM on CUDA
+            (:func:`~convo.models.defaults.default_kv_host_memory`: 25 %, at most half of
+            what is free), 0 on CPU (:data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY`
+            says what it was measured against).
         gpu_memory: size the engine to this much device memory (bytes, or a size with a
             unit: ``"24GiB"``): the planner picks the KV slots, and with int4 one weight
             layout or both, to fit under it with a headroom

@@ -65,12 +65,12 @@ from convo.messages import Message, ToolCall
 from convo.models.defaults import (
     AUTO_SLOTS_MEMORY_FRACTION,
     DEFAULT_CPU_KV_SLOTS,
-    DEFAULT_KV_HOST_MEMORY,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
     FP8_KV_SCALE_BYTES,
     auto_kv_slots,
     kv_pool_bytes,
+    resolve_kv_host_memory,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
 from convo.models.legacy import split_legacy
@@ -279,10 +279,10 @@ class TransformersEngine(Engine):
         self.interleave_tokens = kv.interleave_tokens
         self.max_cached_sessions = kv.max_cached_sessions
         self.cache_idle_s = kv.cache_idle_s
-        #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
-        self.kv_host_memory = DEFAULT_KV_HOST_MEMORY if kv.kv_host_memory is None else kv.kv_host_memory
-        self._vocab_limit: int | None = None
         cuda = self.device.startswith("cuda")
+        #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
+        self.kv_host_memory = resolve_kv_host_memory(kv.kv_host_memory, cuda=cuda)
+        self._vocab_limit: int | None = None
         #: How the engine was sized to ``kv.gpu_memory`` (:class:`~convo.planner.fit.ServeFit`), or None.
         self.memory_fit = None
         config = loaded[0].config.to_dict() if loaded is not None else _config_before_loading(model)

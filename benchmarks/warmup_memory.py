@@ -1,8 +1,9 @@
 """Where the static decoder's device memory above weights + KV pool goes during warm-up.
 
 Builds ``TransformersEngine(<model>, quant=int4, kv=KVConfig(gpu_memory=...))`` on CUDA and
-reads the allocator (reserved, allocated, max reserved; GiB) after int4 tuning and after
-each graph capture. ``--fresh-streams`` warms each capture up on a new
+reads the allocator (reserved, allocated, max reserved; GiB) before each decoder layer
+comes over, around the KV pool's allocation, after int4 tuning and after each graph
+capture. ``--fresh-streams`` warms each capture up on a new
 ``torch.cuda.Stream`` (what the decoder did before 2026-12-02) instead of the decoder's one
 side stream: cuBLAS keeps a workspace per stream, and PyTorch cycles 32 streams. Prints one
 JSON object::
@@ -35,9 +36,11 @@ def main() -> None:
 
     import torch
 
+    from convo.engines.local import engine as engine_module
     from convo.engines.local.config import KVConfig
     from convo.engines.local.engine import TransformersEngine
     from convo.fast import decoder as dec
+    from convo.fast import kv_pool as pool_module
 
     log: list[tuple[str, float, float, float]] = []
 
@@ -67,6 +70,28 @@ def main() -> None:
         mark("warm_end")
 
     cls._tune_int4, cls._capture, cls.warmup = tune_logged, capture_logged, warm_logged
+    # the load: each layer as it comes over (the int4 layers so far + one dense layer), and
+    # the KV pool's allocation (the load phase measured 0.5-1.1 GiB above weights + pool)
+    stager = engine_module.layer_stager
+
+    def stager_logged(device: Any, **kw: Any) -> Any:
+        stage = stager(device, **kw)
+
+        def logged(index: int, layer: Any) -> None:
+            mark(f"before_layer_{index}")
+            stage(index, layer)
+
+        return logged
+
+    engine_module.layer_stager = stager_logged
+    pool_init = pool_module.KVSlotPool.__init__
+
+    def pool_logged(self: Any, *a: Any, **kw: Any) -> None:
+        mark("before_pool")
+        pool_init(self, *a, **kw)
+        mark("after_pool")
+
+    pool_module.KVSlotPool.__init__ = pool_logged
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     kv = KVConfig(gpu_memory=args.gpu_memory, slot_tokens=args.budget, kv_host_memory=0)

@@ -246,7 +246,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="size the server to this much GPU memory, with a unit (24GiB, 16GB): the planner picks "
         "the KV slots of --budget tokens, and with --quant int4 one weight layout or both, to fit "
-        f"with a headroom ({FIT_HEADROOM_FRACTION:.0%}, at least {format_size(FIT_MIN_HEADROOM_BYTES)}); "
+        f"with a headroom ({FIT_HEADROOM_FRACTION:.0%}%, at least {format_size(FIT_MIN_HEADROOM_BYTES)}); "
         "a setting that cannot fit is refused before loading, naming the largest that does; "
         "--kv-slots and --int4-kernel, when given, win and are checked",
     )

@@ -25,7 +25,7 @@ and still writes what it has. JSON on stdout, ``--png`` a plot.
 
 The coordinator's command (H200, ~5 min):
 
-    python benchmarks/fit_gpu.py --quick --time-limit 330 --png benchmarks/results/fit_gpu.png \
+    python benchmarks/fit_gpu.py --quick --time-limit 480 --png benchmarks/results/fit_gpu.png \
         > benchmarks/results/fit_gpu.json
 
 ``--dry-run`` prints the runs and their predictions with no GPU (CPU: what the sizing
@@ -374,7 +374,7 @@ def run_all(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 cases, 2 turns (fits ~5 minutes on an H200)")
+    parser.add_argument("--quick", action="store_true", help="3 cases x 2 KV dtypes, 2 turns (~75 s a run on an H200: give --time-limit 480)")
     parser.add_argument("--dry-run", action="store_true", help="predictions only, no GPU")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="comma-separated: bf16,fp8")
     parser.add_argument("--quant", default="int4", help="weight format sized (default int4)")

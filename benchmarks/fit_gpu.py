@@ -23,7 +23,7 @@ Each run is a subprocess (a crash or OOM ends that run only, and each starts wit
 allocator) with a time limit; the whole benchmark stops starting runs past ``--time-limit``
 and still writes what it has. JSON on stdout, ``--png`` a plot.
 
-The coordinator's command (H200, ~5 min):
+The command (H200, ~8 min):
 
     python benchmarks/fit_gpu.py --quick --time-limit 480 --png benchmarks/results/fit_gpu.png \
         > benchmarks/results/fit_gpu.json

@@ -224,7 +224,12 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
 
 
 def _kv_host_memory(args: argparse.Namespace) -> dict[str, Any]:
-    value = getattr(args, "kv_host_memory", None)
+    """``--kv-host-memory`` as given, else the engine's default; commands without the flag
+    (``convo chat``: one conversation, never evicted from its slot) take none, rather than
+    page-locking a share of the RAM at start for nothing."""
+    if not hasattr(args, "kv_host_memory"):
+        return {"kv_host_memory": 0}
+    value = args.kv_host_memory
     return {} if value is None else {"kv_host_memory": value}
 
 

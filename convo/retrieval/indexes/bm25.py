@@ -187,13 +187,19 @@ class BM25Index:
 
     def search(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> list[tuple[int, float]]:
         """The ``k`` best ``(id, score)`` pairs, best first (see :meth:`scores`)."""
+        ids, scores = self.top(query, k, extra_terms)
+        return list(zip(ids.tolist(), scores.tolist(), strict=True))
+
+    def top(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` as two arrays, ``(ids, scores)`` (int64, float64), best first
+        (a tie: the smaller id first)."""
         ids, scores = self._score_arrays(query, extra_terms)
         k = max(int(k), 0)
         if k < len(ids):
             top = np.argpartition(-scores, k - 1)[:k] if k else np.zeros(0, np.int64)
             ids, scores = ids[top], scores[top]
         order = np.lexsort((ids, -scores))
-        return list(zip(ids[order].tolist(), scores[order].tolist(), strict=True))
+        return ids[order], scores[order]
 
     def rare_terms(self, texts: Iterable[str], n: int, *, exclude: Iterable[str] = ()) -> list[str]:
         """The ``n`` terms of ``texts`` that are rarest in the index (highest IDF), best first.

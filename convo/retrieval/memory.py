@@ -11,6 +11,7 @@ stages of :mod:`convo.retrieval.ranking`, on arrays).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +46,12 @@ def _owner(session_id: str) -> str:
     """The owner recorded in a session's saved files."""
     return f"session:{session_id}"
 
+
+#: Day labels kept (LRU, by date string): every passage of a dated turn shows one, and a
+#: search returns a hundred passages of a few dozen dates (issue 24).
+DAY_LABELS_KEPT = 4096
+
+_day_label = functools.lru_cache(maxsize=DAY_LABELS_KEPT)(day_label)
 
 #: Characters of the previous message kept as context in a message's vector (its tail).
 #: MiniLM reads 256 word pieces; a long previous message would otherwise fill them all and
@@ -410,7 +417,7 @@ class RetrievalMemory(Retriever):
         text = line
         if date and self.config.date_in_text:
             if self.config.group_passages:
-                meta["group"] = day_label(str(date))
+                meta["group"] = _day_label(str(date))
             else:
                 text = f"[{date}]\n{line}"
         turn = int(rec.meta.get("turn", 0))

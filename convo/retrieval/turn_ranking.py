@@ -188,14 +188,15 @@ def propagated(order: np.ndarray, scores: UnitScores, weight: float, grow: int) 
     score[ids] = vals
     top = ids[np.argpartition(-vals, grow - 1)[:grow]] if 0 < grow < len(ids) else ids
     near = order[:, top]
-    cand = np.unique(np.concatenate([ids, near[near >= 0]]))
+    joined = scores.has.copy()
+    joined[near[near >= 0]] = True
+    cand = np.flatnonzero(joined)  # the candidates and those neighbours, ascending
     nb = order[:, cand]
     nb = np.where(nb >= 0, nb, n)
     best = np.maximum(score[nb[0]], score[nb[1]])
-    out = scores.copy()
-    out.value[cand] = score[cand] + weight * (best - floor)
-    out.has[cand] = True
-    return out
+    value = scores.value.copy()
+    value[cand] = score[cand] + weight * (best - floor)
+    return UnitScores(value, joined)
 
 
 def _first_order(dense_ids: list[int], lexical_ids: list[int]) -> list[int]:

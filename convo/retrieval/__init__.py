@@ -54,6 +54,7 @@ The package, one part per module:
     units.py           UnitStore: passages, their units, both indexes, passages.json
     documents.py       chunk_text(), Chunk, DocumentCollection
     ranking.py         the ranking stages: fusion, second-hop seeds, time, neighbours, MMR
+    turn_ranking.py    rank_units(): those stages over a session's messages, on arrays
     features.py        UnitFeatures: speakers, episodes, days, order, kept up to date
     expansion.py       Vocabulary and query expansion (vocabulary.npz)
     memory.py          RetrievalMemory: per-session stores, retrieve(), save/load (memory.json)

@@ -7,6 +7,8 @@ are indexed, so a question after a new turn costs only what that turn added.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from convo.dates import parse_day
@@ -23,6 +25,11 @@ class UnitFeatures:
     :meth:`update` reads only the records added since it last ran: record ids only grow
     and a record never changes. When records were removed (``forget_turns``) or the
     conversation order would change, it rebuilds from every record.
+
+    Besides the dictionaries, the per-unit facts a search reads for every candidate are
+    kept as arrays indexed by unit id (:attr:`days`, :attr:`order`, :attr:`speaker_code`,
+    :attr:`sizes`, :attr:`episode_index`, all of one length), so a search over thousands
+    of candidates is a few array operations, not a loop (issue 24).
     """
 
     def __init__(self, episode_turns: int) -> None:
@@ -42,6 +49,15 @@ class UnitFeatures:
         self.days = np.full(0, -1, np.int64)  # by unit id: a proleptic ordinal, -1: none
         self.years: set[int] = set()
         self.order = np.full((2, 0), -1, np.int64)  # by unit id: previous and next unit
+        #: By unit id: the speaker's position in :attr:`speaker_names` (-1: none).
+        self.speaker_code = np.full(0, -1, np.int64)
+        #: Every speaker, in the order first seen (``speaker_code`` indexes it).
+        self.speaker_names: list[str] = []
+        self._speaker_row: dict[str, int] = {}
+        #: By unit id: :attr:`size` as an array (0: none).
+        self.sizes = np.zeros(0, np.int64)
+        #: By unit id: the row of its episode in :attr:`episode_keys` and :attr:`centroids`.
+        self.episode_index = np.full(0, -1, np.int64)
         self._last_unit = -1
         self._last_turn = -1
 
@@ -62,6 +78,12 @@ class UnitFeatures:
         self.version = store.version
         return self
 
+    def speaking(self, names: Collection[str]) -> np.ndarray:
+        """By unit id (bool, the length of :attr:`days`): whether the unit's speaker is one of
+        ``names``."""
+        rows = [name in names for name in self.speaker_names]
+        return np.asarray([*rows, False], dtype=bool)[self.speaker_code]  # -1: the last slot
+
     def _add(self, store: UnitStore, new: list[tuple[int, Record]]) -> None:
         if not new:
             return
@@ -75,6 +97,9 @@ class UnitFeatures:
             order = np.full((2, cap), -1, np.int64)
             order[:, : self.order.shape[1]] = self.order
             self.days, self.order = days, order
+            self.speaker_code = _grown(self.speaker_code, cap, -1)
+            self.sizes = _grown(self.sizes, cap, 0)
+            self.episode_index = _grown(self.episode_index, cap, -1)
         touched: dict[str, list[int]] = {}
         # Conversation order: by turn, ties in insertion order (a stable sort).
         for _, rec in sorted(new, key=lambda item: int(item[1].meta.get("turn", 0))):
@@ -87,23 +112,32 @@ class UnitFeatures:
             named = rec.meta.get("_speakers") or []
             self.speaker.update(zip(rec.units, named, strict=False))
             self.speakers.update(named[: len(rec.units)])
+            for u, name in zip(rec.units, named, strict=False):
+                row = self._speaker_row.get(name)
+                if row is None:
+                    row = self._speaker_row[name] = len(self.speaker_names)
+                    self.speaker_names.append(name)
+                self.speaker_code[u] = row
             lines = rec.meta.get("_lines") or [rec.text]
-            self.size.update(zip(rec.units, (len(terms(line)) for line in lines), strict=False))
+            sizes = [len(terms(line)) for line in lines]
+            self.size.update(zip(rec.units, sizes, strict=False))
+            for u, size in zip(rec.units, sizes, strict=False):
+                self.sizes[u] = size
             date = rec.meta.get("date")
             key = f"date:{date}" if date else f"block:{int(rec.meta.get('turn', 0)) // self.episode_turns}"
             touched.setdefault(key, []).extend(rec.units)
+            if key not in self._episode_row:
+                self._episode_row[key] = len(self.episode_keys)
+                self.episode_keys.append(key)
             for u in rec.units:
                 self.episode_of[u] = key
+                self.episode_index[u] = self._episode_row[key]
             day = parse_day(str(date or ""))
             if day is not None and rec.units:
                 self.days[rec.units] = day.toordinal()
                 self.years.add(day.year)
         if store.vectors is None:
             return
-        for key in touched:
-            if key not in self._episode_row:
-                self._episode_row[key] = len(self.episode_keys)
-                self.episode_keys.append(key)
         k, dim = len(self.episode_keys), store.vectors.dim
         if self._sums.shape != (k, dim):
             sums = np.zeros((k, dim), np.float64)
@@ -121,3 +155,10 @@ class UnitFeatures:
             self.centroids = cents
         means = self._sums[rows] / np.maximum(self._counts[rows], 1)[:, None]
         self.centroids[rows] = means / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+
+
+def _grown(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """``a`` copied into a new array of ``size`` (at least ``len(a)``), the rest ``fill``."""
+    out = np.full(size, fill, a.dtype)
+    out[: len(a)] = a
+    return out

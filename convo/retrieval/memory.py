@@ -5,11 +5,13 @@ completed turns (one unit per message), what the ranking derives from them
 (:class:`~convo.retrieval.features.UnitFeatures`) and its expansion vocabulary
 (:class:`~convo.retrieval.expansion.Vocabulary`); it also sees shared
 :class:`~convo.retrieval.DocumentCollection` objects. :meth:`RetrievalMemory.retrieve`
-chains the stages of :mod:`convo.retrieval.ranking` over one session's messages.
+ranks one session's messages with :func:`~convo.retrieval.turn_ranking.rank_units` (the
+stages of :mod:`convo.retrieval.ranking`, on arrays).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,23 +28,14 @@ from convo.messages import Message
 from convo.plan import Passage, Retriever, Turn, turn_key
 from convo.retrieval._io import FORMAT, child_folder, damaged, read_json, write_json
 from convo.retrieval._threads import one_blas_thread
-from convo.retrieval.config import Fusion, RetrievalConfig
+from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.documents import DocumentCollection
 from convo.retrieval.expansion import Vocabulary, expansion_words
 from convo.retrieval.features import UnitFeatures
 from convo.retrieval.indexes.bm25 import WORD, terms
 from convo.retrieval.indexes.vector import DEFAULT_EXACT_MAX, DEFAULT_NPROBE
-from convo.retrieval.ranking import (
-    fuse,
-    hop_seeds,
-    mmr,
-    propagate,
-    role_boosted,
-    speaker_boosted,
-    strip_names,
-    time_scored,
-    top_keys,
-)
+from convo.retrieval.ranking import mmr, strip_names, top_of
+from convo.retrieval.turn_ranking import rank_units
 from convo.retrieval.units import Hit, Record, UnitStore, passage_of
 from convo.tokens import TokenCounter
 
@@ -53,6 +46,12 @@ def _owner(session_id: str) -> str:
     """The owner recorded in a session's saved files."""
     return f"session:{session_id}"
 
+
+#: Day labels kept (LRU, by date string): every passage of a dated turn shows one, and a
+#: search returns a hundred passages of a few dozen dates (issue 24).
+DAY_LABELS_KEPT = 4096
+
+_day_label = functools.lru_cache(maxsize=DAY_LABELS_KEPT)(day_label)
 
 #: Characters of the previous message kept as context in a message's vector (its tail).
 #: MiniLM reads 256 word pieces; a long previous message would otherwise fill them all and
@@ -367,61 +366,27 @@ class RetrievalMemory(Retriever):
         its whole turn, or its best line per turn).
         """
         cfg = self.config
-        k = max(cfg.unit_candidates, 4 * n)
-        fused, dense, lexical = store.unit_scores(qvec, query, k, cfg)
-        if not fused:
+        found = rank_units(
+            store,
+            self._derived(store),
+            qvec,
+            query,
+            n,
+            named,
+            cfg,
+            asked=asked,
+            today=today,
+            expansion=lambda text, vec: self._expansion(store, text, vec),
+        )
+        if found is None:
             return []
-        if cfg.second_hop > 0 and store.vectors is not None:
-            boosted = speaker_boosted(fused, self._speakers(store), named, cfg.speaker_boost)
-            if cfg.role_weight > 0:
-                boosted = role_boosted(boosted, self._speakers(store), asked or query, cfg.role_weight)
-            ranking = sorted(boosted, key=lambda u: (-boosted[u], u))
-            seeds = hop_seeds(fused, ranking, self._episodes(store)[2], cfg)
-            q2 = qvec + store.vectors.vectors(seeds).mean(axis=0)
-            q2 = (q2 / (np.linalg.norm(q2) or 1.0)).astype(np.float32)
-            extra = store.lexical.rare_terms(
-                (store.unit_lex[u] for u in seeds), cfg.hop_terms, exclude=terms(query)
-            )
-            if cfg.expand_terms > 0 or cfg.expand_query_words > 0:
-                extra += [t for t in self._expansion(store, query, qvec) if t not in extra]
-            # The new words may find new units; the new vector only re-scores the units
-            # found so far (a second full vector search would double the search time).
-            lexical2 = dict(store.lexical.search(query, k, extra)) if cfg.fusion is not Fusion.DENSE else {}
-            dense2: dict[int, float] = {}
-            if cfg.fusion is not Fusion.LEXICAL:
-                cand = list(fused.keys() | lexical2.keys())
-                dense2 = dict(zip(cand, (store.vectors.vectors(cand) @ q2).tolist(), strict=True))
-            fused2 = fuse(dense2, lexical2, cfg)
-            floor1, floor2 = min(fused.values()), min(fused2.values(), default=0.0)
-            h = cfg.second_hop
-            fused = {
-                u: (1 - h) * fused.get(u, floor1) + h * fused2.get(u, floor2)
-                for u in fused.keys() | fused2.keys()
-            }
-        if cfg.episode_weight > 0 and store.vectors is not None:
-            keys, cents, of_unit = self._episodes(store)
-            ep_score = dict(zip(keys, (cents @ qvec).tolist(), strict=True))
-            for u in fused:
-                fused[u] += cfg.episode_weight * ep_score[of_unit[u]]
-        if cfg.time_weight > 0:
-            days, years = self._days(store)
-            fused = time_scored(fused, days, years, asked or query, today, cfg)
-        if cfg.recency_weight > 0:
-            fused = self._recency_scored(store, fused, cfg.recency_weight)
-        if cfg.neighbour_weight > 0:
-            fused = propagate(self._order(store), fused, cfg.neighbour_weight, 2 * max(n, 1))
-        if cfg.content_weight > 0:
-            size = self._content_sizes(store)
-            full = float(cfg.content_terms)
-            for u in fused:
-                fused[u] += cfg.content_weight * min(size.get(u, 0) / full, 1.0)
-        if named:
-            fused = speaker_boosted(fused, self._speakers(store), named, cfg.speaker_boost)
-        if cfg.role_weight > 0:
-            fused = role_boosted(fused, self._speakers(store), asked or query, cfg.role_weight)
+        dense, lexical = found.dense, found.lexical
         if cfg.turn_lines != "each":
+            fused = found.scores.as_dict()
             return [self._turn_passage(store.records[h.pid], h) for h in store.hits(fused, dense, lexical, n)]
-        ranked = top_keys(fused, max(n, 1) * 2)
+        ids = found.scores.ids()
+        ranked = top_of(ids, found.scores.value[ids], max(n, 1) * 2)
+        fused = dict(zip(ranked, found.scores.value[ranked].tolist(), strict=True))
         if cfg.mmr_lambda > 0 and store.vectors is not None:
             ranked, fused = mmr(ranked, fused, store.vectors.vectors(ranked), cfg.mmr_lambda)
         out: list[Passage] = []
@@ -436,21 +401,6 @@ class RetrievalMemory(Retriever):
             if len(out) >= n:
                 break
         return out[:n]
-
-    def _recency_scored(self, store: UnitStore, fused: dict[int, float], weight: float) -> dict[int, float]:
-        """``fused`` with each dated unit raised by up to ``weight``, by how late its day
-        falls between the store's first and last dated day (see ``recency_weight``)."""
-        days, _ = self._days(store)
-        known = days[days >= 0]
-        if not len(known):
-            return fused
-        lo, span = int(known.min()), max(int(known.max() - known.min()), 1)
-        out = dict(fused)
-        for u in out:
-            d = int(days[u]) if 0 <= u < len(days) else -1
-            if d >= 0:
-                out[u] += weight * (d - lo) / span
-        return out
 
     def _line_passage(
         self, store: UnitStore, uid: int, score: float, cosine: float | None, bm25: float
@@ -467,7 +417,7 @@ class RetrievalMemory(Retriever):
         text = line
         if date and self.config.date_in_text:
             if self.config.group_passages:
-                meta["group"] = day_label(str(date))
+                meta["group"] = _day_label(str(date))
             else:
                 text = f"[{date}]\n{line}"
         turn = int(rec.meta.get("turn", 0))
@@ -480,19 +430,6 @@ class RetrievalMemory(Retriever):
         derived = self._derived_of.get(id(store)) or UnitFeatures(self.config.episode_turns)
         derived = self._derived_of[id(store)] = derived.update(store)
         return derived
-
-    def _order(self, store: UnitStore) -> np.ndarray:
-        """``(2, n)`` int64: each unit's previous and next message in conversation order,
-        by unit id, ``-1`` for none."""
-        return self._derived(store).order
-
-    def _speakers(self, store: UnitStore) -> dict[int, str]:
-        """Each unit's speaker."""
-        return self._derived(store).speaker
-
-    def _content_sizes(self, store: UnitStore) -> dict[int, int]:
-        """Each unit's count of content words (its own line, not the context line)."""
-        return self._derived(store).size
 
     def _named_speakers(self, store: UnitStore, query: str) -> set[str]:
         """Speakers of ``store`` whose name (any word of it) appears in ``query``."""
@@ -526,17 +463,6 @@ class RetrievalMemory(Retriever):
         """Words of the session's vocabulary nearest to the query's words, then to the
         query's vector ``qvec`` (see :func:`~convo.retrieval.expansion.expansion_words`)."""
         return expansion_words(self._vocabulary(store), store.lexical, query, qvec, self.config)
-
-    def _episodes(self, store: UnitStore) -> tuple[list[str], np.ndarray, dict[int, str]]:
-        """Episode keys, their normalized mean vectors and each unit's episode."""
-        d = self._derived(store)
-        return d.episode_keys, d.centroids, d.episode_of
-
-    def _days(self, store: UnitStore) -> tuple[np.ndarray, tuple[int, ...]]:
-        """Each unit's day, by unit id (a proleptic ordinal, ``-1`` where the turn has no
-        readable date), and the years those days fall in."""
-        d = self._derived(store)
-        return d.days, tuple(sorted(d.years))
 
     @staticmethod
     def _adjacent(store: UnitStore, uid: int, width: int) -> list[int]:

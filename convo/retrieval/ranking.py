@@ -24,7 +24,7 @@ from datetime import date
 
 import numpy as np
 
-from convo.dates import time_spans
+from convo.dates import DaySpan, time_spans
 from convo.retrieval.config import Fusion, RetrievalConfig
 from convo.retrieval.indexes.bm25 import WORD, terms
 
@@ -113,6 +113,13 @@ def top_keys(score: Mapping[int, float], k: int) -> list[int]:
         return []
     ids = np.fromiter(score.keys(), dtype=np.int64, count=len(score))
     vals = np.fromiter(score.values(), dtype=np.float64, count=len(score))
+    return top_of(ids, vals, k)
+
+
+def top_of(ids: np.ndarray, vals: np.ndarray, k: int) -> list[int]:
+    """:func:`top_keys` of the scores ``vals`` of ``ids`` (two arrays of one length)."""
+    if k <= 0 or not len(ids):
+        return []
     if k < len(ids):
         # Everything tied with the k-th best stays in, so ties break by key as in a full sort.
         kth = np.partition(-vals, k - 1)[k - 1]
@@ -226,13 +233,7 @@ def time_scored(
     spans = time_spans(question, years, today=today)
     if not spans:
         return fused
-    near = np.zeros(len(days))
-    for span in spans:
-        lo = span.first.toordinal() if span.first != date.min else -(10**9)
-        hi = span.last.toordinal() if span.last != date.max else 10**9
-        dist = np.maximum(lo - days, 0) + np.maximum(days - hi, 0)
-        near = np.maximum(near, np.clip(1.0 - dist / cfg.time_grace_days, 0.0, 1.0))
-    near[days < 0] = 0.0
+    near = day_nearness(days, spans, cfg.time_grace_days)
     out = dict(fused)
     inside = np.flatnonzero(near >= 1.0)
     if 0 < len(inside) <= cfg.time_candidates:
@@ -245,3 +246,17 @@ def time_scored(
     for u, g in zip(known[gain > 0].tolist(), gain[gain > 0].tolist(), strict=True):
         out[u] += g
     return out
+
+
+def day_nearness(days: np.ndarray, spans: Sequence[DaySpan], grace_days: int) -> np.ndarray:
+    """Per unit, how near its day (``days``: proleptic ordinals, ``-1`` for none) falls to
+    the nearest of ``spans``: 1 inside one, falling to 0 over ``grace_days`` outside (0
+    for no day)."""
+    near = np.zeros(len(days))
+    for span in spans:
+        lo = span.first.toordinal() if span.first != date.min else -(10**9)
+        hi = span.last.toordinal() if span.last != date.max else 10**9
+        dist = np.maximum(lo - days, 0) + np.maximum(days - hi, 0)
+        near = np.maximum(near, np.clip(1.0 - dist / grace_days, 0.0, 1.0))
+    near[days < 0] = 0.0
+    return near

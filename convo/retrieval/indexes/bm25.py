@@ -53,6 +53,11 @@ STEM_CACHE_WORDS = 65_536
 
 _stem = functools.lru_cache(maxsize=STEM_CACHE_WORDS)(stem)
 
+#: A search sums each document's term scores in an array indexed by id (no sort) while
+#: the ids stay below this many times the document count (plus 1,024); larger ids (a
+#: caller's own sparse ids) are summed through a sort.
+DENSE_IDS_FACTOR = 4
+
 
 def terms(text: str) -> list[str]:
     """The BM25 terms of ``text``: lowercase words, stopwords dropped, lightly stemmed."""
@@ -172,8 +177,15 @@ class BM25Index:
             return empty
         if len(all_ids) == 1:
             return all_ids[0], all_scores[0]
-        uniq, inverse = np.unique(np.concatenate(all_ids), return_inverse=True)
-        return uniq, np.bincount(inverse, weights=np.concatenate(all_scores), minlength=len(uniq))
+        ids, weights = np.concatenate(all_ids), np.concatenate(all_scores)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo >= 0 and hi < DENSE_IDS_FACTOR * (n + 1024):
+            # Ids are small (a store's growing ids): sum by id in an array, no sort. The
+            # sums are the same floats as below (each id's terms added in the same order).
+            found = np.flatnonzero(np.bincount(ids, minlength=hi + 1))
+            return found, np.bincount(ids, weights=weights, minlength=hi + 1)[found]
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        return uniq, np.bincount(inverse, weights=weights, minlength=len(uniq))
 
     def scores(self, query: str, extra_terms: Sequence[str] = ()) -> dict[int, float]:
         """BM25 score of every document sharing a term with ``query`` (others score 0).
@@ -187,13 +199,19 @@ class BM25Index:
 
     def search(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> list[tuple[int, float]]:
         """The ``k`` best ``(id, score)`` pairs, best first (see :meth:`scores`)."""
+        ids, scores = self.top(query, k, extra_terms)
+        return list(zip(ids.tolist(), scores.tolist(), strict=True))
+
+    def top(self, query: str, k: int, extra_terms: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` as two arrays, ``(ids, scores)`` (int64, float64), best first
+        (a tie: the smaller id first)."""
         ids, scores = self._score_arrays(query, extra_terms)
         k = max(int(k), 0)
         if k < len(ids):
             top = np.argpartition(-scores, k - 1)[:k] if k else np.zeros(0, np.int64)
             ids, scores = ids[top], scores[top]
         order = np.lexsort((ids, -scores))
-        return list(zip(ids[order].tolist(), scores[order].tolist(), strict=True))
+        return ids[order], scores[order]
 
     def rare_terms(self, texts: Iterable[str], n: int, *, exclude: Iterable[str] = ()) -> list[str]:
         """The ``n`` terms of ``texts`` that are rarest in the index (highest IDF), best first.

@@ -23,6 +23,11 @@ from convo.retrieval._io import FORMAT, damaged, read_json, write_json
 DEFAULT_EXACT_MAX = 20_000
 #: IVF lists probed per query (of about sqrt(n) lists).
 DEFAULT_NPROBE = 16
+#: :meth:`VectorIndex.vectors` finds rows through an array indexed by id while every id
+#: is below this many times the count of vectors (plus 4,096): a store's growing ids. A
+#: larger id (a caller's own sparse ids) turns the array off for that index: rows are then
+#: found through a dictionary, a thousand ids in about 0.1 ms more.
+DENSE_IDS_FACTOR = 4
 
 
 def faiss_module() -> Any:
@@ -77,6 +82,8 @@ class VectorIndex:
         self._mat = np.zeros((0, dim), dtype=np.float32)
         self._row: dict[int, int] = {}
         self._free: list[int] = []
+        # The same map as an array (id -> row, -1: none), while ids stay small; None: off.
+        self._row_of: np.ndarray | None = np.full(0, -1, np.int64)
 
     @property
     def kind(self) -> str:
@@ -137,6 +144,16 @@ class VectorIndex:
         rows = [self._free.pop() for _ in ids]
         self._mat[rows] = arr
         self._row.update(zip(ids, rows, strict=True))
+        if self._row_of is not None and len(ids):
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= DENSE_IDS_FACTOR * (len(self._row) + 4096):
+                self._row_of = None
+            else:
+                if hi >= len(self._row_of):
+                    grown = np.full(max(hi + 1, 2 * len(self._row_of)), -1, np.int64)
+                    grown[: len(self._row_of)] = self._row_of
+                    self._row_of = grown
+                self._row_of[list(ids)] = rows
 
     def _dump(self) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
@@ -165,6 +182,8 @@ class VectorIndex:
         self._ids.difference_update(present)
         for i in present:
             self._free.append(self._row.pop(i))
+        if self._row_of is not None:
+            self._row_of[present] = -1
         return removed
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
@@ -175,7 +194,13 @@ class VectorIndex:
         """
         if not len(ids):
             return np.zeros((0, self.dim), np.float32)
-        row = self._row
+        if self._row_of is not None:
+            at = np.asarray(ids, dtype=np.int64)
+            if at.min() >= 0 and at.max() < len(self._row_of):
+                rows = self._row_of[at]
+                if rows.min() >= 0:
+                    return self._mat[rows]
+        row = self._row  # also where an id is missing: the KeyError names it
         return self._mat[[row[int(i)] for i in ids]]
 
     def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -374,7 +374,11 @@ def run_all(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 cases x 2 KV dtypes, 2 turns (~75 s a run on an H200: give --time-limit 480)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 cases x 2 KV dtypes, 2 turns (~75 s a run on an H200: --time-limit 480)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="predictions only, no GPU")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="comma-separated: bf16,fp8")
     parser.add_argument("--quant", default="int4", help="weight format sized (default int4)")

@@ -26,7 +26,7 @@ from convo.fast.kernels import (
     store_kv,
 )
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
-from convo.models.defaults import KV_DTYPE_CHOICES, MIXED_CHUNK_TOKENS
+from convo.models.defaults import KV_DTYPE_CHOICES, MIXED_CHUNK_TOKENS, WARMUP_EAGER_RUNS
 from convo.models.device import empty_device_cache
 from convo.models.legacy import split_legacy
 from convo.models.quant import int4_group_size
@@ -897,7 +897,8 @@ class StaticDecoder:
                         m(self.embed.new_zeros((rows, m.in_features)))
 
     def _capture(self, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
-        """Run ``fn`` twice on a side stream (compiles, tunes kernels), then capture it.
+        """Run ``fn`` :data:`~convo.models.defaults.WARMUP_EAGER_RUNS` times on a side stream
+        (compiles, tunes kernels), then capture it.
 
         Every capture uses the decoder's one side stream: cuBLAS keeps a workspace per
         stream it runs on, and blocks freed on a stream are cached for that stream alone,
@@ -910,7 +911,7 @@ class StaticDecoder:
             stream = self._capture_stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(WARMUP_EAGER_RUNS):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

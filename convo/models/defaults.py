@@ -49,6 +49,11 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 #: chunk prefill runs in (its ``prefill_chunk_tokens`` default, the engine's too): the
 #: graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512
+#: Eager runs of each forward before the static decoder captures it in a CUDA graph
+#: (compiles, tunes the kernels). The planner prices those of the largest prefill chunk on
+#: top of the graphs' pool, at the load's peak: their blocks stay cached for the capture's
+#: side stream while the pool already holds the smaller buckets.
+WARMUP_EAGER_RUNS = 2
 
 #: Bytes of host memory for the KV of sessions evicted from their slots when
 #: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out. ``None``: on CUDA,
@@ -58,7 +63,8 @@ PREFILL_GRAPH_TOKENS = 512
 #: think time 3-8 s, 2026-12-02): host KV off, TTFT p50 0.15 s / p95 1.34 s, turn p95
 #: 1.85 s, re-prefill 0.99; 8 GiB, p95 1.64 s, re-prefill 0.82 (8 GiB holds ~10 of the 64
 #: windows); 32 GiB, **p95 0.34 s, turn p95 0.99 s, re-prefill 0.51**, and the server's RSS
-#: flat at the arena's size. Registering 32 GiB of pinned memory adds ~20 s to the start.
+#: flat at the arena's size. Page-locking the arena at start adds seconds to it (server
+#: start 49.5 s with 32 GiB against 28 s without, not isolated from the compile caches).
 DEFAULT_KV_HOST_MEMORY: int | None = None
 #: Share of the machine's RAM :func:`default_kv_host_memory` takes for host KV on CUDA. A
 #: 1,700-token window of Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.

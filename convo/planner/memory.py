@@ -58,6 +58,7 @@ from convo.models.defaults import (
     FP8_KV_SCALE_BYTES,
     MIXED_CHUNK_TOKENS,
     PREFILL_GRAPH_TOKENS,
+    WARMUP_EAGER_RUNS,
     auto_kv_slots,
     kv_pool_bytes,
 )
@@ -112,11 +113,6 @@ def _has_triton() -> bool:
     """Whether Triton is installed (the static decoder's kernels run), looked up once."""
     return importlib.util.find_spec("triton") is not None
 
-
-#: Eager runs of the largest captured prefill chunk during the static decoder's warm-up
-#: (:meth:`~convo.fast.decoder.StaticDecoder.warmup` runs a step twice before capturing
-#: it); their activations are priced on top of the graphs' pool, at the load's peak.
-WARMUP_EAGER_RUNS = 2
 
 # The CUDA caching allocator: blocks <= 1 MiB come from 2 MiB segments, < 10 MiB from
 # 20 MiB segments, larger ones get their own segment rounded up to 2 MiB. Segments never
@@ -551,14 +547,15 @@ class VRAMModel:
         if not _has_triton():  # no chunk-attention kernel: SDPA over a gathered slot
             slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
             gather = int(slot_view + chunk * cell.context)  # and its mask
-        graphs += int(chunk * self.act_bytes_per_token() + self.workspace_bytes() + gather)
+        chunk_forward = int(chunk * self.act_bytes_per_token() + self.workspace_bytes())
+        graphs += chunk_forward + gather
         mixed_buckets = sum(1 for i in range(16) if 16 << i <= min(MIXED_CHUNK_TOKENS, cell.context))
         graphs += mixed_buckets * (sum(buckets) + len(buckets)) * s.vocab_size * 4
         # Warm-up runs the largest prefill chunk twice, eagerly on the capture side stream,
         # before capturing it: those blocks are cached for that stream while the graphs'
         # pool already holds the smaller buckets (H200, Llama-2-7B int4, 17 slots: peak
         # 0.42 GiB above the steady reserved, at the 512-token bucket).
-        warmup = WARMUP_EAGER_RUNS * int(chunk * self.act_bytes_per_token() + self.workspace_bytes())
+        warmup = WARMUP_EAGER_RUNS * chunk_forward
         return self._prediction(
             cell, kv=pool, activations=prefill + graphs,
             reserved_above=pool + graphs + warmup + prefill * self.calibration.prefill_reserved_ratio,

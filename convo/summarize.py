@@ -62,6 +62,16 @@ DEFAULT_TEMPLATE = (
     "Summarize the earlier summary and the conversation above in at most {max_words} words. "
     "Keep every name, number, date, place, preference and decision."
 )
+#: The instruction a summary written from the session's own prompt ends with
+#: (:attr:`ModelSummarizer.context_instruction`; field ``{max_words}``): the prompt is the
+#: session's last prompt up to the turns to fold (its pinned part, the summary it showed and
+#: the turns, as the chat template renders them), then this as a user message, so that a
+#: KV-caching engine prefills this instruction alone.
+DEFAULT_CONTEXT_INSTRUCTION = (
+    "Summarize the conversation above, with the summary of earlier turns if there is one, in at "
+    "most {max_words} words. Keep every name, number, date, place, preference and decision. "
+    "Write only the summary."
+)
 
 
 def format_messages(messages: Sequence[Message]) -> str:
@@ -94,11 +104,25 @@ class ModelSummarizer(Summarizer):
     budget) the default 256-token cap becomes about 150; a context that leaves less than
     :data:`MIN_SUMMARY_TOKENS` is refused.
 
+    Where the session passes its last prompt up to the turns to fold (``context=``, see
+    :class:`Summarizer`), and that prompt, the instruction and the summary fit the model's
+    context, the summary is written as its continuation: ``context`` then
+    :attr:`context_instruction`. A KV-caching engine then serves it from the session's cached
+    prompt and prefills the instruction alone, instead of the turns again inside
+    :attr:`template` (issue 22: the summaries were a fifth of the prompt tokens a chat
+    server prefilled). Otherwise (no context, or it does not fit) the turns are folded with
+    :attr:`template`, in chunks.
+
     Args:
         engine: anything with ``counter``, ``context_window`` and ``generate(...)``.
         template: the summary prompt (see the module docstring for its fields).
         max_input_tokens: cap on one summary prompt; default: the engine's context window.
         timeout_s: wall-clock cap for one summary call. Default 120 s.
+        context_instruction: what follows the session's prompt in a summary written from
+            it (:data:`DEFAULT_CONTEXT_INSTRUCTION`; field ``{max_words}``).
+        reuse_prompt: write summaries from the session's prompt when it is given. ``None``
+            (default): yes with the default ``template``, no with one of your own (your
+            template is then used for every summary).
 
     Example:
         >>> summarizer = ModelSummarizer(engine=engine)        # doctest: +SKIP
@@ -108,11 +132,22 @@ class ModelSummarizer(Summarizer):
     template: str = DEFAULT_TEMPLATE
     max_input_tokens: int | None = None
     timeout_s: float = 120.0
+    context_instruction: str = DEFAULT_CONTEXT_INSTRUCTION
+    reuse_prompt: bool | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("previous", "conversation", "max_words"):
             if "{" + field_name + "}" not in self.template:
                 raise ConfigError(f"summary template must contain {{{field_name}}}")
+        if "{max_words}" not in self.context_instruction:
+            raise ConfigError("summary context_instruction must contain {max_words}")
+
+    @property
+    def supports_context(self) -> bool:
+        """Whether :meth:`summarize` writes from the session's prompt (``reuse_prompt``)."""
+        if self.reuse_prompt is None:
+            return self.template == DEFAULT_TEMPLATE
+        return self.reuse_prompt
 
     @property
     def context_tokens(self) -> int:
@@ -151,9 +186,13 @@ class ModelSummarizer(Summarizer):
         text = self.template.format(
             previous=previous or "(none)",
             conversation=format_messages(messages),
-            max_words=max(8, int(max_tokens * 0.7)),
+            max_words=_max_words(max_tokens),
         )
         return [Message(role=Role.USER, content=text)]
+
+    def _context_prompt(self, context: Sequence[Message], max_tokens: int) -> list[Message]:
+        instruction = self.context_instruction.format(max_words=_max_words(max_tokens))
+        return [*context, Message(role=Role.USER, content=instruction)]
 
     supports_cancel = True
     supports_owner = True
@@ -166,13 +205,19 @@ class ModelSummarizer(Summarizer):
         max_tokens: int,
         cancel: threading.Event | None = None,
         owner: str | None = None,
+        context: Sequence[Message] = (),
     ) -> str:
         """The new summary (see :class:`Summarizer`). ``cancel`` stops the model call in
         progress (the worker discards the result of a cancelled job); ``owner`` (the
-        session's ``cache_key``) goes into each model call's options."""
+        session's ``cache_key``) goes into each model call's options; ``context``: the
+        session's prompt up to and including ``messages`` (see the class docstring)."""
         counter = self.engine.counter
         limit = self.context_tokens
         max_tokens = self.check_cap(max_tokens)  # the cap follows the model's context
+        if context and self.supports_context:
+            prompt = self._context_prompt(context, max_tokens)
+            if counter.count_prompt(prompt) + max_tokens <= limit:
+                return self._generate(prompt, previous, max_tokens, cancel, owner)
         room = limit - max_tokens  # prompt tokens a single summary call may use
         fixed = counter.count_prompt(self._prompt(previous, [], max_tokens)) + max_tokens  # previous <= cap
         if room - fixed <= 16:
@@ -205,8 +250,17 @@ class ModelSummarizer(Summarizer):
         cancel: threading.Event | None,
         owner: str | None,
     ) -> str:
+        return self._generate(self._prompt(previous, chunk, max_tokens), previous, max_tokens, cancel, owner)
+
+    def _generate(
+        self,
+        prompt: list[Message],
+        previous: str,
+        max_tokens: int,
+        cancel: threading.Event | None,
+        owner: str | None,
+    ) -> str:
         counter = self.engine.counter
-        prompt = self._prompt(previous, chunk, max_tokens)
         result = self.engine.generate(
             prompt,
             max_new_tokens=max_tokens,
@@ -219,6 +273,11 @@ class ModelSummarizer(Summarizer):
         )
         text = result.text.strip() or previous
         return counter.truncate_middle(text, max_tokens)
+
+
+def _max_words(max_tokens: int) -> int:
+    """The word count a summary of ``max_tokens`` tokens is asked for."""
+    return max(8, int(max_tokens * 0.7))
 
 
 #: How a provisional summary (:func:`provisional_summary`) introduces its excerpts.
@@ -256,6 +315,7 @@ def provisional_summary(
 
 __all__ = [
     "BACKLOG_FULL",
+    "DEFAULT_CONTEXT_INSTRUCTION",
     "DEFAULT_SUMMARY_BACKLOG",
     "DEFAULT_SUMMARY_DEFER_S",
     "DEFAULT_SUMMARY_THREADS",

@@ -71,6 +71,14 @@ class Summarizer(Protocol):
     engine serves the summary from that session's own cached prefix or slot and never
     evicts another session for it. A summarizer of before ``supports_owner`` that
     subclasses this protocol keeps working: it is called without ``owner=``.
+
+    One that declares ``supports_context = True`` takes ``context=`` (the declaration is
+    optional: without it a summarizer is called without ``context=`` and still passes the
+    check): where the session has it, the messages its last prompt started with, up to and
+    including the turns to fold (the pinned part, the summary it showed, which is
+    ``previous``, then ``messages``). Writing the summary as a continuation of them (the
+    context, then an instruction) lets a KV-caching engine reuse the session's cached prompt:
+    it prefills the instruction alone, not the turns again (issue 22).
     """
 
     #: :meth:`summarize` takes ``cancel=``.
@@ -180,6 +188,9 @@ class SummaryJob:
     #: The ``cache_key`` of the session, passed to a summarizer that declares
     #: ``supports_owner`` (its model calls are served from that session's KV).
     owner: str | None = None
+    #: The session's last prompt up to and including the turns to fold (see
+    #: :class:`Summarizer`'s ``supports_context``); ``()``: the session had none to give.
+    context: tuple[Message, ...] = ()
     status: JobStatus = JobStatus.QUEUED
     result: str = ""
     error: str = ""
@@ -402,6 +413,7 @@ class SummaryWorker:
         owner: str | None = None,
         urgent: bool = False,
         on_written: Callable[[SummaryJob], None] | None = None,
+        context: Sequence[Message] = (),
     ) -> SummaryJob:
         """Queue a job, unless one is live for the session (then that one is returned: it
         must end first, as the next job folds into its result). On a closed worker the job
@@ -413,7 +425,7 @@ class SummaryWorker:
         session deleted since, whose id was reused) is cancelled and replaced. ``owner``:
         the session's ``cache_key`` (see :attr:`SummaryJob.owner`). ``urgent``: a turn
         waits for it (never shed, started first). ``on_written``: see
-        :attr:`SummaryJob.on_written`."""
+        :attr:`SummaryJob.on_written`. ``context``: see :attr:`SummaryJob.context`."""
         key = (id(store), session_id)
         with self._cond:
             last = self._jobs.get(key)
@@ -446,6 +458,7 @@ class SummaryWorker:
                 epoch=epoch,
                 failures=failures,
                 owner=owner,
+                context=tuple(context),
                 due_at=owed_since,
                 urgent=urgent,
                 on_written=on_written,
@@ -459,7 +472,7 @@ class SummaryWorker:
                 # Shed: the turns stay owed; kept as the session's last job so that its
                 # state says so and the next submission's lag counts from now.
                 job.status, job.finished_at, job.error = JobStatus.CANCELLED, now, BACKLOG_FULL
-                job.on_written, job.messages = None, ()
+                job.on_written, job.messages, job.context = None, (), ()
                 job._done.set()
                 self._shed += 1
                 self._jobs[key] = job
@@ -551,6 +564,9 @@ class SummaryWorker:
         kwargs: dict[str, Any] = {"cancel": job._cancel} if job.summarizer.supports_cancel else {}
         if job.summarizer.supports_owner:
             kwargs["owner"] = job.owner
+        # (optional declaration, see Summarizer: absent on summarizers written before it)
+        if job.context and getattr(job.summarizer, "supports_context", False):
+            kwargs["context"] = job.context
         try:
             # The summarizer asks for background priority in its generate options
             # (ModelSummarizer does), so a batching engine serves replies first.
@@ -593,7 +609,7 @@ class SummaryWorker:
             )  # fmt: skip
         with self._cond:
             job.status, job.error, job.finished_at = status, error, time.monotonic()
-            job.messages = ()  # the turns are stored; do not keep a copy
+            job.messages = job.context = ()  # the turns are stored; do not keep a copy
             self._running -= 1
             if status is JobStatus.DONE:
                 self._written += 1

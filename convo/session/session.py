@@ -710,7 +710,8 @@ class Session:
             parts = dict(plan.parts)
             parts["template"] += real - plan.prompt_tokens
             plan = replace(plan, prompt_tokens=real, parts=parts)
-        self._commit([Message(role=Role.ASSISTANT, content=gen.text, tool_calls=gen.tool_calls)])
+        answer = Message(role=Role.ASSISTANT, content=gen.text, tool_calls=gen.tool_calls)
+        self._commit([answer])
         evicted_before = self.evicted_turns
         budget_cut = plan.first_shown_turn > self.evicted_turns
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
@@ -723,7 +724,8 @@ class Session:
         if budget_cut or (not late and self._next_turn_overflows(plan)):
             self._make_room_for_batch()
         self._write()  # the turn is stored before its summary starts
-        self._maybe_summarize(window_moved=self.evicted_turns != evicted_before)
+        moved = self.evicted_turns != evicted_before
+        self._maybe_summarize(window_moved=moved, prompt=[*plan.messages, answer])
         stats = TurnStats(
             turn=self.turn_count,
             parts=dict(plan.parts),
@@ -916,14 +918,16 @@ class Session:
             )
             self._state = replace(self._state, evicted_turns=self.evicted_turns + drop)
 
-    def _maybe_summarize(self, *, window_moved: bool = False) -> None:
+    def _maybe_summarize(self, *, window_moved: bool = False, prompt: Sequence[Message] = ()) -> None:
         """Fold evicted turns into the summary in the background, once a batch is waiting
-        or when the window has just moved (:meth:`SessionSummary.maybe_submit`)."""
+        or when the window has just moved (:meth:`SessionSummary.maybe_submit`; ``prompt``:
+        the turn just answered, whose cached KV the summary may continue)."""
         self._summary.maybe_submit(
             self._state,
             self._history,
             batch_turns=self.budget.summarize_batch_turns,
             window_moved=window_moved,
+            prompt=prompt,
         )
 
     def _remember_completed_turns(self) -> None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
 from convo.engines.base import Engine, concurrent_calls
 from convo.errors import ConfigError
-from convo.plan import PromptPlan
+from convo.messages import Message
+from convo.plan import SUMMARY_HEADER, PromptPlan, summary_message
 from convo.session.history import History
 from convo.session.turn import SummaryWait
 from convo.stores import SessionState, Store
@@ -51,6 +52,29 @@ DEFAULT_SUMMARY_WAIT_S = 30.0
 #: one call at a time, 0 on one that runs calls together
 #: (:func:`~convo.engines.base.concurrent_calls` > 1: a batching local engine, a server).
 SUMMARY_WAIT_AUTO: Final = "auto"
+
+
+def prompt_context(
+    prompt: Sequence[Message], folded: Sequence[Message], previous: str
+) -> tuple[Message, ...]:
+    """The start of ``prompt`` (a turn's prompt and its reply) up to and including the
+    ``folded`` messages, when the prompt shows them whole and together right after its
+    pinned part and the summary ``previous`` (no summary message when ``previous`` is
+    empty): what a summary of them written as the prompt's continuation reads
+    (:class:`~convo.summarize.ModelSummarizer`). ``()`` when the prompt does not show them
+    so (a turn cut to fit, a provisional summary, passages between them)."""
+    n = len(folded)
+    if not n:
+        return ()
+    for i in range(len(prompt) - n + 1):
+        if tuple(prompt[i : i + n]) == tuple(folded):
+            head = prompt[:i]
+            summaries = [m for m in head if m.content.startswith(SUMMARY_HEADER)]
+            wanted = [summary_message(previous)] if previous else []
+            if summaries != wanted or (previous and head[-1] != wanted[0]):
+                return ()
+            return tuple(prompt[: i + n])
+    return ()
 
 
 def check_summary_wait(value: object) -> None:
@@ -193,20 +217,27 @@ class SessionSummary:
             return replace(state, summary=job.result, summarized_turns=job.end)
         return state
 
-    def submit(self, state: SessionState, history: History, *, urgent: bool = False) -> SummaryJob | None:
+    def submit(
+        self, state: SessionState, history: History, *, urgent: bool = False, prompt: Sequence[Message] = ()
+    ) -> SummaryJob | None:
         """Queue a background job for every turn that left the window and is not
         summarized (or return the live one: the next job folds into its result).
-        ``urgent``: a turn waits for it (never shed by a full backlog)."""
+        ``urgent``: a turn waits for it (never shed by a full backlog). ``prompt``: the
+        turn just answered, its prompt's messages and the reply: where it shows the turns
+        to fold after the summary, the job carries that start of it (:func:`prompt_context`),
+        so the summary reuses the session's cached KV."""
         if not self.owes(state):
             return None
         assert self.summarizer is not None
         start, end = state.summarized_turns, state.evicted_turns
+        messages = history.messages_of(start, end)
         return self.worker.submit(
             store=self.store,
             session_id=self.session_id,
             summarizer=self.summarizer,
             previous=state.summary,
-            messages=history.messages_of(start, end),
+            messages=messages,
+            context=prompt_context(prompt, messages, state.summary) if prompt else (),
             start=start,
             end=end,
             max_tokens=self.max_tokens,
@@ -217,17 +248,24 @@ class SessionSummary:
         )
 
     def maybe_submit(
-        self, state: SessionState, history: History, *, batch_turns: int, window_moved: bool = False
+        self,
+        state: SessionState,
+        history: History,
+        *,
+        batch_turns: int,
+        window_moved: bool = False,
+        prompt: Sequence[Message] = (),
     ) -> None:
         """Fold evicted turns into the summary once ``batch_turns`` are waiting, or
         whenever the window has just moved (the prompt's start changes anyway, so changing
-        the summary on the same turn costs no extra re-prefill)."""
+        the summary on the same turn costs no extra re-prefill). ``prompt``: see
+        :meth:`submit`."""
         pending = state.evicted_turns - state.summarized_turns
         if not self.active or pending <= 0:
             return
         if pending < batch_turns and not window_moved:
             return
-        self.submit(state, history)
+        self.submit(state, history, prompt=prompt)
 
     def text(self, start: int, state: SessionState, history: History) -> tuple[str, bool, int]:
         """The summary a prompt that starts at turn ``start`` shows, whether it is

@@ -24,7 +24,11 @@ when the last user's last turn ends), ``drain_s`` (seconds after it until none i
 ``None``: not within :data:`DRAIN_LIMIT_S`), ``provisional_turns`` (turns whose prompt
 carried the stand-in); summary lag p50/p95 (due to written); ``reprefill`` (prompt tokens
 the scheduler prefilled, summaries and background prefills included, over the replies'
-prompt tokens); TTFT and turn p50/p95 of the replies (fake seconds); swaps.
+prompt tokens) and ``reprefill_floor`` (``novel_prompt_tokens``, the part an unbounded
+exact cache would still prefill: past each prompt's common prefix with what its session's
+KV last held, as the window slides and the summary changes, and the summaries' own
+prompts; over the same; ``reprefill - reprefill_floor`` is what evictions cost); TTFT and
+turn p50/p95 of the replies (fake seconds); swaps.
 
     python benchmarks/kv_sched.py --preset think-16
     python benchmarks/kv_sched.py --preset chat-users --out benchmarks/results/kv_policy_chat-users.json
@@ -393,6 +397,8 @@ def simulate(load: Load) -> dict[str, Any]:
         "reprefill": round(stats.prompt_tokens / max(requested[0], 1), 3),
         "prefilled_prompt_tokens": stats.prompt_tokens,
         "requested_prompt_tokens": requested[0],
+        "novel_prompt_tokens": stats.novel_prompt_tokens,
+        "reprefill_floor": round(stats.novel_prompt_tokens / max(requested[0], 1), 3),
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p95_s": _pct(ttft, 0.95),
         "turn_p50_s": _pct(turn_s, 0.5),

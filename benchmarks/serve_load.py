@@ -46,10 +46,16 @@ on a server of budget 2,048 and ``--max-new-tokens 64`` (``random:llama-2-7b`` i
 12 turns, 2 s think. The JSON adds ``prefilled_prompt_tokens`` (the engine's
 ``convo_engine_prompt_tokens_total`` over the load), ``requested_prompt_tokens`` (the sum
 of the requests' ``usage.prompt_tokens``) and their ratio ``reprefill`` (1.0: nothing was
-reused), ``preemptions``, ``swaps_in`` / ``swaps_out`` and ``host_kv_bytes_peak`` (0 for
-an engine that does not export them), ``summary_lag_p50_s`` / ``summary_lag_p95_s`` (from
+reused), ``novel_prompt_tokens`` (``convo_engine_novel_prompt_tokens_total`` over the load:
+what an unbounded exact KV cache would still prefill, the tokens past each prompt's common
+prefix with what its session's KV last held, summaries' prompts included) and
+``reprefill_floor`` (it over ``requested_prompt_tokens``; ``None`` for a server without the
+counter; ``reprefill - reprefill_floor`` is what evictions cost), ``preemptions``,
+``swaps_in`` / ``swaps_out`` and ``host_kv_bytes_peak`` (0 for an engine that does not
+export them), ``summary_lag_p50_s`` / ``summary_lag_p95_s`` (from
 ``convo_summary_lag_seconds``), ``summary_backlog_peak`` and ``ttft_p50_s_by_turn``; with
-``--waves`` also ``waves`` (each wave's figures) and ``wave2_over_wave1`` (wall, TTFT p50)::
+``--waves`` also ``waves`` (each wave's figures, these included) and ``wave2_over_wave1``
+(wall, TTFT p50)::
 
     python benchmarks/serve_load.py --preset chat-users --out benchmarks/results
     python benchmarks/serve_load.py --preset think-16 --out benchmarks/results
@@ -590,6 +596,7 @@ def background_figures(
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     prefilled = int(delta("convo_engine_prompt_tokens_total"))
+    novel = int(delta("convo_engine_novel_prompt_tokens_total"))
     requested = sum(o.prompt_tokens or 0 for o in ok)
     host_peak = max(host_peak, after.get("convo_engine_kv_host_bytes_peak", 0.0))
     lag = "convo_summary_lag_seconds"
@@ -599,6 +606,11 @@ def background_figures(
         # (None: no request reported its prompt, or the engine exports no prompt counter)
         "reprefill": round(prefilled / requested, 3)
         if requested and "convo_engine_prompt_tokens_total" in after
+        else None,
+        # What an unbounded exact cache would still prefill (None: an older server's /metrics)
+        "novel_prompt_tokens": novel,
+        "reprefill_floor": round(novel / requested, 3)
+        if requested and "convo_engine_novel_prompt_tokens_total" in after
         else None,
         "preemptions": int(delta("convo_engine_preemptions_total")),
         "swaps_in": int(delta("convo_engine_kv_swaps_in_total")),

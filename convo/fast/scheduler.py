@@ -30,6 +30,12 @@ KV from host (or gives its old KV to host) waits until the copy is done, while t
 sessions' steps run; then it prefills only what is not cached. A ``prefill_only`` request
 computes a prompt's KV and keeps it for its session, sampling nothing.
 
+Beside the prompt tokens it prefills, the scheduler counts the novel ones
+(``novel_prompt_tokens``, with a :class:`~convo.fast.prefix_ledger.PrefixLedger` of what
+each session's KV last held): those an unbounded exact cache would still prefill, past each
+prompt's common prefix with that. The difference is what evictions (and recomputed
+preemptions) cost.
+
 Background work never costs the foreground more than it must (issue 22; each rule
 measured with ``benchmarks/kv_sched.py``, the real scheduler on a fake clock):
 
@@ -64,6 +70,7 @@ from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
+from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.sampling import sample_rows
 from convo.fast.step_budget import (
     DEFAULT_GAP_STEPS,
@@ -207,6 +214,7 @@ class DecodeRequest:
     _order: int = field(default_factory=lambda: next(_ARRIVALS))
     _shared: int = 0  # tokens of the owner's cache this work shares
     _parked: str | None = None  # host key of its own KV, parked when it was preempted
+    _novel: int = 0  # novel prompt tokens (counted at submit), added once its prompt is in
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0
@@ -352,6 +360,10 @@ class DecodeScheduler:
         self.parked = 0
         #: Background prefill requests (``prefill_only``) run to their end.
         self.prefill_requests = 0
+        #: Prompt tokens an unbounded exact cache would still prefill: each request's tokens
+        #: past its common prefix with what its session's KV last held (:meth:`_count_novel`).
+        self.novel_prompt_tokens = 0
+        self._ledger = PrefixLedger()
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
         self._blocked = False  # the last admission left work waiting for a slot
@@ -372,6 +384,7 @@ class DecodeScheduler:
         with self._cv:
             if self._closed:
                 raise ConfigError("the decode scheduler is closed")
+            self._count_novel(request)
             self._pending.append(request)
             if self._thread is None and self.background:
                 self._thread = threading.Thread(target=self._loop, name="convo-decode", daemon=True)
@@ -385,6 +398,14 @@ class DecodeScheduler:
         if request.error is not None:
             raise request.error
         return request
+
+    def forget(self, key: str) -> None:
+        """Forget a closed session: what the pool keeps for it
+        (:meth:`~convo.fast.kv_pool.KVSlotPool.forget`) and what the scheduler remembers of
+        its KV for counting novel prompt tokens."""
+        self.decoder.pool.forget(key)
+        with self._cv:
+            self._ledger.forget(key)
 
     def close(self) -> None:
         """Stop the loop once the work queued so far is done, and join its thread; later
@@ -431,6 +452,7 @@ class DecodeScheduler:
             busy_s=dict(self._kind_busy),
             decode_rows=self.rows,
             prompt_tokens=self.prefill_tokens,
+            novel_prompt_tokens=self.novel_prompt_tokens,
             preemptions=self.preemptions,
             swaps_out=pool.swaps_out,
             swaps_in=pool.swaps_in,
@@ -443,6 +465,26 @@ class DecodeScheduler:
             host_reserved_bytes=pool.host_reserved_bytes,
             parked=self.parked,
         )
+
+    def _count_novel(self, req: DecodeRequest) -> None:
+        """Count ``req``'s novel prompt tokens against what its session's KV last held (a
+        request that samples runs its last prompt token whatever is cached: its logits).
+        They are added to :attr:`novel_prompt_tokens` once its prompt is in (as
+        ``prefill_tokens`` are: work still queued is in neither), and once only: a
+        preempted request, resumed or recomputed, is not counted again. Its session's KV
+        will hold its prompt (unless it is work done for an ``owner``, which keeps none of
+        its own): the ledger says so now, so that a request queued behind it (a turn
+        behind its session's background prefill) counts against it, as an exact cache
+        would serve it."""
+        novel = self._ledger.novel(req.session, req.ids)
+        req._novel = novel if req.prefill_only or not req.ids else max(novel, 1)
+        if req.owner is None and req.cache_key is not None:
+            self._ledger.remember(req.cache_key, req.ids)
+
+    def _prompt_in(self, req: DecodeRequest) -> None:
+        """``req``'s prompt is in its slot: its novel tokens count (the first time only)."""
+        self.novel_prompt_tokens += req._novel
+        req._novel = 0
 
     def _count(self, kind: str, started: float) -> None:
         self._kind_steps[kind] += 1
@@ -529,6 +571,9 @@ class DecodeScheduler:
         if req.slot >= 0:
             kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
+            if error is None and req.owner is None and req.cache_key is not None and kept:
+                with self._cv:  # what its session's KV holds now (work for an owner keeps none)
+                    self._ledger.remember(req.cache_key, kept)
         req.done.set()
 
     def _fail(self, reqs: Sequence[DecodeRequest], exc: BaseException) -> None:
@@ -611,6 +656,7 @@ class DecodeScheduler:
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
                 req.slot = -1
+                self._prompt_in(req)
                 self._finish(req, FinishReason.STOP)
                 continue
             self._copying.append(req)
@@ -710,6 +756,7 @@ class DecodeScheduler:
         for (req, chunk), out in zip(batch, logits, strict=True):
             req.kv_tokens = chunk.end
             if chunk.end == len(chunk.ids):
+                self._prompt_in(req)
                 ready.append((req, out))
         if not ready:
             return

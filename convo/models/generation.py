@@ -243,6 +243,11 @@ class SchedulerStats:
         parked: of the preemptions, those whose KV was parked in host memory (the work
             resumed by a copy, not a recompute).
         prefills: background prefill requests run (a prompt's KV computed ahead of its turn).
+        novel_prompt_tokens: prompt tokens an unbounded exact cache would still prefill:
+            the tokens past each request's common prefix with what its session's KV last
+            held (at least its last one for a request that samples; all of a request
+            without a session). ``prompt_tokens - novel_prompt_tokens`` is what evictions
+            cost (KV dropped and recomputed, preempted work recomputed).
     """
 
     steps: dict[str, int]
@@ -260,3 +265,4 @@ class SchedulerStats:
     prefills: int = 0
     host_reserved_bytes: int = 0
     parked: int = 0
+    novel_prompt_tokens: int = 0

@@ -84,6 +84,12 @@ class EngineCollector(Collector):
         for name, text, value in (
             ("convo_engine_decode_rows", "tokens decoded by the scheduler", stats.decode_rows),
             ("convo_engine_prompt_tokens", "prompt tokens prefilled by the scheduler", stats.prompt_tokens),
+            (
+                "convo_engine_novel_prompt_tokens",
+                "prompt tokens an unbounded exact KV cache would still prefill (past each prompt's "
+                "common prefix with what its session's KV last held)",
+                stats.novel_prompt_tokens,
+            ),
             ("convo_engine_preemptions", "requests stopped to free a slot for a reply", stats.preemptions),
             ("convo_engine_preemptions_parked", "preempted work parked in host memory", stats.parked),
             ("convo_engine_kv_swaps_out", "sessions' KV copied from a slot to host memory", stats.swaps_out),

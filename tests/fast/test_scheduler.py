@@ -297,6 +297,84 @@ def test_next_turn_prefills_only_what_changed() -> None:
     assert second.new_ids == [502]
 
 
+def _turn(ids: list[int], key: str | None, max_new: int = 1, **kw: Any) -> DecodeRequest:
+    deadline = time.monotonic() + 60
+    return DecodeRequest(
+        ids=ids, max_new_tokens=max_new, deadline=deadline, sampling=Greedy(), cache_key=key, **kw
+    )
+
+
+def _counted(sched: DecodeScheduler, req: DecodeRequest) -> tuple[int, int]:
+    """Prompt tokens prefilled and novel prompt tokens counted for ``req``, run alone."""
+    before = sched.stats()
+    sched.submit(req)
+    drain(sched)
+    after = sched.stats()
+    return after.prompt_tokens - before.prompt_tokens, after.novel_prompt_tokens - before.novel_prompt_tokens
+
+
+def test_novel_prompt_tokens_are_those_past_what_the_sessions_kv_last_held() -> None:
+    """A turn that extends the last prompt and reply is novel from the reply's last token
+    on (its K/V was never computed); one whose prefix changed, from the change on. With no
+    eviction the scheduler prefills exactly the novel tokens."""
+    sched = DecodeScheduler(FakeDecoder(slots=1), background=False, step_tokens=64)
+    first = _turn(list(range(1, 11)), "s", max_new=3)
+    assert _counted(sched, first) == (10, 10)  # unknown session: all of it
+    assert first.new_ids == [11, 12, 13]
+    second = _turn([*first.ids, *first.new_ids, 500, 501, 502, 503, 504], "s")
+    assert _counted(sched, second) == (6, 6)  # token 13 and the 5 new ones
+    slid = _turn([*second.ids[:3], 900, *second.ids[4:], *second.new_ids, 600], "s")  # 4th changed
+    assert _counted(sched, slid) == (len(slid.ids) - 3, len(slid.ids) - 3)
+    again = _turn(list(slid.ids), "s")  # the same prompt: its last token runs for the logits
+    assert _counted(sched, again) == (1, 1)
+    assert _counted(sched, _turn([1, 2, 3], None)) == (3, 3)  # no session: all of it, always
+    assert _counted(sched, _turn([1, 2, 3], None)) == (3, 3)
+
+
+def test_a_session_evicted_and_dropped_costs_prompt_tokens_but_is_not_novel() -> None:
+    dec = FakeDecoder(slots=1)  # no host memory: an evicted session's KV is dropped
+    sched = DecodeScheduler(dec, background=False, step_tokens=64)
+    a = _turn(list(range(1, 11)), "a", max_new=3)
+    _counted(sched, a)
+    assert _counted(sched, _turn(list(range(100, 120)), "b")) == (20, 20)  # b takes a's slot
+    nxt = _turn([*a.ids, *a.new_ids, 500, 501, 502, 503, 504], "a")
+    assert _counted(sched, nxt) == (18, 6)  # recomputed in full; only 6 were new
+    assert nxt.cached_tokens == 0
+    stats = sched.stats()
+    assert stats.prompt_tokens - stats.novel_prompt_tokens == 12  # what the eviction cost
+    sched.forget("a")  # a closed session: its KV and what the ledger held of it
+    assert dec.pool.owners() == [] and _counted(sched, _turn(list(nxt.ids), "a")) == (18, 18)
+
+
+def test_work_for_an_owner_does_not_change_what_its_session_is_counted_against() -> None:
+    """A summary (``owner=``) is novel past its common prefix with its session's KV, and
+    keeps none of its own: the session's next turn counts against its own last turn."""
+    sched = DecodeScheduler(FakeDecoder(slots=2), background=False, step_tokens=64)
+    a = _turn(list(range(1, 11)), "a", max_new=3)
+    _counted(sched, a)
+    summary = DecodeRequest(
+        ids=[*a.ids[:5], 700, 701, 702], max_new_tokens=4, deadline=time.monotonic() + 60,
+        sampling=Greedy(), owner="a", priority=Priority.BACKGROUND,
+    )  # fmt: skip
+    assert _counted(sched, summary) == (3, 3)  # it shares a's first 5 tokens
+    nxt = _turn([*a.ids, *a.new_ids, 500], "a")
+    assert _counted(sched, nxt)[1] == 2  # token 13 and 500: not counted against the summary
+
+
+def test_a_turn_queued_behind_its_sessions_prefill_counts_against_that_prefill() -> None:
+    """The ledger takes a session's prompt at submit: a turn queued behind its session's
+    background prefill is novel only past that prefix (an exact cache would serve it), and
+    neither counts before its prompt is in (work still queued is in neither figure)."""
+    sched = DecodeScheduler(FakeDecoder(slots=2), background=False, step_tokens=64)
+    prefix = list(range(1, 41))
+    prefill = sched.submit(_turn(prefix, "a", prefill_only=True, priority=Priority.BACKGROUND))
+    turn = sched.submit(_turn([*prefix, 500, 501], "a"))
+    assert sched.stats().novel_prompt_tokens == 0
+    drain(sched)
+    assert prefill.finish is FinishReason.STOP and turn.new_ids == [502]
+    assert sched.stats().novel_prompt_tokens == 40 + 2
+
+
 def test_prefill_error_fails_its_requests_only() -> None:
     dec = FakeDecoder(slots=2)
     sched = DecodeScheduler(dec, background=False, step_tokens=64)
@@ -449,6 +527,8 @@ def test_a_reply_preempts_background_work_which_then_goes_on() -> None:
     # Re-admitted, it prefilled its prompt and the 3 tokens it had, then decoded on.
     resumed = [what for kind, what in dec.events if kind == "prefill" and what[0][2] == 8]
     assert resumed == [[(0, 0, 8)]]
+    # The recompute costs prompt tokens but is not novel: each prompt counts once.
+    assert (sched.prefill_tokens, sched.novel_prompt_tokens) == (5 + 10 + 8, 5 + 10)
     assert summary.first_token_at is not None and summary.first_token_at < reply.first_token_at  # type: ignore[operator]
     # A request of the same priority is never preempted: it waits for the slot.
     a = sched.submit(request(5, max_new=4))

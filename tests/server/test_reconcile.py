@@ -326,6 +326,7 @@ def test_metrics_export_the_engine_schedulers_counters(store: Store) -> None:
             decode_rows=40,
             prompt_tokens=900,
             preemptions=2,
+            novel_prompt_tokens=700,
         )
 
     for engine, exported in ((Batching(), True), (EchoEngine(), False)):
@@ -338,6 +339,9 @@ def test_metrics_export_the_engine_schedulers_counters(store: Store) -> None:
             busy = {s.labels["kind"]: s.value for s in families["convo_engine_busy_seconds"].samples}
             assert steps == {"decode": 7, "mixed": 3, "prefill": 1} and busy["mixed"] == 0.06
             assert families["convo_engine_prompt_tokens"].samples[0].value == 900
+            novel = families["convo_engine_novel_prompt_tokens"]
+            assert novel.type == "counter" and novel.samples[0].value == 700
+            assert novel.samples[0].name == "convo_engine_novel_prompt_tokens_total"
             assert families["convo_engine_preemptions"].type == "counter"
 
 

@@ -25,6 +25,8 @@ NEW_KEYS = {
     "swaps_out", "host_kv_bytes_peak", "summary_lag_p50_s", "summary_lag_p95_s", "summary_backlog_peak",
     "ttft_p50_s_by_turn",
 }  # fmt: skip
+#: The re-prefill floor (``convo_engine_novel_prompt_tokens_total``), beside ``reprefill``.
+FLOOR_KEYS = {"novel_prompt_tokens", "reprefill_floor"}
 
 
 @pytest.mark.timeout(300)
@@ -41,15 +43,37 @@ def test_chat_users_preset_with_two_waves_on_the_fake_engine(tmp_path: Path) -> 
     config, results = report["config"], report["results"]
     assert (config["think_min_s"], config["think_max_s"], config["waves"]) == (0.05, 0.1, 2)
     assert config["max_tokens"] == 32 and config["max_new_tokens"] == 64  # the preset's
-    assert OLD_KEYS | NEW_KEYS <= set(results)
+    assert OLD_KEYS | NEW_KEYS | FLOOR_KEYS <= set(results)
     assert results["completed_200"] == 2 * 3 * 6 and results["lost_messages"] == 0
     assert results["requested_prompt_tokens"] > 0
     assert results["swaps_in"] == results["swaps_out"] == results["host_kv_bytes_peak"] == 0  # absent: 0
     assert results["reprefill"] is None  # the echo engine has no prompt counter
+    assert results["reprefill_floor"] is None and results["novel_prompt_tokens"] == 0
     assert set(results["ttft_p50_s_by_turn"]) == {str(t) for t in range(6)}
     # The windows slid: summaries were written, and their lag measured.
     assert results["summary_lag_p50_s"] is not None and results["summary_lag_p50_s"] >= 0
     assert [w["wave"] for w in results["waves"]] == [1, 2]
-    assert all(NEW_KEYS <= set(w) and w["completed_200"] == 18 for w in results["waves"])
+    assert all(NEW_KEYS | FLOOR_KEYS <= set(w) and w["completed_200"] == 18 for w in results["waves"])
     ratio = results["wave2_over_wave1"]
     assert set(ratio) == {"wall_s", "ttft_p50_s"} and ratio["wall_s"] > 0
+
+
+def test_the_reprefill_floor_is_the_novel_prompt_tokens_over_the_requested() -> None:
+    from benchmarks import serve_load
+
+    def outcome(prompt: int) -> serve_load.Outcome:
+        return serve_load.Outcome(
+            session="s", turn=0, kind="short", stream=True, status=200, start_s=0.0, latency_s=0.1,
+            ttft_s=0.05, user="", reply="", prompt_tokens=prompt,
+        )  # fmt: skip
+
+    outs = [outcome(600), outcome(400)]
+    before = {"convo_engine_prompt_tokens_total": 100.0, "convo_engine_novel_prompt_tokens_total": 50.0}
+    after = {"convo_engine_prompt_tokens_total": 900.0, "convo_engine_novel_prompt_tokens_total": 650.0}
+    figures = serve_load.background_figures(outs, before, after, host_peak=0.0, backlog_peak=0.0)
+    assert (figures["prefilled_prompt_tokens"], figures["requested_prompt_tokens"]) == (800, 1000)
+    assert figures["novel_prompt_tokens"] == 600
+    assert (figures["reprefill"], figures["reprefill_floor"]) == (0.8, 0.6)
+    older = {"convo_engine_prompt_tokens_total": 900.0}  # a server without the counter
+    figures = serve_load.background_figures(outs, {}, older, host_peak=0.0, backlog_peak=0.0)
+    assert figures["reprefill"] == 0.9 and figures["reprefill_floor"] is None

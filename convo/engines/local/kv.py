@@ -457,7 +457,7 @@ class SlotKV:
         return list(self.decoder.pool.owners())
 
     def release(self, cache_key: str) -> None:
-        self.decoder.pool.forget(cache_key)
+        self.scheduler.forget(cache_key)
 
     def release_all(self) -> None:
         """Forget every slot's tokens (the slots stay allocated: they are taken once, at load)."""

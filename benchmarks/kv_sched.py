@@ -30,7 +30,17 @@ KV last held, as the window slides and the summary changes, and the summaries' o
 prompts; over the same; ``reprefill - reprefill_floor`` is what evictions cost); TTFT and
 turn p50/p95 of the replies (fake seconds); swaps.
 
+Since 2026-12-02 the load follows the session's own rules (``Load.lookahead``,
+``summary_from_prompt``, ``sticky_provisional``; ``--load NAME=JSON`` turns each off), which
+the older model did not: turns leave right after the reply that makes the next one
+overflow, a provisional summary once shown stays until the window moves, and a summary
+continues the last prompt when that prompt showed the turns after the written summary.
+With those rules the model gives think-16 a re-prefill of 0.74 without the summary from the
+prompt (the H200 measured 0.75 before it) and 0.695 with it (floor 0.59); chat-users 0.572
+and 0.529 (floor 0.485).
+
     python benchmarks/kv_sched.py --preset think-16
+    python benchmarks/kv_sched.py --preset think-16 --load summary_from_prompt=false
     python benchmarks/kv_sched.py --preset chat-users --out benchmarks/results/kv_policy_chat-users.json
 """
 
@@ -90,6 +100,18 @@ class Load:
     # preemptions 2 -> 24, re-prefill 0.66 -> 0.77): the owner's next turn finds its KV
     # in the slot the summary holds and prefills it again elsewhere.
     summary_ahead: bool = False
+    # As the session does since 2026-12-02: after each reply it looks one turn ahead and
+    # moves the turns that the next turn would push out now (owed, until their summary is
+    # written); the summary's prompt continues the session's last prompt (its system part,
+    # the block it showed, the turns to fold, then the instruction), so it shares that
+    # prompt's cached KV (``ModelSummarizer`` with the session's ``context``). Both off: the
+    # turns leave at the next turn, and the summary's prompt is its own (the template).
+    lookahead: bool = True
+    summary_from_prompt: bool = True
+    # As the session does: a provisional summary, once shown, stays in the prompt until the
+    # window moves again, also when the summary is written meanwhile (one re-prefill per
+    # slide, not two); off: the written summary replaces it at once.
+    sticky_provisional: bool = True
     host_slots: int = 48  # host memory, in whole slots (0: off)
     decode_s: float = 0.010
     row_s: float = 0.00015
@@ -157,6 +179,9 @@ class User:
     version: int = 0  # summaries written
     ahead: int = 0  # oldest window turns a summary ahead covers (queued, running or written)
     ahead_written: bool = False
+    sticky: list[int] | None = None  # the provisional block shown, kept until the window moves
+    shown: list[int] = field(default_factory=list)  # system and block of the last prompt
+    shown_turns: list[list[int]] = field(default_factory=list)  # its turns, and the new one
     turns: int = 0
     in_turn: bool = False
     job: bool = False  # a summary of it is queued or running
@@ -198,6 +223,8 @@ def simulate(load: Load) -> dict[str, Any]:
         return [next(fresh) for _ in range(n)]
 
     def block(u: User) -> list[int]:
+        if u.sticky is not None:
+            return u.sticky
         if not u.owed:
             return u.summary
         # The provisional stand-in: the same text while the same turns are owed.
@@ -235,6 +262,15 @@ def simulate(load: Load) -> dict[str, Any]:
             if u.ahead and not u.owed:  # from the session's cached prompt: only the instruction is new
                 covered = u.ahead
                 body = [*prefix(u), *tokens(load.summary_instruction_tokens)]
+            elif (
+                load.summary_from_prompt
+                and u.shown[len(system) :] == u.summary
+                and u.owed == u.shown_turns[: len(u.owed)]
+            ):
+                # The last prompt showed the owed turns right after the summary: continue it
+                # (as the session does, not after a provisional one: prompt_context).
+                owed = itertools.chain.from_iterable(u.owed)
+                body = [*u.shown, *owed, *tokens(load.summary_instruction_tokens)]
             body = body[: load.budget - load.summary_tokens - 1]
             req = DecodeRequest(
                 ids=body, max_new_tokens=load.summary_tokens, deadline=float("inf"), sampling=GREEDY,
@@ -266,10 +302,14 @@ def simulate(load: Load) -> dict[str, Any]:
             u.owed, u.window = u.window[: u.ahead], u.window[u.ahead :]
             u.ahead = 0
         if len(prefix(u)) + len(message) > limit:  # the window slides
+            u.sticky = None
             while u.window and len(prefix(u)) + len(message) > load.slide_to * load.budget:
                 u.owed.append(u.window.pop(0))
             u.owed_since = clock.now if u.owed_since is None else u.owed_since
         ids = [*prefix(u), *message]
+        if load.sticky_provisional and u.owed and u.sticky is None:
+            u.sticky = block(u)
+        u.shown, u.shown_turns = [*system, *block(u)], list(u.window)
         requested[0] += len(ids)
         provisional[0] += bool(u.owed)
         u.in_turn = True
@@ -287,7 +327,13 @@ def simulate(load: Load) -> dict[str, Any]:
             waves[u.wave]["ttft"].append(first[0] - at)
             turn_s.append(clock.now - at)
             u.window.append([*message, *req.new_ids])
+            u.shown_turns.append(u.window[-1])
             u.in_turn, u.turns = False, u.turns + 1
+            if load.lookahead and not u.owed and not u.job and u.turns < load.turns:
+                k = leaving(u)  # the next turn would slide: the turns leave now
+                if k:
+                    u.owed, u.window = u.window[:k], u.window[k:]
+                    u.owed_since, u.sticky = clock.now, None
             if u.owed and not u.job:
                 u.job = True
                 due[0] += 1
@@ -416,11 +462,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-slots", type=int, default=None, help="host memory, in whole slots (0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], help="a DecodeScheduler keyword: name=value")
+    parser.add_argument("--load", action="append", default=[], help="a Load field: name=value (JSON)")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args(argv)
     load = Load(**PRESETS[args.preset], seed=args.seed)
     if args.host_slots is not None:
         load.host_slots = args.host_slots
+    for item in args.load:
+        name, _, value = item.partition("=")
+        if not hasattr(load, name):
+            parser.error(f"--load: no Load field {name!r}")
+        setattr(load, name, json.loads(value))
     for item in args.set:
         name, _, value = item.partition("=")
         load.scheduler[name] = json.loads(value)

@@ -379,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="3 cases x 2 KV dtypes, 2 turns (~75 s a run on an H200: --time-limit 480)",
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="only this case, MODEL:BUDGET:CAP_GIB (e.g. llama-2-7b:2048:24; repeatable)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="predictions only, no GPU")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="comma-separated: bf16,fp8")
     parser.add_argument("--quant", default="int4", help="weight format sized (default int4)")
@@ -412,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan_runs(
         quick=args.quick, kv_dtypes=[k for k in args.kv_dtypes.split(",") if k], quant=args.quant
     )
+    if args.case:
+        wanted = {tuple(c.split(":")) for c in args.case}
+        runs = [r for r in runs if (r.model, str(r.budget), f"{r.cap_gib:g}") in wanted]
+        if not runs:
+            parser.error(f"--case: none of {sorted(args.case)} is a case (MODEL:BUDGET:CAP_GIB)")
     gpu = False
     if not args.dry_run:
         try:

@@ -416,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens or (16 if args.quick else 32),
     }
     runs = plan_runs(
-        quick=args.quick, kv_dtypes=[k for k in args.kv_dtypes.split(",") if k], quant=args.quant
+        quick=args.quick and not args.case,  # --case picks from every case
+        kv_dtypes=[k for k in args.kv_dtypes.split(",") if k],
+        quant=args.quant,
     )
     if args.case:
         wanted = {tuple(c.split(":")) for c in args.case}

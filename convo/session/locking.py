@@ -50,15 +50,57 @@ class TurnLock:
     Args:
         store / session_id: the session whose store lock the turns hold.
         catch_up: called on a fresh hold of the store's lock (reload what others stored).
+        after_turn: called when a turn (:meth:`turn`, :meth:`aturn`, :meth:`local_turn`)
+            has let go, unless this thread still holds the session (an outer turn then
+            calls it): work the turn's hold kept out, such as a prefill.
     """
 
-    def __init__(self, store: Store, session_id: str, catch_up: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        session_id: str,
+        catch_up: Callable[[], None],
+        after_turn: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
         self.session_id = session_id
         self._catch_up = catch_up
+        self._after_turn = after_turn
         #: Held by a thread mid-turn (also around work that must not overlap a turn).
         self.local = threading.RLock()
         self._alock: asyncio.Lock | None = None
+
+    @contextlib.contextmanager
+    def turn(self, timeout_s: float) -> Iterator[None]:
+        """:meth:`hold` for a turn: ``after_turn`` runs once it has let go."""
+        try:
+            with self.hold(timeout_s):
+                yield
+        finally:
+            self._let_go()
+
+    @contextlib.asynccontextmanager
+    async def aturn(self, timeout_s: float) -> AsyncIterator[None]:
+        """:meth:`ahold` for a turn: ``after_turn`` runs once it has let go."""
+        try:
+            async with self.ahold(timeout_s):
+                yield
+        finally:
+            self._let_go()
+
+    @contextlib.contextmanager
+    def local_turn(self) -> Iterator[None]:
+        """Only this object's side (:attr:`local`), for work that must not overlap a turn;
+        ``after_turn`` runs once it has let go."""
+        try:
+            with self.local:
+                yield
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self._after_turn is not None and not self.store.holds_lock(self.session_id):
+            self._after_turn()
 
     @contextlib.contextmanager
     def hold(self, timeout_s: float) -> Iterator[None]:

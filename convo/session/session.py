@@ -169,7 +169,10 @@ class Session:
         check_retriever(retriever)
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
-        self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync)
+        self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync, after_turn=self._prefill_if_due)
+        # A summary written while a turn of this object held it: the turn prefills the
+        # next prompt's prefix on its way out (:meth:`prefill_next`).
+        self._prefill_due = False
         self._history = History()
         self._indexed_turns = 0  # turns handed to the retriever
         worker = summarizing.worker or SummaryWorker.shared()
@@ -334,7 +337,7 @@ class Session:
         in all (``None``: without limit). Turns never call this (they wait only as
         ``summary_wait_s`` says); it is for callers that want the summary now (tests,
         exports, shutdown)."""
-        with self._turn_lock.local:
+        with self._turn_lock.local_turn():
             self._summary.catch_up(timeout_s, sync=self._synced_state, history=self._history)
         return self.summary_state
 
@@ -362,9 +365,13 @@ class Session:
         engine = self.engine
         if engine is None or not engine.supports_prefill:
             return False
+        # Due first, then the lock: a turn of this object that holds it reads the flag
+        # after it lets go, so a summary written during the turn is never dropped.
+        self._prefill_due = True
         if not self._turn_lock.local.acquire(blocking=False):
-            return False  # a turn of this object runs
+            return False  # a turn of this object runs; it prefills on its way out
         try:
+            self._prefill_due = False
             with self._turn_lock.hold(0):  # (0: another holder of the store's lock -> busy)
                 self._synced_state()
                 prefix = self.next_prompt_prefix()
@@ -377,6 +384,15 @@ class Session:
             return False  # a turn runs elsewhere
         finally:
             self._turn_lock.local.release()
+
+    def _prefill_if_due(self) -> None:
+        """After a turn let go (``TurnLock.after_turn``): the prefill that a summary written
+        during the turn asked for."""
+        if self._prefill_due:
+            try:
+                self.prefill_next()
+            except Exception:  # (the turn is done; a failed prefill only costs the next one)
+                logger.exception("session %s: prefilling the next prompt's prefix failed", self.id)
 
     def _summary_written(self, job: SummaryJob) -> None:
         """A background summary of this session was stored (worker thread): prefill the
@@ -488,7 +504,7 @@ class Session:
             MessageError / BudgetError: invalid message; nothing is stored.
         """
         message = Message.from_openai(message)
-        with self._turn_lock.hold(self.lock_timeout_s):
+        with self._turn_lock.turn(self.lock_timeout_s):
             if date is not None and self._opens_a_new_day(message, date):
                 message = replace(message, opens_turn=True)
             self._commit([message], dated=date)
@@ -524,7 +540,7 @@ class Session:
             raise MessageError("extend() takes conversation messages; pin() system prompts")
         if not msgs:
             return
-        with self._turn_lock.hold(self.lock_timeout_s):
+        with self._turn_lock.turn(self.lock_timeout_s):
             # Each checked against the history as it will stand before it; dated by when
             # they were written (``created_at``), not by the clock.
             self._commit(msgs, imported=True)
@@ -569,7 +585,7 @@ class Session:
                 (the message stays stored; call :meth:`reply` to try again).
         """
         args = TurnArgs(**options)
-        with self._turn_lock.hold(self.lock_timeout_s):
+        with self._turn_lock.turn(self.lock_timeout_s):
             self._check_tools(args)
             started = self._accept(content)
             return drive(self._turn(started, args.tools), lambda step: self._do_step(step, args))
@@ -595,7 +611,7 @@ class Session:
         (:class:`~convo.errors.SessionBusy` after ``lock_timeout_s``).
         """
         args = TurnArgs(**options)
-        async with self._turn_lock.ahold(self.lock_timeout_s):
+        async with self._turn_lock.aturn(self.lock_timeout_s):
             self._check_tools(args)
             started = self._accept(content)
             return await adrive(self._turn(started, args.tools), lambda step: self._ado_step(step, args))
@@ -617,7 +633,7 @@ class Session:
         ``options``: :class:`TurnOptions`, as for :meth:`send`.
         """
         args = TurnArgs(**options)
-        with self._turn_lock.hold(self.lock_timeout_s):
+        with self._turn_lock.turn(self.lock_timeout_s):
             self._check_tools(args)
             return drive(self._turn(time.monotonic(), args.tools), lambda step: self._do_step(step, args))
 
@@ -673,6 +689,7 @@ class Session:
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
         self._remember_completed_turns()
+        self._prefill_due = False  # (this turn's prompt shows every summary stored so far)
         self._synced_state()
         plan, start = self._plan_now(tools=tools)
         planned = self._summary.planned(start, self._state, self._history)

@@ -207,6 +207,52 @@ def test_an_idle_session_prefills_exactly_its_next_prompts_prefix(worker: Summar
     assert pairs(sent[len(prefix) :]) == [("user", "turn 2")]
 
 
+class MidTurn(RecordingEngine):
+    """Runs ``during`` inside the next generate call (the turn holds the session then)."""
+
+    def __init__(self) -> None:
+        super().__init__(prefill=True)
+        self.during: Any = None
+
+    def generate(self, messages: Sequence[Message], *, max_new_tokens: int, **options: Any) -> Any:
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        return super().generate(messages, max_new_tokens=max_new_tokens, **options)
+
+
+def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker: SummaryWorker) -> None:
+    # The summary of turn 0 lands while turn 2 generates: the worker cannot prefill then
+    # (the turn holds the session), so the turn does it on its way out.
+    engine = MidTurn()
+    summ = Gated(open_gate=False)
+    session = Session(
+        engine, budget=ROOMY, system_prompt="Be brief.", summarizer=summ, summaries=worker, summary_wait_s=0
+    )
+    session.send("turn 0")
+    session.send("turn 1")
+    job = worker.job(session.store, session.id)
+    assert job is not None
+
+    def land_the_summary() -> None:
+        summ.gate.set()
+        assert job.wait(WAIT) and job.status is JobStatus.DONE
+        summ.gate.clear()  # (the next summary, of turn 1, waits until the end)
+        assert engine.prefills == []  # (not mid-turn)
+
+    engine.during = land_the_summary
+    session.send("turn 2")
+    assert engine.prefilled.wait(WAIT)
+    [(prefix, key)] = engine.prefills
+    assert key == session.id
+    assert pairs(prefix)[0] == ("system", "Be brief.")
+    assert any("S(turn 0" in m.content for m in prefix)
+    assert ("user", "turn 2") in pairs(prefix)  # the window after the turn, not before it
+    summ.gate.set()
+    later = worker.job(session.store, session.id)
+    assert later is not None and later.wait(WAIT)
+
+
 def test_no_prefill_while_a_turn_holds_the_session(worker: SummaryWorker) -> None:
     engine = RecordingEngine(prefill=True)
     summ = Gated(open_gate=False)

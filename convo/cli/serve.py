@@ -77,6 +77,11 @@ def run_server(args: argparse.Namespace) -> int:
     }
     budget = Budget(**{k: v for k, v in given.items() if v is not None})  # Budget's own defaults
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
+    chosen = getattr(args, "embedding_model", None)
+    if chosen is not None and not getattr(args, "no_memory", False) and not os.path.isdir(chosen):
+        raise ConfigError(
+            f"--embedding-model {chosen!r} is not a folder (a local sentence-transformers model)"
+        )
     limits = ServerLimits(generation_timeout_s=getattr(args, "timeout", None))
     store: Store
     if args.redis:
@@ -172,22 +177,30 @@ def _check_port_free(host: str, port: int) -> None:
 def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None:
     """The server's retrieval memory: off with ``--no-memory``, and (with a log line) where
     the default embedding model is not installed or cannot load; a :class:`HashingEncoder`
-    with ``CONVO_FAKE_EMBEDDER=1`` or the fake engine (``CONVO_FAKE_ENGINE=1``, tests)."""
+    with ``CONVO_FAKE_EMBEDDER=1`` or the fake engine (``CONVO_FAKE_ENGINE=1``, tests).
+
+    Raises:
+        ConfigError: ``--embedding-model`` names a model that cannot load (asked for by
+            name, it is not turned off quietly)."""
     if getattr(args, "no_memory", False):
         return None
     mb = getattr(args, "memory_cache_mb", None)
     cache = DEFAULT_MEMORY_CACHE_BYTES if mb is None else mb << 20
+    chosen = getattr(args, "embedding_model", None)
     embedder: Any
     if os.environ.get(FAKE_EMBEDDER_ENV) == "1" or os.environ.get(FAKE_ENGINE_ENV) == "1":
         embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
     else:
-        embedder = Embedder()
+        embedder = Embedder(chosen)
         try:
-            default_model_path()
+            if chosen is None:
+                default_model_path()
             # Loaded now, not inside the first turn that indexes (which holds its session's
             # lock); a model that cannot load turns memory off here, not every turn later.
             embedder.encode(["warm up"])
         except (MissingDependency, ModelLoadError) as exc:
+            if chosen is not None:
+                raise ConfigError(f"--embedding-model {chosen!r}: {exc}") from exc
             logging.getLogger("convo.serve").warning("retrieval memory is off: %s", exc)
             return None
     return ServerMemory(store, embedder, cache_bytes=cache)

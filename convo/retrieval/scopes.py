@@ -77,6 +77,9 @@ class MemoryRecord:
         digest: a hash of the above: a turn indexed again with the same digest is skipped.
         vectors: every text the embedder was asked for while indexing it, with its vector
             (float32): a replay needs no embedder.
+        encoder: what computed ``vectors`` (:func:`encoder_identity`; ``""`` in records
+            written before it was kept): a replay by another embedding model embeds the
+            texts again instead of mixing two models' vectors in one index.
         op: ``"turn"``; ``"reset"`` forgets every turn of ``session_id`` indexed before
             (its history was rewritten); ``"floor"``: turns of ``session_id`` numbered
             below ``turn`` are forgotten and never indexed again (a person forgotten while
@@ -90,10 +93,11 @@ class MemoryRecord:
     digest: str = ""
     vectors: Mapping[str, np.ndarray] = field(default_factory=dict)
     op: str = "turn"
+    encoder: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: vectors as base64 of little-endian float32."""
-        return {
+        out = {
             "v": RECORD_FORMAT,
             "op": self.op,
             "session": self.session_id,
@@ -106,6 +110,9 @@ class MemoryRecord:
                 for t, v in self.vectors.items()
             },
         }
+        if self.encoder:
+            out["encoder"] = self.encoder
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryRecord:
@@ -123,6 +130,7 @@ class MemoryRecord:
             messages=tuple((str(r), None if n is None else str(n), str(c)) for r, n, c in data["messages"]),
             digest=str(data["digest"]),
             vectors=vectors,
+            encoder=str(data.get("encoder") or ""),
         )
 
     @property
@@ -167,6 +175,16 @@ class RecordingEncoder:
             self.tape = None
 
 
+def encoder_identity(encoder: TextEncoder) -> str:
+    """What a record's vectors came from: the encoder's own ``model_id`` when it has one
+    (:attr:`Embedder.model_id <convo.embeddings.Embedder.model_id>`), else its class and
+    vector length."""
+    ident = getattr(encoder, "model_id", None)
+    if isinstance(ident, str) and ident:
+        return ident
+    return f"{type(encoder).__name__}/{encoder.dim}"
+
+
 def _digest(messages: Sequence[tuple[str, str | None, str]], day: str | None) -> str:
     return hashlib.sha1(json.dumps([list(messages), day]).encode()).hexdigest()[:20]
 
@@ -209,7 +227,10 @@ class ScopedMemory(Retriever):
         self.scope = scope
         self.date_turns = date_turns
         self.config = config or RetrievalConfig(recency_weight=PERSON_RECENCY_WEIGHT)
-        self._encoder = RecordingEncoder(embedder if embedder is not None else Embedder())
+        base = embedder if embedder is not None else Embedder()
+        self._encoder = RecordingEncoder(base)
+        self._encoder_id: str | None = None  # (encoder_identity(base), read on first use)
+        self._base = base
         self._memory = RetrievalMemory(self._encoder, config=self.config)
         self.min_score: float = self._memory.min_score
         self._slots: dict[str, int] = {}  # session -> its block of turn numbers
@@ -263,9 +284,25 @@ class ScopedMemory(Retriever):
             with self._encoder.taping() as tape:
                 self._index(todo)
             # Every vector goes with the first record of the batch (one call computed them).
-            out = [replace(todo[0], vectors=dict(tape)), *todo[1:]]
+            out = [replace(todo[0], vectors=dict(tape), encoder=self.encoder_id), *todo[1:]]
             self._bytes += sum(r.nbytes for r in out)
             return out
+
+    @property
+    def encoder_id(self) -> str:
+        """:func:`encoder_identity` of this scope's embedder (written on its records)."""
+        if self._encoder_id is None:
+            self._encoder_id = encoder_identity(self._base)
+        return self._encoder_id
+
+    def _vectors_fit(self, rec: MemoryRecord) -> bool:
+        """Whether ``rec``'s stored vectors may stand for this embedder's: computed by it
+        (or by an unnamed one, in older records) and of its length. Else the texts are
+        embedded again: another model's vectors are never mixed into the index."""
+        if not rec.vectors or (rec.encoder and rec.encoder != self.encoder_id):
+            return False
+        dim = self._base.dim
+        return all(v.shape == (dim,) for v in rec.vectors.values())
 
     def apply(self, records: Iterable[MemoryRecord]) -> None:
         """Replay records (from :meth:`index_turns`, in order): the same index, built
@@ -273,7 +310,8 @@ class ScopedMemory(Retriever):
         with self._lock:
             batch: list[MemoryRecord] = []
             for rec in records:
-                self._encoder.known.update(rec.vectors)
+                if self._vectors_fit(rec):
+                    self._encoder.known.update(rec.vectors)
                 if rec.op in ("reset", "floor"):
                     self._index(batch)
                     batch = []

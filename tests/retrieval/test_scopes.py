@@ -97,3 +97,49 @@ def test_records_rebuild_the_same_ranking_without_the_embedder() -> None:
         a = live.retrieve(q, session_id="s2", top_k=4)
         b = rebuilt.retrieve(q, session_id="s2", top_k=4)
         assert [(p.key, round(p.score, 5)) for p in a] == [(p.key, round(p.score, 5)) for p in b]
+
+
+class OtherModel(HashEncoder):
+    """Another embedding model (a different name) of the same vector length."""
+
+    model_id = "other-model/256"
+
+
+def _records(live: ScopedMemory) -> list[MemoryRecord]:
+    turns = [
+        Turn(index=i, messages=(Message(role=Role.USER, content=f"fact {i}: the code word is word{i}"),))
+        for i in range(4)
+    ]
+    return live.index_turns("s1", turns, dates={0: "2026-11-01"})
+
+
+def test_records_name_their_encoder_and_another_model_embeds_them_again() -> None:
+    live = ScopedMemory(HashEncoder(), scope="erin")
+    records = [MemoryRecord.from_dict(r.to_dict()) for r in _records(live)]
+    assert records[0].encoder == "HashEncoder/256" and records[0].vectors
+    same = HashEncoder()
+    ScopedMemory(same, scope="erin").apply(records)
+    assert same.calls == 0  # its own vectors: replayed, not computed
+    other = OtherModel()
+    rebuilt = ScopedMemory(other, scope="erin")
+    rebuilt.apply(records)
+    assert other.calls > 0  # another model's vectors are never mixed in: embedded again
+    assert [p.key for p in rebuilt.retrieve("code word word2", session_id="s1", top_k=1)] == [
+        p.key for p in live.retrieve("code word word2", session_id="s1", top_k=1)
+    ]
+
+
+def test_older_records_without_an_encoder_are_replayed_when_their_length_fits() -> None:
+    live = ScopedMemory(HashEncoder(), scope="erin")
+    older = []
+    for r in _records(live):
+        data = r.to_dict()
+        data.pop("encoder", None)  # (written before records named their encoder)
+        older.append(MemoryRecord.from_dict(data))
+    assert older[0].encoder == ""
+    fits = HashEncoder()
+    ScopedMemory(fits, scope="erin").apply(older)
+    assert fits.calls == 0
+    wider = HashEncoder(dim=128)
+    ScopedMemory(wider, scope="erin").apply(older)  # vectors of another length: embedded again
+    assert wider.calls > 0

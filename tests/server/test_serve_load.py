@@ -4,6 +4,7 @@ issue-22 figures (KV reuse, background work, waves) beside its old keys."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,20 @@ def test_the_reprefill_floor_is_the_novel_prompt_tokens_over_the_requested() -> 
     older = {"convo_engine_prompt_tokens_total": 900.0}  # a server without the counter
     figures = serve_load.background_figures(outs, {}, older, host_peak=0.0, backlog_peak=0.0)
     assert figures["reprefill"] == 0.9 and figures["reprefill_floor"] is None
+
+
+@pytest.mark.timeout(300)
+def test_compare_memory_runs_the_load_without_then_with_the_servers_memory(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--fake", "--sessions", "2",
+        "--turns", "8", "--delay-s", "0.001", "--compare-memory", "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "CONVO_FAKE_EMBEDDER": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "serve_load_fake_memory.json").read_text())
+    assert report["results"]["memory"] is True and report["memory_off"]["results"]["memory"] is False
+    assert report["results"]["memory_indexes_cached"] >= 1  # each session's turns were indexed
+    assert report["results"]["memory_cache_bytes"] > 0
+    wall = report["side_by_side"]["wall_s"]
+    assert wall["on_over_off"] == pytest.approx(wall["memory_on"] / wall["memory_off"], abs=1e-3)

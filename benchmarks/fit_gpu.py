@@ -293,6 +293,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: Where the plot goes by default (only when a run was measured).
+DEFAULT_PNG = "benchmarks/results/fit_gpu.png"
+
+
 def write_png(rows: Sequence[dict[str, Any]], path: str) -> bool:
     """Predicted vs measured peak reserved (and the cap) per run; False without matplotlib."""
     try:
@@ -393,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-tokens", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=None, help="reply tokens (default 32; --quick 16)")
     parser.add_argument("--time-limit", type=float, default=330.0, help="seconds for the whole benchmark")
-    parser.add_argument("--png", default="benchmarks/results/fit_gpu.png")
+    parser.add_argument(
+        "--png",
+        default=None,
+        help=f"the plot (default {DEFAULT_PNG}, written only when a run was measured: a dry run "
+        "does not replace the measured plot; name a file to plot predictions alone)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -445,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     print(json.dumps(report, indent=2))
-    if args.png and write_png(rows, args.png):
-        log(f"wrote {args.png}")
+    measured = any("measured" in r for r in rows)
+    png = args.png if args.png is not None else (DEFAULT_PNG if measured else "")
+    if png and write_png(rows, png):
+        log(f"wrote {png}")
     return 0
 
 

@@ -282,6 +282,7 @@ class CachedEmbeddings:
             return
         texts = list(self._vecs)
         tmp = self.path.with_name(self.path.name + ".tmp.npz")
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # (a fresh machine has no cache folder)
         np.savez(tmp, texts=np.asarray(texts), vectors=np.stack([self._vecs[t] for t in texts]))
         tmp.replace(self.path)
         self._dirty = False

@@ -257,7 +257,12 @@ class CachedEmbeddings:
         self._dirty = False
         if path.exists():
             with np.load(path, allow_pickle=False) as data:
-                self._vecs = dict(zip(data["texts"].tolist(), data["vectors"], strict=True))
+                if "texts_json" in data:
+                    texts = json.loads(data["texts_json"].tobytes().decode("utf-8"))
+                else:  # (older caches: a fixed-width unicode array)
+                    texts = data["texts"].tolist()
+                vectors = np.array(data["vectors"], dtype=np.float32)
+                self._vecs = dict(zip(texts, vectors, strict=True))
 
     @property
     def dim(self) -> int:
@@ -283,7 +288,10 @@ class CachedEmbeddings:
         texts = list(self._vecs)
         tmp = self.path.with_name(self.path.name + ".tmp.npz")
         self.path.parent.mkdir(parents=True, exist_ok=True)  # (a fresh machine has no cache folder)
-        np.savez(tmp, texts=np.asarray(texts), vectors=np.stack([self._vecs[t] for t in texts]))
+        # The texts as one UTF-8 JSON buffer: a numpy string array is as wide as the longest
+        # text for every row (a LongMemEval cache of 113k texts took 19 GB that way).
+        blob = np.frombuffer(json.dumps(texts).encode("utf-8"), dtype=np.uint8)
+        np.savez(tmp, texts_json=blob, vectors=np.stack([self._vecs[t] for t in texts]))
         tmp.replace(self.path)
         self._dirty = False
 

@@ -125,3 +125,22 @@ def test_precompute_embeds_every_text_a_run_needs(tmp_path: Path) -> None:
         )
     assert inner.calls == calls
     assert lme.precompute(items, build, ["dense", "retrieval"], again, progress=lambda _: None) == 0
+
+
+def test_the_embedding_cache_grows_with_its_texts_not_rows_times_the_longest(tmp_path: Path) -> None:
+    # One long text among many short ones: a numpy string array would make every row as
+    # wide as the longest (a LongMemEval cache reached 19 GB that way).
+    import numpy as np
+
+    texts = [f"short text {i}" for i in range(2000)] + ["long " * 20000]
+    cache = CachedEmbeddings(HashEncoder(), tmp_path / "v.npz")
+    cache.encode(texts)
+    cache.save()
+    assert (tmp_path / "v.npz").stat().st_size < 4 * 1024 * 1024
+    again = CachedEmbeddings(HashEncoder(), tmp_path / "v.npz")
+    assert all(again.has(t) for t in texts)
+    assert np.allclose(again.encode(texts[:3]), cache.encode(texts[:3]))
+    # A cache written the older way (a string array) still reads.
+    np.savez(tmp_path / "old.npz", texts=np.asarray(texts[:5]), vectors=cache.encode(texts[:5]))
+    old = CachedEmbeddings(HashEncoder(), tmp_path / "old.npz")
+    assert all(old.has(t) for t in texts[:5]) and not old.has(texts[6])

@@ -629,7 +629,9 @@ def evaluate(
             }
             if planner != "local":
                 kwargs["engine"] = engine
-                kwargs["summarizer"] = summarizer if "summary" in name else None
+                from convo.session import SummaryConfig
+
+                kwargs["summarizing"] = SummaryConfig(summarizer=summarizer if "summary" in name else None)
             session = make_session(planner, **kwargs)
             replay(conv, session)
             for q in conv.questions:

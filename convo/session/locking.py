@@ -52,7 +52,10 @@ class TurnLock:
         catch_up: called on a fresh hold of the store's lock (reload what others stored).
         after_turn: called when a turn (:meth:`turn`, :meth:`aturn`, :meth:`local_turn`)
             has let go, unless this thread still holds the session (an outer turn then
-            calls it): work the turn's hold kept out, such as a prefill.
+            calls it): work the turn's hold kept out, such as a prefill. After an async
+            turn it runs in a worker thread (it may read the store), and only when
+            ``after_turn_due`` says there is work.
+        after_turn_due: whether ``after_turn`` has work now (default: always).
     """
 
     def __init__(
@@ -61,11 +64,13 @@ class TurnLock:
         session_id: str,
         catch_up: Callable[[], None],
         after_turn: Callable[[], None] | None = None,
+        after_turn_due: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
         self.session_id = session_id
         self._catch_up = catch_up
         self._after_turn = after_turn
+        self._after_turn_due = after_turn_due
         #: Held by a thread mid-turn (also around work that must not overlap a turn).
         self.local = threading.RLock()
         self._alock: asyncio.Lock | None = None
@@ -86,7 +91,8 @@ class TurnLock:
             async with self.ahold(timeout_s):
                 yield
         finally:
-            self._let_go()
+            if self._owes_after_turn():  # (off the loop: it may wait on the store)
+                await asyncio.to_thread(self._after_turn)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def local_turn(self) -> Iterator[None]:
@@ -99,8 +105,13 @@ class TurnLock:
             self._let_go()
 
     def _let_go(self) -> None:
-        if self._after_turn is not None and not self.store.holds_lock(self.session_id):
-            self._after_turn()
+        if self._owes_after_turn():
+            self._after_turn()  # type: ignore[misc]
+
+    def _owes_after_turn(self) -> bool:
+        if self._after_turn is None or self.store.holds_lock(self.session_id):
+            return False
+        return self._after_turn_due is None or self._after_turn_due()
 
     @contextlib.contextmanager
     def hold(self, timeout_s: float) -> Iterator[None]:

@@ -169,7 +169,13 @@ class Session:
         check_retriever(retriever)
         self.retriever = retriever
         self.id = session_id or uuid.uuid4().hex
-        self._turn_lock = TurnLock(self.store, self.id, catch_up=self._sync, after_turn=self._prefill_if_due)
+        self._turn_lock = TurnLock(
+            self.store,
+            self.id,
+            catch_up=self._sync,
+            after_turn=self._prefill_if_due,
+            after_turn_due=lambda: self._prefill_due,
+        )
         # A summary written while a turn of this object held it: the turn prefills the
         # next prompt's prefix on its way out (:meth:`prefill_next`).
         self._prefill_due = False

@@ -6,6 +6,7 @@ Fake engines and gated summarizers only (no sleeps decide an outcome, only bound
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ class RecordingEngine(ScriptedEngine):
         self._prefill = prefill
         self.options: list[dict[str, Any]] = []
         self.prefills: list[tuple[tuple[Message, ...], str]] = []
+        self.prefill_threads: list[threading.Thread] = []
         self.prefilled = threading.Event()
 
     @property
@@ -53,6 +55,7 @@ class RecordingEngine(ScriptedEngine):
 
     def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
         self.prefills.append((tuple(messages), cache_key))
+        self.prefill_threads.append(threading.current_thread())
         self.prefilled.set()
 
 
@@ -248,6 +251,37 @@ def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker:
     assert pairs(prefix)[0] == ("system", "Be brief.")
     assert any("S(turn 0" in m.content for m in prefix)
     assert ("user", "turn 2") in pairs(prefix)  # the window after the turn, not before it
+    summ.gate.set()
+    later = worker.job(session.store, session.id)
+    assert later is not None and later.wait(WAIT)
+
+
+def test_after_an_async_turn_the_due_prefill_runs_off_the_event_loop(worker: SummaryWorker) -> None:
+    # The same as above through asend: the prefill reads the store, so it must not run on
+    # the loop's thread (a Redis round trip there would stall every other request).
+    engine = MidTurn()
+    summ = Gated(open_gate=False)
+    session = Session(engine, budget=ROOMY, summarizer=summ, summaries=worker, summary_wait_s=0)
+
+    async def chat() -> threading.Thread:
+        await session.asend("turn 0")
+        await session.asend("turn 1")
+        job = worker.job(session.store, session.id)
+        assert job is not None
+
+        def land_the_summary() -> None:
+            summ.gate.set()
+            assert job.wait(WAIT)
+            summ.gate.clear()
+
+        engine.during = land_the_summary
+        await session.asend("turn 2")
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(chat())
+    assert engine.prefilled.wait(WAIT)
+    assert len(engine.prefills) == 1 and any("S(turn 0" in m.content for m in engine.prefills[0][0])
+    assert engine.prefill_threads[0] is not loop_thread
     summ.gate.set()
     later = worker.job(session.store, session.id)
     assert later is not None and later.wait(WAIT)

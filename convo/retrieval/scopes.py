@@ -227,10 +227,8 @@ class ScopedMemory(Retriever):
         self.scope = scope
         self.date_turns = date_turns
         self.config = config or RetrievalConfig(recency_weight=PERSON_RECENCY_WEIGHT)
-        base = embedder if embedder is not None else Embedder()
-        self._encoder = RecordingEncoder(base)
-        self._encoder_id: str | None = None  # (encoder_identity(base), read on first use)
-        self._base = base
+        self._encoder = RecordingEncoder(embedder if embedder is not None else Embedder())
+        self._encoder_id: str | None = None  # (encoder_identity of the embedder, on first use)
         self._memory = RetrievalMemory(self._encoder, config=self.config)
         self.min_score: float = self._memory.min_score
         self._slots: dict[str, int] = {}  # session -> its block of turn numbers
@@ -292,7 +290,7 @@ class ScopedMemory(Retriever):
     def encoder_id(self) -> str:
         """:func:`encoder_identity` of this scope's embedder (written on its records)."""
         if self._encoder_id is None:
-            self._encoder_id = encoder_identity(self._base)
+            self._encoder_id = encoder_identity(self._encoder.base)
         return self._encoder_id
 
     def _vectors_fit(self, rec: MemoryRecord) -> bool:
@@ -301,7 +299,7 @@ class ScopedMemory(Retriever):
         embedded again: another model's vectors are never mixed into the index."""
         if not rec.vectors or (rec.encoder and rec.encoder != self.encoder_id):
             return False
-        dim = self._base.dim
+        dim = self._encoder.dim
         return all(v.shape == (dim,) for v in rec.vectors.values())
 
     def apply(self, records: Iterable[MemoryRecord]) -> None:

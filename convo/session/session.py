@@ -392,13 +392,12 @@ class Session:
             self._turn_lock.local.release()
 
     def _prefill_if_due(self) -> None:
-        """After a turn let go (``TurnLock.after_turn``): the prefill that a summary written
-        during the turn asked for."""
-        if self._prefill_due:
-            try:
-                self.prefill_next()
-            except Exception:  # (the turn is done; a failed prefill only costs the next one)
-                logger.exception("session %s: prefilling the next prompt's prefix failed", self.id)
+        """After a turn let go (``TurnLock.after_turn``, called while ``_prefill_due``): the
+        prefill that a summary written during the turn asked for."""
+        try:
+            self.prefill_next()
+        except Exception:  # (the turn is done; a failed prefill only costs the next one)
+            logger.exception("session %s: prefilling the next prompt's prefix failed", self.id)
 
     def _summary_written(self, job: SummaryJob) -> None:
         """A background summary of this session was stored (worker thread): prefill the

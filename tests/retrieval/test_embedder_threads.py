@@ -1,0 +1,123 @@
+"""Embedder under concurrent callers: shared forward passes, a thread-safe cache, errors
+that reach only the call that caused them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from convo.embeddings import _Coalescer
+
+
+def _vec(text: str) -> np.ndarray:
+    return np.full(4, float(len(text)), dtype=np.float32)
+
+
+class _GatedCompute:
+    """A compute whose first pass blocks until released, so other calls pile up."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[list[str]] = []
+
+    def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        self.batches.append(list(texts))
+        if len(self.batches) == 1:
+            self.entered.set()
+            self.gate.wait(10)
+        if any(t.startswith("bad") for t in texts):
+            raise ValueError("bad text")
+        return {t: _vec(t) for t in texts}
+
+
+def _run_queued(co: _Coalescer, compute: _GatedCompute, calls: list[list[str]]) -> list[object]:
+    """Start a first call that blocks in its pass, then ``calls`` while it blocks; release."""
+    results: list[object] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = co.run(calls[i])
+        except Exception as exc:
+            results[i] = exc
+
+    first = threading.Thread(target=co.run, args=(["x"],))
+    first.start()
+    assert compute.entered.wait(10)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    deadline = threading.Event()
+    while len(co._queue) < len(calls) and not deadline.wait(0.01):
+        pass
+    compute.gate.set()
+    for t in [first, *threads]:
+        t.join(10)
+    return results
+
+
+def test_calls_made_while_a_pass_runs_share_the_next_pass() -> None:
+    compute = _GatedCompute()
+    co = _Coalescer(compute)
+    calls = [[f"text {i}", "shared"] for i in range(6)]
+    results = _run_queued(co, compute, calls)
+    # The first pass, then one for all six waiting calls (their texts once each).
+    assert len(compute.batches) == 2
+    assert sorted(compute.batches[1]) == sorted({t for c in calls for t in c})
+    for call, got in zip(calls, results, strict=True):
+        assert isinstance(got, dict) and set(got) == set(call)
+        for t in call:
+            assert np.array_equal(got[t], _vec(t))
+    assert co.passes == 2 and co.calls == 7
+
+
+def test_a_failing_pass_fails_only_the_call_that_causes_it() -> None:
+    compute = _GatedCompute()
+    co = _Coalescer(compute)
+    calls = [["good one"], ["bad one"], ["good two"]]
+    results = _run_queued(co, compute, calls)
+    assert isinstance(results[1], ValueError)
+    assert isinstance(results[0], dict) and np.array_equal(results[0]["good one"], _vec("good one"))
+    assert isinstance(results[2], dict) and np.array_equal(results[2]["good two"], _vec("good two"))
+    # The shared pass failed; each call then ran alone.
+    assert sorted(map(tuple, compute.batches[2:])) == [("bad one",), ("good one",), ("good two",)]
+
+
+def test_a_lone_call_runs_at_once() -> None:
+    seen: list[list[str]] = []
+    co = _Coalescer(lambda texts: (seen.append(list(texts)), {t: _vec(t) for t in texts})[1])
+    assert set(co.run(["a", "b"])) == {"a", "b"}
+    assert seen == [["a", "b"]] and co.passes == 1
+
+
+@pytest.fixture(scope="module")
+def minilm():  # type: ignore[no-untyped-def]
+    from convo.embeddings import Embedder
+
+    return Embedder(precision="float32", cache_size=64)
+
+
+def test_minilm_from_many_threads_gives_each_thread_its_vectors(minilm) -> None:  # type: ignore[no-untyped-def]
+    texts = [f"Message number {i} says the meeting moved to room {i * 7}." for i in range(48)]
+    alone = {t: minilm.encode([t])[0] for t in texts[:8]}
+    passes = minilm._coalescer.passes
+    minilm.cache_size = 0  # computed again below, concurrently (the cache is cleared)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: minilm.encode([texts[i], texts[(i + 1) % 48]]), range(48)))
+    minilm.cache_size = 64
+    for i, vecs in enumerate(got):
+        assert vecs.shape == (2, 384)
+        for row, t in zip(vecs, (texts[i], texts[(i + 1) % 48]), strict=True):
+            assert np.isclose(np.linalg.norm(row), 1.0, atol=1e-5)
+            if t in alone:
+                assert np.allclose(row, alone[t], atol=1e-5)
+    # 48 calls, fewer passes: the calls that overlapped shared them.
+    assert minilm._coalescer.passes - passes < 48
+    # The cache stays consistent under concurrent writers and never passes its size.
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: minilm.encode([t]), texts))
+    assert len(minilm._cache) <= 64

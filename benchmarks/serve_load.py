@@ -174,6 +174,7 @@ class Outcome:
     error: str = ""
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    plan_s: float | None = None  # the server's ``convo.plan_s``: the turn before its prompt
 
 
 # -- the server (child process) ---------------------------------------------------------------
@@ -192,6 +193,7 @@ def child(args: argparse.Namespace) -> None:
     engine: Any
     if args.fake:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
+        engine.concurrent_calls = args.fake_concurrent_calls
     elif args.model or args.quant or args.kv_slots is not None:
         from convo.engines.local.config import KVConfig
         from convo.engines.local.engine import TransformersEngine
@@ -300,6 +302,7 @@ async def one_turn(
                 out.reply = data["choices"][0]["message"]["content"]
                 out.completion_tokens = (data.get("usage") or {}).get("completion_tokens")
                 out.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
+                out.plan_s = (data.get("convo") or {}).get("plan_s")
             else:
                 out.error = r.text[:200]
         else:
@@ -320,6 +323,8 @@ async def one_turn(
                         if event.get("usage"):
                             out.completion_tokens = event["usage"].get("completion_tokens")
                             out.prompt_tokens = event["usage"].get("prompt_tokens")
+                        if event.get("convo"):
+                            out.plan_s = event["convo"].get("plan_s")
                         for ch in event.get("choices") or []:
                             piece = (ch.get("delta") or {}).get("content")
                             if piece:
@@ -360,6 +365,9 @@ async def openai_turn(client: Any, sid: str, turn: int, text: str, t0: float, ma
             if chunk.usage is not None:
                 out.completion_tokens = chunk.usage.completion_tokens
                 out.prompt_tokens = chunk.usage.prompt_tokens
+            block = (chunk.model_extra or {}).get("convo")
+            if block:
+                out.plan_s = block.get("plan_s")
         out.reply = "".join(parts)
     except openai.APIStatusError as exc:
         out.status, out.error = exc.status_code, str(exc)[:200]
@@ -636,6 +644,12 @@ def background_figures(
             str(t): pct([o.ttft_s for o in ok if o.turn == t and o.ttft_s is not None], 0.5)
             for t in sorted({o.turn for o in ok})
         },
+        # The server's part of it: the turn's seconds before its prompt went to the engine
+        # (indexing, retrieval, planning; ``convo.plan_s``).
+        "plan_s_p50_by_turn": {
+            str(t): pct([o.plan_s for o in ok if o.turn == t and o.plan_s is not None], 0.5)
+            for t in sorted({o.turn for o in ok})
+        },
     }
 
 
@@ -845,6 +859,13 @@ def main() -> int:
     p.add_argument("--fake", action="store_true", help="the test engine (no model), with --delay-s per word")
     p.add_argument("--delay-s", type=float, default=0.02, help="fake engine: seconds per word (0.02)")
     p.add_argument(
+        "--fake-concurrent-calls",
+        type=int,
+        default=1,
+        help="fake engine: the calls it declares it runs together (1); above 1 a turn never "
+        "waits for a late summary, as on a batching GPU engine",
+    )
+    p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default=None,
@@ -1043,7 +1064,7 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
     if step_file:
         cmd += ["--step-file", step_file]
     if args.fake:
-        cmd.append("--fake")
+        cmd += ["--fake", "--fake-concurrent-calls", str(args.fake_concurrent_calls)]
     base = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)

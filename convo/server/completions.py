@@ -95,6 +95,10 @@ def convo_stats(reply: Reply, session_id: str | None, forked: str | None = None)
         "hidden_turns": s.hidden_turns,
         "provisional_summary": s.provisional_summary,
         "summary_wait_s": round(s.summarize_s, 4),
+        # Seconds the turn took before its prompt went to the engine (indexing, retrieval,
+        # planning), and generating.
+        "plan_s": round(s.plan_s, 4),
+        "generate_s": round(s.generate_s, 4),
         "summary": s.summary.to_dict() if s.summary is not None else None,
         # What retrieval put in the prompt, for citation: where each passage comes from.
         "passages": [passage_json(p) for p in reply.plan.passages_used],

@@ -727,6 +727,38 @@ class Retriever(Protocol):
         ...
 
 
+@runtime_checkable
+class PreparesTurns(Protocol):
+    """A :class:`Retriever` that can do the costly part of :meth:`~Retriever.remember_turns`
+    (embedding) ahead, off a turn's path: a :class:`~convo.session.Session` calls
+    :meth:`prepare_turns` in a background thread after each reply, so that the next
+    turn's indexing finds its vectors computed (:class:`convo.RetrievalMemory` and the
+    server's memory declare it by defining the method)."""
+
+    #: The turns a session hands over are searched by that session alone: a turn its prompt
+    #: still shows (whose passages would be dropped) is handed over when it leaves the
+    #: window (or as :meth:`turns_ready` says), its vectors computed ahead meanwhile; until
+    #: then a turn embeds neither them nor its question. ``False``: every completed turn at
+    #: once (a memory shared by several sessions, e.g. a person's).
+    defer_window_turns: bool
+
+    def prepare_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """Compute ahead what indexing ``turns`` of ``session_id`` will need; index nothing.
+        Returns how many texts were embedded."""
+        ...
+
+    def turns_ready(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """How many of ``turns`` (completed turns the window still shows, from the first)
+        to index now rather than when they leave the window: 0, or all of them where the
+        index is built on this turn anyway (the server's, rebuilt from the store after a
+        restart or on another replica: every turn not stored is caught up then)."""
+        ...
+
+
 def check_retriever(retriever: object) -> None:
     """Refuse a retriever that does not declare what :class:`Retriever` declares.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -163,7 +163,85 @@ class RetrievalMemory(Retriever):
         items = []
         owns: list[str] = []  # each unit's own line, and the line it is read with ("": none)
         contexts: list[str] = []
-        last_lines: dict[int, str] = {}  # of this call's turns: not in the store yet
+        for turn, msgs, lines, day, ctx in self._turn_lines(store, turns, dates):
+            head = f"[{day}]\n" if day and self.config.date_in_text else ""
+            dense = (
+                [_with_context(c, line) for c, line in zip(ctx, lines, strict=True)] if ctx else list(lines)
+            )
+            contexts += ctx or [""] * len(lines)
+            owns += lines
+            meta: dict[str, Any] = {
+                "session_id": session_id,
+                "turn": turn.index,
+                "_lines": lines,
+                "_speakers": [m.name or m.role.value for m in msgs],
+            }
+            if day:
+                meta["date"] = day
+            rec = Record(
+                text=head + "\n".join(lines), source=f"turn {turn.index}", key=turn_key(turn.index), meta=meta
+            )
+            words = dense if self.config.context_words else list(lines)
+            items.append((rec, words, words))
+        alone = self.config.embed_alone and items
+        store.add(items, vectors=self._unit_vectors(owns, contexts) if alone else None)
+        if self.config.expand_terms > 0 and items:
+            self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])
+
+    #: Each session's turns are searched by that session alone (see
+    #: :class:`~convo.plan.PreparesTurns`).
+    defer_window_turns = True
+
+    def prepare_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """Embed ahead, into the embedder's caches, what :meth:`remember_turns` will embed for
+        ``turns`` (:meth:`embedding_texts`); index nothing. A :class:`~convo.session.Session`
+        calls it in a background thread after each reply (see :mod:`convo.session.ahead`).
+        Returns how many texts were embedded."""
+        texts = self.embedding_texts(session_id, turns, dates=dates)
+        if texts:
+            self.embedder.encode(texts)
+        return len(texts)
+
+    def turns_ready(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """0: a turn the window shows is indexed when it leaves it (this index lives in the
+        process; see :class:`~convo.plan.PreparesTurns`)."""
+        return 0
+
+    def embedding_texts(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> list[str]:
+        """The texts :meth:`remember_turns` would give the embedder for ``turns`` now (each
+        line, the lines they are read with, and for query expansion every word not embedded
+        yet), so that a caller can embed them ahead, off a turn's path, into the embedder's
+        caches. Indexes nothing. (The vocabulary only takes words two messages use, known
+        once the turns are indexed: every new word is listed.)"""
+        store = self._sessions.get(session_id) or UnitStore(self.embedder, exact_max=1, nprobe=1)
+        cfg = self.config
+        texts: list[str] = []
+        words: list[str] = []
+        for _, _, lines, _, ctx in self._turn_lines(store, turns, dates):
+            ctx = ctx or [""] * len(lines)
+            dense = [_with_context(c, line) if c else line for c, line in zip(ctx, lines, strict=True)]
+            if cfg.embed_alone:
+                texts += [head_text(t, cfg.embed_chars) for t in lines]
+                texts += [head_text(c, cfg.embed_chars) for c in ctx if c and cfg.context_weight > 0]
+            else:
+                texts += dense if cfg.context_words else lines
+            if cfg.expand_terms > 0:
+                words += [t for text in (dense if cfg.context_words else lines) for t in terms(text)]
+        fresh = [w for w in dict.fromkeys(words) if w not in self._word_vectors and not w.isdigit()]
+        return list(dict.fromkeys([*texts, *fresh]))
+
+    def _turn_lines(
+        self, store: UnitStore, turns: Sequence[Turn], dates: Mapping[int, str] | None
+    ) -> Iterator[tuple[Turn, list[Message], list[str], str | None, list[str]]]:
+        """Each turn with text: its messages, their ``Speaker: content`` lines, its date
+        and (with ``neighbours``) the line each line is read with, else ``[]``."""
+        last_lines: dict[int, str] = {}  # of these turns: not in the store yet
         last_dates: dict[int, str | None] = {}
         for turn in turns:
             msgs = [m for m in turn.messages if m.content.strip()]
@@ -173,8 +251,7 @@ class RetrievalMemory(Retriever):
             last_lines[turn.index] = lines[-1]
             date = (dates or {}).get(turn.index)
             last_dates[turn.index] = date
-            head = f"[{date}]\n" if date and self.config.date_in_text else ""
-            dense = list(lines)
+            ctx: list[str] = []
             if self.config.neighbours:
                 # A short reply ("Yes, last week!") is findable by what it answers.
                 # The previous turn's last line (indexed with this one or before), if it
@@ -187,28 +264,7 @@ class RetrievalMemory(Retriever):
                 else:
                     prev = self._last_line(store, turn.index, date)
                 ctx = [prev, *lines[:-1]]
-                dense = [_with_context(c, line) for c, line in zip(ctx, lines, strict=True)]
-                contexts += ctx
-            else:
-                contexts += [""] * len(lines)
-            owns += lines
-            meta: dict[str, Any] = {
-                "session_id": session_id,
-                "turn": turn.index,
-                "_lines": lines,
-                "_speakers": [m.name or m.role.value for m in msgs],
-            }
-            if date:
-                meta["date"] = date
-            rec = Record(
-                text=head + "\n".join(lines), source=f"turn {turn.index}", key=turn_key(turn.index), meta=meta
-            )
-            words = dense if self.config.context_words else list(lines)
-            items.append((rec, words, words))
-        alone = self.config.embed_alone and items
-        store.add(items, vectors=self._unit_vectors(owns, contexts) if alone else None)
-        if self.config.expand_terms > 0 and items:
-            self._vocabulary(store, [t for _, texts, _ in items for text in texts for t in terms(text)])
+            yield turn, msgs, lines, date, ctx
 
     def _unit_vectors(self, owns: Sequence[str], contexts: Sequence[str]) -> np.ndarray:
         """Each unit's vector: its own line's head (``embed_chars``) plus ``context_weight``

@@ -263,20 +263,7 @@ class ScopedMemory(Retriever):
         vectors computed for them; a turn indexed before with the same content is skipped
         (a server session is loaded anew per request and hands over every turn)."""
         with self._lock:
-            todo = []
-            for turn in turns:
-                msgs = tuple((m.role.value, m.name, m.content) for m in turn.messages if m.content.strip())
-                day = (dates or {}).get(turn.index) or (_day_of(turn) if self.date_turns else None)
-                digest = _digest(msgs, day)
-                if turn.index < self._floors.get(session_id, 0):
-                    continue  # forgotten for good (see forget_before)
-                if self._digests.get(session_id, {}).get(turn.index) == digest:
-                    continue
-                todo.append(
-                    MemoryRecord(
-                        session_id=session_id, turn=turn.index, date=day, messages=msgs, digest=digest
-                    )
-                )
+            todo = self._unindexed(session_id, turns, dates)
             if not todo:
                 return []
             with self._encoder.taping() as tape:
@@ -285,6 +272,65 @@ class ScopedMemory(Retriever):
             out = [replace(todo[0], vectors=dict(tape), encoder=self.encoder_id), *todo[1:]]
             self._bytes += sum(r.nbytes for r in out)
             return out
+
+    #: The scope's sessions search each other's turns: each is indexed once completed.
+    defer_window_turns = False
+
+    def prepare_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """Embed ahead, into the embedder's caches, what :meth:`index_turns` would embed for
+        the turns of ``turns`` not indexed yet; index nothing. A background thread calls it
+        after a turn, so that the next turn's indexing finds its vectors computed. Returns
+        how many texts were embedded."""
+        with self._lock:
+            todo = self._unindexed(session_id, turns, dates)
+            slot = self._slots.get(session_id, len(self._by_slot))
+            scoped, days = self._scoped_turns(todo, slot)
+            texts = self._memory.embedding_texts(self.scope, scoped, dates=days) if scoped else []
+        if texts:  # (outside the lock: turns of the scope's other sessions go on meanwhile)
+            self._encoder.base.encode(texts)
+        return len(texts)
+
+    def turns_ready(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        """0: a turn the window shows is indexed when it leaves it (see
+        :class:`~convo.plan.PreparesTurns`)."""
+        return 0
+
+    def _unindexed(
+        self, session_id: str, turns: Sequence[Turn], dates: Mapping[int, str] | None
+    ) -> list[MemoryRecord]:
+        """Records of the turns not indexed yet, or changed since (under ``_lock``)."""
+        todo = []
+        for turn in turns:
+            msgs = tuple((m.role.value, m.name, m.content) for m in turn.messages if m.content.strip())
+            day = (dates or {}).get(turn.index) or (_day_of(turn) if self.date_turns else None)
+            digest = _digest(msgs, day)
+            if turn.index < self._floors.get(session_id, 0):
+                continue  # forgotten for good (see forget_before)
+            if self._digests.get(session_id, {}).get(turn.index) == digest:
+                continue
+            todo.append(
+                MemoryRecord(session_id=session_id, turn=turn.index, date=day, messages=msgs, digest=digest)
+            )
+        return todo
+
+    @staticmethod
+    def _scoped_turns(records: Sequence[MemoryRecord], slot: int) -> tuple[list[Turn], dict[int, str]]:
+        """The turns of ``records`` (one session's) as the scope's index numbers them: the
+        session's block ``slot`` of :data:`SESSION_TURNS_MAX` turns; and their dates."""
+        turns, dates = [], {}
+        for rec in records:
+            if not 0 <= rec.turn < SESSION_TURNS_MAX:
+                raise ConfigError(f"turn {rec.turn} of session {rec.session_id!r} is past SESSION_TURNS_MAX")
+            index = slot * SESSION_TURNS_MAX + rec.turn
+            msgs = tuple(Message(role=Role(r), name=n, content=c) for r, n, c in rec.messages)
+            turns.append(Turn(index=index, messages=msgs))
+            if rec.date:
+                dates[index] = rec.date
+        return turns, dates
 
     @property
     def encoder_id(self) -> str:
@@ -334,16 +380,8 @@ class ScopedMemory(Retriever):
         if not records:
             return
         sid = records[0].session_id
-        slot = self._slot(sid)
-        turns, dates = [], {}
+        turns, dates = self._scoped_turns(records, self._slot(sid))
         for rec in records:
-            if not 0 <= rec.turn < SESSION_TURNS_MAX:
-                raise ConfigError(f"turn {rec.turn} of session {sid!r} is past SESSION_TURNS_MAX")
-            index = slot * SESSION_TURNS_MAX + rec.turn
-            msgs = tuple(Message(role=Role(r), name=n, content=c) for r, n, c in rec.messages)
-            turns.append(Turn(index=index, messages=msgs))
-            if rec.date:
-                dates[index] = rec.date
             self._digests.setdefault(sid, {})[rec.turn] = rec.digest
         self._memory.remember_turns(self.scope, turns, dates=dates)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from convo.embeddings import TextEncoder
 from convo.errors import ConfigError
-from convo.plan import Passage, Retriever, Turn
+from convo.plan import Passage, PreparesTurns, Retriever, Turn
 from convo.retrieval.documents import DocumentCollection
 from convo.retrieval.scopes import RecordingEncoder
 from convo.server.errors import ApiError
@@ -414,12 +414,27 @@ class DocumentsView(Retriever):
         self.collections = list(collections)
         self.inner = inner
         self.min_score = inner.min_score if inner is not None else float("-inf")
+        self.defer_window_turns = isinstance(inner, PreparesTurns) and inner.defer_window_turns
 
     def remember_turns(
         self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
     ) -> None:
         if self.inner is not None:
             self.inner.remember_turns(session_id, turns, dates=dates)
+
+    def prepare_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        if isinstance(self.inner, PreparesTurns):
+            return self.inner.prepare_turns(session_id, turns, dates=dates)
+        return 0
+
+    def turns_ready(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        if isinstance(self.inner, PreparesTurns):
+            return self.inner.turns_ready(session_id, turns, dates=dates)
+        return len(turns)
 
     def retrieve(
         self, query: str, *, session_id: str, top_k: int, today: date | str | None = None

@@ -44,6 +44,7 @@ from convo.errors import ConfigError, SessionNotFound
 from convo.plan import Passage, Retriever, Turn, split_turns
 from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.scopes import MemoryRecord, ScopedMemory
+from convo.session.ahead import ahead_stats
 from convo.stores import Store
 
 logger = logging.getLogger(__name__)
@@ -322,6 +323,28 @@ class ServerMemory:
                 self._drop_where(lambda e: e is entry)
         self._evict(keep=scope)
 
+    def prepare(
+        self, person: str | None, session_id: str, turns: Sequence[Turn], dates: Mapping[int, str] | None
+    ) -> int:
+        """Embed ahead what :meth:`remember` will embed for ``turns`` (a background thread,
+        after a reply; see :mod:`convo.session.ahead`), when the scope's index is cached:
+        else the next turn rebuilds it from the store, whose records hold their vectors."""
+        with self._lock:
+            entry = self._cache.get(person or session_id)
+        return 0 if entry is None else entry.memory.prepare_turns(session_id, turns, dates=dates)
+
+    def turns_ready(
+        self, person: str | None, session_id: str, turns: Sequence[Turn], dates: Mapping[int, str] | None
+    ) -> int:
+        """How many of ``turns`` (in the window still) to index on this turn: all when the
+        scope's index is not cached (a restart, a ``kill -9``, a session new to this
+        replica, an LRU eviction), as it is rebuilt from the store on this turn anyway, so
+        that every acknowledged turn is in the store again; else none (see
+        :class:`~convo.plan.PreparesTurns`)."""
+        with self._lock:
+            entry = self._cache.get(person or session_id)
+        return len(turns) if entry is None else entry.memory.turns_ready(session_id, turns, dates=dates)
+
     def retrieve(
         self, person: str | None, query: str, session_id: str, top_k: int, today: date | str | None
     ) -> list[Passage]:
@@ -349,12 +372,24 @@ class MemoryView(Retriever):
     def __init__(self, memory: ServerMemory, person: str | None) -> None:
         self.memory = memory
         self.person = person
+        # A session's own memory is searched by it alone; a person's by all their sessions.
+        self.defer_window_turns = person is None
         self.min_score = (memory.config or RetrievalConfig()).min_score
 
     def remember_turns(
         self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
     ) -> None:
         self.memory.remember(self.person, session_id, turns, dates)
+
+    def prepare_turns(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        return self.memory.prepare(self.person, session_id, turns, dates)
+
+    def turns_ready(
+        self, session_id: str, turns: Sequence[Turn], *, dates: Mapping[int, str] | None = None
+    ) -> int:
+        return self.memory.turns_ready(self.person, session_id, turns, dates)
 
     def retrieve(
         self, query: str, *, session_id: str, top_k: int, today: date | str | None = None
@@ -397,3 +432,19 @@ class MemoryCollector(Collector):
             value=s.rebuild_s,
         )
         yield CounterMetricFamily("convo_memory_cache_evictions", "indexes dropped by LRU", value=s.evictions)
+        ahead = ahead_stats()
+        yield CounterMetricFamily(
+            "convo_memory_embedded_ahead_texts",
+            "texts embedded in the background after a reply, for the next turn's indexing",
+            value=ahead.texts,
+        )
+        yield CounterMetricFamily("convo_memory_embed_ahead_jobs", "embed-ahead jobs run", value=ahead.done)
+        yield CounterMetricFamily(
+            "convo_memory_embed_ahead_dropped", "embed-ahead jobs dropped (backlog full)", value=ahead.dropped
+        )
+        yield CounterMetricFamily(
+            "convo_memory_embed_ahead_failed", "embed-ahead jobs failed", value=ahead.failed
+        )
+        yield GaugeMetricFamily(
+            "convo_memory_embed_ahead_backlog", "embed-ahead jobs waiting", value=ahead.backlog
+        )

@@ -43,8 +43,9 @@ from convo.engines.base import (
 )
 from convo.errors import BudgetError, ConfigError, DeviceOutOfMemory, MessageError, SessionBusy
 from convo.messages import Message, MessageLike, Role, check_text
-from convo.plan import Passage, PromptPlan, Retriever, Turn, check_retriever, plan_checked
+from convo.plan import Passage, PreparesTurns, PromptPlan, Retriever, Turn, check_retriever, plan_checked
 from convo.session import known, window
+from convo.session.ahead import prepare_later
 from convo.session.config import (
     LegacyKwargs,
     ReplyConfig,
@@ -693,7 +694,7 @@ class Session:
         turn's tool schemas, planned as a pinned part."""
         if self.engine is None:
             raise ConfigError("this session has no engine; it can only plan prompts")
-        self._remember_completed_turns()
+        self._remember_completed_turns(ahead=True)
         self._prefill_due = False  # (this turn's prompt shows every summary stored so far)
         self._synced_state()
         plan, start = self._plan_now(tools=tools)
@@ -748,6 +749,7 @@ class Session:
         self._write()  # the turn is stored before its summary starts
         moved = self.evicted_turns != evicted_before
         self._maybe_summarize(window_moved=moved, prompt=[*plan.messages, answer])
+        self._index_ahead()
         stats = TurnStats(
             turn=self.turn_count,
             parts=dict(plan.parts),
@@ -952,17 +954,31 @@ class Session:
             prompt=prompt,
         )
 
-    def _remember_completed_turns(self) -> None:
-        """Hand every completed turn (all but the last) to the retriever, once each."""
+    def _remember_completed_turns(self, *, ahead: bool = False) -> None:
+        """Hand every completed turn (all but the last) to the retriever, once each; ``ahead``
+        (a reply) and a retriever that defers: the turns the window still shows only once
+        their vectors are ready (:meth:`_index_ahead`), else when they leave the window."""
         done = self.turn_count - 1
         if self.retriever is None or done <= self._indexed_turns:
             return
-        turns = self.turns(self._indexed_turns)[: done - self._indexed_turns]
         dates = self._history.dates
+        if ahead and isinstance(self.retriever, PreparesTurns) and self.retriever.defer_window_turns:
+            start = max(self._indexed_turns, min(done, self.evicted_turns))
+            if shown := self.turns(start)[: done - start]:
+                done = start + self.retriever.turns_ready(self.id, shown, dates=dates)
+            if done <= self._indexed_turns:
+                return
+        turns = self.turns(self._indexed_turns)[: done - self._indexed_turns]
         self.retriever.remember_turns(
             self.id, turns, dates={t.index: dates[t.index] for t in turns if t.index in dates}
         )
         self._indexed_turns = done
+
+    def _index_ahead(self) -> None:
+        """Have the retriever embed the turns not handed to it yet (this one too) in the
+        background, for the next turn's :meth:`_remember_completed_turns`."""
+        if isinstance(self.retriever, PreparesTurns) and self.turn_count > self._indexed_turns:
+            prepare_later(self.retriever, self.id, self.turns(self._indexed_turns), self._history.dates)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:

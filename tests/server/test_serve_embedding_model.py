@@ -73,3 +73,10 @@ def test_a_random_weight_copy_from_the_files_alone_serves_as_the_embedder(
     assert memory is not None
     vectors = memory.embedder.encode(["the cat sat", "a dog ran"])
     assert vectors.shape == (2, 384)
+
+
+def test_the_embedding_device_is_the_embedders(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVO_FAKE_EMBEDDER", raising=False)
+    monkeypatch.delenv("CONVO_FAKE_ENGINE", raising=False)
+    memory = server_memory(args(embedding_model=None, embedding_device="cpu"), InMemoryStore())
+    assert memory is not None and memory.embedder.device == "cpu"

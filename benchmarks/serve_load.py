@@ -84,6 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -643,17 +644,21 @@ def background_figures(
         "summary_lag_p95_s": histogram_quantile(before, after, lag, 0.95),
         "summary_backlog_peak": int(backlog_peak),
         "summary_backlog_end": int(after.get("convo_summary_backlog", 0.0)),
-        "ttft_p50_s_by_turn": {
-            str(t): pct([o.ttft_s for o in ok if o.turn == t and o.ttft_s is not None], 0.5)
-            for t in sorted({o.turn for o in ok})
-        },
+        "ttft_p50_s_by_turn": p50_by_turn(ok, "ttft_s"),
         # The server's part of it: the turn's seconds before its prompt went to the engine
         # (indexing, retrieval, planning; ``convo.plan_s``).
-        "plan_s_p50_by_turn": {
-            str(t): pct([o.plan_s for o in ok if o.turn == t and o.plan_s is not None], 0.5)
-            for t in sorted({o.turn for o in ok})
-        },
+        "plan_s_p50_by_turn": p50_by_turn(ok, "plan_s"),
     }
+
+
+def p50_by_turn(outcomes: Sequence[Outcome], field: str) -> dict[str, float | None]:
+    """The median of ``field`` of ``outcomes`` for each turn index (those without it left out)."""
+    values: dict[int, list[float]] = {}
+    for o in outcomes:
+        values.setdefault(o.turn, [])
+        if (v := getattr(o, field)) is not None:
+            values[o.turn].append(v)
+    return {str(t): pct(values[t], 0.5) for t in sorted(values)}
 
 
 #: The figures of each wave under ``waves`` (with :func:`background_figures`).

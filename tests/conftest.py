@@ -213,3 +213,15 @@ class HashEncoder:
             if norm:
                 out[i] /= norm
         return out
+
+
+class RecordingEncoder(HashEncoder):
+    """A HashEncoder that keeps every text it was asked to embed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.seen += list(texts)
+        return super().encode(texts)

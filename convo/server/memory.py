@@ -329,8 +329,7 @@ class ServerMemory:
         """Embed ahead what :meth:`remember` will embed for ``turns`` (a background thread,
         after a reply; see :mod:`convo.session.ahead`), when the scope's index is cached:
         else the next turn rebuilds it from the store, whose records hold their vectors."""
-        with self._lock:
-            entry = self._cache.get(person or session_id)
+        entry = self._cached(person or session_id)
         return 0 if entry is None else entry.memory.prepare_turns(session_id, turns, dates=dates)
 
     def turns_ready(
@@ -341,9 +340,13 @@ class ServerMemory:
         replica, an LRU eviction), as it is rebuilt from the store on this turn anyway, so
         that every acknowledged turn is in the store again; else none (see
         :class:`~convo.plan.PreparesTurns`)."""
-        with self._lock:
-            entry = self._cache.get(person or session_id)
+        entry = self._cached(person or session_id)
         return len(turns) if entry is None else entry.memory.turns_ready(session_id, turns, dates=dates)
+
+    def _cached(self, scope: str) -> _Entry | None:
+        """The cached index of ``scope`` as it is (not caught up, not counted as a hit)."""
+        with self._lock:
+            return self._cache.get(scope)
 
     def retrieve(
         self, person: str | None, query: str, session_id: str, top_k: int, today: date | str | None
@@ -433,18 +436,13 @@ class MemoryCollector(Collector):
         )
         yield CounterMetricFamily("convo_memory_cache_evictions", "indexes dropped by LRU", value=s.evictions)
         ahead = ahead_stats()
-        yield CounterMetricFamily(
-            "convo_memory_embedded_ahead_texts",
-            "texts embedded in the background after a reply, for the next turn's indexing",
-            value=ahead.texts,
-        )
-        yield CounterMetricFamily("convo_memory_embed_ahead_jobs", "embed-ahead jobs run", value=ahead.done)
-        yield CounterMetricFamily(
-            "convo_memory_embed_ahead_dropped", "embed-ahead jobs dropped (backlog full)", value=ahead.dropped
-        )
-        yield CounterMetricFamily(
-            "convo_memory_embed_ahead_failed", "embed-ahead jobs failed", value=ahead.failed
-        )
+        for name, doc, value in (
+            ("embedded_ahead_texts", "texts embedded in the background after a reply", ahead.texts),
+            ("embed_ahead_jobs", "embed-ahead jobs run", ahead.done),
+            ("embed_ahead_dropped", "embed-ahead jobs dropped (backlog full)", ahead.dropped),
+            ("embed_ahead_failed", "embed-ahead jobs failed", ahead.failed),
+        ):
+            yield CounterMetricFamily(f"convo_memory_{name}", doc, value=value)
         yield GaugeMetricFamily(
             "convo_memory_embed_ahead_backlog", "embed-ahead jobs waiting", value=ahead.backlog
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from conftest import HashEncoder
+from conftest import RecordingEncoder
 
 from convo import Budget, RetrievalMemory, Session
 from convo.messages import Message, Role
@@ -17,18 +17,6 @@ from convo.retrieval.config import RetrievalConfig
 from convo.retrieval.scopes import ScopedMemory
 from convo.session.ahead import AheadPool, ahead_stats, drain_ahead
 from convo.testing import ScriptedEngine
-
-
-class Recording(HashEncoder):
-    """A HashEncoder that records every text it is asked for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.texts: list[str] = []
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        self.texts += list(texts)
-        return super().encode(texts)
 
 
 def _turns(pairs: Sequence[tuple[str, str]], start: int = 0) -> list[Turn]:
@@ -51,30 +39,30 @@ PAIRS = [
 @pytest.mark.parametrize("config", [RetrievalConfig(), RetrievalConfig(embed_alone=False, neighbours=False)])
 def test_embedding_texts_cover_what_indexing_embeds(config: RetrievalConfig) -> None:
     for earlier in (0, 1):  # with and without an indexed turn before (its last line is context)
-        enc = Recording()
+        enc = RecordingEncoder()
         memory = RetrievalMemory(enc, config=config)
         turns = _turns(PAIRS)
         memory.remember_turns("s", turns[:earlier])
         ahead = set(memory.embedding_texts("s", turns[earlier:]))
-        enc.texts.clear()
+        enc.seen.clear()
         memory.remember_turns("s", turns[earlier:])
-        assert enc.texts and set(enc.texts) <= ahead
+        assert enc.seen and set(enc.seen) <= ahead
         assert memory.embedding_texts("s", turns[earlier:])  # indexing nothing changed that
 
 
 def test_scoped_memory_prepares_only_turns_not_indexed() -> None:
-    enc = Recording()
+    enc = RecordingEncoder()
     scoped = ScopedMemory(enc, scope="s", date_turns=False)
     turns = _turns(PAIRS)
     scoped.index_turns("s", turns[:2])
-    enc.texts.clear()
+    enc.seen.clear()
     assert scoped.prepare_turns("s", turns) > 0
-    prepared = set(enc.texts)
+    prepared = set(enc.seen)
     assert not any("Lisbon" in t for t in prepared)  # turn 0 is indexed already
     assert any("aquarium" in t for t in prepared)
-    enc.texts.clear()
+    enc.seen.clear()
     scoped.index_turns("s", turns)
-    assert set(enc.texts) <= prepared
+    assert set(enc.seen) <= prepared
     assert scoped.prepare_turns("s", turns) == 0  # nothing left to embed
 
 
@@ -135,12 +123,12 @@ def test_session_embeds_its_turn_ahead_and_the_next_turn_finds_it() -> None:
 def test_turns_in_the_window_wait_for_indexing_and_cost_no_query_embedding() -> None:
     # While every turn is in the window (its passages would be dropped), a retriever that
     # embeds ahead is handed nothing and asked nothing: no embedding on the turn's path.
-    enc = Recording()
+    enc = RecordingEncoder()
     memory = RetrievalMemory(enc)
     session = Session(ScriptedEngine(), retriever=memory, budget=Budget(context_tokens=4096))
     session.send("I moved to Lisbon in March.")
     assert drain_ahead(30)
-    prepared = len(enc.texts)
+    prepared = len(enc.seen)
     assert prepared > 0  # embedded ahead, in the background
     session.send("Where did I move?")
     reply = session.send("And when?")

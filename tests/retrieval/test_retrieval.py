@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from conftest import HashEncoder
+from conftest import HashEncoder, RecordingEncoder
 
 from convo.budget import Budget
 from convo.errors import ConfigError, MissingDependency, StoreError
@@ -1291,18 +1291,6 @@ def test_room_the_whole_recent_turns_leave_goes_to_retrieval(cl100k: TiktokenCou
     assert plan.parts["recent"] + plan.parts["retrieved"] <= avail
     assert plan.prompt_tokens == cl100k.count_prompt(plan.messages)
     assert plan.total_tokens <= budget.context_tokens
-
-
-class RecordingEncoder(HashEncoder):
-    """A HashEncoder that keeps every text it was asked to embed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        self.seen += list(texts)
-        return super().encode(texts)
 
 
 def _cosine_of(found: Sequence[Passage], line: str) -> float:

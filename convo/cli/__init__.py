@@ -201,8 +201,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--embedding-device",
         default=None,
         metavar="DEVICE",
-        help="where the embedding model runs: cpu, cuda, cuda:1... (default: sentence-transformers' "
-        "choice, a GPU where there is one); cpu keeps the GPU and its launch queue for the chat model",
+        help="where the embedding model runs: cpu, cuda, cuda:1... (default: cpu, also beside a GPU "
+        "chat model: on an H200 a GPU embedder queued behind the chat model's launches, 2.26x the "
+        "memory-off load time against 1.48x on the CPU)",
     )
     serve.add_argument(
         "--memory-cache-mb",

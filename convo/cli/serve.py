@@ -25,7 +25,7 @@ from convo.retrieval.hashing import FAKE_EMBEDDER_ENV, HashingEncoder
 from convo.server.app import create_app
 from convo.server.documents import DocumentLimits, Documents
 from convo.server.limits import ServerLimits
-from convo.server.memory import DEFAULT_MEMORY_CACHE_BYTES, ServerMemory
+from convo.server.memory import DEFAULT_EMBEDDING_DEVICE, DEFAULT_MEMORY_CACHE_BYTES, ServerMemory
 from convo.stores import RedisStore, SQLiteStore, Store, redact_url
 from convo.testing import EchoEngine
 
@@ -191,7 +191,8 @@ def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None
     if os.environ.get(FAKE_EMBEDDER_ENV) == "1" or os.environ.get(FAKE_ENGINE_ENV) == "1":
         embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
     else:
-        embedder = Embedder(chosen, device=getattr(args, "embedding_device", None))
+        device = getattr(args, "embedding_device", None) or DEFAULT_EMBEDDING_DEVICE
+        embedder = Embedder(chosen, device=device)
         try:
             if chosen is None:
                 default_model_path()

@@ -51,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 #: Default of ``--memory-cache-mb``: the bytes of indexes one replica keeps, 256 MiB.
 DEFAULT_MEMORY_CACHE_BYTES = 256 << 20
+#: Default of ``--embedding-device``: the server's embedding model runs on the CPU, also
+#: beside a GPU chat model. On the H200 (gpu-chat load, Llama-2-7B int4, 16 slots, memory on)
+#: a MiniLM on the same GPU made the load 2.26x as long as memory off, its passes queued
+#: behind the chat model's kernel launches and the GIL (a window-slide turn waited 4.8 s
+#: in retrieval); on the host's CPU 1.48x (0.29 s). ``--embedding-device cuda`` asks for it.
+DEFAULT_EMBEDDING_DEVICE = "cpu"
 
 #: Longest person id (``user`` / ``metadata.user_id``), in characters (OpenAI's ``user``
 #: is a free string; ours names a scope in the store).

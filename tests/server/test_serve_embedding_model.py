@@ -80,3 +80,11 @@ def test_the_embedding_device_is_the_embedders(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("CONVO_FAKE_ENGINE", raising=False)
     memory = server_memory(args(embedding_model=None, embedding_device="cpu"), InMemoryStore())
     assert memory is not None and memory.embedder.device == "cpu"
+
+
+def test_the_server_embeds_on_the_cpu_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a GPU chat model too (DEFAULT_EMBEDDING_DEVICE): asked for nothing, the CPU."""
+    monkeypatch.delenv("CONVO_FAKE_EMBEDDER", raising=False)
+    monkeypatch.delenv("CONVO_FAKE_ENGINE", raising=False)
+    memory = server_memory(args(embedding_model=None, embedding_device=None), InMemoryStore())
+    assert memory is not None and memory.embedder.device == "cpu"

@@ -353,10 +353,6 @@ class StaticDecoder:
         if cuda:
             torch.cuda.synchronize(self.device)
             self.load_peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
-            # Loading's freed blocks (the last dense layer, the head's and the rotary tables'
-            # temporaries) go back before the pool is taken: held by the allocator they are
-            # reserved memory the plan does not count (0.5 GiB on Llama-2-7B, 1.1 on Qwen2.5-7B).
-            empty_device_cache()
         allocated_before = torch.cuda.memory_allocated(self.device) if cuda else 0
         #: Device bytes allocated once the weights loaded, before the pool (CUDA; 0 on CPU).
         self.weights_allocated_bytes = int(allocated_before)

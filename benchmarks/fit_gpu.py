@@ -201,6 +201,7 @@ def child(run: Run, load: dict[str, Any]) -> dict[str, Any]:
         if text.startswith("static decode: compiling"):
             marks["load_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
             marks["weights_and_pool_allocated_bytes"] = int(torch.cuda.memory_allocated())
+            marks["weights_and_pool_reserved_bytes"] = int(torch.cuda.memory_reserved())
 
     kv: dict[str, Any] = {"gpu_memory": int(run.cap_gib * GiB), "slot_tokens": run.budget}
     if run.kv_dtype != "bf16":
@@ -223,6 +224,7 @@ def child(run: Run, load: dict[str, Any]) -> dict[str, Any]:
     if engine.decoder is not None:  # the weights alone: reserved peak and allocated, before the pool
         out["weights_load_peak_reserved_bytes"] = engine.decoder.load_peak_reserved_bytes
         out["weights_allocated_bytes"] = engine.decoder.weights_allocated_bytes
+        out["weights_reserved_bytes"] = engine.decoder.weights_reserved_bytes
     out["chat"] = chat_load(engine, budget=run.budget, **load)
     torch.cuda.synchronize()
     out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())

@@ -350,9 +350,13 @@ class StaticDecoder:
         #: The allocator's reserved peak while the weights loaded, before the pool (CUDA; 0
         #: on CPU): what ``convo plan``'s load peak predicts.
         self.load_peak_reserved_bytes = 0
+        #: The allocator's reserved bytes (now, not the peak) once the weights loaded, before
+        #: the pool (CUDA; 0 on CPU): above :attr:`weights_allocated_bytes`, blocks it holds.
+        self.weights_reserved_bytes = 0
         if cuda:
             torch.cuda.synchronize(self.device)
             self.load_peak_reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
+            self.weights_reserved_bytes = int(torch.cuda.memory_reserved(self.device))
         allocated_before = torch.cuda.memory_allocated(self.device) if cuda else 0
         #: Device bytes allocated once the weights loaded, before the pool (CUDA; 0 on CPU).
         self.weights_allocated_bytes = int(allocated_before)

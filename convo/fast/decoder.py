@@ -26,6 +26,7 @@ from convo.fast.kernels import (
     store_kv,
 )
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
+from convo.fast.staging import build_staged
 from convo.models.defaults import KV_DTYPE_CHOICES, MIXED_CHUNK_TOKENS, WARMUP_EAGER_RUNS
 from convo.models.device import empty_device_cache
 from convo.models.legacy import split_legacy
@@ -214,6 +215,11 @@ class _Layer:
     scale: float
 
 
+def _modules(layer: _Layer) -> tuple[Any, ...]:
+    """The linear modules of a built layer."""
+    return (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+
+
 def _is_plain_linear(module: Any) -> bool:
     import torch
 
@@ -241,7 +247,7 @@ class StaticDecoder:
         slot_tokens: tokens per slot: prompt + reply of one session (its budget).
         kv_dtype: how the pool stores K/V (:data:`~convo.models.defaults.KV_DTYPE_CHOICES`):
             ``"auto"`` (default) in the model's dtype; ``"fp8"`` as float8 e4m3 with a
-            float32 scale per token and head, about half the bytes of bf16 (the
+            bfloat16 scale per token and head, about half the bytes of bf16 (the
             attention kernels read it directly; without them, on CPU, it is dequantized
             for SDPA: fp8 storage emulated).
         weights: ``"as-loaded"`` (default: the model's own weights; plain linears are
@@ -330,11 +336,17 @@ class StaticDecoder:
         with torch.no_grad():
             self.layers = []
             for index, layer in enumerate(base.layers):
-                if stage is not None:
+                if stage is None:
+                    self.layers.append(self._layer(layer, weights, group_size, free_dense))
+                    continue
+
+                def build(index: int = index, layer: Any = layer) -> _Layer:
                     stage(index, layer)
-                self.layers.append(self._layer(layer, weights, group_size, free_dense))
-                if stage is not None and cuda:
-                    empty_device_cache()  # the dense layer's blocks go back: reserved tracks the peak
+                    return self._layer(layer, weights, group_size, free_dense)
+
+                # staged and quantized in a private pool, what it keeps copied out: no holes
+                built, _ = build_staged(self.device, build, lambda b, layer=layer: (layer, *_modules(b)))
+                self.layers.append(built)
             self.embed = base.embed_tokens.weight
             self.norm = base.norm.weight
             self.norm_eps = round(float(base.norm.variance_epsilon) * 1e12)

@@ -87,6 +87,9 @@ class ServeFit:
         prediction: the planner's cell: ``slots`` running requests of ``slot_tokens``.
         load_peak_bytes: the most the weights take while loading.
         explicit_slots: the slots were given (checked), not picked.
+        weights_reserved_bytes: what the allocator reserves for the weights once loaded
+            (:meth:`~convo.planner.memory.VRAMModel.weights_reserved_bytes`); with the pool,
+            :attr:`load_end_reserved_bytes`.
     """
 
     memory_bytes: int
@@ -100,6 +103,13 @@ class ServeFit:
     prediction: CellPrediction
     load_peak_bytes: int
     explicit_slots: bool = False
+    weights_reserved_bytes: int = 0
+
+    @property
+    def load_end_reserved_bytes(self) -> int:
+        """Reserved once the weights loaded and the KV pool was taken, before the warm-up:
+        the weights' reserved bytes and the pool (one allocation of its own)."""
+        return self.weights_reserved_bytes + self.prediction.kv_bytes
 
     @property
     def peak_reserved_bytes(self) -> int:
@@ -135,6 +145,8 @@ class ServeFit:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "load_peak_bytes": self.load_peak_bytes,
             "weights_bytes": self.prediction.weights_bytes,
+            "weights_reserved_bytes": self.weights_reserved_bytes,
+            "load_end_reserved_bytes": self.load_end_reserved_bytes,
             "kv_pool_bytes": self.prediction.kv_bytes,
         }
 
@@ -234,7 +246,7 @@ def fit_serve(
         kernel = int4_kernel if n_layouts != 1 or int4_kernel != "auto" else "triton"
         first = _cell(mm, slot_tokens, 1, usable)
         pool_room[n_layouts] = usable - (first.peak_reserved_bytes - mm.kv_pool_bytes(1, slot_tokens))
-        weights[n_layouts] = mm.weights.total_bytes * mm.calibration.weights_reserved_ratio
+        weights[n_layouts] = mm.weights_reserved_bytes(slot_tokens)
         if kv_slots is not None:
             slots, cell = kv_slots, _cell(mm, slot_tokens, kv_slots, usable)
             ok = bool(cell.safe)
@@ -255,6 +267,7 @@ def fit_serve(
                     prediction=cell,
                     load_peak_bytes=mm.weights.load_peak_bytes,
                     explicit_slots=kv_slots is not None,
+                    weights_reserved_bytes=int(weights[n_layouts]),
                 )
             )
     if len(fits) == 2:  # int4, both layouts fit: keep both where memory is not tight

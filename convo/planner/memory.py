@@ -58,13 +58,13 @@ from convo.models.defaults import (
     FP8_KV_SCALE_BYTES,
     MIXED_CHUNK_TOKENS,
     PREFILL_GRAPH_TOKENS,
-    WARMUP_EAGER_RUNS,
     auto_kv_slots,
     kv_pool_bytes,
 )
 from convo.models.quant import INT4_GROUP_SIZE, Quant
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.models.units import MiB, format_size
+from convo.planner.allocator import reserved_bytes
 from convo.planner.calibration import Calibration
 from convo.planner.weights import INT4_CUDA_LAYOUTS, WeightReport, planned_quant, round_alloc, weight_bytes
 
@@ -271,12 +271,14 @@ class VRAMModel:
         """KV bytes per token across layers, in ``kv_dtype`` (fp8: with its scales, as the
         slot pool stores them: :meth:`kv_pool_bytes` of one slot of one token)."""
         if self.kv_dtype is DType.FP8:
-            return self.kv_pool_bytes(1, 1)
+            s = self.shape
+            per_vector = s.head_dim * self.kv_dtype.nbytes + FP8_KV_SCALE_BYTES
+            return 2 * s.num_layers * s.num_kv_heads * per_vector
         return self.shape.kv_bytes_per_token(self.kv_dtype)
 
     def kv_pool_bytes(self, slots: int, slot_tokens: int) -> int:
         """The static KV slot pool (:class:`convo.fast.kv_pool.KVSlotPool`): ``slots`` caches of
-        ``slot_tokens`` tokens, taken once at load; an fp8 pool adds its float32 scale per
+        ``slot_tokens`` tokens, taken once at load; an fp8 pool adds its bfloat16 scale per
         token and head. Exact: the pool is these bytes (checked against
         ``torch.cuda.memory_allocated`` in the decode tests and benchmark)."""
         s = self.shape
@@ -295,7 +297,7 @@ class VRAMModel:
         ``memory_bytes``: :data:`~convo.models.defaults.DEFAULT_KV_SLOTS`, or fewer
         when they do not fit in :data:`~convo.models.defaults.AUTO_SLOTS_MEMORY_FRACTION`
         of the memory free after loading (``int4``: the quantized weights); at least 1."""
-        free = memory_bytes - self.weights.loaded_bytes * self.calibration.weights_reserved_ratio
+        free = memory_bytes - max(self.weights_reserved_bytes(slot_tokens), self.weights.loaded_bytes)
         return max(1, auto_kv_slots(free, self.kv_pool_bytes(1, slot_tokens)))
 
     def act_bytes_per_token(self) -> float:
@@ -305,6 +307,21 @@ class VRAMModel:
         return self.compute_dtype.nbytes * (
             c.act_intermediate_factor * s.intermediate_size + c.act_hidden_factor * s.hidden_size
         )
+
+    def weights_reserved_bytes(self, slot_tokens: int | None = None) -> int:
+        """What the caching allocator reserves for the weights once loaded, before the KV
+        pool. Where the weights report models it (``int4``: the tensors kept, in loading
+        order, :attr:`~convo.planner.weights.WeightReport.load_sequence`), that sequence
+        continues with what the static decoder allocates next (its rotary tables for
+        ``slot_tokens`` tokens with their float32 temporaries, counted as kept: an upper
+        bound) and the cuBLAS workspace its first matmul takes, packed by
+        :func:`convo.planner.allocator.reserved_bytes`; elsewhere the weights' bytes
+        times the calibration's ``weights_reserved_ratio``."""
+        w = self.weights
+        if not w.load_sequence:
+            return int(w.total_bytes * self.calibration.weights_reserved_ratio)
+        tables = _rotary_table_sizes(slot_tokens or 0, self.shape.head_dim, self.compute_dtype.nbytes)
+        return reserved_bytes([*w.load_sequence, *tables, self.calibration.workspace_bytes])
 
     def workspace_bytes(self) -> int:
         """Constant prefill temporaries: cuBLAS workspace + one dequantized weight."""
@@ -411,7 +428,7 @@ class VRAMModel:
         """
         if reserved_ratio < 1.0:
             raise ConfigError("reserved_ratio must be >= 1")
-        fixed = self.weights.total_bytes * self.calibration.weights_reserved_ratio
+        fixed = self.weights_reserved_bytes()
         fixed += self.workspace_bytes() * reserved_ratio + headroom_bytes
         room = (memory_bytes - fixed) / reserved_ratio
         if room <= 0:
@@ -489,7 +506,7 @@ class VRAMModel:
         it is safe under the cell's ``memory_bytes`` (peak reserved fits, and the weights'
         load peak too) and the headroom left. ``slots``: a static-decoder cell's fields."""
         weights = self.weights.total_bytes
-        reserved = int(weights * self.calibration.weights_reserved_ratio + reserved_above)
+        reserved = int(self.weights_reserved_bytes(cell.context) + reserved_above)
         memory_bytes = cell.memory_bytes
         safe = None
         if memory_bytes is not None:
@@ -551,16 +568,28 @@ class VRAMModel:
         graphs += chunk_forward + gather
         mixed_buckets = sum(1 for i in range(16) if 16 << i <= min(MIXED_CHUNK_TOKENS, cell.context))
         graphs += mixed_buckets * (sum(buckets) + len(buckets)) * s.vocab_size * 4
-        # Warm-up runs the largest prefill chunk twice, eagerly on the capture side stream,
-        # before capturing it: those blocks are cached for that stream while the graphs'
-        # pool already holds the smaller buckets (H200, Llama-2-7B int4, 17 slots: peak
-        # 0.42 GiB above the steady reserved, at the 512-token bucket).
-        warmup = WARMUP_EAGER_RUNS * chunk_forward
+        # Warm-up runs the largest prefill chunk eagerly on the capture side stream before
+        # capturing it: those blocks are cached for that stream while the graphs' pool
+        # already holds the smaller buckets. Measured on an H200 with the weights staged
+        # in a private pool (int4, one layout): the warm-up peak was 1.01 GiB above
+        # weights + pool for Llama-2-7B (9 slots x 2,048), 0.85 for Qwen2.5-7B (7 x 8,192).
+        warmup = chunk_forward  # the second run on that stream reuses the first run's blocks
         return self._prediction(
             cell, kv=pool, activations=prefill + graphs,
             reserved_above=pool + graphs + warmup + prefill * self.calibration.prefill_reserved_ratio,
             phase="slots", kv_slots=kv_slots, running=running, queued=cell.concurrency - running,
         )  # fmt: skip
+
+
+def _rotary_table_sizes(slot_tokens: int, head_dim: int, dtype_bytes: int) -> list[int]:
+    """What :class:`~convo.fast.decoder.StaticDecoder` allocates for its rotary tables
+    after the layers: the positions (int64), a probe, transformers' float32 positions,
+    frequencies, their concatenation and cos/sin before and after the attention scaling,
+    and the cos/sin tables kept in the compute dtype."""
+    t, d = slot_tokens, head_dim
+    if t <= 0:
+        return []
+    return [8 * t, dtype_bytes, 4 * t, 2 * t * d, *[4 * t * d] * 5, *[dtype_bytes * t * d] * 2]
 
 
 def __getattr__(name: str) -> Any:

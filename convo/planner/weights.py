@@ -14,6 +14,7 @@ Nothing here imports torch or transformers at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,6 +25,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.models.quant import INT4_GROUP_SIZE, Quant, check_int4_group_size, int4_group_size
 from convo.models.spec import STATIC_DECODE_MODEL_TYPES, DType, ModelShape
+from convo.planner.allocator import reserved_bytes
 
 #: The CUDA caching allocator rounds every block up to this many bytes.
 ALLOC_ROUND_BYTES = 512
@@ -48,6 +50,14 @@ class WeightReport:
         load_peak_bytes: the most the weights take while loading (``int4``: the weights
             kept plus one dense layer and the temporaries of quantizing its largest linear,
             :func:`int4_load_peak_bytes`); never below ``total_bytes``.
+        reserved_bytes: what the caching allocator reserves for the weights once loaded,
+            where it is modelled (``int4`` counted on ``meta``: the tensors kept, in loading
+            order, packed into segments by :func:`convo.planner.allocator.reserved_bytes`);
+            0 where it is not (the planner then applies its calibration's
+            ``weights_reserved_ratio`` to ``total_bytes``).
+        load_sequence: the sizes of the kept allocations in loading order, where
+            ``reserved_bytes`` is modelled (the planner appends what the decoder allocates
+            next); empty where it is not.
     """
 
     total_bytes: int
@@ -59,6 +69,8 @@ class WeightReport:
     method: str
     loaded_bytes: int = 0
     load_peak_bytes: int = 0
+    reserved_bytes: int = 0
+    load_sequence: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("loaded_bytes", "load_peak_bytes"):
@@ -75,10 +87,12 @@ def round_alloc(nbytes: float) -> int:
 INT4_MODEL_TYPES = STATIC_DECODE_MODEL_TYPES
 #: Temporaries of quantizing one fused linear to int4, per parameter on top of its dense
 #: copy (a float32 copy, the int32 grid, rounding intermediates; the plain layout's shifted
-#: int32 halves). Measured on an H200 (Llama-2-7B, group 32, tinygemm layout only): the
-#: load peak was the dense model + 13.6 bytes per parameter of the largest fused linear, of
-#: which 2 are its bf16 copy; the plain layout adds ~4.5 (counted, not measured).
-INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 16
+#: int32 halves), in the staging pool's own segments. Measured on an H200 with the layers
+#: staged in a private pool (random weights, group 32, one layout): the weights' load peak
+#: was the weights kept + one layer's int4 copy + one dense layer + 18.2 bytes per
+#: parameter of the largest fused linear beyond its bf16 copy for Llama-2-7B, 14.4 for
+#: Qwen2.5-7B (16 before staging, tinygemm layout, Llama); 20 keeps both under.
+INT4_QUANTIZE_TEMP_BYTES_PER_PARAM = 20
 #: Copies of the int4 weights the static decoder keeps on CUDA by default
 #: (``convo.fast.int4.Int4Linear`` layout ``"both"``: tinygemm's for steps of a few rows,
 #: the plain one for the Triton kernel and prefill); ``int4_kernel="triton"`` or
@@ -123,13 +137,15 @@ def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_s
     return packed + scales_zeros
 
 
-def int4_load_peak_bytes(total_bytes: int, layer_params: int, largest_params: int, dtype: DType) -> int:
+def int4_load_peak_bytes(
+    total_bytes: int, layer_params: int, largest_params: int, dtype: DType, layer_kept_bytes: int = 0
+) -> int:
     """The device's peak while int4 weights load layer by layer from host memory.
 
     ::
 
-        | int4 weights kept (every layer, at most) | one dense layer | largest fused linear's
-        |                                          |  (moved over)   | fused copy + temporaries |
+        | int4 weights kept     | one layer's | one dense layer | largest fused linear's   |
+        | (every layer, at most)| int4, again | (moved over)    | fused copy + temporaries |
 
     Args:
         total_bytes: the weights the decoder keeps (int4 layers, dense embeddings/norms/head).
@@ -138,14 +154,16 @@ def int4_load_peak_bytes(total_bytes: int, layer_params: int, largest_params: in
         largest_params: the largest fused linear (its concatenated copy, ``dtype`` bytes, and
             :data:`INT4_QUANTIZE_TEMP_BYTES_PER_PARAM` of temporaries).
         dtype: the dense dtype.
+        layer_kept_bytes: what one layer keeps (its int4 linears): built in the staging
+            pool and copied out of it (:mod:`convo.fast.staging`), so briefly there twice.
 
     Returns:
-        Bytes: ``total + layer * dtype + largest * (dtype + temporaries)``, an upper bound
-        (the last layer's int4 copy is counted while its dense copy still exists).
+        Bytes: ``total + layer kept + layer * dtype + largest * (dtype + temporaries)``, an
+        upper bound (the last layer's int4 copy is counted while its dense copy still exists).
     """
     dense_layer = round_alloc(layer_params * dtype.nbytes)
     fused = largest_params * (dtype.nbytes + INT4_QUANTIZE_TEMP_BYTES_PER_PARAM)
-    return int(total_bytes + dense_layer + fused)
+    return int(total_bytes + layer_kept_bytes + dense_layer + fused)
 
 
 def planned_quant(quant: Quant | str | None, dtype: DType | str | None) -> tuple[Quant, DType | None]:
@@ -269,7 +287,9 @@ def _weight_bytes_meta(
     qparams = uparams = 0
     largest = 0
     seen: set[int] = set()
+    sequence: tuple[int, ...] = ()
     if quant is Quant.INT4:
+        sequence = tuple(_int4_load_sequence(model, elem, group_size, layouts))
         for group in _int4_fused_groups(model):
             mods = [m for _, m in group]
             out_f = sum(int(m.out_features) for m in mods)
@@ -313,9 +333,47 @@ def _weight_bytes_meta(
             seen.add(id(buf))
             ubytes += round_alloc(buf.numel() * buf.element_size())
     layers = max(len(model.model.layers), 1) if quant is Quant.INT4 else 1
-    return _weight_report(
+    report = _weight_report(
         "meta", quant, dtype, qbytes, qparams, ubytes, uparams, largest, -(-qparams // layers)
     )
+    if not sequence:
+        return report
+    return dataclasses.replace(report, reserved_bytes=reserved_bytes(sequence), load_sequence=sequence)
+
+
+def _int4_load_sequence(model: Any, elem: int, group_size: int, layouts: int) -> list[int]:
+    """The device allocations an int4 load keeps, in order: everything outside the decoder
+    layers (moved over first), then per layer what stays of the staged layer (norms,
+    biases; its linears' weights are freed) and the fused int4 linears' buffers (per
+    layout the packed weight and its scales and zeros, then the fused bias), as
+    :class:`~convo.fast.decoder.StaticDecoder` copies them out of its staging pool."""
+    import torch
+
+    layers = list(model.model.layers)
+    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    seen: set[int] = set()
+    sizes: list[int] = []
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in inside and id(t) not in seen:  # parameters in the compute dtype, buffers as they are
+            seen.add(id(t))
+            sizes.append(t.numel() * (elem if isinstance(t, torch.nn.Parameter) else t.element_size()))
+    groups = _int4_fused_groups(model)
+    per_layer = len(groups) // max(len(layers), 1)
+    for index, layer in enumerate(layers):
+        mine = groups[index * per_layer : (index + 1) * per_layer]
+        fused = {id(m.weight) for group in mine for _, m in group}
+        sizes += [int(p.numel() * elem) for p in layer.parameters() if id(p) not in fused]
+        for group in mine:
+            mods = [m for _, m in group]
+            out_f, in_f = sum(int(m.out_features) for m in mods), int(mods[0].in_features)
+            gs = int4_group_size(in_f, group_size)
+            if gs is None or out_f % 8:
+                sizes.append(int(out_f * in_f * elem))  # stays dense, one fused copy
+            else:
+                sizes += [out_f * in_f // 2, int(2 * out_f * (in_f // gs) * elem)] * layouts
+            if any(m.bias is not None for m in mods):
+                sizes.append(int(out_f * elem))
+    return sizes
 
 
 def _weight_report(
@@ -338,7 +396,8 @@ def _weight_report(
     quantizing that layer's largest fused linear (:func:`int4_load_peak_bytes`)."""
     load: dict[str, int] = {}
     if quant is Quant.INT4:
-        peak = int4_load_peak_bytes(qbytes + ubytes, layer_params, largest, dtype)
+        layers = -(-qparams // max(layer_params, 1))
+        peak = int4_load_peak_bytes(qbytes + ubytes, layer_params, largest, dtype, -(-qbytes // layers))
         load = {"loaded_bytes": qbytes + ubytes, "load_peak_bytes": peak}
     return WeightReport(
         total_bytes=qbytes + ubytes,

@@ -109,7 +109,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"KV cache dtype: {', '.join(DType)} (default: --dtype); a slot pool (--kv-slots, "
         "--quant int4) is in --dtype or fp8, as convo serve --kv-dtype fp8 stores it (with a "
-        "float32 scale per token and head)",
+        "bfloat16 scale per token and head)",
     )
     parser.add_argument("--attn", default="sdpa", choices=[a.value for a in Attn])
     parser.add_argument(

@@ -3,11 +3,11 @@ decode rows and causal (flash) attention of a prefill chunk over its slot, and t
 new K/V into an fp8 slot pool.
 
 fp8 KV (``float8_e4m3fn``): each head vector of each token's K and V is stored as 8-bit
-floats with one float32 scale, ``amax(|x|) / 448`` over its ``head_dim`` values, computed
+floats with one bfloat16 scale, ``amax(|x|) / 448`` over its ``head_dim`` values, computed
 when the token is written (:func:`quantize_kv`). Why per token and head: the scale needs
 no calibration and is known the moment the token is (a fixed per-head scale would have to
-be measured on real activations first, and clips outliers it did not see); it costs 4
-bytes per ``head_dim`` bytes (3 % at 128) and one scalar load per key in the kernels. The
+be measured on real activations first, and clips outliers it did not see); it costs 2
+bytes per ``head_dim`` bytes (1.6 % at 128) and one scalar load per key in the kernels. The
 attention kernels read the fp8 values, convert them exactly (every e4m3 value is a bf16
 value), and apply the scales to the float32 scores (K) and probabilities (V), so the
 products and the softmax accumulate in float32 as they do for bf16 KV.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from convo.models.defaults import FP8_KV_SCALE_DTYPE
 
 #: Tokens one program of the split decode-attention kernel reads (a power of two), in
 #: blocks of :data:`ATTENTION_BLOCK_TOKENS`, with :data:`ATTENTION_WARPS` warps. Swept on
@@ -324,21 +326,23 @@ def native_fp8(device: Any) -> bool:
 
 
 def quantize_kv(x: Any) -> tuple[Any, Any]:
-    """``x`` ``[..., head_dim]`` as fp8 (e4m3) values and one float32 scale per head
+    """``x`` ``[..., head_dim]`` as fp8 (e4m3) values and one bfloat16 scale per head
     vector ``[...]``: ``x ~ q.float() * scale[..., None]``, ``scale = amax(|x|) / 448``
-    (a zero vector keeps a tiny positive scale and stores zeros)."""
+    rounded to bfloat16 before the values are divided by it (rounded down, the largest
+    value clamps to 448: at most 2**-8 off); a zero vector keeps a tiny positive scale and
+    stores zeros."""
     import torch
 
     xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min(1e-30) / FP8_E4M3_MAX
-    q = (xf / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (xf.abs().amax(-1).clamp_min(1e-30) / FP8_E4M3_MAX).to(getattr(torch, FP8_KV_SCALE_DTYPE))
+    q = (xf / scale.float()[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
 def dequantize_kv(q: Any, scale: Any, dtype: Any) -> Any:
     """The values of fp8 K or V ``q`` ``[..., head_dim]`` with their scales ``[...]``, in
     ``dtype`` (products in float32)."""
-    return (q.float() * scale[..., None]).to(dtype)
+    return (q.float() * scale.float()[..., None]).to(dtype)
 
 
 def store_kv(
@@ -453,7 +457,7 @@ def _triton_kernels() -> dict[str, Any] | None:
                 k = kb.to(tl.float32) * 256.0
             s = tl.sum(k.to(tl.float32) * q[None, :], 1)
             if SCALED:
-                s = s * tl.load(KS + s_off + offs_n, mask=valid, other=0.0)
+                s = s * tl.load(KS + s_off + offs_n, mask=valid, other=0.0).to(tl.float32)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
@@ -467,7 +471,7 @@ def _triton_kernels() -> dict[str, Any] | None:
                 v = vb.to(tl.float32) * 256.0
             pv = p
             if SCALED:  # V's scales weigh the probabilities (the sum l_i takes p as it is)
-                pv = p * tl.load(VS + s_off + offs_n, mask=valid, other=0.0)
+                pv = p * tl.load(VS + s_off + offs_n, mask=valid, other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
@@ -540,7 +544,7 @@ def _triton_kernels() -> dict[str, Any] | None:
             k = k.to(q.dtype)  # fp8 in bf16: exact
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
             if SCALED:
-                s = s * tl.load(KS + s_off + offs_n, mask=n_valid, other=0.0)[None, :]
+                s = s * tl.load(KS + s_off + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
             if n0 >= lo:  # the blocks on the diagonal
                 s = tl.where((offs_n[None, :] <= pos[:, None]) & n_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -556,7 +560,7 @@ def _triton_kernels() -> dict[str, Any] | None:
             v = v.to(q.dtype)
             pv = p
             if SCALED:  # V's scales weigh the probabilities (the sum l_i takes p as it is)
-                pv = p * tl.load(VS + s_off + offs_n, mask=n_valid, other=0.0)[None, :]
+                pv = p * tl.load(VS + s_off + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
             acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -581,13 +585,14 @@ def _triton_kernels() -> dict[str, Any] | None:
         cache = slot * stride_cs + h * stride_ch + pos * stride_ct + offs_d
         scale_at = slot * stride_ss + h * stride_sh + pos
         k = tl.load(Kn + n * stride_kn + h * stride_kh + offs_d, mask=d_valid, other=0.0).to(tl.float32)
-        ks = tl.maximum(tl.max(tl.abs(k), 0), 1e-30) / FP8_MAX
-        kq = tl.minimum(tl.maximum(k / ks, -FP8_MAX), FP8_MAX)
+        # the scale rounded to the pool's scale dtype first: the values divide by what is stored
+        ks = (tl.maximum(tl.max(tl.abs(k), 0), 1e-30) / FP8_MAX).to(KS.dtype.element_ty)
+        kq = tl.minimum(tl.maximum(k / ks.to(tl.float32), -FP8_MAX), FP8_MAX)
         tl.store(K + cache, kq.to(K.dtype.element_ty), mask=d_valid)
         tl.store(KS + scale_at, ks)
         v = tl.load(Vn + n * stride_vn + h * stride_vh + offs_d, mask=d_valid, other=0.0).to(tl.float32)
-        vs = tl.maximum(tl.max(tl.abs(v), 0), 1e-30) / FP8_MAX
-        vq = tl.minimum(tl.maximum(v / vs, -FP8_MAX), FP8_MAX)
+        vs = (tl.maximum(tl.max(tl.abs(v), 0), 1e-30) / FP8_MAX).to(VS.dtype.element_ty)
+        vq = tl.minimum(tl.maximum(v / vs.to(tl.float32), -FP8_MAX), FP8_MAX)
         tl.store(V + cache, vq.to(V.dtype.element_ty), mask=d_valid)
         tl.store(VS + scale_at, vs)
 
@@ -613,7 +618,7 @@ def decode_attention(
         k_cache, v_cache: one layer of the pool, ``[slots, kv_heads, slot_tokens, head_dim]``.
         slots: ``[B]`` slot of each row; lengths: ``[B]`` valid tokens (>= 1) of each row.
         scale: the softmax scale (``head_dim ** -0.5`` for Llama).
-        k_scale, v_scale: an fp8 pool's float32 scales ``[slots, kv_heads, slot_tokens]``
+        k_scale, v_scale: an fp8 pool's bfloat16 scales ``[slots, kv_heads, slot_tokens]``
             (:func:`quantize_kv`); ``None`` for K/V in the model's dtype.
 
     On CUDA with Triton this is a split-K (flash-decoding) kernel whose grid depends only

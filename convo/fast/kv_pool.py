@@ -23,7 +23,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.fast.kv_host import HostEntry, HostKVArena, HostKVStore, Region
 from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
-from convo.models.defaults import FP8_KV_SCALE_BYTES, kv_pool_bytes
+from convo.models.defaults import FP8_KV_SCALE_BYTES, FP8_KV_SCALE_DTYPE, KV_POOL_ALIGN_BYTES, kv_pool_bytes
 from convo.tokens import common_prefix_length
 
 #: Tokens of one block of the host KV arena (every layer's K and V, and an fp8 pool's
@@ -92,7 +92,7 @@ def _one_allocation(layout: Sequence[tuple[tuple[int, ...], Any]], device: Any) 
     return buffer, views
 
 
-_ALIGN = 256  # bytes between the starts of the pool's tensors in its buffer
+_ALIGN = KV_POOL_ALIGN_BYTES  # bytes between the starts of the pool's tensors in its buffer
 
 
 class KVSlotPool:
@@ -100,7 +100,7 @@ class KVSlotPool:
 
     Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``;
     an fp8 pool (``dtype=torch.float8_e4m3fn``) also holds ``k_scale[layer]`` and
-    ``v_scale[layer]``, float32 ``[slots, kv_heads, slot_tokens]``: one scale per token and
+    ``v_scale[layer]``, bfloat16 ``[slots, kv_heads, slot_tokens]``: one scale per token and
     head (:func:`convo.fast.kernels.quantize_kv`). :attr:`tensors` lists every tensor, each
     indexed by slot first (:meth:`slot_tensors`: every tensor a slot's KV is made of). The
     pool answers who may use which slot; the scheduler decides when to ask. With host memory
@@ -150,7 +150,8 @@ class KVSlotPool:
         #: Whether K/V are fp8 with per token and head scales (:attr:`k_scale`, :attr:`v_scale`).
         self.scaled = dtype == torch.float8_e4m3fn
         n = num_layers if self.scaled else 0
-        layout = [(shape, dtype)] * (2 * num_layers) + [(shape[:3], torch.float32)] * (2 * n)
+        scale_dtype = getattr(torch, FP8_KV_SCALE_DTYPE)
+        layout = [(shape, dtype)] * (2 * num_layers) + [(shape[:3], scale_dtype)] * (2 * n)
         #: The pool's one device allocation; every K, V and scale tensor is a view into it.
         #: One allocation is what makes the pool's device bytes exactly the predicted ones:
         #: the CUDA allocator serves a tensor from a cached free block up to 1 MiB larger
@@ -183,7 +184,7 @@ class KVSlotPool:
         scaled: bool = False,
     ) -> int:
         """``2 x layers x slots x kv_heads x slot_tokens x (head_dim x dtype bytes + scale
-        bytes)`` (``scaled``: an fp8 pool's float32 scales): the one pool-size formula,
+        bytes)`` (``scaled``: an fp8 pool's bfloat16 scales): the one pool-size formula,
         :func:`convo.models.defaults.kv_pool_bytes` (the planner prices a pool with it too)."""
         return kv_pool_bytes(
             num_layers=num_layers,

@@ -99,7 +99,7 @@ class KVConfig:
             :data:`~convo.models.defaults.DEFAULT_SLOT_TOKENS`.
         kv_dtype: how the KV slots store K and V
             (:data:`~convo.models.defaults.KV_DTYPE_CHOICES`): ``"auto"`` (default) in the
-            model's dtype; ``"fp8"`` as float8 e4m3 with a float32 scale per token and head
+            model's dtype; ``"fp8"`` as float8 e4m3 with a bfloat16 scale per token and head
             (:mod:`convo.fast.kernels`): about half the bytes of bf16, so twice the slots or
             the context in the same memory, at a small accuracy cost (``benchmarks/kv_fp8.py``
             measures it). fp8 lives in static slots only: ``kv_slots=0`` is refused, and

@@ -69,7 +69,6 @@ from convo.models.defaults import (
     DEFAULT_SLOT_TOKENS,
     FP8_KV_SCALE_BYTES,
     auto_kv_slots,
-    kv_pool_bytes,
     resolve_kv_host_memory,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
@@ -348,15 +347,8 @@ class TransformersEngine(Engine):
         #: against the cache tensors in every report.
         self.kv_bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
         if self.kv_dtype == "fp8":
-            self.kv_bytes_per_token = kv_pool_bytes(
-                num_layers=shape.num_layers,
-                num_kv_heads=shape.num_kv_heads,
-                head_dim=shape.head_dim,
-                slots=1,
-                slot_tokens=1,
-                dtype_bytes=DType.FP8.nbytes,
-                scale_bytes=FP8_KV_SCALE_BYTES,
-            )
+            per_vector = shape.head_dim * DType.FP8.nbytes + FP8_KV_SCALE_BYTES
+            self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * per_vector
         self._eos = self._eos_ids()
         self.int4_group_size = load.int4_group_size
         self.int4_kernel = load.int4_kernel

@@ -51,7 +51,7 @@ from _common import env_info, random_model, stderr_log, sync
 
 import convo.fast.kernels as kernels
 from convo.fast import DecoderConfig, StaticDecoder
-from convo.models.defaults import FP8_KV_SCALE_BYTES
+from convo.models.defaults import FP8_KV_SCALE_BYTES, FP8_KV_SCALE_DTYPE
 
 log = stderr_log("kv_fp8")
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,8 @@ def unscaled_fp8() -> Iterator[None]:
 
     def plain(x: Any) -> tuple[Any, Any]:
         m = kernels.FP8_E4M3_MAX
-        return x.float().clamp(-m, m).to(torch.float8_e4m3fn), x.new_ones(x.shape[:-1], dtype=torch.float32)
+        ones = x.new_ones(x.shape[:-1], dtype=getattr(torch, FP8_KV_SCALE_DTYPE))  # the pool's scale dtype
+        return x.float().clamp(-m, m).to(torch.float8_e4m3fn), ones
 
     kernels.quantize_kv = plain
     try:

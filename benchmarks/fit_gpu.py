@@ -267,7 +267,10 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
     if "load_peak_bytes" in predicted and measured.get("load_peak_reserved_bytes"):
         # the load phase ends with the pool taken: the quantization peak, or the weights'
         # reserved bytes + the pool (weights + pool where the plan has no reserved figure)
-        end = predicted.get("load_end_reserved_bytes") or predicted["weights_bytes"] + predicted["kv_pool_bytes"]
+        end = (
+            predicted.get("load_end_reserved_bytes")
+            or predicted["weights_bytes"] + predicted["kv_pool_bytes"]
+        )
         pred = max(predicted["load_peak_bytes"], end)
         out["load_err"] = round(pred / measured["load_peak_reserved_bytes"] - 1, 4)
     out["within_10pct_never_under"] = all(0 <= v <= 0.10 for v in out.values()) if out else None

@@ -345,8 +345,9 @@ class StaticDecoder:
                     return self._layer(layer, weights, group_size, free_dense)
 
                 # staged and quantized in a private pool, what it keeps copied out: no holes
-                built, _ = build_staged(self.device, build, lambda b, layer=layer: (layer, *_modules(b)))
-                self.layers.append(built)
+                self.layers.append(
+                    build_staged(self.device, build, lambda b, layer=layer: (layer, *_modules(b)))
+                )
             self.embed = base.embed_tokens.weight
             self.norm = base.norm.weight
             self.norm_eps = round(float(base.norm.variance_epsilon) * 1e12)

@@ -76,7 +76,7 @@ def relocate(modules: Iterable[Any], device: Any) -> int:
     return copied
 
 
-def build_staged(device: Any, build: Callable[[], T], kept: Callable[[T], Iterable[Any]]) -> tuple[T, int]:
+def build_staged(device: Any, build: Callable[[], T], kept: Callable[[T], Iterable[Any]]) -> T:
     """Run ``build()`` (staging a layer and quantizing it) with its allocations in a private
     pool on ``device``, then :func:`relocate` the modules ``kept(result)`` names, so
     nothing of the private pool is referenced, and release the pool.
@@ -85,18 +85,18 @@ def build_staged(device: Any, build: Callable[[], T], kept: Callable[[T], Iterab
     decoder: the staged layer, whose norms it reads, and the fused linears it built).
 
     Returns:
-        ``(result, bytes copied)``; ``bytes copied`` is 0 where no private pool is used.
+        What ``build()`` returned.
     """
     if not private_pools_supported(device):
         result = build()
         if torch.device(device).type == "cuda":
             empty_device_cache()  # the dense layer's blocks go back: reserved tracks the peak
-        return result, 0
+        return result
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool, device):
         result = build()
-    copied = relocate(kept(result), device)
+    relocate(kept(result), device)
     torch.cuda.synchronize(device)
     del pool
     empty_device_cache()  # the private pool's segments, now unreferenced, go back
-    return result, copied
+    return result

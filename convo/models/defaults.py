@@ -51,9 +51,10 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 #: graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512
 #: Eager runs of each forward before the static decoder captures it in a CUDA graph
-#: (compiles, tunes the kernels). The planner prices those of the largest prefill chunk on
-#: top of the graphs' pool, at the load's peak: their blocks stay cached for the capture's
-#: side stream while the pool already holds the smaller buckets.
+#: (compiles, tunes the kernels). The planner prices one run of the largest prefill chunk
+#: on top of the graphs' pool, at the load's peak: its blocks stay cached for the capture's
+#: side stream while the pool already holds the smaller buckets, and the later runs on that
+#: stream reuse them.
 WARMUP_EAGER_RUNS = 2
 
 #: Bytes of host memory for the KV of sessions evicted from their slots when
@@ -147,6 +148,13 @@ def kv_pool_bytes(
 
     scales = aligned(vectors * scale_bytes) if scale_bytes else 0
     return 2 * num_layers * (aligned(vectors * head_dim * dtype_bytes) + scales)
+
+
+def fp8_kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """KV bytes one token costs in an fp8 pool, across layers: K and V, one byte per value
+    and a :data:`FP8_KV_SCALE_BYTES` scale per head vector (the pool's alignment aside,
+    which :func:`kv_pool_bytes` counts)."""
+    return 2 * num_layers * num_kv_heads * (head_dim + FP8_KV_SCALE_BYTES)
 
 
 #: Bytes between the starts of the KV pool's tensors in its one buffer (every element size

@@ -9,9 +9,11 @@ defaults: no ``max_split_size_mb``, no expandable segments).
 
 With the static decoder's int4 layers staged through a private pool
 (:mod:`convo.fast.staging`), the default pool sees only the tensors kept, in loading order,
-and this model predicts its reserved bytes: measured on an H200 (random weights, int4
-group 32, one layout), Llama-2-7B 4.365 GiB modelled against 4.400 reserved, Qwen2.5-7B
-6.080 against 6.111, the rest being the cuBLAS workspace (32 MiB, a segment of its own).
+and this model predicts its reserved bytes. Measured on an H200 (random weights, int4
+group 32, one layout, ``benchmarks/results/fit_gpu_h200_s11.json``), with the decoder's
+rotary tables and the cuBLAS workspace (32 MiB, a segment of its own) appended
+(:meth:`convo.planner.memory.VRAMModel.weights_reserved_bytes`): Qwen2.5-7B priced to the
+byte, Llama-2-7B 2 MiB over (4.402 against 4.400 GiB).
 """
 
 from __future__ import annotations

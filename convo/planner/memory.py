@@ -59,6 +59,7 @@ from convo.models.defaults import (
     MIXED_CHUNK_TOKENS,
     PREFILL_GRAPH_TOKENS,
     auto_kv_slots,
+    fp8_kv_bytes_per_token,
     kv_pool_bytes,
 )
 from convo.models.quant import INT4_GROUP_SIZE, Quant
@@ -269,11 +270,12 @@ class VRAMModel:
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token across layers, in ``kv_dtype`` (fp8: with its scales, as the
-        slot pool stores them: :meth:`kv_pool_bytes` of one slot of one token)."""
+        slot pool stores them, :func:`~convo.models.defaults.fp8_kv_bytes_per_token`)."""
         if self.kv_dtype is DType.FP8:
             s = self.shape
-            per_vector = s.head_dim * self.kv_dtype.nbytes + FP8_KV_SCALE_BYTES
-            return 2 * s.num_layers * s.num_kv_heads * per_vector
+            return fp8_kv_bytes_per_token(
+                num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
+            )
         return self.shape.kv_bytes_per_token(self.kv_dtype)
 
     def kv_pool_bytes(self, slots: int, slot_tokens: int) -> int:

@@ -123,18 +123,26 @@ def quantized_linear_bytes(
     raise ConfigError(f"{quant} is not a bitsandbytes quantization")
 
 
-def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_size: int) -> int | None:
-    """Device bytes of one linear weight in convo's int4 format (``convo.fast.int4.Int4Linear``),
-    no bias: packed int4 (``out * in / 2`` bytes, tinygemm's tile layout on CUDA, ``uint8
-    [out, in/2]`` on CPU) + a scale and a zero per group of ``group_size`` inputs, in the
-    compute ``dtype``. ``None`` when the shape stays dense (no group size fits ``in``, or
-    ``out`` is not a multiple of 8)."""
+def int4_linear_buffers(
+    out_features: int, in_features: int, dtype: DType, group_size: int
+) -> tuple[int, int] | None:
+    """The two device buffers of one linear weight in convo's int4 format
+    (``convo.fast.int4.Int4Linear``), one layout, no bias: ``(packed int4, scales and
+    zeros)``, ``out * in / 2`` bytes (tinygemm's tile layout on CUDA, ``uint8 [out, in/2]``
+    on CPU) and a scale and a zero per group of ``group_size`` inputs in the compute
+    ``dtype``. ``None`` when the shape stays dense (no group size fits ``in``, or ``out``
+    is not a multiple of 8)."""
     gs = int4_group_size(in_features, group_size)
     if gs is None or out_features % 8:
         return None
-    packed = round_alloc(out_features * in_features // 2)
-    scales_zeros = round_alloc(2 * out_features * (in_features // gs) * dtype.nbytes)
-    return packed + scales_zeros
+    return out_features * in_features // 2, int(2 * out_features * (in_features // gs) * dtype.nbytes)
+
+
+def int4_linear_bytes(out_features: int, in_features: int, dtype: DType, group_size: int) -> int | None:
+    """Device bytes of one linear weight in convo's int4 format, allocator-rounded: the sum
+    of :func:`int4_linear_buffers`; ``None`` when the shape stays dense."""
+    buffers = int4_linear_buffers(out_features, in_features, dtype, group_size)
+    return None if buffers is None else sum(round_alloc(b) for b in buffers)
 
 
 def int4_load_peak_bytes(
@@ -289,7 +297,7 @@ def _weight_bytes_meta(
     seen: set[int] = set()
     sequence: tuple[int, ...] = ()
     if quant is Quant.INT4:
-        sequence = tuple(_int4_load_sequence(model, elem, group_size, layouts))
+        sequence = tuple(_int4_load_sequence(model, dtype, group_size, layouts))
         for group in _int4_fused_groups(model):
             mods = [m for _, m in group]
             out_f = sum(int(m.out_features) for m in mods)
@@ -341,7 +349,7 @@ def _weight_bytes_meta(
     return dataclasses.replace(report, reserved_bytes=reserved_bytes(sequence), load_sequence=sequence)
 
 
-def _int4_load_sequence(model: Any, elem: int, group_size: int, layouts: int) -> list[int]:
+def _int4_load_sequence(model: Any, dtype: DType, group_size: int, layouts: int) -> list[int]:
     """The device allocations an int4 load keeps, in order: everything outside the decoder
     layers (moved over first), then per layer what stays of the staged layer (norms,
     biases; its linears' weights are freed) and the fused int4 linears' buffers (per
@@ -349,6 +357,7 @@ def _int4_load_sequence(model: Any, elem: int, group_size: int, layouts: int) ->
     :class:`~convo.fast.decoder.StaticDecoder` copies them out of its staging pool."""
     import torch
 
+    elem = dtype.nbytes
     layers = list(model.model.layers)
     inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     seen: set[int] = set()
@@ -366,11 +375,11 @@ def _int4_load_sequence(model: Any, elem: int, group_size: int, layouts: int) ->
         for group in mine:
             mods = [m for _, m in group]
             out_f, in_f = sum(int(m.out_features) for m in mods), int(mods[0].in_features)
-            gs = int4_group_size(in_f, group_size)
-            if gs is None or out_f % 8:
+            buffers = int4_linear_buffers(out_f, in_f, dtype, group_size)
+            if buffers is None:
                 sizes.append(int(out_f * in_f * elem))  # stays dense, one fused copy
             else:
-                sizes += [out_f * in_f // 2, int(2 * out_f * (in_f // gs) * elem)] * layouts
+                sizes += [*buffers] * layouts
             if any(m.bias is not None for m in mods):
                 sizes.append(int(out_f * elem))
     return sizes

@@ -67,8 +67,8 @@ from convo.models.defaults import (
     DEFAULT_CPU_KV_SLOTS,
     DEFAULT_KV_SLOTS,
     DEFAULT_SLOT_TOKENS,
-    FP8_KV_SCALE_BYTES,
     auto_kv_slots,
+    fp8_kv_bytes_per_token,
     resolve_kv_host_memory,
 )
 from convo.models.generation import FinishReason, Generation, GenerationStats
@@ -347,8 +347,9 @@ class TransformersEngine(Engine):
         #: against the cache tensors in every report.
         self.kv_bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
         if self.kv_dtype == "fp8":
-            per_vector = shape.head_dim * DType.FP8.nbytes + FP8_KV_SCALE_BYTES
-            self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * per_vector
+            self.kv_bytes_per_token = fp8_kv_bytes_per_token(
+                num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim
+            )
         self._eos = self._eos_ids()
         self.int4_group_size = load.int4_group_size
         self.int4_kernel = load.int4_kernel

@@ -66,8 +66,9 @@ CAPS_GIB = (12, 16, 24)
 KV_DTYPES = ("bf16", "fp8")
 #: (model label, budget, cap GiB) of ``--quick``.
 QUICK = (("llama-2-7b", 2048, 12), ("qwen2.5-7b", 8192, 16), ("llama-2-7b", 2048, 24))
-#: Seconds a run may take at most (a 7B build, warm-up and the chat load take ~40-90 s).
-RUN_TIMEOUT_S = 240
+#: Seconds a run may take at most (a 7B build, warm-up and the chat load take ~40-90 s; more
+#: with hundreds of slots: a capture per batch bucket and per mixed pair).
+RUN_TIMEOUT_S = 420
 #: Seconds kept back at the end of ``--time-limit`` for writing the results.
 RESERVE_S = 5
 #: A run is not started with fewer seconds than this left.

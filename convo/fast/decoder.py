@@ -16,6 +16,7 @@ import torch
 
 from convo.errors import ConfigError
 from convo.fast.config import DecoderConfig
+from convo.fast.graphs import GraphSpec, capture, capture_order
 from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import (
     _interpreting,
@@ -627,7 +628,7 @@ class StaticDecoder:
         logits ``[vocab]`` after the chunk's last token."""
         return self._static_forward(None, inputs, tokens)[-1]
 
-    def _static_forward(self, decode: Any | None, inputs: Any, tokens: int) -> Any:
+    def _static_forward(self, decode: Any | None, inputs: Any, tokens: int, out: Any = None) -> Any:
         """Decode rows (``decode``: ``[3, B]`` tokens, slots, positions, or ``None``) and one
         prefill chunk (``inputs`` as :meth:`_prefill_static`'s) in one static-shape forward:
         the matrix products once over the ``B + tokens`` rows, attention per decode row with
@@ -667,8 +668,7 @@ class StaticDecoder:
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i], pw)
         pick = last + rows if decode is None else torch.cat([self._positions[:rows], last + rows])
-        h = _rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12)
-        return self.lm_head(h).float()
+        return self._logits(_rms_norm(x.index_select(0, pick), self.norm, self.norm_eps * 1e-12), out)
 
     def _prefill_eager(self, chunks: Sequence[PrefillChunk], all_logits: bool) -> list[Any]:
         return self._forward_eager((), (), (), chunks, all_logits)[1]
@@ -814,10 +814,10 @@ class StaticDecoder:
                 out = self._static_forward(decode.to(self.device), chunk.to(self.device), bucket)
         return out[:rows], [out[-1]]
 
-    def _mixed_static(self, inputs: Any, rows: int, tokens: int) -> Any:
+    def _mixed_static(self, inputs: Any, rows: int, tokens: int, out: Any = None) -> Any:
         """:meth:`_static_forward` over one flat input (what a mixed graph copies in):
         ``[3 * rows]`` decode inputs, then the chunk's ``[tokens + 3]``."""
-        return self._static_forward(inputs[: 3 * rows].view(3, rows), inputs[3 * rows :], tokens)
+        return self._static_forward(inputs[: 3 * rows].view(3, rows), inputs[3 * rows :], tokens, out)
 
     # -- the pool's K/V ------------------------------------------------------------------------
     def _kv_layer(self, i: int) -> tuple[Any, Any, dict[str, Any]]:
@@ -838,8 +838,9 @@ class StaticDecoder:
             pool.v[i][slots, :, positions] = v
 
     # -- decode --------------------------------------------------------------------------------
-    def _step(self, inputs: Any) -> Any:
-        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions)."""
+    def _step(self, inputs: Any, out: Any = None) -> Any:
+        """One token for each row of ``inputs`` (``[3, B]``: tokens, slots, positions);
+        float32 logits ``[B, vocab]`` (in ``out``'s first rows where given)."""
         import torch
         import torch.nn.functional as F
 
@@ -855,8 +856,16 @@ class StaticDecoder:
             self._store(i, slots, positions, k, v)
             a = decode_attention(q, k_cache, v_cache, slots, lengths, scale=layer.scale, **sc)
             x = self._post(x, a.reshape(n, -1), layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i])
-        h = _rms_norm(x, self.norm, self.norm_eps * 1e-12)
-        return self.lm_head(h).float()
+        return self._logits(_rms_norm(x, self.norm, self.norm_eps * 1e-12), out)
+
+    def _logits(self, h: Any, out: Any) -> Any:
+        """float32 logits of the final hidden states ``h``: a new tensor, or the first rows
+        of ``out`` (a captured graph's output is then that shared buffer)."""
+        logits = self.lm_head(h)
+        if out is None:
+            return logits.float()
+        out[: logits.shape[0]].copy_(logits)
+        return out[: logits.shape[0]]
 
     @property
     def mixed_graphs(self) -> list[tuple[int, int]]:
@@ -876,36 +885,52 @@ class StaticDecoder:
         every chunk bucket and the mixed step for every pair of a batch bucket and a mixed
         bucket (CUDA), or run one short prefill and step (their kernels load before the
         first request). Call before any session uses the pool: warm-up writes
-        the first positions of slot 0."""
+        the first positions of slot 0.
+
+        Every graph is captured into one memory pool, the largest first
+        (:func:`~convo.fast.graphs.capture_order`), so each reuses the blocks the ones
+        before it freed: the graphs together hold about what the largest one needs, not
+        the sum over buckets. The decode and mixed graphs write their logits into one
+        buffer of the largest step's rows (a replay's logits are copied out at once)."""
         import torch
 
         self._prefill_eager([PrefillChunk(slot=0, ids=[0] * 16, start=0, end=16)], False)
         with torch.inference_mode():
             if self.quantized and self.device.type == "cuda":
                 self._tune_int4()
-            for b in self.buckets:
-                inputs = torch.zeros((3, b), dtype=torch.long, device=self.device)
-                if self.cuda_graphs:
-                    self._graphs[b] = (*self._capture(functools.partial(self._step, inputs)), inputs)
-                else:
-                    self._step(inputs)
             if self.cuda_graphs:
-                pool = torch.cuda.graph_pool_handle()
-                for t in self.prefill_buckets:
-                    inputs = torch.zeros(t + 3, dtype=torch.long, device=self.device)
-                    inputs[-1] = t - 1
-                    graph, out = self._capture(functools.partial(self._prefill_static, inputs, t), pool)
-                    self._prefill_graphs[t] = (graph, inputs, out)
+                self._capture_all()
+            else:
                 for b in self.buckets:
-                    for t in self.mixed_buckets:
-                        inputs = torch.zeros(3 * b + t + 3, dtype=torch.long, device=self.device)
-                        inputs[-1] = t - 1
-                        fn = functools.partial(self._mixed_static, inputs, b, t)
-                        graph, out = self._capture(fn, pool)
-                        self._mixed_graphs[b, t] = (graph, inputs, out)
+                    self._step(torch.zeros((3, b), dtype=torch.long, device=self.device))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         empty_device_cache()
+
+    def _capture_all(self) -> None:
+        import torch
+
+        pool = torch.cuda.graph_pool_handle()
+        logits = torch.empty((self.buckets[-1] + 1, self.vocab_size), dtype=torch.float32, device=self.device)
+        specs = [GraphSpec(rows=b) for b in self.buckets]
+        specs += [GraphSpec(tokens=t) for t in self.prefill_buckets]
+        specs += [GraphSpec(rows=b, tokens=t) for b in self.buckets for t in self.mixed_buckets]
+        inter = sum(getattr(m, "out_features", 0) for m in self.layers[0].gate_up) // 2
+        sizes = {"hidden": int(self.embed.shape[1]), "intermediate": inter, "vocab": self.vocab_size}
+        for spec in capture_order(specs, **sizes):
+            b, t = spec.rows, spec.tokens
+            inputs = torch.zeros((3, b) if not t else 3 * b + t + 3, dtype=torch.long, device=self.device)
+            if not t:
+                graph, out = self._capture(functools.partial(self._step, inputs, logits), pool)
+                self._graphs[b] = (graph, out, inputs)
+                continue
+            inputs[-1] = t - 1
+            if not b:
+                graph, out = self._capture(functools.partial(self._prefill_static, inputs, t), pool)
+                self._prefill_graphs[t] = (graph, inputs, out)
+            else:
+                graph, out = self._capture(functools.partial(self._mixed_static, inputs, b, t, logits), pool)
+                self._mixed_graphs[b, t] = (graph, inputs, out)
 
     def _tune_int4(self) -> None:
         """Run each int4 weight shape once at every power-of-two row count its kernels
@@ -919,29 +944,17 @@ class StaticDecoder:
                     for rows in (1 << i for i in range(W4_KERNEL_MAX_ROWS.bit_length())):
                         m(self.embed.new_zeros((rows, m.in_features)))
 
-    def _capture(self, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
-        """Run ``fn`` :data:`~convo.models.defaults.WARMUP_EAGER_RUNS` times on a side stream
-        (compiles, tunes kernels), then capture it.
-
-        Every capture uses the decoder's one side stream: cuBLAS keeps a workspace per
-        stream it runs on, and blocks freed on a stream are cached for that stream alone,
-        so a fresh stream per capture (PyTorch cycles through 32) held ~1.1 GiB more on an
-        H200 (Llama-2-7B int4, 42 captures: 32 MiB of workspace each, kept)."""
+    def _capture(self, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+        """:func:`~convo.fast.graphs.capture` on the decoder's one side stream: cuBLAS
+        keeps a workspace per stream it runs on, and blocks freed on a stream are cached
+        for that stream alone, so a fresh stream per capture (PyTorch cycles through 32)
+        held ~1.1 GiB more on an H200 (Llama-2-7B int4, 42 captures: 32 MiB each, kept)."""
         import torch
 
-        stream = self._capture_stream
-        if stream is None:
-            stream = self._capture_stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_EAGER_RUNS):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         self.captures += 1
-        return graph, out
+        return capture(fn, self._capture_stream, pool, WARMUP_EAGER_RUNS)
 
     def step(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> Any:
         """Decode one token for each row: feed ``tokens[r]`` at ``positions[r]`` of slot
@@ -965,20 +978,4 @@ class StaticDecoder:
             graph, out, inputs = self._graphs[b]
             inputs.copy_(host, non_blocking=False)
             graph.replay()
-            return out[:rows]
-
-
-def _replay_ms(graph: Any, reps: int = 20) -> float:
-    """Median milliseconds of one replay of a captured graph."""
-    import torch
-
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+            return out[:rows].clone()  # the buffer is shared with the other steps' graphs

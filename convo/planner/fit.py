@@ -48,11 +48,10 @@ FIT_HEADROOM_FRACTION = 0.05
 #: The least headroom (bytes): a CUDA context and cuBLAS/NCCL handles take ~0.3-0.5 GiB of
 #: a real card outside PyTorch's allocator.
 FIT_MIN_HEADROOM_BYTES = 512 * MiB
-#: Most KV slots sizing picks: the decode step and the mixed steps are captured per
-#: power-of-two batch bucket up to the slots (each bucket more: a longer warm-up and more
-#: graph memory), and a step of 32 rows already reads the weights once for 32 replies.
-#: Pass ``--kv-slots`` for more.
-FIT_MAX_KV_SLOTS = 32
+#: Most KV slots sizing picks (vLLM's ``max_num_seqs`` default is 256). The graphs of all
+#: batch buckets share one pool (about the largest one's memory), but each bucket more is
+#: more captures at warm-up. Pass ``--kv-slots`` for more.
+FIT_MAX_KV_SLOTS = 512
 #: With int4 and ``int4_kernel="auto"``, both weight layouts are kept when the second copy
 #: takes at most this share of the memory the KV pool gets with one layout (a 7B model: one
 #: layout on a 24 GB card, both from ~40 GB), or when it costs no slot (the slots are at

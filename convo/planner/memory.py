@@ -536,13 +536,13 @@ class VRAMModel:
     def _predict_slots(self, cell: _Cell, kv_slots: int, step_tokens: int | None) -> CellPrediction:
         """The static decoder: weights + the slot pool + one step's prefill activations
         (the running turns' prompts, up to ``step_tokens`` tokens in one forward, with one
-        dequantized int4 weight) + the captured steps' buffers (per batch bucket 1, 2, 4...
-        >= slots: a cuBLAS workspace for its capture stream and the step's rows) + the
-        captured prefill's pool (one :data:`PREFILL_GRAPH_TOKENS`-token forward and a
-        dequantized weight; its attention reads the slot in place, or, without Triton,
-        from a gathered copy under a mask, counted then; the mixed steps' graphs share it and add
-        their logits, per batch bucket and chunk bucket up to
-        :data:`~convo.models.defaults.MIXED_CHUNK_TOKENS`).
+        dequantized int4 weight) + the captured graphs' pool (the decode step per batch
+        bucket 1, 2, 4... >= slots, the prefill per chunk bucket up to
+        :data:`PREFILL_GRAPH_TOKENS`, the mixed step per pair up to
+        :data:`~convo.models.defaults.MIXED_CHUNK_TOKENS`; captured into one pool, largest
+        first, so it holds the largest graph's temporaries and the shared logits buffer;
+        without Triton, the chunk's attention reads a gathered copy of the slot under a
+        mask, counted then) + the warm-up's eager run of the largest graph.
 
         Measured on an H200 (Llama-2-7B int4 group 32, 4 slots of 4096 tokens): pool exact;
         weights 8.68 GB with both int4 layouts (predicted -0.7 %), 4.62 GB with tinygemm's
@@ -558,24 +558,37 @@ class VRAMModel:
         running = min(cell.concurrency, kv_slots)
         tokens = min(step_tokens, running * cell.prompt)
         prefill = int(tokens * self.act_bytes_per_token()) + self.workspace_bytes()
-        buckets = [1 << i for i in range(max(kv_slots - 1, 0).bit_length() + 1)]
-        per_row = self.act_bytes_per_token() + s.vocab_size * (self.compute_dtype.nbytes + 4)
-        graphs = int(len(buckets) * self.calibration.workspace_bytes + sum(buckets) * per_row)
+        rows = 1 << max(kv_slots - 1, 0).bit_length()  # the largest decode bucket
         chunk = min(PREFILL_GRAPH_TOKENS, cell.context)
+        top = min(MIXED_CHUNK_TOKENS, cell.context)
+        mixed = max((16 << i for i in range(16) if 16 << i <= top), default=0)  # the widest chunk
+        logit_bytes = s.vocab_size * self.compute_dtype.nbytes
+        act = self.act_bytes_per_token()
+        # The graphs share one pool, captured largest first (convo.fast.graphs): it holds the
+        # largest graph's temporaries (the prefill chunk, the widest mixed step or the
+        # widest decode step, each with its logits and one dequantized int4 weight), the
+        # float32 logits buffer of the decode and mixed graphs, and one prefill output per
+        # chunk bucket. The capture stream takes a cuBLAS workspace of its own.
+        temporaries = (
+            max(
+                chunk * act,
+                (rows + mixed) * act + (rows + 1) * logit_bytes if mixed else 0,
+                rows * (act + logit_bytes),
+            )
+            + self.workspace_bytes()
+        )
+        prefill_buckets = sum(1 for i in range(16) if 16 << i < chunk) + 1
+        outputs = ((rows + 1) + prefill_buckets) * s.vocab_size * 4
+        graphs = int(temporaries + outputs + self.calibration.workspace_bytes)
         gather = 0
         if not _has_triton():  # no chunk-attention kernel: SDPA over a gathered slot
             slot_view = 2 * cell.context * s.num_heads * s.head_dim * self.compute_dtype.nbytes
             gather = int(slot_view + chunk * cell.context)  # and its mask
-        chunk_forward = int(chunk * self.act_bytes_per_token() + self.workspace_bytes())
-        graphs += chunk_forward + gather
-        mixed_buckets = sum(1 for i in range(16) if 16 << i <= min(MIXED_CHUNK_TOKENS, cell.context))
-        graphs += mixed_buckets * (sum(buckets) + len(buckets)) * s.vocab_size * 4
-        # Warm-up runs the largest prefill chunk eagerly on the capture side stream before
-        # capturing it: those blocks are cached for that stream while the graphs' pool
-        # already holds the smaller buckets. Measured on an H200 with the weights staged
-        # in a private pool (int4, one layout): the warm-up peak was 1.01 GiB above
-        # weights + pool for Llama-2-7B (9 slots x 2,048), 0.85 for Qwen2.5-7B (7 x 8,192).
-        warmup = chunk_forward  # the second run on that stream reuses the first run's blocks
+        graphs += gather
+        # Warm-up runs each graph's forward eagerly on the capture side stream before
+        # capturing it, the largest first: those blocks stay cached for that stream
+        # (released at the end of warm-up) while the graphs' pool holds the same again.
+        warmup = int(temporaries)
         return self._prediction(
             cell, kv=pool, activations=prefill + graphs,
             reserved_above=pool + graphs + warmup + prefill * self.calibration.prefill_reserved_ratio,

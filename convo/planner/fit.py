@@ -39,6 +39,7 @@ from convo.errors import ConfigError
 from convo.models.quant import Quant
 from convo.models.spec import DType
 from convo.models.units import MiB, format_size, parse_size
+from convo.planner.allocator import segment_bytes
 from convo.planner.calibration import Calibration
 from convo.planner.memory import CellPrediction, VRAMModel
 from convo.planner.weights import INT4_CUDA_LAYOUTS
@@ -107,8 +108,9 @@ class ServeFit:
     @property
     def load_end_reserved_bytes(self) -> int:
         """Reserved once the weights loaded and the KV pool was taken, before the warm-up:
-        the weights' reserved bytes and the pool (one allocation of its own)."""
-        return self.weights_reserved_bytes + self.prediction.kv_bytes
+        the weights' reserved bytes and the pool (one allocation of its own, its segment
+        rounded up to 2 MiB: an fp8 pool's scales make its size odd)."""
+        return self.weights_reserved_bytes + segment_bytes(self.prediction.kv_bytes)
 
     @property
     def peak_reserved_bytes(self) -> int:

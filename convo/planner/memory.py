@@ -65,7 +65,7 @@ from convo.models.defaults import (
 from convo.models.quant import INT4_GROUP_SIZE, Quant
 from convo.models.spec import Attn, DType, ModelShape, load_config
 from convo.models.units import MiB, format_size
-from convo.planner.allocator import reserved_bytes
+from convo.planner.allocator import reserved_bytes, segment_bytes
 from convo.planner.calibration import Calibration
 from convo.planner.weights import INT4_CUDA_LAYOUTS, WeightReport, planned_quant, round_alloc, weight_bytes
 
@@ -591,7 +591,9 @@ class VRAMModel:
         warmup = int(temporaries)
         return self._prediction(
             cell, kv=pool, activations=prefill + graphs,
-            reserved_above=pool + graphs + warmup + prefill * self.calibration.prefill_reserved_ratio,
+            # the pool is one allocation: its segment is rounded to 2 MiB
+            reserved_above=segment_bytes(pool) + graphs + warmup
+            + prefill * self.calibration.prefill_reserved_ratio,
             phase="slots", kv_slots=kv_slots, running=running, queued=cell.concurrency - running,
         )  # fmt: skip
 

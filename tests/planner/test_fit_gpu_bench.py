@@ -114,3 +114,27 @@ def test_the_comparison_wants_the_plan_within_ten_percent_and_never_under(bench:
         "within_10pct_never_under": False,
     }
     assert bench.compare(pred, {"peak_reserved_bytes": 110, "load_peak_reserved_bytes": 58})["steady_err"] < 0
+
+
+def test_reports_from_several_calls_merge_into_one(bench: ModuleType, tmp_path: Path) -> None:
+    run = next(r for r in bench.plan_runs(quick=True, kv_dtypes=["fp8"]) if r.model == "qwen2.5-7b")
+    pick = bench.predict(run)
+    case = {"model": run.model, "spec": run.spec, "budget": run.budget, "cap_gib": run.cap_gib,
+            "quant": run.quant}  # fmt: skip
+    measured = {"peak_reserved_bytes": int(pick["peak_reserved_bytes"] / 1.05),
+                "load_peak_reserved_bytes": pick["load_end_reserved_bytes"], "oom": None}  # fmt: skip
+    killed = {**case, "kv_dtype": "fp8", "predicted": pick, "measured": {"error": "exit -9"}}
+    # an older prediction with the same slots: re-judged by today's planner
+    older = {**pick, "load_end_reserved_bytes": pick["load_end_reserved_bytes"] - (1 << 20)}
+    good = {**case, "kv_dtype": "fp8", "predicted": older, "measured": measured,
+            "compare": bench.compare(older, measured)}  # fmt: skip
+    assert good["compare"]["load_err"] < 0 and not good["compare"]["within_10pct_never_under"]
+    other = {**case, "kv_dtype": "bf16", "predicted": {"refused": "no"}}
+    rows = bench.merge_reports([{"rows": [killed, other]}, {"rows": [good]}, {"rows": [killed]}])
+    assert [r["kv_dtype"] for r in rows] == ["bf16", "fp8"]
+    fp8 = rows[1]
+    assert fp8["predicted"] == pick and fp8["predicted_at_run"] == older  # the measured run, re-judged
+    assert fp8["compare"]["load_err"] == 0 and fp8["compare"]["within_10pct_never_under"]
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"benchmark": "fit_gpu", "rows": [good]}))
+    assert bench.main(["--merge", str(out), "--png", str(tmp_path / "p.png")]) == 0

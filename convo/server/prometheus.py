@@ -67,7 +67,8 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
-        stats = self.engine.scheduler_stats
+        yield from self._memory()
+        stats = getattr(self.engine, "scheduler_stats", None)
         if stats is None:
             return
         steps = CounterMetricFamily("convo_engine_steps", "scheduler steps run, by kind", labels=["kind"])
@@ -117,6 +118,31 @@ class EngineCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(name, text, value=value)
+
+    def _memory(self) -> Iterator[Any]:
+        """The device's memory (``convo_device_memory_*_bytes``, labelled ``kind``: ``cuda``
+        for the caching allocator, ``rss`` for a CPU process) and, for an engine sized to a
+        memory limit, the plan's peak (``convo_engine_planned_peak_reserved_bytes``)."""
+        report = getattr(self.engine, "memory_report", None)
+        if report is None:
+            return
+        mem = report()
+        for key, text in (
+            ("allocated_bytes", "device memory allocated now"),
+            ("reserved_bytes", "device memory reserved now (allocated and cached)"),
+            ("peak_allocated_bytes", "most device memory allocated since start"),
+            ("peak_reserved_bytes", "most device memory reserved since start"),
+        ):
+            family = GaugeMetricFamily(f"convo_device_memory_{key}", text, labels=["kind"])
+            family.add_metric([mem["memory_kind"]], mem[key])
+            yield family
+        fit = getattr(self.engine, "memory_fit", None)
+        if fit is not None:
+            yield GaugeMetricFamily(
+                "convo_engine_planned_peak_reserved_bytes",
+                "the plan's peak reserved for the slots picked (--gpu-memory)",
+                value=fit.peak_reserved_bytes,
+            )
 
 
 def metrics_registry(metrics: ServingMetrics, engine: Any = None) -> CollectorRegistry:

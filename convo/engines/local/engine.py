@@ -573,6 +573,14 @@ class TransformersEngine(Engine):
         or ``None`` with plain ``generate``."""
         return self._kv.scheduler.stats() if isinstance(self._kv, SlotKV) else None
 
+    def memory_report(self) -> dict[str, Any]:
+        """The device memory now, as a generation's stats report it: ``memory_kind``
+        (``"cuda"``: the caching allocator's figures; ``"rss"``: the process's resident
+        memory on CPU), ``allocated_bytes``, ``reserved_bytes`` and their peaks."""
+        import torch
+
+        return _memory_report(torch.device(self.device))
+
     @property
     def decoder(self) -> Any:
         """The :class:`~convo.fast.decoder.StaticDecoder` (KV slots), or ``None``."""

@@ -268,6 +268,10 @@ class Engine(Protocol):
                                            (:class:`~convo.models.generation.SchedulerStats`)
     ``supports_prefill``        False      :meth:`prefill` computes a prompt's KV ahead of
                                            the turn (else it does nothing)
+    ``memory_report()``         None       the device's memory now (``memory_kind``,
+                                           ``allocated_bytes``, ``reserved_bytes`` and peaks)
+    ``planned_peak_reserved_``  None       an engine sized to a memory limit: the plan's
+    ``bytes``                              peak reserved for what it picked
     ==========================  =========  ===================================================
     """
 
@@ -294,6 +298,13 @@ class Engine(Protocol):
     @property
     def supports_prefill(self) -> bool:
         return False
+
+    def memory_report(self) -> dict[str, Any] | None:
+        return None
+
+    @property
+    def planned_peak_reserved_bytes(self) -> int | None:
+        return None
 
     @property
     def counter(self) -> TokenCounter: ...

@@ -67,8 +67,10 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
+        if self.engine is None:
+            return
         yield from self._memory()
-        stats = getattr(self.engine, "scheduler_stats", None)
+        stats = self.engine.scheduler_stats
         if stats is None:
             return
         steps = CounterMetricFamily("convo_engine_steps", "scheduler steps run, by kind", labels=["kind"])
@@ -123,10 +125,9 @@ class EngineCollector(Collector):
         """The device's memory (``convo_device_memory_*_bytes``, labelled ``kind``: ``cuda``
         for the caching allocator, ``rss`` for a CPU process) and, for an engine sized to a
         memory limit, the plan's peak (``convo_engine_planned_peak_reserved_bytes``)."""
-        report = getattr(self.engine, "memory_report", None)
-        if report is None:
+        mem = self.engine.memory_report()
+        if mem is None:
             return
-        mem = report()
         for key, text in (
             ("allocated_bytes", "device memory allocated now"),
             ("reserved_bytes", "device memory reserved now (allocated and cached)"),
@@ -136,12 +137,12 @@ class EngineCollector(Collector):
             family = GaugeMetricFamily(f"convo_device_memory_{key}", text, labels=["kind"])
             family.add_metric([mem["memory_kind"]], mem[key])
             yield family
-        fit = getattr(self.engine, "memory_fit", None)
-        if fit is not None:
+        planned = self.engine.planned_peak_reserved_bytes
+        if planned is not None:
             yield GaugeMetricFamily(
                 "convo_engine_planned_peak_reserved_bytes",
                 "the plan's peak reserved for the slots picked (--gpu-memory)",
-                value=fit.peak_reserved_bytes,
+                value=planned,
             )
 
 

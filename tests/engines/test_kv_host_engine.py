@@ -135,6 +135,10 @@ def test_host_kv_counters_are_on_metrics() -> None:
             swaps_out=7, swaps_in=5, swap_bytes=12_000, host_bytes=3_000, host_bytes_peak=9_000,
             host_dropped=2, host_limit_bytes=1 << 30, prefills=4,
         )  # fmt: skip
+        planned_peak_reserved_bytes = None
+
+        def memory_report(self) -> None:
+            return None
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(Engine()))

@@ -42,11 +42,8 @@ def test_a_real_engine_reports_its_memory_on_metrics(tmp_path: Path) -> None:
 def test_a_sized_engine_also_reports_the_planned_peak(tmp_path: Path) -> None:
     from convo.testing import EchoEngine
 
-    class Fit:
-        peak_reserved_bytes = 15 << 30
-
     class Sized(EchoEngine):
-        memory_fit = Fit()
+        planned_peak_reserved_bytes = 15 << 30
 
         def memory_report(self) -> dict[str, Any]:
             return {"memory_kind": "cuda", "allocated_bytes": 10 << 30, "reserved_bytes": 11 << 30,

@@ -582,6 +582,11 @@ class TransformersEngine(Engine):
         return _memory_report(torch.device(self.device))
 
     @property
+    def planned_peak_reserved_bytes(self) -> int | None:
+        """The plan's peak reserved when sized to ``gpu_memory`` (:attr:`memory_fit`), else None."""
+        return None if self.memory_fit is None else int(self.memory_fit.peak_reserved_bytes)
+
+    @property
     def decoder(self) -> Any:
         """The :class:`~convo.fast.decoder.StaticDecoder` (KV slots), or ``None``."""
         return self._kv.decoder if isinstance(self._kv, SlotKV) else None

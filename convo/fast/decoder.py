@@ -908,6 +908,7 @@ class StaticDecoder:
         empty_device_cache()
 
     def _capture_all(self) -> None:
+        """Capture every decode, prefill and mixed graph into one pool, largest first."""
         import torch
 
         pool = torch.cuda.graph_pool_handle()

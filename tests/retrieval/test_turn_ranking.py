@@ -230,7 +230,8 @@ RECORDED = {
 @pytest.mark.parametrize("question", sorted(RECORDED))
 def test_default_ranking_is_the_one_recorded_before_the_arrays(question: str) -> None:
     turns, dates = corpus(named=True)
-    memory = RetrievalMemory(HashEncoder(64), config=RetrievalConfig(min_score=0.0))
+    # the defaults of the recorded ranking (the neighbour share was 0.5 then)
+    memory = RetrievalMemory(HashEncoder(64), config=RetrievalConfig(min_score=0.0, neighbour_weight=0.5))
     memory.remember_turns("s", turns[:80], dates={t.index: dates[t.index] for t in turns[:80]})
     today = dict(QUESTIONS)[question]
     keys = [p.key for p in memory.retrieve(question, session_id="s", top_k=6, today=today)]

@@ -28,7 +28,14 @@ from convo.fast.kernels import (
 )
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.staging import build_staged
-from convo.models.defaults import KV_DTYPE_CHOICES, MIXED_CHUNK_TOKENS, WARMUP_EAGER_RUNS
+from convo.models.defaults import (
+    KV_DTYPE_CHOICES,
+    MIXED_CHUNK_TOKENS,
+    WARMUP_EAGER_RUNS,
+    batch_buckets,
+    chunk_buckets,
+    mixed_buckets,
+)
 from convo.models.device import empty_device_cache
 from convo.models.legacy import split_legacy
 from convo.models.quant import int4_group_size
@@ -417,16 +424,15 @@ class StaticDecoder:
         self._post: Callable[..., Any] = _post_attention
         #: Batch sizes the decode step is built for; a step of n rows runs in the smallest
         #: bucket >= n (extra rows repeat the first, writing the same values).
-        self.buckets = sorted(set(buckets or [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]))
+        self.buckets = sorted(set(buckets or batch_buckets(slots)))
         if self.buckets[0] < 1:
             raise ConfigError("batch buckets must be >= 1")
         #: Chunk lengths prefill is captured for (powers of two from 16 up to
         #: ``prefill_chunk_tokens``, within a slot); a chunk runs padded to the smallest
         #: bucket that holds it.
-        top = min(prefill_chunk_tokens, slot_tokens)
-        self.prefill_buckets = [b for b in (16 << i for i in range(16)) if b < top] + [top]
+        self.prefill_buckets = chunk_buckets(prefill_chunk_tokens, slot_tokens)
         #: Chunk buckets the mixed step is captured for (with each decode bucket).
-        self.mixed_buckets = [b for b in self.prefill_buckets if b <= mixed_chunk_tokens]
+        self.mixed_buckets = mixed_buckets(prefill_chunk_tokens, slot_tokens, mixed_chunk_tokens)
         if self.compiled:
             # Each decoder compiles its own copies: dynamo keys its cache (and its limit of
             # recompiles) on the code object, which every decoder in a process would share.

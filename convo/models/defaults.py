@@ -50,6 +50,27 @@ MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
 #: chunk prefill runs in (its ``prefill_chunk_tokens`` default, the engine's too): the
 #: graphs' shared pool holds one such forward.
 PREFILL_GRAPH_TOKENS = 512
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """Row counts the static decoder captures a step for: powers of two up to the first
+    that holds ``slots`` rows (a step runs in the smallest that holds its rows)."""
+    return [1 << i for i in range(max(slots - 1, 0).bit_length() + 1)]
+
+
+def chunk_buckets(chunk_tokens: int, slot_tokens: int) -> list[int]:
+    """Chunk lengths the static decoder captures prefill for: powers of two from 16 below
+    ``min(chunk_tokens, slot_tokens)``, then that length itself."""
+    top = min(chunk_tokens, slot_tokens)
+    return [b for b in (16 << i for i in range(16)) if b < top] + [top]
+
+
+def mixed_buckets(chunk_tokens: int, slot_tokens: int, mixed_chunk_tokens: int) -> list[int]:
+    """Chunk lengths a mixed step is captured for (with each batch bucket): the
+    :func:`chunk_buckets` of at most ``mixed_chunk_tokens`` tokens."""
+    return [b for b in chunk_buckets(chunk_tokens, slot_tokens) if b <= mixed_chunk_tokens]
+
+
 #: Eager runs of each forward before the static decoder captures it in a CUDA graph
 #: (compiles, tunes the kernels). The planner prices one run of the largest prefill chunk
 #: on top of the graphs' pool, at the load's peak: its blocks stay cached for the capture's

@@ -59,8 +59,11 @@ from convo.models.defaults import (
     MIXED_CHUNK_TOKENS,
     PREFILL_GRAPH_TOKENS,
     auto_kv_slots,
+    batch_buckets,
+    chunk_buckets,
     fp8_kv_bytes_per_token,
     kv_pool_bytes,
+    mixed_buckets,
 )
 from convo.models.quant import INT4_GROUP_SIZE, Quant
 from convo.models.spec import Attn, DType, ModelShape, load_config
@@ -558,10 +561,10 @@ class VRAMModel:
         running = min(cell.concurrency, kv_slots)
         tokens = min(step_tokens, running * cell.prompt)
         prefill = int(tokens * self.act_bytes_per_token()) + self.workspace_bytes()
-        rows = 1 << max(kv_slots - 1, 0).bit_length()  # the largest decode bucket
-        chunk = min(PREFILL_GRAPH_TOKENS, cell.context)
-        top = min(MIXED_CHUNK_TOKENS, cell.context)
-        mixed = max((16 << i for i in range(16) if 16 << i <= top), default=0)  # the widest chunk
+        rows = batch_buckets(kv_slots)[-1]  # the widest decode step
+        chunks = chunk_buckets(PREFILL_GRAPH_TOKENS, cell.context)
+        chunk = chunks[-1]
+        mixed = max(mixed_buckets(PREFILL_GRAPH_TOKENS, cell.context, MIXED_CHUNK_TOKENS), default=0)
         logit_bytes = s.vocab_size * self.compute_dtype.nbytes
         act = self.act_bytes_per_token()
         # The graphs share one pool, captured largest first (convo.fast.graphs): it holds the
@@ -577,8 +580,7 @@ class VRAMModel:
             )
             + self.workspace_bytes()
         )
-        prefill_buckets = sum(1 for i in range(16) if 16 << i < chunk) + 1
-        outputs = ((rows + 1) + prefill_buckets) * s.vocab_size * 4
+        outputs = ((rows + 1) + len(chunks)) * s.vocab_size * 4
         graphs = int(temporaries + outputs + self.calibration.workspace_bytes)
         gather = 0
         if not _has_triton():  # no chunk-attention kernel: SDPA over a gathered slot

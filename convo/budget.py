@@ -64,6 +64,14 @@ class Budget:
         recent_min_tokens: share guaranteed to the recent turns before the summary and
             retrieval take theirs. Default ``None``: half of what the reserve and the
             pinned cap leave (:attr:`recent_min`).
+        retrieval_min_tokens: share retrieval keeps in a session with memory while the
+            turns inside the window hold their place. Those turns are shown until the
+            window slides, so that each turn's prompt extends the last one (its KV is
+            reused); retrieval takes what they leave, but at least this much. Default
+            ``None``: a quarter of what the pinned cap leaves of the prompt room
+            (:attr:`retrieval_min`; 372 at 2,048 tokens with a 64-token reply). Without
+            it, memory filled the room every turn, every turn pushed a turn out, and the
+            whole prompt after the summary was prefilled again every turn (issue 24).
         margin_tokens: safety margin kept free, for counters that are not exact (e.g. a
             tiktoken count for a remote model). Default 0.
         oversize: policy for a single message too large to fit. Default ``TRUNCATE``.
@@ -85,6 +93,7 @@ class Budget:
     retrieval_top_k: int = 40
     pinned_tokens: int | None = None
     recent_min_tokens: int | None = None
+    retrieval_min_tokens: int | None = None
     margin_tokens: int = 0
     oversize: OversizePolicy = OversizePolicy.TRUNCATE
 
@@ -97,10 +106,11 @@ class Budget:
             "summarize_batch_turns",
             "retrieval_tokens",
             "retrieval_top_k",
+            "retrieval_min_tokens",
             "margin_tokens",
         ):
             value = getattr(self, name)
-            if name == "retrieval_tokens" and value is None:
+            if name in ("retrieval_tokens", "retrieval_min_tokens") and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"Budget.{name} must be an int, got {value!r}")
@@ -167,6 +177,15 @@ class Budget:
             return self.recent_min_tokens
         return (self.available_prompt_tokens - self.pinned_cap) // 2
 
+    @property
+    def retrieval_min(self) -> int:
+        """Retrieval's share beside a window that holds its place: ``retrieval_min_tokens``,
+        or a quarter of what the pinned cap leaves of the prompt room when it is ``None``
+        (derived on every read)."""
+        if self.retrieval_min_tokens is not None:
+            return self.retrieval_min_tokens
+        return (self.available_prompt_tokens - self.pinned_cap) // 4
+
     def to_dict(self) -> dict[str, object]:
         """JSON-safe settings (what a store persists with the session)."""
         return {
@@ -179,6 +198,7 @@ class Budget:
             "retrieval_top_k": self.retrieval_top_k,
             "pinned_tokens": self.pinned_tokens,
             "recent_min_tokens": self.recent_min_tokens,
+            "retrieval_min_tokens": self.retrieval_min_tokens,
             "margin_tokens": self.margin_tokens,
             "oversize": self.oversize.value,
         }

@@ -745,7 +745,7 @@ class Session:
         # not push turns out early (the window moves when the summary is in).
         late = planned.start < evicted_before
         if budget_cut or (not late and self._next_turn_overflows(plan)):
-            self._make_room_for_batch()
+            self._make_room_for_batch(plan)
         self._write()  # the turn is stored before its summary starts
         moved = self.evicted_turns != evicted_before
         self._maybe_summarize(window_moved=moved, prompt=[*plan.messages, answer])
@@ -896,12 +896,15 @@ class Session:
                 last_user, session_id=self.id, top_k=budget.retrieval_top_k, **extra
             )
             min_score = self.retriever.min_score
+        summary = self._summary.text(start, self._state, self._history)[0]
+        if passages:  # the window's turns hold their place beside memory until it slides
+            budget = window.hold_window(budget, turns, self._history.pinned, summary, tools, self.counter)
         return plan_checked(
             budget=budget,
             counter=self.counter,
             turns=turns,
             pinned=self._history.pinned,
-            summary=self._summary.text(start, self._state, self._history)[0],
+            summary=summary,
             passages=passages,
             min_score=min_score,
             exact=exact,
@@ -930,16 +933,13 @@ class Session:
         recent = self.turns(max(self.evicted_turns, self.turn_count - self.budget.summarize_batch_turns))
         return window.next_turn_overflows(plan, recent, self.budget, self.counter)
 
-    def _make_room_for_batch(self) -> None:
+    def _make_room_for_batch(self, plan: PromptPlan) -> None:
         """The token budget, not the turn count, pushed turns out: push out a batch."""
-        drop = window.turns_to_push_out(self.turns(self.evicted_turns), self.budget, self.counter)
+        room = window.window_room(plan, self.budget, self.summary_cap, self.counter)
+        drop = window.turns_to_push_out(self.turns(self.evicted_turns), self.budget, self.counter, room=room)
         if drop:
-            logger.info(
-                "session %s: the token budget pushed turns %d-%d out of the window",
-                self.id,
-                self.evicted_turns,
-                self.evicted_turns + drop - 1,
-            )
+            first, last = self.evicted_turns, self.evicted_turns + drop - 1
+            logger.info("session %s: the token budget pushed turns %d-%d out", self.id, first, last)
             self._state = replace(self._state, evicted_turns=self.evicted_turns + drop)
 
     def _maybe_summarize(self, *, window_moved: bool = False, prompt: Sequence[Message] = ()) -> None:

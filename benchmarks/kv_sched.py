@@ -10,7 +10,8 @@ this runs the scheduler's own code, so a change of policy there shows here.
 The load follows ``benchmarks/serve_load.py`` and the session's window: users arrive over
 ``spread_s``, each turn sends ``user_tokens`` and gets ``reply_tokens``; the prompt is the
 system prompt, the summary block and the kept window. When a turn would not fit the budget,
-the oldest turns leave the window (down to ``slide_to`` of the budget) and a summary of them
+the oldest turns leave the window (as the session's window slides: about ``slide_turns``
+turns of the recent size, keeping the newest; or down to ``slide_to`` of the budget) and a summary of them
 is due: its prompt is its own instructions, the previous summary and the evicted turns (no
 prefix in common with the session's KV), ``summary_tokens`` new tokens, background priority,
 ``owner=`` the session; up to ``summary_threads`` run at once (the server runs one per slot).
@@ -90,6 +91,10 @@ class Load:
     summary_tokens: int = 256
     summary_instruction_tokens: int = 100
     slide_to: float = 0.6
+    # As the session slides (``convo.session.window.turns_to_push_out``): the oldest turns
+    # leave until about ``slide_turns`` turns of the recent size are freed, keeping the
+    # newest; 0: down to ``slide_to`` of the budget instead (the model before 2026-12-03).
+    slide_turns: int = 3
     summary_threads: int = 16
     prefill_next: bool = True
     # Summarize ahead: when the next turn will slide, summarize the turns that will leave
@@ -286,9 +291,22 @@ def simulate(load: Load) -> dict[str, Any]:
         size = len(system) + load.summary_tokens + sum(map(len, window)) + load.user_tokens
         if size <= limit:
             return 0
+        if load.slide_turns:
+            return push_out(window)
         k = 0
         while k < len(window) and size > load.slide_to * load.budget:
             size -= len(window[k])
+            k += 1
+        return k
+
+    def push_out(window: list[list[int]]) -> int:
+        """The session's rule: free about ``slide_turns`` turns of the recent size."""
+        costs = [len(t) for t in window]
+        recent = costs[-(load.slide_turns + 1) :]
+        per_turn = sum(recent) / max(len(recent), 1)
+        freed, k = 0.0, 0
+        while k < len(window) - 1 and freed + per_turn / 2 < load.slide_turns * per_turn:
+            freed += costs[k]
             k += 1
         return k
 
@@ -303,7 +321,12 @@ def simulate(load: Load) -> dict[str, Any]:
             u.ahead = 0
         if len(prefix(u)) + len(message) > limit:  # the window slides
             u.sticky = None
-            while u.window and len(prefix(u)) + len(message) > load.slide_to * load.budget:
+            k = push_out(u.window) if load.slide_turns else 0
+            u.owed.extend(u.window[:k])
+            u.window = u.window[k:]
+            while u.window and len(prefix(u)) + len(message) > (
+                limit if load.slide_turns else load.slide_to * load.budget
+            ):
                 u.owed.append(u.window.pop(0))
             u.owed_since = clock.now if u.owed_since is None else u.owed_since
         ids = [*prefix(u), *message]

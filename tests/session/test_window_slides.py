@@ -8,6 +8,7 @@ they leave (down to ``Budget.retrieval_min``) instead of cutting a turn every tu
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -96,5 +97,5 @@ def test_the_window_slides_a_batch_at_a_time(memory: bool) -> None:
     shown = first_shown(memory)
     moves = [i for i in range(1, len(shown)) if shown[i] != shown[i - 1]]
     assert len(moves) >= 3, shown
-    gaps = {b - a for a, b in zip(moves, moves[1:], strict=False)}
+    gaps = {b - a for a, b in itertools.pairwise(moves)}
     assert gaps == ({3} if not memory else {2}), shown

@@ -79,6 +79,18 @@ def head_text(text: str, chars: int) -> str:
     return cut[:space] if space > chars // 2 else cut
 
 
+def query_text(text: str, chars: int) -> str:
+    """What of a question is embedded: all of it, or its head and its tail, ``chars // 2``
+    characters each, cut at words when they end near (``RetrievalConfig.query_chars``)."""
+    if len(text) <= chars:
+        return text
+    half = chars // 2
+    tail = text[-half:]
+    space = tail.find(" ")
+    tail = tail[space + 1 :] if 0 <= space < half // 2 else tail
+    return f"{head_text(text, half)} ... {tail}"
+
+
 def _same_day(a: str | None, b: str | None) -> bool:
     """Whether two turn dates name the same day (two unreadable dates: if equal)."""
     if a == b:
@@ -323,7 +335,7 @@ class RetrievalMemory(Retriever):
 
         def vector(text: str) -> np.ndarray:
             if text not in vectors:
-                vectors[text] = self.embedder.encode([text])[0]
+                vectors[text] = self.embedder.encode([query_text(text, self.config.query_chars)])[0]
             return vectors[text]
 
         found: list[Passage] = []
@@ -393,7 +405,8 @@ class RetrievalMemory(Retriever):
         store = self._sessions.get(session_id)
         if store is None or not query.strip():
             return []
-        return self._expansion(store, query, self.embedder.encode([query])[0])
+        vector = self.embedder.encode([query_text(query, self.config.query_chars)])[0]
+        return self._expansion(store, query, vector)
 
     def _store(self, session_id: str) -> UnitStore:
         if not isinstance(session_id, str) or not session_id:

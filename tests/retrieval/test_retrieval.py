@@ -36,6 +36,7 @@ from convo.retrieval import (
     day_label,
     terms,
 )
+from convo.retrieval.memory import query_text
 from convo.tokens import TiktokenCounter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1432,3 +1433,22 @@ def test_budget_defaults_give_memory_the_room_the_recent_turns_leave(cl100k: Tik
     history_tokens = sum(cl100k.message_tokens(m) for t in turns for m in t.messages)
     assert plan.parts["recent"] >= 0.9 * min(budget.recent_min, history_tokens)
     assert plan.total_tokens <= budget.context_tokens
+
+
+def test_a_long_question_is_embedded_as_its_head_and_tail_and_searched_by_all_its_words() -> None:
+    # Issue 24: the query's embedding is most of retrieval's cost and grows with its length.
+    assert query_text("short question?", 600) == "short question?"
+    long = " ".join(f"w{i}" for i in range(400)) + " where is Biscuit?"
+    cut = query_text(long, 600)
+    assert len(cut) <= 600 + 5 and cut.startswith("w0 w1 ") and cut.endswith(" where is Biscuit?")
+    enc = RecordingEncoder()
+    cfg = RetrievalConfig(expand_terms=0, expand_query_words=0, min_score=0.0)
+    mem = RetrievalMemory(enc, config=cfg)
+    turns = [Turn(index=0, messages=(Message(role=Role.USER, content="My dog Biscuit sleeps under w399."),))]
+    mem.remember_turns("s", turns)
+    enc.seen.clear()
+    found = mem.retrieve(long, session_id="s", top_k=3)
+    assert enc.seen and max(map(len, enc.seen)) <= 605  # the dense query: head and tail
+    assert any("Biscuit" in p.text for p in found)
+    with pytest.raises(ConfigError, match="query_chars"):
+        RetrievalConfig(query_chars=0)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from convo.background import background_work
 from convo.plan import PreparesTurns, Turn
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,8 @@ class AheadPool:
             started = time.monotonic()
             texts, failed = 0, False
             try:
-                texts = job()
+                with background_work():  # the embedder serves turns' own calls first
+                    texts = job()
             except Exception:  # (the next turn embeds what it needs itself)
                 logger.exception("embedding a turn ahead failed")
                 failed = True

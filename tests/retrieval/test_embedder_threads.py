@@ -121,3 +121,70 @@ def test_minilm_from_many_threads_gives_each_thread_its_vectors(minilm) -> None:
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda t: minilm.encode([t]), texts))
     assert len(minilm._cache) <= 64
+
+
+def _queue_behind_first(co: _Coalescer, compute: _GatedCompute, calls: list[tuple[list[str], bool]]) -> None:
+    """A first call blocks in its pass; ``calls`` (texts, background) queue in this order."""
+    first = threading.Thread(target=co.run, args=(["x"],))
+    first.start()
+    assert compute.entered.wait(10)
+    threads = []
+    for texts, background in calls:
+        queued = len(co._queue)
+        t = threading.Thread(target=lambda a=texts, b=background: co.run(a, background=b))
+        t.start()
+        threads.append(t)
+        deadline = threading.Event()
+        while len(co._queue) == queued and not deadline.wait(0.005):
+            pass
+    compute.gate.set()
+    for t in [first, *threads]:
+        t.join(10)
+        assert not t.is_alive()
+
+
+def test_a_turns_call_goes_before_background_calls_queued_ahead_of_it() -> None:
+    compute = _GatedCompute()
+    co = _Coalescer(compute)
+    ahead = [([f"turn {i} part {j}" for j in range(3)], True) for i in range(3)]
+    _queue_behind_first(co, compute, [*ahead, (["the question"], False)])
+    # The question waited for the pass in flight only, and rode alone: no background text
+    # shares its pass, so its wait is not made longer by them.
+    assert compute.batches[1] == ["the question"]
+    # Background passes then hold at most BACKGROUND_PASS_TEXTS texts (at least one call).
+    from convo.embeddings import BACKGROUND_PASS_TEXTS
+
+    rest = compute.batches[2:]
+    assert sorted(t for b in rest for t in b) == sorted(t for c, _ in ahead for t in c)
+    assert all(len(b) <= max(BACKGROUND_PASS_TEXTS, 3) for b in rest)
+
+
+def test_background_calls_share_small_passes_in_order() -> None:
+    compute = _GatedCompute()
+    co = _Coalescer(compute)
+    ahead = [([f"t{i}"], True) for i in range(6)]
+    _queue_behind_first(co, compute, ahead)
+    from convo.embeddings import BACKGROUND_PASS_TEXTS
+
+    assert [len(b) for b in compute.batches[1:]] == [BACKGROUND_PASS_TEXTS, 6 - BACKGROUND_PASS_TEXTS]
+    assert [t for b in compute.batches[1:] for t in b] == [f"t{i}" for i in range(6)]
+
+
+def test_encode_inside_background_work_splits_into_small_passes(minilm) -> None:  # type: ignore[no-untyped-def]
+    from convo.background import background_work, in_background
+    from convo.embeddings import BACKGROUND_PASS_TEXTS
+
+    texts = [f"Background text {i} about the garden shed and its roof." for i in range(10)]
+    minilm.cache_size = 0
+    try:
+        front = minilm.encode(texts)
+        passes = minilm._coalescer.passes
+        assert not in_background()
+        with background_work():
+            assert in_background()
+            back = minilm.encode(texts)
+        assert not in_background()
+    finally:
+        minilm.cache_size = 64
+    assert minilm._coalescer.passes - passes == -(-len(texts) // BACKGROUND_PASS_TEXTS)
+    assert np.allclose(front, back, atol=1e-5)  # the same vectors, in smaller passes

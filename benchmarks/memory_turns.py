@@ -7,8 +7,8 @@ the tokens whose KV came from the previous turn (``cached_tokens``), the tokens 
 (``prefill_tokens``), the memory's tokens and whether the window slid (turns left it). The summary line
 is the mean of ``prefill_tokens`` over turns that carried memory, split by slide.
 
-The memory message sits next to the turn being answered, so on a turn where the window
-did not slide only the previous turn, the memory and the new message run again.
+The memory message sits after the question being answered, so on a turn where the window
+did not slide only the previous reply, the new message and the memory run again.
 
 Usage::
 

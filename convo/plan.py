@@ -11,10 +11,14 @@ I/O and calls no model; the session summarizes, retrieves and stores around it.
       + tool schemas              top-k       turns; >= recent_min
 
 The diagram shows the shares. In the prompt the memory message (the retrieved passages)
-sits between the earlier turns and the turn being answered: system, summary, earlier
-turns, memory, current turn. What comes before it changes only when the window slides, so
-the next turn's prompt extends this one and an engine that keeps the KV cache between
-turns reuses it, even though each turn retrieves different passages.
+sits inside the turn being answered, right after its user message: system, summary,
+earlier turns, the question, memory, and the rest of the turn (an agent's tool calls and
+results). What comes before it changes only when the window slides, so the next turn's
+prompt extends this one up to the question and an engine that keeps the KV cache between
+turns reuses it, even though each turn retrieves different passages: only the reply and
+the new turn are prefilled (with memory before the question, the previous question was
+prefilled again too). Within one turn of an agent loop the memory stays the same (its
+query is the turn's user message), so each step reuses the whole prompt before it.
 
 The recent turns are fitted newest first and only whole turns are shown, except the newest
 turn, which always keeps its first message and its newest blocks (a block is an assistant
@@ -527,12 +531,13 @@ def plan_prompt(
         )
         retrieved_msgs, retrieved_cost = _memory(used, counter)
 
-    # Memory goes next to the turn being answered, after the earlier turns: what precedes it
-    # (system, summary, earlier turns) stays the prefix of the next turn's prompt, so its
-    # KV is reused instead of re-run whenever the retrieved passages change.
+    # Memory goes inside the turn being answered, after its user message: what precedes it
+    # (system, summary, earlier turns, the question) stays the prefix of the next turn's
+    # prompt, so its KV is reused instead of re-run whenever the retrieved passages change.
     earlier = [m for t in recent[:-1] for m in t]
     current = list(recent[-1]) if recent else []
-    messages = tuple(pinned + summary_msgs + earlier + retrieved_msgs + current)
+    asked = 1 if current and current[0].role is Role.USER else 0
+    messages = tuple(pinned + summary_msgs + earlier + current[:asked] + retrieved_msgs + current[asked:])
     starts_system = bool(messages) and messages[0].role is Role.SYSTEM
     template = counter.overhead_tokens(starts_system)
     parts = {

@@ -284,11 +284,12 @@ class CharCounter(TokenCounter):
 
 
 #: How a prompt is reshaped for a chat template that rejects its shape, mildest first:
-#: ``"as-is"``; ``"merge-system"`` (the system messages, the session's pinned part, summary
-#: and memory, joined into the first one; a later one goes in front of the next user
-#: message; consecutive user or assistant messages joined: Llama-2's and Mistral's strict
-#: alternation); ``"system-in-user"`` (as ``"merge-system"``, then the system text goes in
-#: front of the first user message: templates with no system role, such as Gemma's).
+#: ``"as-is"``; ``"merge-system"`` (the leading system messages, the session's pinned part
+#: and summary, joined into the first one; a later one, such as memory, goes after the user
+#: message it follows, or else in front of the next one; consecutive user or assistant
+#: messages joined: Llama-2's and Mistral's strict alternation); ``"system-in-user"`` (as
+#: ``"merge-system"``, then the system text goes in front of the first user message:
+#: templates with no system role, such as Gemma's).
 TEMPLATE_FOLDS = ("as-is", "merge-system", "system-in-user")
 
 
@@ -304,6 +305,8 @@ def fold_messages(messages: Sequence[Message], fold: str) -> list[Message]:
     for m in messages:
         if m.role is Role.SYSTEM:
             if out and out[-1].role is Role.SYSTEM and not pending:
+                out[-1] = dataclasses.replace(out[-1], content=f"{out[-1].content}\n\n{m.content}")
+            elif out and out[-1].role is Role.USER and _plain_turn(out[-1]):  # memory after a question
                 out[-1] = dataclasses.replace(out[-1], content=f"{out[-1].content}\n\n{m.content}")
             elif not out:
                 out.append(m)

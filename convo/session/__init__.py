@@ -2,7 +2,7 @@
 
 A :class:`Session` owns the history of one conversation. Each turn it plans the prompt
 (:func:`convo.plan.plan_prompt`: pinned system part, rolling summary, earlier recent
-turns, retrieved passages next to the turn being answered, reply reserve), checks the
+turns, retrieved passages after the question being answered, reply reserve), checks the
 plan against an exact count of the rendered prompt, calls the engine with a capped
 ``generate``, stores the reply, and returns. The turns that left the window are folded
 into the summary (in batches) in the background, by a

@@ -1,7 +1,7 @@
 """The :class:`Session`: one conversation that never exceeds its token budget.
 
 Each turn plans the prompt (:func:`convo.plan.plan_prompt`: pinned system part, rolling
-summary, earlier recent turns, retrieved passages next to the turn being answered, reply
+summary, earlier recent turns, retrieved passages after the question being answered, reply
 reserve), checks the plan against an exact count of the rendered prompt, calls the engine
 with a capped ``generate``, stores the reply, and returns. The parts live beside this file:
 the history in memory (:mod:`.history`), how the window slides (:mod:`.window`), the

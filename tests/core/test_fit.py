@@ -207,7 +207,7 @@ def test_fit_adds_summary_and_passages(counter: CharCounter) -> None:
         session_id="s1",
     )
     assert kept[0]["role"] == "system" and "we met" in kept[0]["content"]
-    assert "1234" in kept[-2]["content"] and kept[-1]["content"] == "turn 9"  # memory next to the question
+    assert kept[-2]["content"] == "turn 9" and "1234" in kept[-1]["content"]  # memory after the question
     assert plan.parts["summary"] > 0 and plan.parts["retrieved"] > 0
 
 

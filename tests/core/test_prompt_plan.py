@@ -378,3 +378,46 @@ def test_tool_schemas_are_counted_exactly_through_the_real_template(smol_counter
     )
     assert plan.prompt_tokens == smol_counter.count_with_tools(plan.messages, [WEATHER_TOOL])
     assert plan.parts["tools"] > 0 and plan.total_tokens <= b.context_tokens
+
+
+def test_memory_sits_after_the_question_so_the_next_prompt_extends_it(counter: CharCounter) -> None:
+    b = Budget(context_tokens=2000, max_new_tokens=50, window_turns=8)
+    history = make_turns(3)
+    asked = Turn(index=3, messages=(user("where is the key?"),))
+    first = plan_prompt(
+        budget=b,
+        counter=counter,
+        turns=[*history, asked],
+        passages=[Passage(text="under the mat", score=1.0, source="notes")],
+    )
+    assert [m.content for m in first.messages[-2:]] == [
+        "where is the key?",
+        passage_message(first.passages_used[0]).content,
+    ]
+    answered = Turn(index=3, messages=(*asked.messages, assistant("under the mat")))
+    second = plan_prompt(
+        budget=b,
+        counter=counter,
+        turns=[*history, answered, Turn(index=4, messages=(user("and the car?"),))],
+        passages=[Passage(text="the car is in the garage", score=1.0, source="notes")],
+    )
+    # Everything up to the question of the turn before is the same: only its reply, the
+    # new question and the new memory are new to an engine that kept the KV cache.
+    assert second.messages[: len(first.messages) - 1] == first.messages[:-1]
+    assert second.messages[len(first.messages) - 1] == assistant("under the mat")
+    assert second.messages[-1].role is Role.SYSTEM and "garage" in second.messages[-1].content
+
+
+def test_memory_stays_put_while_an_agent_turn_grows(counter: CharCounter) -> None:
+    b = Budget(context_tokens=2000, max_new_tokens=50, window_turns=8)
+    call = Message(
+        role=Role.ASSISTANT, content="", tool_calls=(ToolCall(id="c1", name="look", arguments="{}"),)
+    )
+    memory = [Passage(text="the key was under the mat", score=1.0, source="notes")]
+    step1 = plan_prompt(
+        budget=b, counter=counter, turns=[Turn(index=0, messages=(user("find the key"),))], passages=memory
+    )
+    grown = Turn(index=0, messages=(user("find the key"), call, tool("not in the drawer", tool_call_id="c1")))
+    step2 = plan_prompt(budget=b, counter=counter, turns=[grown], passages=memory)
+    assert [m.role for m in step2.messages] == [Role.USER, Role.SYSTEM, Role.ASSISTANT, Role.TOOL]
+    assert step2.messages[: len(step1.messages)] == step1.messages  # the step extends the last one

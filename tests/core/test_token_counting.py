@@ -135,3 +135,27 @@ def test_strict_templates_render_with_tools_and_say_they_ignore_them(
     assert counter.render(prompt, tools=tools) == counter.render(prompt)
     assert not counter.renders_tools
     assert counter.count_tools(tools, prompt) == estimate_tools_tokens(counter, tools)
+
+
+def test_fold_joins_memory_after_the_question_into_it() -> None:
+    call = Message(role=Role.ASSISTANT, content="", tool_calls=(ToolCall(id="c1", name="f", arguments="{}"),))
+    msgs = [
+        system("pinned"),
+        user("a"),
+        assistant("b"),
+        user("q"),
+        system("memory"),
+        call,
+        tool("r", tool_call_id="c1"),
+    ]
+    merged = fold_messages(msgs, "merge-system")
+    assert [(m.role, m.content) for m in merged[:4]] == [
+        (Role.SYSTEM, "pinned"),
+        (Role.USER, "a"),
+        (Role.ASSISTANT, "b"),
+        (Role.USER, "q\n\nmemory"),
+    ]
+    assert merged[4:] == [call, tool("r", tool_call_id="c1")]
+    # The question's own text opens the folded message: the next prompt, which shows the
+    # question without memory, shares it as a prefix.
+    assert fold_messages([user("q"), system("memory")], "system-in-user") == [user("q\n\nmemory")]

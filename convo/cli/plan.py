@@ -464,7 +464,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         if args.json:
             extra = {
                 **_memory_json(device),
-                **_host_kv_json(args, kv_slots),
+                **_host_kv_json(args, kv_slots, _pool_bytes(mm, kv_slots, contexts)),
                 "device": target,
                 "gpu_memory_pick": {
                     str(k): ({"refused": p} if isinstance(p, str) else p.to_json()) for k, p in picks.items()
@@ -476,7 +476,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
             print(
                 render_plan_table(plan, memory_source=device.source, quant=label, picks=picks, header=header)
             )
-            print(_host_kv_line(args, kv_slots))
+            print(_host_kv_line(args, kv_slots, _pool_bytes(mm, kv_slots, contexts)))
         return 0
     return _run_measure(args, mm, plan, contexts, concs, device, new_tokens)
 
@@ -507,23 +507,32 @@ def _quant_label(mm: VRAMModel, asked: str) -> str:
     return f"{mm.quant.value}{auto}{group}"
 
 
-def _host_kv_bytes(args: argparse.Namespace, kv_slots: int | str | None) -> int:
+def _host_kv_bytes(args: argparse.Namespace, kv_slots: int | str | None, pool_bytes: int | None) -> int:
     """Host memory (not device memory) the KV of sessions evicted from their slots may take:
     ``--kv-host-memory``, else what the engine takes on this machine (on CUDA
-    :func:`~convo.models.defaults.resolve_kv_host_memory`: a share of its RAM); 0 without
-    KV slots."""
+    :func:`~convo.models.defaults.resolve_kv_host_memory`: a share of its RAM, at most a
+    multiple of ``pool_bytes``, the KV pool at the largest context planned, when the slot
+    count is known); 0 without KV slots."""
     if kv_slots is None or kv_slots == 0:
         return 0
     cuda = getattr(args, "planned_device", "cuda") == "cuda"
-    return resolve_kv_host_memory(getattr(args, "kv_host_memory", None), cuda=cuda)
+    return resolve_kv_host_memory(getattr(args, "kv_host_memory", None), cuda=cuda, pool_bytes=pool_bytes)
 
 
-def _host_kv_json(args: argparse.Namespace, kv_slots: int | str | None) -> dict[str, Any]:
-    return {"kv_host_memory_bytes": _host_kv_bytes(args, kv_slots)}
+def _pool_bytes(mm: VRAMModel, kv_slots: int | str | None, contexts: list[int]) -> int | None:
+    """The device's KV pool for ``kv_slots`` slots of the largest context (``None``: the
+    slot count is picked per context)."""
+    return mm.kv_pool_bytes(kv_slots, max(contexts)) if isinstance(kv_slots, int) and kv_slots else None
 
 
-def _host_kv_line(args: argparse.Namespace, kv_slots: int | str | None) -> str:
-    host = _host_kv_bytes(args, kv_slots)
+def _host_kv_json(
+    args: argparse.Namespace, kv_slots: int | str | None, pool_bytes: int | None
+) -> dict[str, Any]:
+    return {"kv_host_memory_bytes": _host_kv_bytes(args, kv_slots, pool_bytes)}
+
+
+def _host_kv_line(args: argparse.Namespace, kv_slots: int | str | None, pool_bytes: int | None) -> str:
+    host = _host_kv_bytes(args, kv_slots, pool_bytes)
     if not host:
         return "host KV: none (sessions evicted from a KV slot recompute their prompt)"
     return (

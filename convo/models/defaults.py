@@ -80,20 +80,28 @@ WARMUP_EAGER_RUNS = 2
 
 #: Bytes of host memory for the KV of sessions evicted from their slots when
 #: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out. ``None``: on CUDA,
-#: :func:`default_kv_host_memory` (a share of the RAM); on CPU 0, since the slots already
-#: live in host memory (more slots do what host KV would). Measured on the H200
-#: (``benchmarks/serve_load.py --preset chat-users``: Llama-2-7B int4, 16 slots, 64 users,
-#: think time 3-8 s, 2026-12-02): host KV off, TTFT p50 0.15 s / p95 1.34 s, turn p95
-#: 1.85 s, re-prefill 0.99; 8 GiB, p95 1.64 s, re-prefill 0.82 (8 GiB holds ~10 of the 64
-#: windows); 32 GiB, **p95 0.34 s, turn p95 0.99 s, re-prefill 0.51**, and the server's RSS
-#: flat at the arena's size. Page-locking the arena at start adds seconds to it (server
-#: start 49.5 s with 32 GiB against 28 s without, not isolated from the compile caches).
+#: :func:`default_kv_host_memory` (a share of the RAM, at most a multiple of the device's KV
+#: pool); on CPU 0, since the slots already live in host memory (more slots do what host KV
+#: would). Measured on the H200 (``benchmarks/serve_load.py --preset chat-users``:
+#: Llama-2-7B int4, 16 slots, 64 users, think time 3-8 s, 2026-12-02): host KV off, TTFT p50
+#: 0.15 s / p95 1.34 s, turn p95 1.85 s, re-prefill 0.99; 8 GiB, p95 1.64 s, re-prefill 0.82
+#: (8 GiB holds ~10 of the 64 windows); 32 GiB, **p95 0.34 s, turn p95 0.99 s, re-prefill
+#: 0.51**, and the server's RSS flat at the arena's size. Page-locking the arena at start
+#: adds seconds to it (server start 49.5 s with 32 GiB against 28 s without, not isolated
+#: from the compile caches).
 DEFAULT_KV_HOST_MEMORY: int | None = None
-#: Share of the machine's RAM :func:`default_kv_host_memory` takes for host KV on CUDA. A
-#: 1,700-token window of Llama-2-7B is ~0.85 GB of KV: on a 128 GiB host, ~37 sessions.
-KV_HOST_MEMORY_FRACTION = 0.25
+#: Share of the machine's RAM :func:`default_kv_host_memory` takes for host KV on CUDA at
+#: most. A 1,700-token window of Llama-2-7B is ~0.85 GB of KV: a quarter of a 128 GiB host
+#: (the default before 2026-12-06) held ~37 of chat-users' 64 sessions, and the arena was
+#: full through the load; half holds them all.
+KV_HOST_MEMORY_FRACTION = 0.5
 #: ... and never more than this share of the RAM that is free when the engine loads.
 KV_HOST_AVAILABLE_FRACTION = 0.5
+#: ... and never more than this many times the device's KV pool: the host tier is sized to
+#: the GPU tier (as SGLang's HiCache sizes its host pool by a ratio to the device's), so a
+#: model with a small KV (grouped-query attention, fp8 KV, few slots) does not page-lock RAM
+#: it can never fill. 8 pools hold the windows of 8x as many sessions as there are slots.
+KV_HOST_POOL_MULTIPLE = 8
 
 
 def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
@@ -104,24 +112,39 @@ def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
     return max(0, min(DEFAULT_KV_SLOTS, int(AUTO_SLOTS_MEMORY_FRACTION * free_bytes // max(slot_bytes, 1))))
 
 
-def default_kv_host_memory(total_bytes: int | None = None, available_bytes: int | None = None) -> int:
+def default_kv_host_memory(
+    total_bytes: int | None = None, available_bytes: int | None = None, *, pool_bytes: int | None = None
+) -> int:
     """Bytes of host memory the KV of evicted sessions may take by default:
     :data:`KV_HOST_MEMORY_FRACTION` of the RAM, at most :data:`KV_HOST_AVAILABLE_FRACTION` of
-    the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say).
-    What a CUDA engine takes when ``kv_host_memory`` is left out."""
+    the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say)
+    and, when ``pool_bytes`` (the device's KV pool) is given, at most
+    :data:`KV_HOST_POOL_MULTIPLE` times it. What a CUDA engine takes when
+    ``kv_host_memory`` is left out.
+
+    Example:
+        >>> default_kv_host_memory(128 << 30, 120 << 30) >> 30
+        60
+        >>> default_kv_host_memory(128 << 30, 120 << 30, pool_bytes=2 << 30) >> 30
+        16
+    """
     total = _ram_bytes("SC_PHYS_PAGES") if total_bytes is None else total_bytes
     available = _ram_bytes("SC_AVPHYS_PAGES") if available_bytes is None else available_bytes
-    return max(0, int(min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)))
+    limit = min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)
+    if pool_bytes is not None:
+        limit = min(limit, KV_HOST_POOL_MULTIPLE * pool_bytes)
+    return max(0, int(limit))
 
 
-def resolve_kv_host_memory(given: int | None, *, cuda: bool) -> int:
+def resolve_kv_host_memory(given: int | None, *, cuda: bool, pool_bytes: int | None = None) -> int:
     """The host KV bytes an engine takes: ``given``, else :data:`DEFAULT_KV_HOST_MEMORY`,
-    else (``None``) :func:`default_kv_host_memory` on CUDA and 0 on CPU."""
+    else (``None``) :func:`default_kv_host_memory` on CUDA (capped by ``pool_bytes``, the
+    device's KV pool, when given) and 0 on CPU."""
     if given is not None:
         return int(given)
     if DEFAULT_KV_HOST_MEMORY is not None:
         return DEFAULT_KV_HOST_MEMORY
-    return default_kv_host_memory() if cuda else 0
+    return default_kv_host_memory(pool_bytes=pool_bytes) if cuda else 0
 
 
 def _ram_bytes(name: str) -> int:

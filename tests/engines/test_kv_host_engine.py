@@ -12,7 +12,12 @@ import pytest
 from convo.engines.local.config import KVConfig
 from convo.errors import ConfigError
 from convo.messages import assistant, user
-from convo.models.defaults import KV_HOST_MEMORY_FRACTION, default_kv_host_memory, resolve_kv_host_memory
+from convo.models.defaults import (
+    KV_HOST_MEMORY_FRACTION,
+    KV_HOST_POOL_MULTIPLE,
+    default_kv_host_memory,
+    resolve_kv_host_memory,
+)
 from convo.models.generation import Priority, SchedulerStats
 
 torch = pytest.importorskip("torch")
@@ -23,8 +28,13 @@ def test_kv_host_memory_is_validated_and_defaults_from_the_ram() -> None:
         KVConfig(kv_host_memory=-1)
     assert KVConfig().kv_host_memory is None and KVConfig(kv_host_memory=0).kv_host_memory == 0
     gib = 1 << 30
-    assert default_kv_host_memory(128 * gib, 100 * gib) == int(KV_HOST_MEMORY_FRACTION * 128 * gib)
+    assert default_kv_host_memory(128 * gib, 128 * gib) == int(KV_HOST_MEMORY_FRACTION * 128 * gib)
     assert default_kv_host_memory(128 * gib, 10 * gib) == 5 * gib  # at most half of what is free
+    # at most a multiple of the device's KV pool: a small pool page-locks no RAM it can't fill
+    pool = gib // 2
+    assert default_kv_host_memory(128 * gib, 128 * gib, pool_bytes=pool) == KV_HOST_POOL_MULTIPLE * pool
+    assert resolve_kv_host_memory(None, cuda=True, pool_bytes=pool) <= KV_HOST_POOL_MULTIPLE * pool
+    assert resolve_kv_host_memory(3 * gib, cuda=True, pool_bytes=pool) == 3 * gib  # a given size wins
     assert default_kv_host_memory(0, 0) == 0
     assert default_kv_host_memory() > 0  # this machine's
     # left out: a share of the RAM on CUDA (measured there: chat-users p95 TTFT 1.34 -> 0.34 s),

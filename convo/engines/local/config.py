@@ -125,9 +125,10 @@ class KVConfig:
             slot was given to another session (pinned on CUDA): their next turn copies it
             back instead of prefilling it again. Beyond it, the entries needed last are
             dropped; 0 turns it off. ``None`` (default): a share of the RAM on CUDA
-            (:func:`~convo.models.defaults.default_kv_host_memory`: 25 %, at most half of
-            what is free), 0 on CPU (:data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY`
-            says what it was measured against).
+            (:func:`~convo.models.defaults.default_kv_host_memory`: half, at most half of
+            what is free and 8 times the device's KV pool), 0 on CPU
+            (:data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY` says what it was
+            measured against).
         gpu_memory: size the engine to this much device memory (bytes, or a size with a
             unit: ``"24GiB"``): the planner picks the KV slots, and with int4 one weight
             layout or both, to fit under it with a headroom

@@ -360,6 +360,10 @@ class TransformersEngine(Engine):
         #: growing cache per session. Chosen here, once.
         self._kv: KVBackend
         if decoder is not None:
+            # The default host tier is sized to this pool (KV_HOST_POOL_MULTIPLE).
+            self.kv_host_memory = resolve_kv_host_memory(
+                kv.kv_host_memory, cuda=cuda, pool_bytes=decoder.pool.nbytes
+            )
             self._kv = SlotKV(
                 decoder,
                 self.tokenizer,

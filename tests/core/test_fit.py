@@ -301,7 +301,9 @@ def check_fit(history: list[dict[str, Any]], budget: Budget, counter: TokenCount
     assert plan.turns_shown[-1] == n_turns - 1
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(history=openai_histories(), budget=fit_budgets)
 def test_property_fit_invariants_char_counter(history: list[dict[str, Any]], budget: Budget) -> None:
     try:
@@ -319,7 +321,11 @@ def test_property_fit_invariants_char_counter(history: list[dict[str, Any]], bud
 @settings(
     max_examples=60,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 @given(history=openai_histories(), budget=fit_budgets)
 def test_property_fit_invariants_real_chat_template(

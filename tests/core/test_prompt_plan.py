@@ -276,7 +276,9 @@ def build_session(counter: TokenCounter, budget: Budget, history: list[Message],
     return session
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(history=histories(), budget=budgets, summary=texts)
 def test_property_budget_invariant_char_counter(history: list[Message], budget: Budget, summary: str) -> None:
     counter = CharCounter()
@@ -288,7 +290,11 @@ def test_property_budget_invariant_char_counter(history: list[Message], budget: 
 @settings(
     max_examples=60,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 @given(history=histories(), budget=budgets, summary=texts)
 def test_property_budget_invariant_real_tokenizer(

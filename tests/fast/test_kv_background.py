@@ -253,3 +253,59 @@ def test_with_host_memory_a_summary_takes_the_slot_of_a_session_back_only_after_
         assert again.cached_tokens == len(a.ids) + len(a.new_ids) - 1  # back from host
     else:
         assert dec.pool.swaps_out == 0 and summary.finish is None
+
+
+def test_a_keep_cached_prefill_parks_the_prompt_its_sessions_summary_continues() -> None:
+    # The window moved after a's reply: its next prompt shares only the first 5 tokens with
+    # what a's slot holds, and its summary, queued, continues the prompt just answered. The
+    # prefill parks that prompt in host memory before it overwrites the slot; the summary
+    # restores it (a copy, not a recompute) in another slot, and a's next turn finds its
+    # prefix where the prefill left it: all exact.
+    dec = KVDecoder(2, host=1 << 20)
+    sched = _sched(dec)
+    a1 = _run(sched, _req(dec, list(range(1, 41)), cache_key="a"))
+    held = [*a1.ids, *a1.new_ids]
+    nxt = [*held[:5], *range(300, 330)]
+    background = {"priority": Priority.BACKGROUND, "cache_key": "a", "prefill_only": True}
+    _run(sched, _req(dec, nxt, 1, keep_cached=True, **background))
+    assert (sched.sources_kept, sched.sources_restored) == (1, 0)
+    summary = _run(
+        sched, _req(dec, [*held[:30], *range(900, 910)], 20, owner="a", priority=Priority.BACKGROUND)
+    )
+    assert sched.sources_restored == 1 and summary.cached_tokens == 30  # its prompt came back
+    assert summary.new_ids == _alone(summary)
+    swaps_in = dec.pool.swaps_in
+    turn = _run(sched, _req(dec, [*nxt, 7, 8, 9], 3, cache_key="a"))
+    assert turn.cached_tokens == len(nxt) and turn.slot != summary.slot  # the prefill's slot, untouched
+    assert dec.pool.swaps_in == swaps_in
+    assert turn.new_ids == _alone(turn)
+    assert dec.pool.host is not None and [k for k in dec.pool.host.keys() if k.startswith("\x00")] == []
+
+
+def test_without_keep_cached_the_summary_recomputes_the_prompt_the_prefill_overwrote() -> None:
+    dec = KVDecoder(2, host=1 << 20)
+    sched = _sched(dec)
+    a1 = _run(sched, _req(dec, list(range(1, 41)), cache_key="a"))
+    held = [*a1.ids, *a1.new_ids]
+    nxt = [*held[:5], *range(300, 330)]
+    _run(sched, _req(dec, nxt, 1, cache_key="a", prefill_only=True, priority=Priority.BACKGROUND))
+    summary = _run(
+        sched, _req(dec, [*held[:30], *range(900, 910)], 20, owner="a", priority=Priority.BACKGROUND)
+    )
+    assert (sched.sources_kept, sched.sources_restored) == (0, 0)
+    assert summary.cached_tokens == 5 and summary.new_ids == _alone(summary)
+
+
+def test_a_keep_cached_prefill_parks_nothing_while_the_summary_runs_or_without_host_memory() -> None:
+    for host in (0, 1 << 20):
+        dec = KVDecoder(2, host=host)
+        sched = _sched(dec)
+        a1 = _run(sched, _req(dec, list(range(1, 41)), cache_key="a"))
+        held = [*a1.ids, *a1.new_ids]
+        summary = sched.submit(_req(dec, [*held[:30], 900], 40, owner="a", priority=Priority.BACKGROUND))
+        _steps(sched, 3)  # the summary runs (it keeps what it shares when it ends)
+        nxt = [*held[:5], *range(300, 330)]
+        _run(sched, _req(dec, nxt, 1, cache_key="a", prefill_only=True, keep_cached=True,
+                         priority=Priority.BACKGROUND))  # fmt: skip
+        _drain(sched)
+        assert sched.sources_kept == 0 and summary.new_ids == _alone(summary)

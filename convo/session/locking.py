@@ -51,10 +51,11 @@ class TurnLock:
         store / session_id: the session whose store lock the turns hold.
         catch_up: called on a fresh hold of the store's lock (reload what others stored).
         after_turn: called when a turn (:meth:`turn`, :meth:`aturn`, :meth:`local_turn`)
-            has let go, unless this thread still holds the session (an outer turn then
-            calls it): work the turn's hold kept out, such as a prefill. After an async
-            turn it runs in a worker thread (it may read the store), and only when
-            ``after_turn_due`` says there is work.
+            has let go: work the turn's hold kept out, such as a prefill. While this thread
+            still holds the session's store lock (an outer turn, or a server request that
+            holds it around the turn), when that lets go. After an async turn it runs in a
+            worker thread (it may read the store), and only when ``after_turn_due`` says
+            there is work.
         after_turn_due: whether ``after_turn`` has work now (default: always).
     """
 
@@ -107,6 +108,10 @@ class TurnLock:
     def _let_go(self) -> None:
         if self._owes_after_turn():
             self._after_turn()  # type: ignore[misc]
+        elif self._after_turn is not None and self.store.holds_lock(self.session_id):
+            # An outer holder of the store's lock (a server request around the turn): the work
+            # waits until it lets go (Store.after_release), then runs if it is still due.
+            self.store.after_release(self.session_id, self._let_go)
 
     def _owes_after_turn(self) -> bool:
         if self._after_turn is None or self.store.holds_lock(self.session_id):

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -432,9 +432,24 @@ class Store(abc.ABC):
         """Whether the calling thread holds ``session_id``'s lock (see :meth:`lock`)."""
         return self._held().get(session_id, 0) > 0
 
-    def _held(self) -> dict[str, int]:
+    def after_release(self, session_id: str, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the calling thread lets go of ``session_id``'s lock (at once when
+        it does not hold it): work a turn inside an outer holder's lock (a server request's)
+        leaves for when the session is free, such as prefilling its next prompt. An error in
+        ``fn`` is logged, not raised."""
+        if not self.holds_lock(session_id):
+            _call_logged(fn)
+            return
+        waiting: dict[str, list[Callable[[], None]]] = self._thread_local().__dict__.setdefault("after", {})
+        waiting.setdefault(session_id, []).append(fn)
+
+    def _thread_local(self) -> threading.local:
         with _LOCKS_GUARD:
             local: threading.local = self.__dict__.setdefault("_held_locks", threading.local())
+        return local
+
+    def _held(self) -> dict[str, int]:
+        local = self._thread_local()
         held: dict[str, int] | None = getattr(local, "depth", None)
         if held is None:
             held = local.depth = {}
@@ -450,12 +465,16 @@ class Store(abc.ABC):
             finally:
                 held[session_id] -= 1
             return
-        with self._acquire(session_id, timeout_s):
-            held[session_id] = 1
-            try:
-                yield
-            finally:
-                del held[session_id]
+        try:
+            with self._acquire(session_id, timeout_s):
+                held[session_id] = 1
+                try:
+                    yield
+                finally:
+                    del held[session_id]
+        finally:  # the lock is let go of: what waited for that (after_release)
+            for fn in self._thread_local().__dict__.get("after", {}).pop(session_id, []):
+                _call_logged(fn)
 
     def _acquire(self, session_id: str, timeout_s: float) -> AbstractContextManager[None]:
         """Take the lock for a thread that does not hold it yet (stores override this)."""
@@ -469,6 +488,13 @@ class Store(abc.ABC):
 
 
 _LOCKS_GUARD = threading.Lock()
+
+
+def _call_logged(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # (work left for after a turn: its failure must not fail the caller)
+        logger.exception("work run after a session's lock was let go of failed")
 
 
 @contextmanager

@@ -381,3 +381,33 @@ def test_a_closed_session_is_not_prefilled(worker: SummaryWorker) -> None:
     summ.gate.set()
     assert job.wait(WAIT)
     assert engine.prefills == [] and session.id in engine.released
+
+
+def test_a_turn_inside_an_outer_holders_lock_prefills_once_that_lets_go(worker: SummaryWorker) -> None:
+    # The server holds the session's store lock around the whole request: the slide's
+    # prefill waits for that (Store.after_release), not for the next turn.
+    engine = RecordingEngine(prefill=True)
+    session = Session(engine, budget=ROOMY, summarizer=Gated(open_gate=False), summaries=worker)
+    session.send("turn 0")
+    with session.store.lock(session.id):
+        session.send("turn 1")
+        assert engine.prefills == []  # (the session is still held)
+    assert len(engine.prefills) == 1 and engine.prefills[0][1] == session.id
+
+
+def test_work_left_for_after_a_lock_runs_when_the_outermost_hold_lets_go() -> None:
+    from convo.stores import InMemoryStore
+
+    store = InMemoryStore()
+    ran: list[str] = []
+    store.after_release("s", lambda: ran.append("free"))  # not held: at once
+    assert ran == ["free"]
+    with store.lock("s"):
+        with store.lock("s"):
+            store.after_release("s", lambda: ran.append("later"))
+            store.after_release("s", lambda: 1 / 0)  # type: ignore[func-returns-value]  # logged only
+        assert ran == ["free"]  # still held by the outer hold
+    assert ran == ["free", "later"]
+    with store.lock("s"):
+        pass
+    assert ran == ["free", "later"]  # once

@@ -117,15 +117,6 @@ class Load:
     # window moves again, also when the summary is written meanwhile (one re-prefill per
     # slide, not two); off: the written summary replaces it at once.
     sticky_provisional: bool = True
-    # As the session does since 2026-12-06: when the lookahead moves turns out after a
-    # reply (the next turn slides), the next prompt's prefix (system, the provisional
-    # summary, which then stays, and the kept window) is prefilled in the background at
-    # once, during the user's think time, not on the slide turn (``prefill_next`` alone
-    # does it only once the summary is written).
-    prefill_slide: bool = True
-    # ... and keep the prompt just answered in host memory for the summary that continues
-    # it (``DecodeRequest.keep_cached``), which restores it by a copy instead of a recompute.
-    keep_cached: bool = True
     host_slots: int = 48  # host memory, in whole slots (0: off)
     decode_s: float = 0.010
     row_s: float = 0.00015
@@ -199,7 +190,6 @@ class User:
     turns: int = 0
     in_turn: bool = False
     job: bool = False  # a summary of it is queued or running
-    held: list[int] = field(default_factory=list)  # the last prompt and its reply
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -259,8 +249,6 @@ def simulate(load: Load) -> dict[str, Any]:
     written = [0]
     due = [0]
     provisional = [0]  # turns whose prompt carried the provisional stand-in
-    slide_s: list[float] = []  # turn seconds of turns whose prompt does not extend the last
-    plain_s: list[float] = []  # ... and of those that do
 
     def submit(kind: str, u: User, req: DecodeRequest, extra: Any = None) -> None:
         req.started_at = clock.now
@@ -353,14 +341,11 @@ def simulate(load: Load) -> dict[str, Any]:
             ids=ids, max_new_tokens=load.reply_tokens, deadline=float("inf"), sampling=GREEDY,
             cache_key=u.key, on_token=lambda _t: bool(first.append(clock.now)) and False,
         )  # fmt: skip
-        slid = bool(u.held) and ids[: len(u.held)] != u.held
-        submit("reply", u, req, (message, clock.now, first, slid))
+        submit("reply", u, req, (message, clock.now, first))
 
     def finished(kind: str, u: User, req: DecodeRequest, extra: Any) -> None:
         if kind == "reply":
-            message, at, first, slid = extra
-            (slide_s if slid else plain_s).append(clock.now - at)
-            u.held = [*req.ids, *req.new_ids]
+            message, at, first = extra
             ttft.append(first[0] - at)
             waves[u.wave]["ttft"].append(first[0] - at)
             turn_s.append(clock.now - at)
@@ -372,14 +357,6 @@ def simulate(load: Load) -> dict[str, Any]:
                 if k:
                     u.owed, u.window = u.window[:k], u.window[k:]
                     u.owed_since, u.sticky = clock.now, None
-                    if load.prefill_slide:  # the next prompt is known now: warm it while the user thinks
-                        u.sticky = block(u)
-                        ids = [*system, *u.sticky, *itertools.chain.from_iterable(u.window)]
-                        submit("prefill", u, DecodeRequest(
-                            ids=ids, max_new_tokens=1, deadline=float("inf"), sampling=GREEDY,
-                            cache_key=u.key, prefill_only=True, priority=Priority.BACKGROUND,
-                            keep_cached=load.keep_cached,
-                        ))  # fmt: skip
             if u.owed and not u.job:
                 u.job = True
                 due[0] += 1
@@ -479,7 +456,6 @@ def simulate(load: Load) -> dict[str, Any]:
         "wall_s": round(end, 2),
         "preemptions": stats.preemptions,
         "parked": getattr(stats, "parked", 0),  # (absent before parking)
-        "preempted_prefills": getattr(sched, "preempted_prefills", 0),
         "summaries_due": due[0],
         "summaries_written": at_end["written"],
         "summary_backlog_end": at_end["backlog"],
@@ -496,10 +472,6 @@ def simulate(load: Load) -> dict[str, Any]:
         "ttft_p95_s": _pct(ttft, 0.95),
         "turn_p50_s": _pct(turn_s, 0.5),
         "turn_p95_s": _pct(turn_s, 0.95),
-        "slide_turns": len(slide_s),
-        "slide_vs_ordinary": round(_pct(slide_s, 0.5) / _pct(plain_s, 0.5), 2)
-        if slide_s and plain_s
-        else None,
         "swaps_out": stats.swaps_out,
         "swaps_in": stats.swaps_in,
         "background_prefills": stats.prefills,

@@ -324,14 +324,11 @@ class Engine(Protocol):
 
     def release(self, cache_key: str) -> None: ...
 
-    def prefill(self, messages: Sequence[Message], *, cache_key: str, keep_cached: bool = False) -> None:
+    def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
         """Compute the KV of ``messages`` (the prefix of a session's next prompt: system,
         summary, kept window) under ``cache_key`` in the background, at background priority,
-        so that the session's next turn prefills only its new message. ``keep_cached``: what
-        the session's cache holds now is still wanted by its summary, queued, which
-        continues that prompt: an engine with host memory keeps a copy of it for the
-        summary rather than overwrite it. Returns at once; engines that do not declare
-        ``supports_prefill`` do nothing."""
+        so that the session's next turn prefills only its new message. Returns at once;
+        engines that do not declare ``supports_prefill`` do nothing."""
         return None
 
     def close(self) -> None:

@@ -408,7 +408,6 @@ class KVSlotPool:
         reply: bool = True,
         restore: str | None = None,
         spare_s: float | None = None,
-        own: bool = True,
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
@@ -439,13 +438,11 @@ class KVSlotPool:
                 when host memory would keep its KV (it comes back by a copy, not a
                 recompute) and the policy expects it back no sooner than ``spare_s``
                 seconds (the work's expected length); ``None``: never.
-            own: ``key``'s own idle slot comes first (``False``: it is taken as any other
-                session's is; a guest that ``restore``s a prompt ``key`` no longer holds).
         """
         with self._lock:
             now = self.clock()
             chosen = None
-            if key is not None and own:
+            if key is not None:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner == key and not s.busy), None)
             if chosen is None:
                 chosen = next((i for i, s in enumerate(self._table) if s.owner is None and not s.busy), None)
@@ -546,16 +543,6 @@ class KVSlotPool:
             if self.host is not None:
                 self.host.discard(key)
             self.policy.forget(key)
-
-    def held_tokens(self, key: str) -> list[int]:
-        """The tokens kept for ``key``: in its idle or busy slot, else in host memory
-        (``[]``: none)."""
-        with self._lock:
-            for slot in self._table:
-                if slot.owner == key and slot.tokens and not slot.guest:
-                    return list(slot.tokens)
-            entry = self.host.get(key) if self.host is not None else None
-            return list(entry.tokens) if entry is not None else []
 
     def owners(self) -> list[str]:
         """Keys of the sessions whose tokens are kept in a slot or in host memory."""

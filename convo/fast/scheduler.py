@@ -64,13 +64,11 @@ import itertools
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
-from convo.fast.kv_policy import MAX_TRACKED_SESSIONS
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.sampling import sample_rows
@@ -94,7 +92,6 @@ __all__ = [
     "DEFAULT_GAP_STEPS",
     "DEFAULT_INTERLEAVE_TOKENS",
     "DEFAULT_REPLY_WAIT_TOKENS",
-    "DEFAULT_SOURCE_OWN_WAIT_S",
     "DEFAULT_STEP_TOKENS",
     "MIN_COST_STEPS",
     "PILEUP_CHUNKS",
@@ -106,7 +103,6 @@ __all__ = [
     "SchedulerStats",
     "decode_priority",
     "prompt_token_budget",
-    "source_key",
 ]
 #: Seconds another session's cached prompt must have sat idle in its slot before background
 #: work (a summary) may take the slot: while sessions keep talking, summaries use empty
@@ -131,17 +127,6 @@ DEFAULT_BACKGROUND_FINISH_TOKENS = 16
 #: ``benchmarks/kv_sched.py`` (16 slots): waiting up to 16 tokens also with host memory
 #: takes think-16 to 0 preemptions but costs chat-users 0.1 s of TTFT p95; 4 costs nothing.
 DEFAULT_REPLY_WAIT_TOKENS = 4
-#: A summary that restores the prompt it continues (parked by its session's ``keep_cached``
-#: prefill) looks for another slot than its session's, which holds the session's next
-#: prompt, for this many seconds; then it takes that one too (the session's prompt goes to
-#: host memory and comes back by a copy). Measured with ``benchmarks/kv_sched.py`` (host
-#: memory 64 slots), against the prefill on the slide turn: chat-users TTFT p95 0.33 ->
-#: 0.12 s, turn p95 1.01 -> 0.71 s, slide turn 1.64x -> 1.26x an ordinary one, re-prefill
-#: 0.53 -> 0.51; think-16 TTFT p95 0.52 -> 0.37 s, slide 1.43x -> 1.24x, re-prefill 0.70 ->
-#: 0.60, summaries written in the load 36 -> 28, preemptions (parked: copies) 18 -> 39.
-#: 0 s: think-16 writes 31 summaries but re-prefills 0.70, chat-users' slide 1.30x; never
-#: (only after ``background_max_wait_s``): think-16 writes 16 and its turn p95 is 1.28 s.
-DEFAULT_SOURCE_OWN_WAIT_S = 2.0
 #: Share of the KV slots that background work (summaries, background prefills) may hold
 #: at once (at least one slot): the rest is left to replies, so a wave of turns finds
 #: slots without stopping the summaries, which drain in the pauses. Measured with
@@ -214,11 +199,6 @@ class DecodeRequest:
     owner: str | None = None
     #: Compute the KV of ``ids`` for ``cache_key`` and stop: nothing is sampled.
     prefill_only: bool = False
-    #: With ``prefill_only`` and host memory: what the session's slot holds now is still
-    #: wanted by work for the session that has not run yet (its summary, which continues
-    #: the prompt just answered). Before this request overwrites it, it is parked in host
-    #: memory, and that work restores it from there: a copy, not a recompute.
-    keep_cached: bool = False
     # Filled in by the scheduler.
     new_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -309,8 +289,6 @@ class DecodeScheduler:
         evict_to_host: with host memory, work done for a session may take the slot of a
             session the policy expects back only after the work is done (its KV goes to
             host and comes back by a copy) instead of waiting ``background_max_wait_s``.
-        source_own_wait_s: seconds a summary that restores its prompt from host memory
-            keeps off its session's own slot (:data:`DEFAULT_SOURCE_OWN_WAIT_S`).
 
     Raises:
         ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
@@ -333,7 +311,6 @@ class DecodeScheduler:
         background_slots: int | None = None,
         reply_wait_tokens: int = DEFAULT_REPLY_WAIT_TOKENS,
         evict_to_host: bool = True,
-        source_own_wait_s: float = DEFAULT_SOURCE_OWN_WAIT_S,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
@@ -353,7 +330,6 @@ class DecodeScheduler:
         self.background_slots = background_slots
         self.reply_wait_tokens = reply_wait_tokens
         self.evict_to_host = evict_to_host
-        self.source_own_wait_s = source_own_wait_s
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
@@ -380,19 +356,10 @@ class DecodeScheduler:
         self.max_prefill_tokens = 0
         #: Requests stopped to free a slot for a reply (they went on later).
         self.preemptions = 0
-        #: Of those, the ones whose KV was parked in host memory (resumed by a copy), and the
-        #: background prefills (what they computed stays their session's KV).
+        #: Of those, the ones whose KV was parked in host memory (resumed by a copy).
         self.parked = 0
-        self.preempted_prefills = 0
         #: Background prefill requests (``prefill_only``) run to their end.
         self.prefill_requests = 0
-        #: ``keep_cached`` prefills that parked their session's previous prompt, and the
-        #: background requests that restored one (:meth:`_keep_source`).
-        self.sources_kept = 0
-        self.sources_restored = 0
-        #: When work done for each session (its summary) last got or let go of a slot (the
-        #: newest MAX_TRACKED_SESSIONS sessions).
-        self._owner_held: OrderedDict[str, float] = OrderedDict()
         #: Prompt tokens an unbounded exact cache would still prefill: each request's tokens
         #: past its common prefix with what its session's KV last held (:meth:`_count_novel`).
         self.novel_prompt_tokens = 0
@@ -437,7 +404,6 @@ class DecodeScheduler:
         (:meth:`~convo.fast.kv_pool.KVSlotPool.forget`) and what the scheduler remembers of
         its KV for counting novel prompt tokens."""
         self.decoder.pool.forget(key)
-        self.decoder.pool.forget(source_key(key))
         with self._cv:
             self._ledger.forget(key)
 
@@ -603,8 +569,6 @@ class DecodeScheduler:
             self.decoder.pool.forget(req._parked)
             req._parked = None
         if req.slot >= 0:
-            if req.owner is not None:
-                self._owner_seen(req.owner)
             kept = req.kept() if error is None else []
             self.decoder.pool.release(req.slot, kept)
             if error is None and req.owner is None and req.cache_key is not None and kept:
@@ -660,7 +624,6 @@ class DecodeScheduler:
                 # slot while it is patient: it never evicts a session that is thinking.
                 own = req.owner is not None or req.prefill_only
                 wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
-                source = self._source_for(req)
                 got = self.decoder.pool.acquire(
                     req.session,
                     min_idle_s=self.background_min_idle_s if patient else 0.0,
@@ -669,11 +632,8 @@ class DecodeScheduler:
                     evict=not (patient and own),
                     wanted=wanted,
                     reply=req.priority <= Priority.REPLY,
-                    restore=req._parked or (source[0] if source else None),
+                    restore=req._parked,
                     spare_s=self._expected_s(req) if self.evict_to_host else None,
-                    # Its session's slot holds the session's newer prompt: another slot first,
-                    # that one (its prompt goes to host) once the work waited min_idle_s.
-                    own=source is None or self.clock() - req.started_at >= self.source_own_wait_s,
                 )
                 if got is None:
                     if self._preempt(req):
@@ -687,15 +647,11 @@ class DecodeScheduler:
             req.slot, kept = got
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
-            if req._parked is not None:  # resumed: its own KV came back (or, dropped, is recomputed)
+            if req._parked is None:
+                req._shared = common
+            else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
                 self.decoder.pool.forget(req._parked)
                 req._parked = None
-            elif source is not None and kept == source[1]:
-                self.sources_restored += 1  # the prompt it continues came back, not its session's KV
-            else:
-                req._shared = common
-            if req.owner is not None:
-                self._owner_seen(req.owner)
             req.cached_tokens = req.kv_tokens = common
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
@@ -703,46 +659,7 @@ class DecodeScheduler:
                 self._prompt_in(req)
                 self._finish(req, FinishReason.STOP)
                 continue
-            if req.prefill_only and req.keep_cached and common < len(kept):
-                self._keep_source(req, kept, wanted)
             self._copying.append(req)
-
-    def _keep_source(self, req: DecodeRequest, kept: list[int], wanted: set[str]) -> None:
-        """``req`` (a ``keep_cached`` prefill) is about to overwrite what its session's slot
-        holds: park that in host memory under :func:`source_key`, for the session's
-        background work that continues it (:meth:`_source_for`), unless such work runs
-        already (it keeps what it shares when it lets go of the slot)."""
-        key = req.cache_key
-        if key is None or any(r.owner == key for r in (*self._copying, *self._prefilling, *self._active)):
-            return
-        if self._owner_held.get(key, float("-inf")) >= req.started_at:
-            return  # its summary ran since the prefill was asked for: nothing waits for this
-        pool = self.decoder.pool
-        pool.forget(source_key(key))  # (an older one: this session's prompt moved on)
-        if pool.park(req.slot, source_key(key), kept, wanted=wanted):
-            self.sources_kept += 1
-
-    def _owner_seen(self, owner: str) -> None:
-        """Work done for ``owner`` gets or lets go of a slot now."""
-        self._owner_held[owner] = self.clock()
-        self._owner_held.move_to_end(owner)
-        while len(self._owner_held) > MAX_TRACKED_SESSIONS:
-            self._owner_held.popitem(last=False)
-
-    def _source_for(self, req: DecodeRequest) -> tuple[str, list[int]] | None:
-        """For work done for a session (``owner``) that has not started: the host key and
-        tokens of the prompt a ``keep_cached`` prefill parked for it, when that serves its
-        prompt better than what the session holds now (then the work restores it)."""
-        if req.owner is None or req._parked is not None or req.new_ids or self.decoder.pool.host is None:
-            return None
-        pool = self.decoder.pool
-        parked = pool.held_tokens(source_key(req.owner))
-        if not parked:
-            return None
-        ids = req.context()
-        if common_prefix_length(parked, ids) <= common_prefix_length(pool.held_tokens(req.owner), ids):
-            return None
-        return source_key(req.owner), parked
 
     def _copied(self) -> None:
         """Requests whose slot's copies (to or from host) are done go on to prefill. When
@@ -788,7 +705,6 @@ class DecodeScheduler:
         victim.slot, victim.kv_tokens = -1, 0
         victim.preemptions += 1
         self.preemptions += 1
-        self.preempted_prefills += victim.prefill_only
         self._pending.append(victim)
         return True
 
@@ -899,12 +815,6 @@ class DecodeScheduler:
         self.steps += 1
         self.rows += len(rows)
         self._active = [r for r, t in zip(rows, tokens, strict=True) if not self._accept(r, t)]
-
-
-def source_key(key: str) -> str:
-    """The host key under which a ``keep_cached`` prefill parks session ``key``'s previous
-    prompt for its background work (:attr:`DecodeRequest.keep_cached`)."""
-    return f"{PARKED_PREFIX}source:{key}"
 
 
 def _device_error(exc: BaseException) -> BaseException:

@@ -366,9 +366,9 @@ class Session:
         it runs in this process or holds the store's lock: a running turn computes its own
         prompt). Returns whether the engine was asked.
 
-        Called when the window moved after a reply and when a summary is written: the turn
-        after a slide then costs an ordinary turn. While the summary is queued, the engine
-        keeps what it holds for it (``keep_cached``: it continues the prompt answered)."""
+        A session calls it when a background summary of it is written: the summary and the
+        window changed together, so the next turn would otherwise re-prefill its whole
+        prompt (the turn after a slide then costs what an ordinary turn costs)."""
         engine = self.engine
         if engine is None or not engine.supports_prefill:
             return False
@@ -382,8 +382,7 @@ class Session:
             with self._turn_lock.hold(0):  # (0: another holder of the store's lock -> busy)
                 self._synced_state()
                 prefix = self.next_prompt_prefix()
-                keep = self._summary.live_job() is not None
-                engine.prefill(prefix, cache_key=self.id, keep_cached=keep)
+                engine.prefill(prefix, cache_key=self.id)
             logger.debug(
                 "session %s: prefilling its next prompt's prefix (%d messages)", self.id, len(prefix)
             )
@@ -394,8 +393,8 @@ class Session:
             self._turn_lock.local.release()
 
     def _prefill_if_due(self) -> None:
-        """After a turn let go (``TurnLock.after_turn``, while ``_prefill_due``): a slide's or
-        a summary's prefill."""
+        """After a turn let go (``TurnLock.after_turn``, called while ``_prefill_due``): the
+        prefill that a summary written during the turn asked for."""
         try:
             self.prefill_next()
         except Exception:  # (the turn is done; a failed prefill only costs the next one)
@@ -739,7 +738,8 @@ class Session:
         evicted_before = self.evicted_turns
         budget_cut = plan.first_shown_turn > self.evicted_turns
         self._state = replace(self._state, evicted_turns=max(self.evicted_turns, plan.first_shown_turn))
-        # Slide for the next turn now: the summary changes with the window (one re-prefill).
+        # Slide the window for the next turn now, so that the summary changes on the same
+        # turn as the window: one re-prefill per batch instead of two.
         self._advance_window(lookahead=1)
         # A plan that still shows unsummarized turns is larger than the window's: it must
         # not push turns out early (the window moves when the summary is in).
@@ -749,7 +749,6 @@ class Session:
         self._write()  # the turn is stored before its summary starts
         moved = self.evicted_turns != evicted_before
         self._maybe_summarize(window_moved=moved, prompt=[*plan.messages, answer])
-        self._prefill_due |= moved and self.engine.supports_prefill  # warm it while the user reads
         self._index_ahead()
         stats = TurnStats(
             turn=self.turn_count,

@@ -11,7 +11,7 @@ import pytest
 
 from convo.engines.local.config import KVConfig
 from convo.errors import ConfigError
-from convo.messages import assistant, system, user
+from convo.messages import assistant, user
 from convo.models.defaults import (
     KV_HOST_MEMORY_FRACTION,
     KV_HOST_POOL_MULTIPLE,
@@ -123,41 +123,6 @@ def test_an_owner_call_runs_from_its_sessions_slot_and_a_prefill_caches_the_next
         assert turn.stats.cached_tokens >= len(engine.counter.render_ids(prefix, generation_prompt=False)) - 1
         plain = stock.generate([*prefix, user("and lakes?")], max_new_tokens=3)
         assert turn.token_ids == plain.token_ids
-    finally:
-        engine.close()
-
-
-def _wait_prefills(engine: Any, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while engine.scheduler_stats.prefills < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.scheduler_stats.prefills == n
-
-
-def test_a_keep_cached_prefill_keeps_the_answered_prompt_for_the_summary_exactly(stock: Any) -> None:
-    # After a slide the next prompt shares only the system part with what s's slot holds,
-    # and s's summary continues the prompt just answered: the prefill parks that in host
-    # memory, the summary restores it (its prompt is not prefilled again), and both the
-    # summary and s's next turn answer as a fresh model does.
-    engine = _slots(stock, 2, 1 << 26)
-    try:
-        answered = [system("be brief"), user("tell me about rivers and the sea, and about lakes")]
-        g = engine.generate(answered, max_new_tokens=6, cache_key="s")
-        answered.append(assistant(g.text))
-        nxt = [system("be brief"), user("we spoke of water"), assistant("yes, of rivers")]
-        engine.prefill(nxt, cache_key="s", keep_cached=True)
-        _wait_prefills(engine, 1)
-        asked = [*answered, user("summarize")]
-        summary = engine.generate(asked, max_new_tokens=4, owner="s", priority=Priority.BACKGROUND)
-        # restored: at least the question it answered is not prefilled again (the next
-        # prompt shares only the system part with it)
-        asked_ids = engine.counter.render_ids(answered[:2], generation_prompt=False)
-        assert summary.stats.cached_tokens >= len(asked_ids)
-        assert len(engine.counter.render_ids(nxt[:1], generation_prompt=False)) < len(asked_ids) - 8
-        assert summary.token_ids == stock.generate(asked, max_new_tokens=4).token_ids
-        turn = engine.generate([*nxt, user("and lakes?")], max_new_tokens=3, cache_key="s")
-        assert turn.stats.cached_tokens >= len(engine.counter.render_ids(nxt, generation_prompt=False)) - 1
-        assert turn.token_ids == stock.generate([*nxt, user("and lakes?")], max_new_tokens=3).token_ids
     finally:
         engine.close()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +42,6 @@ class RecordingEngine(ScriptedEngine):
         self._prefill = prefill
         self.options: list[dict[str, Any]] = []
         self.prefills: list[tuple[tuple[Message, ...], str]] = []
-        self.kept: list[bool] = []  # each prefill's keep_cached
         self.prefill_threads: list[threading.Thread] = []
         self.prefilled = threading.Event()
 
@@ -55,9 +53,8 @@ class RecordingEngine(ScriptedEngine):
         self.options.append(dict(options))
         return super().generate(messages, max_new_tokens=max_new_tokens, **options)
 
-    def prefill(self, messages: Sequence[Message], *, cache_key: str, keep_cached: bool = False) -> None:
+    def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
         self.prefills.append((tuple(messages), cache_key))
-        self.kept.append(keep_cached)
         self.prefill_threads.append(threading.current_thread())
         self.prefilled.set()
 
@@ -197,23 +194,13 @@ def test_the_lag_is_reported_in_the_session_state(worker: SummaryWorker) -> None
 # -- the next prompt's prefix, prefilled when the summary is in ------------------------------------------
 
 
-def _prefilled_with(engine: RecordingEngine, text: str) -> tuple[tuple[Message, ...], str]:
-    """The first prefill whose prefix shows ``text`` (waits for it)."""
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        found = [p for p in list(engine.prefills) if any(text in m.content for m in p[0])]
-        if found:
-            return found[0]
-        time.sleep(0.01)
-    raise AssertionError(f"no prefill showed {text!r}: {engine.prefills}")
-
-
 def test_an_idle_session_prefills_exactly_its_next_prompts_prefix(worker: SummaryWorker) -> None:
     engine = RecordingEngine(prefill=True)
     session = Session(engine, budget=ROOMY, system_prompt="Be brief.", summarizer=Gated(), summaries=worker)
     session.send("turn 0")
     session.send("turn 1")  # turn 0 leaves the window; its summary is written in the background
-    prefix, key = _prefilled_with(engine, "S(turn 0")  # once it is written
+    assert engine.prefilled.wait(WAIT)
+    prefix, key = engine.prefills[-1]
     assert key == session.id
     assert any("S(turn 0" in m.content for m in prefix)  # the new summary
     assert pairs(prefix)[0] == ("system", "Be brief.")
@@ -221,42 +208,6 @@ def test_an_idle_session_prefills_exactly_its_next_prompts_prefix(worker: Summar
     sent = engine.prompts[-1]
     assert pairs(sent[: len(prefix)]) == pairs(prefix)
     assert pairs(sent[len(prefix) :]) == [("user", "turn 2")]
-
-
-def test_a_slide_prefills_the_next_prompt_at_once_keeping_what_the_summary_continues(
-    worker: SummaryWorker,
-) -> None:
-    # The window moves after turn 1's reply: the next prompt (system, the provisional
-    # summary while the model's is written, the kept window) is prefilled on the way out,
-    # not on the next turn, and the engine is told to keep the prompt just answered for the
-    # summary, which is queued and continues it.
-    engine = RecordingEngine(prefill=True)
-    summ = Gated(open_gate=False)
-    session = Session(
-        engine, budget=ROOMY, system_prompt="Be brief.", summarizer=summ, summaries=worker, summary_wait_s=0
-    )
-    session.send("turn 0")
-    assert engine.prefills == []  # nothing moved
-    session.send("turn 1")
-    [(prefix, key)] = engine.prefills  # (synchronously: before send returned)
-    assert key == session.id and engine.kept == [True]
-    assert pairs(prefix) == pairs(session.next_prompt_prefix())
-    assert pairs(prefix)[0] == ("system", "Be brief.") and ("user", "turn 1") in pairs(prefix)
-    assert not any("S(turn 0" in m.content for m in prefix)  # not written yet
-    session.send("turn 2")  # the summary is still late: the turn extends what was prefilled
-    sent = engine.prompts[-1]
-    assert pairs(sent[: len(prefix)]) == pairs(prefix)
-    assert pairs(sent[len(prefix) :]) == [("user", "turn 2")]
-    summ.gate.set()
-    assert session.wait_summary(WAIT).status is SummaryStatus.DONE
-
-
-def test_a_slide_asks_no_prefill_of_an_engine_without_it(worker: SummaryWorker) -> None:
-    engine = RecordingEngine(prefill=False)
-    session = Session(engine, budget=ROOMY, summarizer=Gated(open_gate=False), summaries=worker)
-    session.send("turn 0")
-    session.send("turn 1")
-    assert engine.prefills == []
 
 
 class MidTurn(RecordingEngine):
@@ -285,9 +236,6 @@ def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker:
     session.send("turn 1")
     job = worker.job(session.store, session.id)
     assert job is not None
-    assert len(engine.prefills) == 1  # the slide's, on the way out of turn 1
-    engine.prefills.clear()
-    engine.prefilled.clear()
 
     def land_the_summary() -> None:
         summ.gate.set()
@@ -320,10 +268,6 @@ def test_after_an_async_turn_the_due_prefill_runs_off_the_event_loop(worker: Sum
         await session.asend("turn 1")
         job = worker.job(session.store, session.id)
         assert job is not None
-        assert len(engine.prefills) == 1  # the slide's, on the way out of turn 1
-        engine.prefills.clear()
-        engine.prefill_threads.clear()
-        engine.prefilled.clear()
 
         def land_the_summary() -> None:
             summ.gate.set()
@@ -351,7 +295,6 @@ def test_no_prefill_while_a_turn_holds_the_session(worker: SummaryWorker) -> Non
     session.send("turn 1")
     job = worker.job(session.store, session.id)
     assert job is not None
-    engine.prefills.clear()  # (the slide's, on the way out of turn 1)
     with session.store.lock(session.id):  # another turn (here: this thread) holds the session
         summ.gate.set()
         assert job.wait(WAIT) and job.status is JobStatus.DONE
@@ -376,7 +319,6 @@ def test_a_closed_session_is_not_prefilled(worker: SummaryWorker) -> None:
     session.send("turn 1")
     job = worker.job(session.store, session.id)
     assert job is not None
-    engine.prefills.clear()  # (the slide's, on the way out of turn 1)
     session.close()  # (the job is cancelled; were it past its store write, it would still end)
     summ.gate.set()
     assert job.wait(WAIT)

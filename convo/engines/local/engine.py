@@ -639,21 +639,18 @@ class TransformersEngine(Engine):
         KV slots (not with plain ``generate``'s growing cache)."""
         return isinstance(self._kv, SlotKV)
 
-    def prefill(self, messages: Sequence[Message], *, cache_key: str, keep_cached: bool = False) -> None:
+    def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
         """Compute the KV of ``messages`` (a session's next prompt without its new message:
         system, summary, kept window) for ``cache_key`` in the background, at
         :attr:`~convo.models.generation.Priority.BACKGROUND` priority, in the session's own
         slot or an empty one (never another thinking session's); returns at once. The
-        session's next turn then prefills only its new message. ``keep_cached``: the
-        session's summary, queued, continues the prompt its slot holds now: with host memory
-        that is parked there for it before the prefill overwrites it
-        (:attr:`~convo.fast.scheduler.DecodeRequest.keep_cached`). A no-op without
+        session's next turn then prefills only its new message. A no-op without
         :attr:`supports_prefill`, and for a prefix longer than ``max_input_tokens``."""
         if not isinstance(self._kv, SlotKV):
             return
         ids = self._counter.render_ids(messages, generation_prompt=False)
         if 0 < len(ids) <= self.max_input_tokens:
-            self._kv.prefill(ids, cache_key=cache_key, timeout_s=self.timeout_s, keep_cached=keep_cached)
+            self._kv.prefill(ids, cache_key=cache_key, timeout_s=self.timeout_s)
 
     @property
     def counter(self) -> HFTokenCounter:

@@ -468,15 +468,11 @@ class SlotKV:
     def close(self) -> None:
         self.scheduler.close()
 
-    def prefill(
-        self, ids: Sequence[int], *, cache_key: str, timeout_s: float, keep_cached: bool = False
-    ) -> DecodeRequest:
+    def prefill(self, ids: Sequence[int], *, cache_key: str, timeout_s: float) -> DecodeRequest:
         """Queue the computation of ``ids``' KV (tokenizer ids: a session's next prompt
         prefix) for ``cache_key`` at background priority, in the session's own or an empty
-        slot; returns the queued request at once (its ``done`` is set when it is over).
-        ``keep_cached``: see :attr:`~convo.fast.scheduler.DecodeRequest.keep_cached`."""
+        slot; returns the queued request at once (its ``done`` is set when it is over)."""
         request = DecodeRequest(
-            keep_cached=keep_cached,
             ids=self.model_ids(ids),
             max_new_tokens=1,
             deadline=time.monotonic() + timeout_s,

@@ -326,15 +326,30 @@ def test_a_closed_session_is_not_prefilled(worker: SummaryWorker) -> None:
 
 
 def test_a_turn_inside_an_outer_holders_lock_prefills_once_that_lets_go(worker: SummaryWorker) -> None:
-    # The server holds the session's store lock around the whole request: the slide's
-    # prefill waits for that (Store.after_release), not for the next turn.
-    engine = RecordingEngine(prefill=True)
-    session = Session(engine, budget=ROOMY, summarizer=Gated(open_gate=False), summaries=worker)
+    # The server holds the session's store lock around the whole request: a summary written
+    # during the turn is prefilled when that lets go (Store.after_release), not never.
+    engine = MidTurn()
+    summ = Gated(open_gate=False)
+    session = Session(engine, budget=ROOMY, summarizer=summ, summaries=worker, summary_wait_s=0)
     session.send("turn 0")
+    session.send("turn 1")
+    job = worker.job(session.store, session.id)
+    assert job is not None
+
+    def land_the_summary() -> None:
+        summ.gate.set()
+        assert job.wait(WAIT) and job.status is JobStatus.DONE
+        summ.gate.clear()
+
+    engine.during = land_the_summary
     with session.store.lock(session.id):
-        session.send("turn 1")
+        session.send("turn 2")
         assert engine.prefills == []  # (the session is still held)
-    assert len(engine.prefills) == 1 and engine.prefills[0][1] == session.id
+    [(prefix, key)] = engine.prefills
+    assert key == session.id and any("S(turn 0" in m.content for m in prefix)
+    summ.gate.set()
+    later = worker.job(session.store, session.id)
+    assert later is not None and later.wait(WAIT)
 
 
 def test_work_left_for_after_a_lock_runs_when_the_outermost_hold_lets_go() -> None:

@@ -190,6 +190,7 @@ class User:
     turns: int = 0
     in_turn: bool = False
     job: bool = False  # a summary of it is queued or running
+    held: list[int] = field(default_factory=list)  # the last prompt and its reply
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -249,6 +250,8 @@ def simulate(load: Load) -> dict[str, Any]:
     written = [0]
     due = [0]
     provisional = [0]  # turns whose prompt carried the provisional stand-in
+    slide_s: list[float] = []  # turn seconds of turns whose prompt does not extend the last
+    plain_s: list[float] = []  # ... and of those that do
 
     def submit(kind: str, u: User, req: DecodeRequest, extra: Any = None) -> None:
         req.started_at = clock.now
@@ -341,11 +344,14 @@ def simulate(load: Load) -> dict[str, Any]:
             ids=ids, max_new_tokens=load.reply_tokens, deadline=float("inf"), sampling=GREEDY,
             cache_key=u.key, on_token=lambda _t: bool(first.append(clock.now)) and False,
         )  # fmt: skip
-        submit("reply", u, req, (message, clock.now, first))
+        slid = bool(u.held) and ids[: len(u.held)] != u.held
+        submit("reply", u, req, (message, clock.now, first, slid))
 
     def finished(kind: str, u: User, req: DecodeRequest, extra: Any) -> None:
         if kind == "reply":
-            message, at, first = extra
+            message, at, first, slid = extra
+            (slide_s if slid else plain_s).append(clock.now - at)
+            u.held = [*req.ids, *req.new_ids]
             ttft.append(first[0] - at)
             waves[u.wave]["ttft"].append(first[0] - at)
             turn_s.append(clock.now - at)
@@ -472,6 +478,12 @@ def simulate(load: Load) -> dict[str, Any]:
         "ttft_p95_s": _pct(ttft, 0.95),
         "turn_p50_s": _pct(turn_s, 0.5),
         "turn_p95_s": _pct(turn_s, 0.95),
+        # As serve_load's window_slide_vs_ordinary: turn p50 of the turns whose prompt does
+        # not extend the last (the window slid) over that of the others.
+        "slide_turns": len(slide_s),
+        "slide_vs_ordinary": round(_pct(slide_s, 0.5) / _pct(plain_s, 0.5), 2)
+        if slide_s and plain_s
+        else None,
         "swaps_out": stats.swaps_out,
         "swaps_in": stats.swaps_in,
         "background_prefills": stats.prefills,

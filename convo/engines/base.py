@@ -425,6 +425,14 @@ class KVBackend(Protocol):
         """Drop every kept KV cache and return cached blocks to the device."""
         ...
 
+    #: Whether :meth:`prefill` computes a prompt's KV ahead of its turn.
+    supports_prefill: bool
+
+    def prefill(self, ids: Sequence[int], *, cache_key: str, timeout_s: float) -> Any:
+        """Compute the KV of ``ids`` (a session's next prompt prefix) for ``cache_key`` in the
+        background, after the calls waiting; returns at once (a handle of the work)."""
+        ...
+
     def close(self) -> None:
         """Stop and join the backend's threads and drop its caches. Idempotent."""
         ...

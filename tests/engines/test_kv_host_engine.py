@@ -11,7 +11,7 @@ import pytest
 
 from convo.engines.local.config import KVConfig
 from convo.errors import ConfigError
-from convo.messages import assistant, user
+from convo.messages import assistant, system, user
 from convo.models.defaults import (
     KV_HOST_MEMORY_FRACTION,
     KV_HOST_POOL_MULTIPLE,
@@ -127,10 +127,39 @@ def test_an_owner_call_runs_from_its_sessions_slot_and_a_prefill_caches_the_next
         engine.close()
 
 
-def test_the_growing_cache_declares_no_prefill(stock: Any) -> None:
-    assert not stock.supports_prefill
-    stock.prefill([user("hi")], cache_key="x")  # a no-op
-    assert "x" not in stock.cached_sessions and stock.scheduler_stats is None
+def test_the_growing_cache_prefills_a_sessions_next_prompt_between_calls_exactly(stock: Any) -> None:
+    # DynamicKV (the CPU default): a background thread computes the prefix into the
+    # session's kept cache, and the session's next turn prefills only its new message.
+    assert stock.supports_prefill and stock.scheduler_stats is None
+    backend = stock._kv
+    before = backend.prefills
+    prefix = [system("be brief"), user("tell me about rivers"), assistant("they flow to the sea")]
+    stock.prefill(prefix, cache_key="x")
+    deadline = time.monotonic() + 30
+    while backend.prefills == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend.prefills == before + 1 and "x" in stock.cached_sessions
+    asked = [*prefix, user("and lakes?")]
+    turn = stock.generate(asked, max_new_tokens=4, cache_key="x")
+    assert turn.stats.cached_tokens >= len(stock.counter.render_ids(prefix, generation_prompt=False)) - 1
+    assert turn.token_ids == stock.generate(asked, max_new_tokens=4).token_ids  # no cache: the same
+    stock.release("x")
+
+
+def test_a_growing_cache_prefill_stops_once_a_call_of_its_session_changed_the_cache(stock: Any) -> None:
+    backend = stock._kv
+    ids = stock.counter.render_ids([user("one two three four five six seven eight")], generation_prompt=False)
+    stock.generate([user("hello")], max_new_tokens=2, cache_key="y")  # y's cache: another prompt
+    with backend._lock:  # the prefill's thread starts while a call holds the model...
+        thread = backend.prefill(ids, cache_key="y", timeout_s=30)
+        assert thread is not None
+        time.sleep(0.05)
+        stock.generate([user("hello"), assistant("hi"), user("bye")], max_new_tokens=2, cache_key="y")
+    thread.join(30)  # ... and finds y's cache changed by that call: it stops, computing nothing
+    assert not thread.is_alive()
+    kept = backend._caches["y"].token_ids
+    assert kept[: len(ids)] != list(ids)
+    stock.release("y")
 
 
 def test_host_kv_counters_are_on_metrics() -> None:

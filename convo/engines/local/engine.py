@@ -636,17 +636,20 @@ class TransformersEngine(Engine):
     @property
     def supports_prefill(self) -> bool:
         """Whether :meth:`prefill` computes a prompt prefix ahead of its turn: with static
-        KV slots (not with plain ``generate``'s growing cache)."""
-        return isinstance(self._kv, SlotKV)
+        KV slots, and with the growing cache while it keeps sessions' caches
+        (``max_cached_sessions`` > 0)."""
+        return bool(self._kv.supports_prefill) and getattr(self._kv, "max_cached_sessions", 1) > 0
 
     def prefill(self, messages: Sequence[Message], *, cache_key: str) -> None:
         """Compute the KV of ``messages`` (a session's next prompt without its new message:
         system, summary, kept window) for ``cache_key`` in the background, at
         :attr:`~convo.models.generation.Priority.BACKGROUND` priority, in the session's own
         slot or an empty one (never another thinking session's); returns at once. The
-        session's next turn then prefills only its new message. A no-op without
-        :attr:`supports_prefill`, and for a prefix longer than ``max_input_tokens``."""
-        if not isinstance(self._kv, SlotKV):
+        session's next turn then prefills only its new message. On the growing cache
+        (:class:`~convo.engines.local.kv.DynamicKV`) a background thread computes it between
+        calls, a chunk at a time. A no-op without :attr:`supports_prefill`, and for a prefix
+        longer than ``max_input_tokens``."""
+        if not self.supports_prefill:
             return
         ids = self._counter.render_ids(messages, generation_prompt=False)
         if 0 < len(ids) <= self.max_input_tokens:

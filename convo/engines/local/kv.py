@@ -14,22 +14,25 @@ Both implement :class:`~convo.engines.base.KVBackend`; the engine picks one at l
   with ``owner`` (a summary) runs from its session's own slot; :meth:`SlotKV.prefill`
   computes a session's next prompt prefix in the background.
 
-``DynamicKV`` declares no background prefill (``supports_prefill`` is False) and runs a
-call with ``owner`` as a one-off that keeps nothing: it never evicts another session's
-cache for it (calls run one at a time there), from a copy of its session's cached prefix.
+``DynamicKV`` runs a call with ``owner`` as a one-off that keeps nothing: it never evicts
+another session's cache for it (calls run one at a time there), from a copy of its session's
+cached prefix. Its :meth:`DynamicKV.prefill` computes a session's next prompt prefix in a
+background thread, a chunk at a time between calls (a call waiting for the model goes
+first).
 
 Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,10 @@ from convo.models.generation import GREEDY, FinishReason, Priority
 from convo.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a background prefill (:meth:`DynamicKV.prefill`) sleeps while a call waits for
+#: the model, before it looks again.
+PREFILL_YIELD_S = 0.005
 
 #: Ids of the model's vocabulary for ids of the tokenizer (identity but for random models).
 ModelIds = Callable[[Sequence[int]], list[int]]
@@ -222,9 +229,80 @@ class DynamicKV:
         self._caches: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._sweeper: threading.Thread | None = None
         self._closing = threading.Event()
+        #: Calls waiting for the model (a background prefill lets them go first).
+        self._calls_waiting = 0
+        self._waiting_lock = threading.Lock()
+        #: Background prefills run to their end, and the prompt tokens they computed.
+        self.prefills = 0
+        self.prefilled_tokens = 0
 
-    #: No background prefill on the growing cache (calls run one at a time).
-    supports_prefill = False
+    #: :meth:`prefill` computes a session's next prompt prefix in a background thread.
+    supports_prefill = True
+
+    def prefill(self, ids: Sequence[int], *, cache_key: str, timeout_s: float) -> threading.Thread | None:
+        """Compute the KV of ``ids`` (tokenizer ids: a session's next prompt prefix) into
+        ``cache_key``'s kept cache in a background thread, ``prefill_chunk_tokens`` at a
+        time, each chunk under the model's lock: a call waiting for the model goes before
+        the next chunk, and once another call changed the session's cache (its turn came)
+        the prefill stops, that call having taken what was computed. Returns the thread
+        (``None``: nothing to do, caches are off or the backend is closing)."""
+        if self.max_cached_sessions <= 0 or self._closing.is_set() or not ids:
+            return None
+        # What the session's cache holds now (read without waiting for the model: entries
+        # are replaced whole): a call that changes it before the prefill ends it.
+        entry = self._caches.get(cache_key)
+        held = list(entry.token_ids) if entry is not None else None
+        thread = threading.Thread(
+            target=self._prefill_logged,
+            args=(list(ids), cache_key, held, time.monotonic() + timeout_s),
+            name="convo-kv-prefill",
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    def _prefill_logged(self, ids: list[int], key: str, held: list[int] | None, deadline: float) -> None:
+        try:
+            self._prefill(ids, key, held, deadline)
+        except Exception:  # (a failed prefill only costs the next turn its reuse)
+            logger.exception("prefilling the next prompt of session %r failed", key)
+
+    def _prefill(self, ids: list[int], key: str, expected: list[int] | None, deadline: float) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        while time.monotonic() < deadline and not self._closing.is_set():
+            if self._calls_waiting:  # calls first: a chunk waits for the model to be free
+                time.sleep(PREFILL_YIELD_S)
+                continue
+            with self._lock:
+                entry = self._caches.get(key)
+                if (list(entry.token_ids) if entry is not None else None) != expected:
+                    return  # a call of the session changed its cache: it has what it needs
+                if entry is None:
+                    entry = _CacheEntry(token_ids=[], cache=DynamicCache(config=self.model.config))
+                pos = common_prefix_length(entry.token_ids, ids, min(len(ids), entry.cache.get_seq_length()))
+                if pos >= len(ids):
+                    return
+                _crop_cache(entry.cache, pos)
+                end = min(pos + self.prefill_chunk_tokens, len(ids))
+                device = self.model.device
+                with torch.inference_mode():
+                    self.model(
+                        input_ids=torch.tensor([self.model_ids(ids[pos:end])], device=device),
+                        **{self.cache_kw: entry.cache},
+                        use_cache=True,
+                        cache_position=torch.arange(pos, end, device=device),
+                        logits_to_keep=1,
+                    )
+                expected = ids[:end]
+                self._caches[key] = _CacheEntry(token_ids=list(expected), cache=entry.cache)
+                self._caches.move_to_end(key)
+                self.prefilled_tokens += end - pos
+                if end == len(ids):
+                    self.prefills += 1
+                    self._expire()
+                    return
 
     @property
     def cached_sessions(self) -> list[str]:
@@ -270,8 +348,24 @@ class DynamicKV:
             key, _ = self._caches.popitem(last=False)
             logger.info("evicted the KV cache of session %r (over %d cached)", key, self.max_cached_sessions)
 
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Hold the model for a call; while the call waits for it, a background prefill
+        runs no further chunk."""
+        with self._waiting_lock:
+            self._calls_waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._calls_waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def generate(self, call: KVCall) -> KVRun:
-        with self._lock:
+        with self._call():
             try:
                 return self._generate(call)
             except Exception as exc:

@@ -25,12 +25,14 @@ Nothing here imports torch at import time.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,16 @@ logger = logging.getLogger(__name__)
 #: Seconds a background prefill (:meth:`DynamicKV.prefill`) sleeps while a call waits for
 #: the model, before it looks again.
 PREFILL_YIELD_S = 0.005
+#: Seconds :meth:`DynamicKV.close` (and the process's exit) waits for a background prefill
+#: to finish its current chunk.
+PREFILL_EXIT_WAIT_S = 10.0
+
+
+def _join_at_exit(backend: weakref.ref[DynamicKV]) -> None:
+    alive = backend()
+    if alive is not None:
+        alive._join_prefills()
+
 
 #: Ids of the model's vocabulary for ids of the tokenizer (identity but for random models).
 ModelIds = Callable[[Sequence[int]], list[int]]
@@ -232,6 +244,7 @@ class DynamicKV:
         #: Calls waiting for the model (a background prefill lets them go first).
         self._calls_waiting = 0
         self._waiting_lock = threading.Lock()
+        self._prefill_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         #: Background prefills run to their end, and the prompt tokens they computed.
         self.prefills = 0
         self.prefilled_tokens = 0
@@ -258,6 +271,9 @@ class DynamicKV:
             name="convo-kv-prefill",
             daemon=True,
         )
+        if not self._prefill_threads:  # (the first: at exit, stop them before Python finalizes)
+            atexit.register(_join_at_exit, weakref.ref(self))
+        self._prefill_threads.add(thread)
         thread.start()
         return thread
 
@@ -323,8 +339,18 @@ class DynamicKV:
         sweeper = self._sweeper
         if sweeper is not None and sweeper is not threading.current_thread():
             sweeper.join()
+        self._join_prefills()
         with self._lock:
             self._caches.clear()
+
+    def _join_prefills(self, timeout_s: float = PREFILL_EXIT_WAIT_S) -> None:
+        """Stop the background prefills after their current chunk and wait for them (a
+        thread still in the model's native code when Python finalizes aborts it)."""
+        self._closing.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self._prefill_threads):
+            if thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _sweep(self) -> None:
         """Background sweeper: drop KV caches idle longer than ``cache_idle_s``."""

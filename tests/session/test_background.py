@@ -224,9 +224,9 @@ class MidTurn(RecordingEngine):
         return super().generate(messages, max_new_tokens=max_new_tokens, **options)
 
 
-def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker: SummaryWorker) -> None:
-    # The summary of turn 0 lands while turn 2 generates: the worker cannot prefill then
-    # (the turn holds the session), so the turn does it on its way out.
+def _summary_lands_during_the_next_turn(worker: SummaryWorker) -> tuple[MidTurn, Gated, Session]:
+    """Two turns (turn 0 leaves the window; its summary waits at the gate), then the summary
+    is set to land while the next turn generates (the turn holds the session then)."""
     engine = MidTurn()
     summ = Gated(open_gate=False)
     session = Session(
@@ -244,6 +244,13 @@ def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker:
         assert engine.prefills == []  # (not mid-turn)
 
     engine.during = land_the_summary
+    return engine, summ, session
+
+
+def test_a_summary_written_during_a_turn_is_prefilled_once_the_turn_ends(worker: SummaryWorker) -> None:
+    # The summary of turn 0 lands while turn 2 generates: the worker cannot prefill then
+    # (the turn holds the session), so the turn does it on its way out.
+    engine, summ, session = _summary_lands_during_the_next_turn(worker)
     session.send("turn 2")
     assert engine.prefilled.wait(WAIT)
     [(prefix, key)] = engine.prefills
@@ -328,20 +335,7 @@ def test_a_closed_session_is_not_prefilled(worker: SummaryWorker) -> None:
 def test_a_turn_inside_an_outer_holders_lock_prefills_once_that_lets_go(worker: SummaryWorker) -> None:
     # The server holds the session's store lock around the whole request: a summary written
     # during the turn is prefilled when that lets go (Store.after_release), not never.
-    engine = MidTurn()
-    summ = Gated(open_gate=False)
-    session = Session(engine, budget=ROOMY, summarizer=summ, summaries=worker, summary_wait_s=0)
-    session.send("turn 0")
-    session.send("turn 1")
-    job = worker.job(session.store, session.id)
-    assert job is not None
-
-    def land_the_summary() -> None:
-        summ.gate.set()
-        assert job.wait(WAIT) and job.status is JobStatus.DONE
-        summ.gate.clear()
-
-    engine.during = land_the_summary
+    engine, summ, session = _summary_lands_during_the_next_turn(worker)
     with session.store.lock(session.id):
         session.send("turn 2")
         assert engine.prefills == []  # (the session is still held)

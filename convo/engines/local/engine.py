@@ -279,8 +279,9 @@ class TransformersEngine(Engine):
         self.max_cached_sessions = kv.max_cached_sessions
         self.cache_idle_s = kv.cache_idle_s
         cuda = self.device.startswith("cuda")
-        #: Bytes of host memory for the KV of sessions that lost their slot (static decode).
-        self.kv_host_memory = resolve_kv_host_memory(kv.kv_host_memory, cuda=cuda)
+        #: Bytes of host memory for the KV of sessions that lost their slot (static decode:
+        #: resolved with the slots below, the default sized to their pool; 0 without).
+        self.kv_host_memory = 0
         self._vocab_limit: int | None = None
         #: How the engine was sized to ``kv.gpu_memory`` (:class:`~convo.planner.fit.ServeFit`), or None.
         self.memory_fit = None
@@ -360,7 +361,6 @@ class TransformersEngine(Engine):
         #: growing cache per session. Chosen here, once.
         self._kv: KVBackend
         if decoder is not None:
-            # The default host tier is sized to this pool (KV_HOST_POOL_MULTIPLE).
             self.kv_host_memory = resolve_kv_host_memory(
                 kv.kv_host_memory, cuda=cuda, pool_bytes=decoder.pool.nbytes
             )

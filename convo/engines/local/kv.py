@@ -245,6 +245,7 @@ class DynamicKV:
         self._calls_waiting = 0
         self._waiting_lock = threading.Lock()
         self._prefill_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._exit_hook = False  # (registered once, with the first prefill)
         #: Background prefills run to their end, and the prompt tokens they computed.
         self.prefills = 0
         self.prefilled_tokens = 0
@@ -271,7 +272,8 @@ class DynamicKV:
             name="convo-kv-prefill",
             daemon=True,
         )
-        if not self._prefill_threads:  # (the first: at exit, stop them before Python finalizes)
+        if not self._exit_hook:  # (the first: at exit, stop them before Python finalizes)
+            self._exit_hook = True
             atexit.register(_join_at_exit, weakref.ref(self))
         self._prefill_threads.add(thread)
         thread.start()

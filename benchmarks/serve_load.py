@@ -202,7 +202,12 @@ def child(args: argparse.Namespace) -> None:
         engine = TransformersEngine(
             args.model,
             quant=args.quant or "auto",
-            kv=KVConfig(kv_slots=args.kv_slots, slot_tokens=args.budget, kv_host_memory=args.kv_host_memory),
+            kv=KVConfig(
+                kv_slots=args.kv_slots,
+                slot_tokens=args.budget,
+                kv_host_memory=args.kv_host_memory,
+                context_shift=args.context_shift,
+            ),
         )
         name = args.model or "default"
     else:
@@ -636,6 +641,8 @@ def background_figures(
         if requested and "convo_engine_novel_prompt_tokens_total" in after
         else None,
         "preemptions": int(delta("convo_engine_preemptions_total")),
+        # Cached tokens a context shift moved instead of prefilling (0: off, or none slid)
+        "shifted_tokens": int(delta("convo_engine_kv_shifted_tokens_total")),
         "swaps_in": int(delta("convo_engine_kv_swaps_in_total")),
         "swaps_out": int(delta("convo_engine_kv_swaps_out_total")),
         "host_kv_bytes_peak": int(host_peak),
@@ -926,6 +933,11 @@ def main() -> int:
         help="local engine: host memory for evicted KV (16GiB; 0 = off; default: the engine's)",
     )
     p.add_argument(
+        "--context-shift",
+        action="store_true",
+        help="local engine: move a session's kept turns after a slide instead of prefilling them",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -994,6 +1006,7 @@ def main() -> int:
     suffix = f"_{args.preset}" if args.preset not in (None, "gpu-chat") else ""
     stem = engine + suffix + (f"_waves{args.waves}" if args.waves > 1 else "")
     stem += "_memory" if args.compare_memory else ("_memory_on" if args.memory else "")
+    stem += "_shift" if args.context_shift else ""
     config = {k: v for k, v in vars(args).items() if k not in ("child", "port", "db", "step_file")}
     report: dict[str, Any] = {
         "benchmark": "serve_load",
@@ -1076,6 +1089,8 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.memory:
         cmd.append("--memory")
+    if args.context_shift:
+        cmd.append("--context-shift")
     if step_file:
         cmd += ["--step-file", step_file]
     if args.fake:

@@ -190,7 +190,14 @@ def add_kv_host_memory_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with KV slots: host memory for the KV of sessions whose slot was given to another "
         "(their next turn copies it back instead of recomputing it), e.g. 32GiB; 0 = off "
-        "(default: on CUDA 25%% of the RAM, at most half of what is free; 0 on CPU)",
+        "(default: on CUDA half the RAM, at most half of what is free and 8 KV pools; 0 on CPU)",
+    )
+    parser.add_argument(
+        "--context-shift",
+        action="store_true",
+        help="with KV slots: when a session's window slides, move the turns it kept to their new "
+        "positions instead of prefilling them again (llama.cpp's context shift; faster, not exact: "
+        "a reply can differ from one on a recomputed prompt)",
     )
 
 
@@ -219,6 +226,7 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         tool_parser=getattr(args, "tool_parser", "auto"),
         progress=progress,
         **_kv_host_memory(args),
+        **({"context_shift": True} if getattr(args, "context_shift", False) else {}),
         **memory_kwargs(args),
     )
 

@@ -27,6 +27,7 @@ from convo.fast.kernels import (
     store_kv,
 )
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
+from convo.fast.kv_shift import rope_frequencies
 from convo.fast.staging import build_staged
 from convo.models.defaults import (
     KV_DTYPE_CHOICES,
@@ -393,6 +394,7 @@ class StaticDecoder:
             dtype=pool_dtype,
             device=self.device,
         )
+        self.pool.rope_inv_freq = rope_frequencies(base.rotary_emb)  # (None: no context shift)
         #: Device bytes the pool took, measured with ``torch.cuda.memory_allocated`` (CUDA),
         #: or from the tensors (CPU).
         self.pool_measured_bytes = (

@@ -23,6 +23,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.fast.kv_host import HostEntry, HostKVArena, HostKVStore, Region
 from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
+from convo.fast.kv_shift import KVShift, find_shift, shift_kv
 from convo.models.defaults import FP8_KV_SCALE_BYTES, FP8_KV_SCALE_DTYPE, KV_POOL_ALIGN_BYTES, kv_pool_bytes
 from convo.tokens import common_prefix_length
 
@@ -171,6 +172,9 @@ class KVSlotPool:
         self.swaps_out = self.swaps_in = self.swap_bytes = 0
         self._stream: Any = None  # CUDA: the side stream the copies run on
         self._host_block_bytes: int | None = None
+        #: The model's rotary inverse frequencies (float32), set by the decoder when its
+        #: keys can be turned to other positions (:meth:`shift`); ``None``: they cannot.
+        self.rope_inv_freq: Any = None
 
     @staticmethod
     def predicted_nbytes(
@@ -395,6 +399,22 @@ class KVSlotPool:
             self.swap_bytes += nbytes
             return True
 
+    # -- context shift -----------------------------------------------------------------------------
+    @property
+    def can_shift(self) -> bool:
+        """Whether :meth:`shift` can move cached tokens (the decoder gave the rotary
+        frequencies of its model)."""
+        return self.rope_inv_freq is not None
+
+    def shift(self, index: int, shift: KVShift) -> None:
+        """Move slot ``index``'s cached K/V of ``shift.length`` tokens to the positions
+        ``shift.dst`` onwards, keys turned to them (:func:`~convo.fast.kv_shift.shift_kv`;
+        not exact, see :mod:`convo.fast.kv_shift`). The slot must be ready (:meth:`ready`)
+        and busy: its tokens are the caller's to account."""
+        if self.rope_inv_freq is None:
+            raise ConfigError("this pool's model has no fixed rotary embedding: no context shift")
+        shift_kv(self, index, shift, self.rope_inv_freq)
+
     # -- who holds which slot ---------------------------------------------------------------------
     def acquire(
         self,
@@ -408,6 +428,7 @@ class KVSlotPool:
         reply: bool = True,
         restore: str | None = None,
         spare_s: float | None = None,
+        shift: bool = False,
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
@@ -438,6 +459,9 @@ class KVSlotPool:
                 when host memory would keep its KV (it comes back by a copy, not a
                 recompute) and the policy expects it back no sooner than ``spare_s``
                 seconds (the work's expected length); ``None``: never.
+            shift: the work can reuse cached tokens by a context shift (:meth:`shift`):
+                host memory's copy of ``key``'s KV is also taken when it shares no more of
+                ``ids``' prefix than the slot but holds a longer run of it.
         """
         with self._lock:
             now = self.clock()
@@ -470,7 +494,7 @@ class KVSlotPool:
                     self._swap_out(chosen, now, wanted)
                 self._swap_in(chosen, parked, keep=False)
                 slot.tokens = list(parked.tokens)
-            elif entry is not None and _covers_more(entry.tokens, slot.tokens, ids):
+            elif entry is not None and _covers_more(entry.tokens, slot.tokens, ids, shift=shift):
                 self._swap_in(chosen, entry, keep=guest)  # a guest overwrites part: host keeps it
                 slot.tokens = list(entry.tokens)
             elif guest and ids is not None and slot.tokens:
@@ -553,9 +577,17 @@ class KVSlotPool:
             return keys
 
 
-def _covers_more(host: Sequence[int], slot: Sequence[int], ids: Sequence[int] | None) -> bool:
-    """Whether the host copy serves the prompt better than what the slot holds."""
+def _covers_more(
+    host: Sequence[int], slot: Sequence[int], ids: Sequence[int] | None, *, shift: bool = False
+) -> bool:
+    """Whether the host copy serves the prompt better than what the slot holds (``shift``:
+    counting the run a context shift would move, :func:`~convo.fast.kv_shift.find_shift`)."""
     if ids is None:
         return len(host) > len(slot)
     limit = len(ids) - 1
-    return common_prefix_length(host, ids, limit) > common_prefix_length(slot, ids, limit)
+    on_host, in_slot = common_prefix_length(host, ids, limit), common_prefix_length(slot, ids, limit)
+    if shift and on_host == in_slot and len(host) > on_host:
+        run = find_shift(host, ids, start=on_host, limit=limit)
+        kept = find_shift(slot, ids, start=in_slot, limit=limit) if len(slot) > in_slot else None
+        return run is not None and (kept is None or run.length > kept.length)
+    return on_host > in_slot

@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import logging
 import threading
 import time
 import warnings
@@ -70,6 +71,7 @@ from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
+from convo.fast.kv_shift import KVShift, find_shift
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.sampling import sample_rows
 from convo.fast.step_budget import (
@@ -139,6 +141,8 @@ DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 #: same forward, prefill alone.
 STEP_KINDS = ("decode", "mixed", "prefill")
 
+
+logger = logging.getLogger(__name__)
 
 _ARRIVALS = itertools.count()
 #: The priority :func:`decode_priority` (deprecated) sets for requests made in its block.
@@ -215,6 +219,8 @@ class DecodeRequest:
     _shared: int = 0  # tokens of the owner's cache this work shares
     _parked: str | None = None  # host key of its own KV, parked when it was preempted
     _novel: int = 0  # novel prompt tokens (counted at submit), added once its prompt is in
+    _shift: KVShift | None = None  # cached tokens to move once its slot is ready (context shift)
+    _hole: tuple[int, int] | None = None  # prompt positions the moved tokens fill: not prefilled
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0
@@ -289,6 +295,12 @@ class DecodeScheduler:
         evict_to_host: with host memory, work done for a session may take the slot of a
             session the policy expects back only after the work is done (its KV goes to
             host and comes back by a copy) instead of waiting ``background_max_wait_s``.
+        context_shift: a session's turn (or background prefill) whose prompt holds a run
+            of at least :data:`~convo.fast.kv_shift.SHIFT_MIN_TOKENS` of its slot's cached
+            tokens at other positions (the turns its window kept after a slide) moves
+            them there, keys turned, instead of prefilling them (:mod:`convo.fast.kv_shift`:
+            not exact, so off by default). Needs a pool that can shift
+            (:attr:`~convo.fast.kv_pool.KVSlotPool.can_shift`).
 
     Raises:
         ConfigError: ``step_tokens`` or ``interleave_tokens`` < 1, or a negative
@@ -311,6 +323,7 @@ class DecodeScheduler:
         background_slots: int | None = None,
         reply_wait_tokens: int = DEFAULT_REPLY_WAIT_TOKENS,
         evict_to_host: bool = True,
+        context_shift: bool = False,
     ) -> None:
         if step_tokens < 1 or interleave_tokens < 1:
             raise ConfigError("step_tokens and interleave_tokens must be >= 1")
@@ -330,6 +343,7 @@ class DecodeScheduler:
         self.background_slots = background_slots
         self.reply_wait_tokens = reply_wait_tokens
         self.evict_to_host = evict_to_host
+        self.context_shift = context_shift and bool(getattr(decoder.pool, "can_shift", False))
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens
@@ -358,6 +372,9 @@ class DecodeScheduler:
         self.preemptions = 0
         #: Of those, the ones whose KV was parked in host memory (resumed by a copy).
         self.parked = 0
+        #: Context shifts run, and the cached tokens they moved instead of prefilling.
+        self.shifts = 0
+        self.shifted_tokens = 0
         #: Background prefill requests (``prefill_only``) run to their end.
         self.prefill_requests = 0
         #: Prompt tokens an unbounded exact cache would still prefill: each request's tokens
@@ -464,6 +481,8 @@ class DecodeScheduler:
             prefills=self.prefill_requests,
             host_reserved_bytes=pool.host_reserved_bytes,
             parked=self.parked,
+            shifts=self.shifts,
+            shifted_tokens=self.shifted_tokens,
         )
 
     def _count_novel(self, req: DecodeRequest) -> None:
@@ -516,7 +535,7 @@ class DecodeScheduler:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
                 costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
                 budget = prompt_token_budget(
-                    waiting=sum(len(r.ids) + len(r.new_ids) - r.kv_tokens for r in self._prefilling),
+                    waiting=sum(self._prompt_left(r) for r in self._prefilling),
                     rows=len(self._active),
                     step_tokens=self.step_tokens,
                     interleave_tokens=self.interleave_tokens,
@@ -634,6 +653,7 @@ class DecodeScheduler:
                     reply=req.priority <= Priority.REPLY,
                     restore=req._parked,
                     spare_s=self._expected_s(req) if self.evict_to_host else None,
+                    shift=self.context_shift and req.owner is None,
                 )
                 if got is None:
                     if self._preempt(req):
@@ -653,6 +673,9 @@ class DecodeScheduler:
                 self.decoder.pool.forget(req._parked)
                 req._parked = None
             req.cached_tokens = req.kv_tokens = common
+            if self.context_shift and req.owner is None and req.cache_key is not None:
+                req._shift = find_shift(kept, ids, start=common, limit=len(ids) - 1)
+                req.cached_tokens += req._shift.length if req._shift is not None else 0
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
                 req.slot = -1
@@ -669,7 +692,29 @@ class DecodeScheduler:
         for req in list(self._copying):
             if pool.ready(req.slot, wait=idle):
                 self._copying.remove(req)
+                if req._shift is not None:
+                    self._shift(req)
                 self._prefilling.append(req)
+
+    def _shift(self, req: DecodeRequest) -> None:
+        """Move the cached run ``req`` reuses to its prompt positions (context shift); the
+        prompt tokens before it are prefilled first (its ``_hole``), or, none, it counts as
+        cached at once. A failed move is no loss: the run is prefilled instead."""
+        shift, req._shift = req._shift, None
+        if shift is None:
+            return
+        try:
+            self.decoder.pool.shift(req.slot, shift)
+        except Exception:  # (only positions past the common prefix were written)
+            logger.exception("a context shift failed: the tokens are prefilled instead")
+            req.cached_tokens -= shift.length
+            return
+        self.shifts += 1
+        self.shifted_tokens += shift.length
+        if shift.dst == req.kv_tokens:
+            req.kv_tokens = shift.dst + shift.length
+        else:
+            req._hole = (shift.dst, shift.dst + shift.length)
 
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
@@ -703,6 +748,7 @@ class DecodeScheduler:
                 self.parked += 1
         pool.release(victim.slot, victim.kept())
         victim.slot, victim.kv_tokens = -1, 0
+        victim._shift = victim._hole = None  # (re-admitted, it looks for a run again)
         victim.preemptions += 1
         self.preemptions += 1
         self._pending.append(victim)
@@ -726,6 +772,12 @@ class DecodeScheduler:
         return held >= self.background_slots
 
     @staticmethod
+    def _prompt_left(req: DecodeRequest) -> int:
+        """Prompt tokens ``req`` has left to prefill (a moved run's are not)."""
+        hole = req._hole[1] - req._hole[0] if req._hole is not None else 0
+        return len(req.ids) + len(req.new_ids) - req.kv_tokens - hole
+
+    @staticmethod
     def _left(req: DecodeRequest) -> int:
         """Tokens ``req`` has left to generate (a prefill has all of them left)."""
         if req.prefill_only:
@@ -739,6 +791,8 @@ class DecodeScheduler:
                 break
             ids = req.context()
             end = min(len(ids), req.kv_tokens + budget)
+            if req._hole is not None:  # up to the moved run
+                end = min(end, req._hole[0])
             batch.append((req, PrefillChunk(slot=req.slot, ids=ids, start=req.kv_tokens, end=end)))
             budget -= end - req.kv_tokens
         return batch
@@ -755,6 +809,8 @@ class DecodeScheduler:
         ready = []
         for (req, chunk), out in zip(batch, logits, strict=True):
             req.kv_tokens = chunk.end
+            if req._hole is not None and req.kv_tokens == req._hole[0]:  # the moved run is in
+                req.kv_tokens, req._hole = req._hole[1], None
             if chunk.end == len(chunk.ids):
                 self._prompt_in(req)
                 ready.append((req, out))

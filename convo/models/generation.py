@@ -248,6 +248,9 @@ class SchedulerStats:
             held (at least its last one for a request that samples; all of a request
             without a session). ``prompt_tokens - novel_prompt_tokens`` is what evictions
             cost (KV dropped and recomputed, preempted work recomputed).
+        shifts: context shifts run (cached tokens moved to the positions a slid window
+            gave them, :mod:`convo.fast.kv_shift`).
+        shifted_tokens: the cached tokens those shifts moved instead of prefilling them.
     """
 
     steps: dict[str, int]
@@ -266,3 +269,5 @@ class SchedulerStats:
     host_reserved_bytes: int = 0
     parked: int = 0
     novel_prompt_tokens: int = 0
+    shifts: int = 0
+    shifted_tokens: int = 0

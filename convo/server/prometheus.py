@@ -99,6 +99,16 @@ class EngineCollector(Collector):
             ("convo_engine_kv_swaps_in", "sessions' KV copied from host memory into a slot", stats.swaps_in),
             ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),
             ("convo_engine_kv_host_dropped", "host KV entries dropped: host memory full", stats.host_dropped),
+            (
+                "convo_engine_kv_shifts",
+                "context shifts: cached turns moved where a slid window put them",
+                stats.shifts,
+            ),
+            (
+                "convo_engine_kv_shifted_tokens",
+                "cached tokens moved by context shifts, not prefilled",
+                stats.shifted_tokens,
+            ),
         ):
             yield CounterMetricFamily(name, text, value=value)
         for name, text, value in (

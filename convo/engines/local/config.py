@@ -138,6 +138,11 @@ class KVConfig:
             CUDA only. Default ``None``: the default slots (up to 8, as memory allows).
         gpu_memory_utilization: the same as a share of the device's total memory (vLLM's
             spelling, e.g. 0.9); not with ``gpu_memory``.
+        context_shift: static decode: when a session's window slid, move the turns it kept
+            to their new positions in its slot, keys turned, instead of prefilling them
+            again (:mod:`convo.fast.kv_shift`, llama.cpp's context shift). Not exact: the
+            kept turns' KV still reflects the turns that were dropped, so a reply can
+            differ from one on a recomputed prompt. Default False.
 
     Raises:
         ConfigError: a count or size out of range, an unknown ``kv_dtype``, fp8 without slots.
@@ -155,6 +160,7 @@ class KVConfig:
     kv_host_memory: int | None = None
     gpu_memory: int | str | None = None
     gpu_memory_utilization: float | None = None
+    context_shift: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_host_memory is not None and self.kv_host_memory < 0:

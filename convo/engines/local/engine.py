@@ -140,7 +140,8 @@ class TransformersEngine(Engine):
         kv: where the sessions' KV caches live and how they decode
             (:class:`~convo.engines.local.config.KVConfig`: ``kv_slots``, ``slot_tokens``,
             ``kv_dtype``, ``step_tokens``, ``interleave_tokens``, ``prefill_chunk_tokens``,
-            ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``, ``kv_host_memory``). Default
+            ``compile_decode``, ``max_cached_sessions``, ``cache_idle_s``, ``kv_host_memory``,
+            ``context_shift``). Default
             ``KVConfig()``.
         tool_parser: shorthand for ``load=LoadConfig(tool_parser=...)``: ``"auto"``
             (default: detected from the chat template), ``"hermes"``, ``"llama3_json"``,
@@ -372,6 +373,7 @@ class TransformersEngine(Engine):
                 step_tokens=self.step_tokens,
                 interleave_tokens=self.interleave_tokens,
                 host_memory=self.kv_host_memory,
+                context_shift=kv.context_shift,
             )
             self.max_input_tokens = min(self.max_input_tokens, decoder.pool.slot_tokens)
         else:

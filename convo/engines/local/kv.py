@@ -549,6 +549,8 @@ class SlotKV:
         interleave_tokens: the prefill chunk of a step while replies stream.
         host_memory: bytes of host memory for the KV of sessions that lost their slot
             (:meth:`~convo.fast.kv_pool.KVSlotPool.set_host_memory`); 0: it is dropped.
+        context_shift: move a session's kept turns after a slide instead of prefilling them
+            (:mod:`convo.fast.kv_shift`; not exact). Default False.
     """
 
     #: :meth:`prefill` computes a session's next prompt prefix in the background.
@@ -564,6 +566,7 @@ class SlotKV:
         step_tokens: int,
         interleave_tokens: int,
         host_memory: int = 0,
+        context_shift: bool = False,
     ) -> None:
         self.decoder = decoder
         decoder.pool.set_host_memory(host_memory)
@@ -571,7 +574,7 @@ class SlotKV:
         self.model_ids = model_ids
         self.eos = frozenset(eos)
         self.scheduler = DecodeScheduler(
-            decoder, step_tokens=step_tokens, interleave_tokens=interleave_tokens
+            decoder, step_tokens=step_tokens, interleave_tokens=interleave_tokens, context_shift=context_shift
         )
 
     @property

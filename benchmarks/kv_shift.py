@@ -1,0 +1,228 @@
+"""Context shift against a recomputed prompt: how much a reply changes on real weights (CPU).
+
+A context shift (:mod:`convo.fast.kv_shift`) reuses a session's kept turns after its window
+slid: their K/V move to their new positions and the keys are turned, instead of being
+prefilled again. It is not exact: the kept turns' K/V were computed while they attended to
+the turns that were dropped and to the old summary. This measures what that costs on the
+embedded SmolLM2-135M-Instruct (float32, the static decoder's eager path on CPU), on real
+dialogue: LoCoMo conversations (``--data``, read in place, never copied).
+
+For each slide: the slot holds ``[system + summary 1][turns lo..hi]`` (the cached turn and
+its reply); the next prompt is ``[system + summary 2][turns lo + drop..hi][user turn]`` and
+the reference reply (the conversation's next message) is read teacher-forced. At every
+token after the kept run (the user turn and the reply) we compare the next-token
+distribution of
+
+* the shifted cache against the prompt recomputed from scratch (``shift``), and
+* for scale, the recomputed prompt with fp8 K/V, which convo ships as a small accuracy
+  cost (``fp8``; ``benchmarks/kv_fp8.py``),
+
+as top-1 agreement, mean KL(recomputed || other) in nats, and the reply's perplexity.
+The "summary" is a stand-in (the first words of each dropped message): what matters is
+that it changes and shifts the kept turns.
+
+    python benchmarks/kv_shift.py --out benchmarks/results    # ~3 min on 2 cores
+
+Prints one JSON object (and writes ``kv_shift_cpu.json`` under ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import env_info, stderr_log
+from kv_fp8 import load_default_model
+
+from convo.fast import DecoderConfig, StaticDecoder
+from convo.fast.kv_shift import find_shift
+from convo.tokens import common_prefix_length
+
+log = stderr_log("kv_shift")
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "locomo" / "locomo-dev.json"
+
+
+def dialogue(conv: dict[str, Any], sessions: int) -> tuple[str, str, list[dict[str, str]]]:
+    """The first ``sessions`` sessions of a LoCoMo conversation as chat messages: speaker A
+    is the user, speaker B the assistant (a speaker's consecutive lines joined)."""
+    c = conv["conversation"]
+    a, b = c["speaker_a"], c["speaker_b"]
+    msgs: list[dict[str, str]] = []
+    for n in range(1, sessions + 1):
+        for line in c.get(f"session_{n}", []):
+            role = "user" if line["speaker"] == a else "assistant"
+            if msgs and msgs[-1]["role"] == role:
+                msgs[-1]["content"] += " " + line["text"]
+            else:
+                msgs.append({"role": role, "content": line["text"]})
+    if msgs and msgs[0]["role"] == "assistant":
+        msgs = msgs[1:]
+    return a, b, msgs
+
+
+def summary(system: str, dropped: list[dict[str, str]]) -> str:
+    """The system message with a stand-in summary: the first words of the last dropped messages."""
+    gist = [" ".join(m["content"].split()[:12]) for m in dropped[-8:]]
+    return f"{system}\nEarlier in this chat: " + " / ".join(gist)
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decoder(model: Any, kv: str, slot_tokens: int) -> StaticDecoder:
+    dec = StaticDecoder(
+        model,
+        slots=1,
+        slot_tokens=slot_tokens,
+        kv_dtype=kv,
+        config=DecoderConfig(prefill_chunk_tokens=512),
+    )
+    dec.warmup()
+    return dec
+
+
+def compare(ref: Any, other: Any) -> tuple[int, float]:
+    """Top-1 agreements and summed KL(ref || other) over the rows of two logit matrices."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(other.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return int((ref.argmax(-1) == other.argmax(-1)).sum()), float(kl.sum())
+
+
+def nll(logits: Any, ids: list[int]) -> float:
+    """Summed next-token loss of ``ids`` under ``logits`` (row i predicts ids[i])."""
+    import torch
+    import torch.nn.functional as F
+
+    return float(F.cross_entropy(logits.float(), torch.tensor(ids), reduction="sum"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo JSON (read in place)")
+    p.add_argument("--conversations", type=int, default=3)
+    p.add_argument("--sessions", type=int, default=3, help="sessions of each conversation to chat through")
+    p.add_argument("--window", type=int, default=24, help="messages the window holds before a slide")
+    p.add_argument("--drop", type=int, default=8, help="messages a slide drops")
+    p.add_argument("--stride", type=int, default=8, help="messages between two measured slides")
+    p.add_argument("--slot-tokens", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+
+    import torch
+
+    torch.manual_seed(0)
+    started = time.monotonic()
+    model, tok = load_default_model(torch.float32)
+    dec = decoder(model, "auto", args.slot_tokens)
+    dec8 = decoder(model, "fp8", args.slot_tokens)
+    convs = json.loads(args.data.read_text())[: args.conversations]
+    totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in ("shift", "fp8")}
+    reference_nll, tokens, slides, moved, skipped = 0.0, 0, [], 0, 0
+    with torch.no_grad():
+        for conv in convs:
+            a, b, msgs = dialogue(conv, args.sessions)
+            system = f"You are {b}, chatting with your friend {a}."
+            for hi in range(args.window + 1, len(msgs) - 2, args.stride):
+                lo1, lo2 = hi - args.window, hi - args.window + args.drop
+                if msgs[hi - 1]["role"] != "assistant":  # the cached turn ends with a reply
+                    hi -= 1
+                    lo1, lo2 = lo1 - 1, lo2 - 1
+                if lo1 < 0:
+                    continue
+
+                before = {"role": "system", "content": summary(system, msgs[:lo1])}
+                cached = render(tok, [before, *msgs[lo1:hi]])
+                now = {"role": "system", "content": summary(system, msgs[:lo2])}
+                head = render(tok, [now, *msgs[lo2:hi], msgs[hi]], generation=True)
+                reply = msgs[hi + 1]["content"] + "<|im_end|>"
+                reply_ids = list(tok(reply, add_special_tokens=False)["input_ids"])
+                ids = head + reply_ids
+                if max(len(cached), len(ids)) > args.slot_tokens:
+                    skipped += 1
+                    continue
+                common = common_prefix_length(cached, ids)
+                shift = find_shift(cached, ids, start=common, limit=len(head) - 1)
+                if shift is None:
+                    skipped += 1
+                    continue
+                after = shift.dst + shift.length  # the first position prefilled after the run
+                # Recomputed from scratch, then fp8 K/V: logits of every token.
+                ref, _ = dec.prefill(0, ids, 0, all_logits=True)
+                ref8, _ = dec8.prefill(0, ids, 0, all_logits=True)
+                # Shifted: the slot holds the cached turn; move the run, prefill around it.
+                dec.prefill(0, cached, 0)
+                dec.pool.shift(0, shift)
+                if shift.dst > common:
+                    dec.prefill(0, ids[: shift.dst], common)
+                shifted, _ = dec.prefill(0, ids, after, all_logits=True)
+                # The shifted prefill starts at ``after``: its rows predict after+1.. ; the row
+                # predicting ``after`` itself comes from the hole's prefill (or the run's last
+                # token, whose logits a shift does not give): compare from after+1 on.
+                rows = slice(after, len(ids) - 1)
+                targets = ids[after + 1 :]
+                base = ref[rows]
+                cmp = {"shift": shifted[:-1], "fp8": ref8[rows]}
+                reference_nll += nll(base, targets)
+                tokens += len(targets)
+                for k, logits in cmp.items():
+                    agree, kl = compare(base, logits)
+                    totals[k]["agree"] += agree
+                    totals[k]["kl"] += kl
+                    totals[k]["nll"] += nll(logits, targets)
+                moved += shift.length
+                slides.append(
+                    {
+                        "cached": len(cached),
+                        "prompt": len(ids),
+                        "common": common,
+                        "moved": shift.length,
+                        "delta": shift.delta,
+                        "compared": len(targets),
+                    }
+                )
+                log(f"slide {len(slides)}: moved {shift.length} by {shift.delta}, compared {len(targets)}")
+    results: dict[str, Any] = {
+        "slides": len(slides),
+        "skipped": skipped,
+        "compared_tokens": tokens,
+        "moved_tokens": moved,
+        "prefill_saved": round(moved / sum(s["prompt"] for s in slides), 3) if slides else None,
+        "reference_perplexity": round(math.exp(reference_nll / tokens), 3) if tokens else None,
+    }
+    for k, t in totals.items():
+        results[k] = {
+            "top1_agreement": round(t["agree"] / tokens, 4) if tokens else None,
+            "mean_kl_nats": round(t["kl"] / tokens, 5) if tokens else None,
+            "perplexity": round(math.exp(t["nll"] / tokens), 3) if tokens else None,
+        }
+    results["delta_median"] = statistics.median(s["delta"] for s in slides) if slides else None
+    report = {
+        "benchmark": "kv_shift",
+        "device": "cpu",
+        "env": env_info("cpu"),
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "results": results,
+        "slides": slides,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_shift_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

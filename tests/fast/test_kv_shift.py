@@ -1,0 +1,190 @@
+"""Context shift (convo.fast.kv_shift): finding the kept turns in a slot, moving their K/V
+with the keys turned, and the scheduler prefilling around them.
+
+A one-layer model is where a shift is exact (a layer-0 key depends on its token and
+position only): there the shifted session must decode exactly what a recomputed prompt
+decodes. With more layers only layer 0 is exact, and the test says so.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder  # noqa: E402
+from convo.fast.kv_shift import SHIFT_MIN_TOKENS, KVShift, find_shift, rope_frequencies  # noqa: E402
+from convo.models import GREEDY  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+# -- finding the run -------------------------------------------------------------------------------
+
+
+def test_find_shift_finds_the_kept_turns_after_a_slide() -> None:
+    system, old_summary, dropped, kept, question = (
+        _tokens(20, 1), _tokens(30, 2), _tokens(200, 3), _tokens(300, 4), _tokens(40, 5),
+    )  # fmt: skip
+    new_summary, next_question = _tokens(45, 6), _tokens(50, 7)
+    cached = system + old_summary + dropped + kept + question
+    ids = system + new_summary + kept + question + next_question
+    shift = find_shift(cached, ids, start=20, limit=len(ids) - 1)
+    # The kept turns and the question after them: one run, moved towards the start.
+    assert shift == KVShift(src=250, dst=65, length=340)
+    assert shift.delta == -185
+    assert cached[shift.src : shift.src + shift.length] == ids[shift.dst : shift.dst + shift.length]
+
+
+def test_find_shift_stays_within_its_bounds_and_minimum() -> None:
+    a, b = _tokens(100, 1), _tokens(100, 2)
+    cached = a + b
+    ids = a[:10] + b + [1]
+    # The run may not reach past ``limit``, nor start before ``start`` on either side.
+    found = find_shift(cached, ids, start=10, limit=len(ids) - 1)
+    assert found == KVShift(src=100, dst=10, length=100)
+    assert find_shift(cached, ids, start=10, limit=60, min_tokens=32) == KVShift(src=100, dst=10, length=50)
+    assert find_shift(cached, ids, start=10, limit=60, min_tokens=51) is None
+    assert find_shift(cached, a[:10] + _tokens(100, 9), start=10, limit=110) is None  # nothing shared
+    assert find_shift(cached, ids, start=150, limit=len(ids) - 1) is None  # too little left
+
+
+def test_find_shift_finds_the_longest_run_in_repeated_text() -> None:
+    phrase = _tokens(12, 4)
+    kept = phrase * 20 + _tokens(30, 5)  # repeated text: its anchors are found in many places
+    cached = _tokens(10, 1) + phrase * 9 + kept
+    ids = cached[:10] + _tokens(7, 2) + kept + [1, 2]
+    shift = find_shift(cached, ids, start=10, limit=len(ids) - 1)
+    assert shift is not None and shift.length == len(kept)
+    assert cached[shift.src : shift.src + shift.length] == ids[shift.dst : shift.dst + shift.length]
+
+
+# -- moving K/V ------------------------------------------------------------------------------------
+
+
+def tiny_model(layers: int, seed: int = 0) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_shifted_layer0_kv_is_the_recomputed_one(kv_dtype: str) -> None:
+    dec = StaticDecoder(tiny_model(2), slots=2, slot_tokens=512, kv_dtype=kv_dtype)
+    assert dec.pool.can_shift
+    head, dropped, kept = _tokens(10, 1), _tokens(90, 2), _tokens(120, 3)
+    with torch.no_grad():
+        dec.prefill(0, head + dropped + kept, 0)
+        dec.prefill(1, head + kept, 0)
+        dec.pool.shift(0, KVShift(src=100, dst=10, length=120))
+    pool = dec.pool
+
+    def layer(i: int, slot: int) -> tuple[Any, Any]:
+        k, v = pool.k[i][slot, :, 10:130].float(), pool.v[i][slot, :, 10:130].float()
+        if pool.scaled:
+            k, v = (
+                k * pool.k_scale[i][slot, :, 10:130, None].float(),
+                v * pool.v_scale[i][slot, :, 10:130, None].float(),
+            )
+        return k, v
+
+    (k0, v0), (k1, v1) = layer(0, 0), layer(0, 1)
+    tol = 0.1 if pool.scaled else 1e-4  # fp8: quantized again after the turn
+    assert torch.allclose(k0, k1, atol=tol, rtol=tol) and torch.allclose(v0, v1, atol=tol, rtol=tol)
+    # Layer 1's K/V saw the dropped tokens: not what a recompute gives (a shift is not exact).
+    (k0, _), (k1, _) = layer(1, 0), layer(1, 1)
+    assert not torch.allclose(k0, k1, atol=1e-3)
+
+
+def _request(ids: list[int], n: int, key: str) -> DecodeRequest:
+    return DecodeRequest(
+        ids=ids, max_new_tokens=n, deadline=time.monotonic() + 60, sampling=GREEDY, cache_key=key
+    )
+
+
+def test_a_shifted_turn_decodes_what_a_recomputed_prompt_decodes_on_a_one_layer_model() -> None:
+    """The whole path (find, move, prefill around the run, decode) on a model where a shift
+    is exact: the reply is the recomputed prompt's, token for token, and the kept run is
+    not prefilled again."""
+    dec = StaticDecoder(tiny_model(1, seed=3), slots=2, slot_tokens=512)
+    sched = DecodeScheduler(dec, context_shift=True)
+    system, summary, dropped, kept = _tokens(16, 1), _tokens(24, 2), _tokens(150, 3), _tokens(160, 4)
+    first = sched.run(_request(system + summary + dropped + kept, 8, "s"))
+    assert first.error is None
+    # The window slid: a new summary, the kept turns and the reply, a new question.
+    turn = system + _tokens(30, 5) + kept + first.new_ids + _tokens(20, 6)
+    before = sched.prefill_tokens
+    shifted = sched.run(_request(turn, 12, "s"))
+    prefilled = sched.prefill_tokens - before
+    assert sched.shifts == 1 and sched.shifted_tokens >= len(kept)
+    assert prefilled <= len(turn) - 16 - len(kept)  # neither the system prompt nor the run
+    assert shifted.cached_tokens == len(turn) - prefilled
+    recomputed = sched.run(_request(turn, 12, "fresh"))
+    assert shifted.new_ids == recomputed.new_ids
+    assert sched.stats().shifted_tokens == sched.shifted_tokens
+    sched.close()
+
+
+def test_without_context_shift_nothing_moves_and_the_turn_is_exact() -> None:
+    dec = StaticDecoder(tiny_model(2, seed=3), slots=2, slot_tokens=512)
+    sched = DecodeScheduler(dec)  # off by default
+    system, kept = _tokens(16, 1), _tokens(160, 4)
+    first = sched.run(_request(system + _tokens(150, 3) + kept, 8, "s"))
+    turn = system + kept + first.new_ids + _tokens(20, 6)
+    again = sched.run(_request(turn, 12, "s"))
+    assert sched.shifts == 0 and again.cached_tokens == 16
+    assert again.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
+    sched.close()
+
+
+def test_a_turn_shorter_than_the_minimum_run_is_prefilled() -> None:
+    dec = StaticDecoder(tiny_model(1), slots=1, slot_tokens=512)
+    sched = DecodeScheduler(dec, context_shift=True)
+    system, kept = _tokens(16, 1), _tokens(SHIFT_MIN_TOKENS - 1, 4)
+    sched.run(_request(system + _tokens(50, 3) + kept + [7], 2, "s"))
+    sched.run(_request(system + kept + [2, 2, 2], 2, "s"))  # (the slot holds kept + [7])
+    assert sched.shifts == 0
+    sched.close()
+
+
+def test_dynamic_rope_has_no_shift() -> None:
+    class Rotary:
+        rope_type = "dynamic"
+        inv_freq = torch.ones(4)
+
+    assert rope_frequencies(Rotary()) is None
+    Rotary.rope_type = "llama3"
+    assert torch.equal(rope_frequencies(Rotary()), torch.ones(4))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_shifted_turn_matches_recompute_on_a_one_layer_model() -> None:
+    model = tiny_model(1, seed=3).to("cuda", torch.bfloat16)
+    dec = StaticDecoder(model, slots=2, slot_tokens=512)
+    dec.warmup()
+    sched = DecodeScheduler(dec, context_shift=True)
+    system, kept = _tokens(16, 1), _tokens(200, 4)
+    first = sched.run(_request(system + _tokens(30, 2) + _tokens(150, 3) + kept, 8, "s"))
+    turn = system + _tokens(30, 5) + kept + first.new_ids + _tokens(20, 6)
+    shifted = sched.run(_request(turn, 12, "s"))
+    assert sched.shifts == 1
+    recomputed = sched.run(_request(turn, 12, "fresh"))
+    # bf16 keys are rounded once more after the turn: the first tokens agree.
+    assert shifted.new_ids[:4] == recomputed.new_ids[:4]
+    sched.close()

@@ -36,6 +36,7 @@ from convo import __version__
 from convo.cli.common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
+    add_context_shift_argument,
     add_engine_arguments,
     add_kv_host_memory_argument,
     add_local_engine_arguments,
@@ -229,6 +230,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     add_local_engine_arguments(serve)
     add_kv_host_memory_argument(serve)
+    add_context_shift_argument(serve)
     add_memory_arguments(serve)
     add_engine_arguments(serve)
 

@@ -192,6 +192,10 @@ def add_kv_host_memory_argument(parser: argparse.ArgumentParser) -> None:
         "(their next turn copies it back instead of recomputing it), e.g. 32GiB; 0 = off "
         "(default: on CUDA half the RAM, at most half of what is free and 8 KV pools; 0 on CPU)",
     )
+
+
+def add_context_shift_argument(parser: argparse.ArgumentParser) -> None:
+    """``--context-shift``: reuse a session's kept turns after a slide (not exact)."""
     parser.add_argument(
         "--context-shift",
         action="store_true",

@@ -1000,6 +1000,10 @@ def main() -> int:
         m = res["metrics"]
         results["memory_indexes_cached"] = int(m.get("convo_memory_cache_entries", 0))
         results["memory_cache_bytes"] = int(m.get("convo_memory_cache_bytes", 0))
+        # Embedding done after replies for the next turn's indexing (issue 24), and left waiting
+        results["embedded_ahead_texts"] = int(m.get("convo_memory_embedded_ahead_texts_total", 0))
+        results["embed_ahead_jobs"] = int(m.get("convo_memory_embed_ahead_jobs_total", 0))
+        results["embed_ahead_backlog_end"] = int(m.get("convo_memory_embed_ahead_backlog", 0))
     local = bool(args.model or args.quant or args.kv_slots is not None)
     engine = "fake" if args.fake else (_engine_label(args) if local else "smollm2")
     # (the files of one run do not overwrite another load's: gpu-chat keeps its old names)

@@ -59,13 +59,20 @@ DEFAULT_CACHE_SIZE = 16384
 #: Most texts one call may bring to a forward pass shared with other threads' calls
 #: (:class:`_Coalescer`); a larger call (indexing a whole history) runs on its own.
 COALESCE_MAX_TEXTS = 256
-#: Most texts one forward pass takes from calls made in the background
-#: (:func:`~convo.background.background_work`: embedding turns ahead). Such calls never
-#: share a pass with a turn's own (a question's vector), and a turn's call leads the next
-#: pass: it waits for at most one pass of this many texts. On this CPU a question waited
-#: ~0.4 s behind passes of whole turns embedded ahead (2-core CPU, 4 sessions, 270-word
-#: turns: a retrieval took 0.55 s, 0.14 s of it its own vector).
-BACKGROUND_PASS_TEXTS = 4
+#: Most work one forward pass takes from calls made in the background
+#: (:func:`~convo.background.background_work`: embedding turns ahead), in characters, each
+#: text counted with :data:`PASS_TEXT_OVERHEAD_CHARS` more (its special tokens, a call's
+#: fixed cost): about four 300-character message heads, or fifty-odd words. Such calls
+#: never share a pass with a turn's own (a question's vector), and a turn's call leads the
+#: next pass: it waits for at most one pass this large (a pass takes one text at least). On
+#: this CPU a question waited ~0.4 s behind passes of whole turns embedded ahead (2-core
+#: CPU, 4 sessions, 270-word turns: a retrieval took 0.55 s, 0.14 s of it its own vector).
+#: Counted in texts (4 a pass), words took a pass each four: on an H100 host under the
+#: gpu-chat load the embed-ahead jobs fell behind (82 done, 44 waiting at the end) and a
+#: turn whose window slid embedded its turns' words itself.
+BACKGROUND_PASS_CHARS = 1280
+#: What one text adds to a pass's size beyond its characters (see :data:`BACKGROUND_PASS_CHARS`).
+PASS_TEXT_OVERHEAD_CHARS = 16
 #: The precisions :class:`Embedder` runs its model in; ``"auto"``: bfloat16 on a CPU with
 #: native bfloat16 arithmetic, else float32.
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -332,8 +339,8 @@ class Embedder:
         if todo:
             if in_background():  # small passes, after the turns' own calls
                 computed = {}
-                for i in range(0, len(todo), BACKGROUND_PASS_TEXTS):
-                    computed.update(self._coalescer.run(todo[i : i + BACKGROUND_PASS_TEXTS], background=True))
+                for part in background_passes(todo):
+                    computed.update(self._coalescer.run(part, background=True))
             elif len(todo) <= COALESCE_MAX_TEXTS:
                 computed = self._coalescer.run(todo)
             else:
@@ -353,6 +360,27 @@ class Embedder:
         return np.ascontiguousarray(out, dtype=np.float32)
 
 
+def pass_chars(texts: Sequence[str]) -> int:
+    """The size of ``texts`` in a forward pass: characters, plus
+    :data:`PASS_TEXT_OVERHEAD_CHARS` per text."""
+    return sum(len(t) + PASS_TEXT_OVERHEAD_CHARS for t in texts)
+
+
+def background_passes(texts: Sequence[str]) -> list[list[str]]:
+    """``texts`` in order, cut into passes of at most :data:`BACKGROUND_PASS_CHARS`
+    (:func:`pass_chars`; a longer text is a pass alone)."""
+    passes: list[list[str]] = []
+    size = 0
+    for t in texts:
+        cost = len(t) + PASS_TEXT_OVERHEAD_CHARS
+        if not passes or size + cost > BACKGROUND_PASS_CHARS:
+            passes.append([])
+            size = 0
+        passes[-1].append(t)
+        size += cost
+    return passes
+
+
 class _Coalescer:
     """Runs ``compute`` on the texts of calls that overlap in time, together.
 
@@ -364,7 +392,7 @@ class _Coalescer:
 
     Background calls (``background=True``) wait while a foreground call waits: the next pass
     is led by the first foreground caller and takes the foreground texts alone; a
-    background pass takes queued background calls up to :data:`BACKGROUND_PASS_TEXTS` texts
+    background pass takes queued background calls up to :data:`BACKGROUND_PASS_CHARS`
     (at least one call).
     """
 
@@ -411,15 +439,16 @@ class _Coalescer:
 
     def _take(self) -> list[_Pending]:
         """The calls of the next pass, out of the queue: every foreground call, or, when none
-        waits, background calls in order up to :data:`BACKGROUND_PASS_TEXTS` texts."""
+        waits, background calls in order up to :data:`BACKGROUND_PASS_CHARS` of work."""
         batch = [p for p in self._queue if not p.background]
         if not batch:
             n = 0
             for p in self._queue:
-                if batch and n + len(p.texts) > BACKGROUND_PASS_TEXTS:
+                cost = pass_chars(p.texts)
+                if batch and n + cost > BACKGROUND_PASS_CHARS:
                     break
                 batch.append(p)
-                n += len(p.texts)
+                n += cost
         taken = {id(p) for p in batch}
         self._queue = [p for p in self._queue if id(p) not in taken]
         return batch

@@ -151,30 +151,32 @@ def test_a_turns_call_goes_before_background_calls_queued_ahead_of_it() -> None:
     # The question waited for the pass in flight only, and rode alone: no background text
     # shares its pass, so its wait is not made longer by them.
     assert compute.batches[1] == ["the question"]
-    # Background passes then hold at most BACKGROUND_PASS_TEXTS texts (at least one call).
-    from convo.embeddings import BACKGROUND_PASS_TEXTS
+    # Background passes then hold at most BACKGROUND_PASS_CHARS of work (at least one call).
+    from convo.embeddings import BACKGROUND_PASS_CHARS, pass_chars
 
     rest = compute.batches[2:]
     assert sorted(t for b in rest for t in b) == sorted(t for c, _ in ahead for t in c)
-    assert all(len(b) <= max(BACKGROUND_PASS_TEXTS, 3) for b in rest)
+    assert all(pass_chars(b) <= max(BACKGROUND_PASS_CHARS, pass_chars(ahead[0][0])) for b in rest)
 
 
 def test_background_calls_share_small_passes_in_order() -> None:
     compute = _GatedCompute()
     co = _Coalescer(compute)
-    ahead = [([f"t{i}"], True) for i in range(6)]
-    _queue_behind_first(co, compute, ahead)
-    from convo.embeddings import BACKGROUND_PASS_TEXTS
+    from convo.embeddings import BACKGROUND_PASS_CHARS, PASS_TEXT_OVERHEAD_CHARS
 
-    assert [len(b) for b in compute.batches[1:]] == [BACKGROUND_PASS_TEXTS, 6 - BACKGROUND_PASS_TEXTS]
-    assert [t for b in compute.batches[1:] for t in b] == [f"t{i}" for i in range(6)]
+    # Messages: two fill a pass. Words: many share one.
+    long = BACKGROUND_PASS_CHARS // 2 - PASS_TEXT_OVERHEAD_CHARS - 4
+    ahead = [([f"t{i} " + "x" * long], True) for i in range(5)] + [([f"w{i}"], True) for i in range(30)]
+    _queue_behind_first(co, compute, ahead)
+    assert [len(b) for b in compute.batches[1:]] == [2, 2, 1 + 30]
+    assert [t for b in compute.batches[1:] for t in b] == [t for c, _ in ahead for t in c]
 
 
 def test_encode_inside_background_work_splits_into_small_passes(minilm) -> None:  # type: ignore[no-untyped-def]
     from convo.background import background_work, in_background
-    from convo.embeddings import BACKGROUND_PASS_TEXTS
+    from convo.embeddings import background_passes
 
-    texts = [f"Background text {i} about the garden shed and its roof." for i in range(10)]
+    texts = [f"Background text {i} about the garden shed and its roof. " * 7 for i in range(10)]
     minilm.cache_size = 0
     try:
         front = minilm.encode(texts)
@@ -186,5 +188,5 @@ def test_encode_inside_background_work_splits_into_small_passes(minilm) -> None:
         assert not in_background()
     finally:
         minilm.cache_size = 64
-    assert minilm._coalescer.passes - passes == -(-len(texts) // BACKGROUND_PASS_TEXTS)
+    assert minilm._coalescer.passes - passes == len(background_passes(texts)) > 1
     assert np.allclose(front, back, atol=1e-5)  # the same vectors, in smaller passes

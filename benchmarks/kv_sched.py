@@ -43,6 +43,7 @@ and 0.529 (floor 0.485).
     python benchmarks/kv_sched.py --preset think-16
     python benchmarks/kv_sched.py --preset think-16 --load summary_from_prompt=false
     python benchmarks/kv_sched.py --preset chat-users --out benchmarks/results/kv_policy_chat-users.json
+    python benchmarks/kv_sched.py --preset think-16 --load 'scheduler={"context_shift": true}'
 """
 
 from __future__ import annotations
@@ -207,9 +208,12 @@ def simulate(load: Load) -> dict[str, Any]:
     rng = random.Random(load.seed)
     clock = Clock()
     pool = KVSlotPool(
-        num_layers=1, num_kv_heads=1, head_dim=1, slots=load.slots, slot_tokens=load.budget,
+        num_layers=1, num_kv_heads=1, head_dim=2, slots=load.slots, slot_tokens=load.budget,
         dtype=torch.float32, device="cpu", clock=clock,
     )  # fmt: skip
+    # Rotary frequencies, so that ``--load 'scheduler={"context_shift": true}'`` shifts (a
+    # move costs no fake time: a few kernels per layer against a prefill's tokens).
+    pool.rope_inv_freq = torch.ones(1)
     if load.host_slots:
         pool.set_host_memory(load.host_slots * pool.host_nbytes(load.budget))
     sched = DecodeScheduler(

@@ -188,3 +188,126 @@ def test_cuda_shifted_turn_matches_recompute_on_a_one_layer_model() -> None:
     # bf16 keys are rounded once more after the turn: the first tokens agree.
     assert shifted.new_ids[:4] == recomputed.new_ids[:4]
     sched.close()
+
+
+# -- the scheduler around a shift, on a fake decoder -------------------------------------------------
+
+
+class _Greedy:
+    temperature = 0.0
+    top_p = 1.0
+    top_k = 0
+    repetition_penalty = 1.0
+    seed = None
+    min_new_tokens = 0
+
+
+class _Decoder:
+    """A real slot pool that can shift (one float per token), a fake step and prefill that
+    record what runs."""
+
+    def __init__(self, slots: int = 1, host_bytes: int = 0) -> None:
+        from convo.fast.kv_pool import KVSlotPool
+
+        self.pool = KVSlotPool(
+            num_layers=1, num_kv_heads=1, head_dim=2, slots=slots, slot_tokens=1024,
+            dtype=torch.float32, device="cpu",
+        )  # fmt: skip
+        self.pool.rope_inv_freq = torch.ones(1)
+        if host_bytes:
+            self.pool.set_host_memory(host_bytes)
+        self.prefilled: list[tuple[int, int]] = []
+
+    @staticmethod
+    def _logits(last: list[int]) -> Any:
+        out = torch.zeros((len(last), 2048))
+        out[range(len(last)), [(t + 1) % 2048 for t in last]] = 1.0
+        return out
+
+    def step(self, tokens: list[int], slots: list[int], positions: list[int]) -> Any:
+        return self._logits(tokens)
+
+    def prefill_batch(self, chunks: list[Any]) -> list[Any]:
+        self.prefilled += [(c.start, c.end) for c in chunks]
+        return list(self._logits([c.ids[c.end - 1] for c in chunks]))
+
+
+def _fake_request(ids: list[int], key: str, n: int = 2, **kw: Any) -> DecodeRequest:
+    return DecodeRequest(
+        ids=ids, max_new_tokens=n, deadline=time.monotonic() + 60, sampling=_Greedy(), cache_key=key, **kw
+    )
+
+
+def _drain(sched: DecodeScheduler) -> None:
+    for _ in range(1000):
+        if sched.idle:
+            return
+        sched.run_step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_the_prompt_is_prefilled_around_the_moved_run_in_chunks() -> None:
+    dec = _Decoder()
+    sched = DecodeScheduler(dec, background=False, context_shift=True, step_tokens=64)
+    system, kept = _tokens(16, 1), _tokens(300, 4)
+    sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
+    _drain(sched)
+    dec.prefilled.clear()
+    summary, question = _tokens(100, 5), _tokens(50, 6)
+    turn = sched.submit(_fake_request(system + summary + kept + question, "s"))
+    _drain(sched)
+    assert turn.error is None and sched.shifts == 1
+    # Chunks of at most 64 tokens cover the summary up to the run, then the question: the
+    # run (positions 116-416) is never prefilled.
+    assert dec.prefilled[0][0] == 16 and max(e - s for s, e in dec.prefilled) <= 64
+    covered = [p for s, e in dec.prefilled for p in range(s, e)]
+    assert covered == list(range(16, 116)) + list(range(416, 466))
+    assert turn.cached_tokens == 16 + 300
+
+
+def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> None:
+    """Work stopped while it prefills the summary in front of its moved run (its ``hole``)
+    gives back only the tokens it computed, never the run's positions; resumed, it
+    prefills the rest and its session's KV ends up holding exactly its prompt."""
+    dec = _Decoder(slots=1, host_bytes=1 << 20)
+    sched = DecodeScheduler(
+        dec, background=False, context_shift=True, step_tokens=32, background_max_wait_s=0
+    )
+    system, kept = _tokens(16, 1), _tokens(300, 4)
+    sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
+    _drain(sched)
+    ids = system + _tokens(100, 5) + kept + [7]
+    prefill = sched.submit(_fake_request(ids, "s", prefill_only=True, priority=2))
+    sched.run_step()  # admitted, the run moved, a first chunk of the summary prefilled
+    sched.run_step()
+    assert prefill._hole == (116, 416) and 16 < prefill.kv_tokens < 116
+    stopped_at = prefill.kv_tokens
+    reply = sched.submit(_fake_request(_tokens(40, 9), "other"))  # needs the only slot
+    _drain(sched)
+    after = [p for a, b in dec.prefilled for p in range(a, b) if p >= stopped_at]  # ("other": below)
+    assert reply.error is None and prefill.error is None and prefill.preemptions == 1
+    # Parked with the tokens it computed only (not the run's positions past them).
+    assert dec.pool.host is not None
+    assert sched.shifts == 1
+    assert prefill.kv_tokens == len(ids)
+    held = dec.pool.host.get("s")
+    slot_tokens = dec.pool._table[0].tokens if dec.pool._table[0].owner == "s" else None
+    assert (held.tokens if held is not None else slot_tokens) == ids
+    # Resumed from what it had computed: everything after it is prefilled, the run too
+    # (its moved K/V were not the session's to keep: the run comes back as a prefill).
+    assert after[-(len(ids) - stopped_at) :] == list(range(stopped_at, len(ids)))
+
+
+def test_a_host_copy_with_a_longer_run_is_taken_when_the_prefix_ties() -> None:
+    dec = _Decoder(slots=1, host_bytes=1 << 20)
+    sched = DecodeScheduler(dec, background=False, context_shift=True)
+    system, kept = _tokens(16, 1), _tokens(300, 4)
+    sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
+    _drain(sched)
+    sched.submit(_fake_request(system + _tokens(30, 8), "other"))  # takes the slot: "s" to host
+    _drain(sched)
+    assert dec.pool.swaps_out == 1
+    turn = sched.submit(_fake_request(system + _tokens(60, 5) + kept + [7], "s"))
+    _drain(sched)
+    # Both share only the system prompt; the host copy holds the run: it is copied back.
+    assert dec.pool.swaps_in == 1 and sched.shifts == 1 and turn.cached_tokens == 16 + 300

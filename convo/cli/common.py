@@ -230,9 +230,14 @@ def local_engine(args: argparse.Namespace, context_tokens: int, progress: Any) -
         tool_parser=getattr(args, "tool_parser", "auto"),
         progress=progress,
         **_kv_host_memory(args),
-        **({"context_shift": True} if getattr(args, "context_shift", False) else {}),
+        **_context_shift(args),
         **memory_kwargs(args),
     )
+
+
+def _context_shift(args: argparse.Namespace) -> dict[str, Any]:
+    """``--context-shift`` when given (commands without the flag keep the engine's default)."""
+    return {"context_shift": True} if getattr(args, "context_shift", False) else {}
 
 
 def _kv_host_memory(args: argparse.Namespace) -> dict[str, Any]:

@@ -30,6 +30,11 @@ KV from host (or gives its old KV to host) waits until the copy is done, while t
 sessions' steps run; then it prefills only what is not cached. A ``prefill_only`` request
 computes a prompt's KV and keeps it for its session, sampling nothing.
 
+With ``context_shift``, a session's turn whose prompt holds, at other positions, a run of
+the tokens its slot caches (the turns its window kept after a slide, behind a new summary)
+moves that run's K/V where the prompt puts them and prefills only around it
+(:mod:`convo.fast.kv_shift`; not exact, off by default).
+
 Beside the prompt tokens it prefills, the scheduler counts the novel ones
 (``novel_prompt_tokens``, with a :class:`~convo.fast.prefix_ledger.PrefixLedger` of what
 each session's KV last held): those an unbounded exact cache would still prefill, past each
@@ -343,7 +348,7 @@ class DecodeScheduler:
         self.background_slots = background_slots
         self.reply_wait_tokens = reply_wait_tokens
         self.evict_to_host = evict_to_host
-        self.context_shift = context_shift and bool(getattr(decoder.pool, "can_shift", False))
+        self.context_shift = context_shift and decoder.pool.can_shift
         self.background_max_wait_s = background_max_wait_s
         self.decoder = decoder
         self.step_tokens = step_tokens

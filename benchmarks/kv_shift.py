@@ -17,11 +17,13 @@ distribution of
 * for scale, the recomputed prompt with fp8 K/V, which convo ships as a small accuracy
   cost (``fp8``; ``benchmarks/kv_fp8.py``),
 
-as top-1 agreement, mean KL(recomputed || other) in nats, and the reply's perplexity.
+as top-1 agreement, mean KL(recomputed || other) in nats, and the reply's perplexity. Then
+each answers the prompt freely (greedy, up to ``--reply-tokens``): how many replies are
+identical to the recomputed prompt's, and where the others first differ.
 The "summary" is a stand-in (the first words of each dropped message): what matters is
 that it changes and shifts the kept turns.
 
-    python benchmarks/kv_shift.py --out benchmarks/results    # ~3 min on 2 cores
+    python benchmarks/kv_shift.py --conversations 6 --sessions 4 --out benchmarks/results  # ~11 min, 2 cores
 
 Prints one JSON object (and writes ``kv_shift_cpu.json`` under ``--out``).
 """
@@ -109,6 +111,26 @@ def nll(logits: Any, ids: list[int]) -> float:
     return float(F.cross_entropy(logits.float(), torch.tensor(ids), reduction="sum"))
 
 
+def greedy(dec: StaticDecoder, logits: Any, position: int, n: int, eos: int) -> list[int]:
+    """Up to ``n`` greedy tokens in slot 0 from ``logits`` (after the token at ``position - 1``)."""
+    out: list[int] = []
+    for i in range(n):
+        token = int(logits.argmax())
+        out.append(token)
+        if token == eos or i == n - 1:
+            break
+        logits = dec.step([token], [0], [position + i])[0]
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where two replies differ (``None``: identical)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo JSON (read in place)")
@@ -118,6 +140,7 @@ def main() -> None:
     p.add_argument("--drop", type=int, default=8, help="messages a slide drops")
     p.add_argument("--stride", type=int, default=8, help="messages between two measured slides")
     p.add_argument("--slot-tokens", type=int, default=2048)
+    p.add_argument("--reply-tokens", type=int, default=48, help="greedy reply tokens compared per slide")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -131,6 +154,8 @@ def main() -> None:
     convs = json.loads(args.data.read_text())[: args.conversations]
     totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in ("shift", "fp8")}
     reference_nll, tokens, slides, moved, skipped = 0.0, 0, [], 0, 0
+    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    free: dict[str, list[int | None]] = {"shift": [], "fp8": []}  # first divergence per slide
     with torch.no_grad():
         for conv in convs:
             a, b, msgs = dialogue(conv, args.sessions)
@@ -182,6 +207,20 @@ def main() -> None:
                     totals[k]["agree"] += agree
                     totals[k]["kl"] += kl
                     totals[k]["nll"] += nll(logits, targets)
+                # Free-running greedy replies to the prompt (no reference reply): recomputed,
+                # fp8, shifted; the first token where each differs from the recomputed one.
+                last, _ = dec.prefill(0, head, 0)
+                ref_reply = greedy(dec, last, len(head), args.reply_tokens, eos)
+                last, _ = dec8.prefill(0, head, 0)
+                fp8_reply = greedy(dec8, last, len(head), args.reply_tokens, eos)
+                dec.prefill(0, cached, 0)
+                dec.pool.shift(0, shift)
+                if shift.dst > common:
+                    dec.prefill(0, head[: shift.dst], common)
+                last, _ = dec.prefill(0, head, after)
+                shift_reply = greedy(dec, last, len(head), args.reply_tokens, eos)
+                free["shift"].append(first_divergence(ref_reply, shift_reply))
+                free["fp8"].append(first_divergence(ref_reply, fp8_reply))
                 moved += shift.length
                 slides.append(
                     {
@@ -208,6 +247,11 @@ def main() -> None:
             "mean_kl_nats": round(t["kl"] / tokens, 5) if tokens else None,
             "perplexity": round(math.exp(t["nll"] / tokens), 3) if tokens else None,
         }
+    for k, divergences in free.items():
+        differ = [d for d in divergences if d is not None]
+        results[k]["identical_replies"] = len(divergences) - len(differ)
+        results[k]["first_divergence_median"] = statistics.median(differ) if differ else None
+    results["replies_compared"] = len(slides)
     results["delta_median"] = statistics.median(s["delta"] for s in slides) if slides else None
     report = {
         "benchmark": "kv_shift",

@@ -697,14 +697,14 @@ class DecodeScheduler:
         for req in list(self._copying):
             if pool.ready(req.slot, wait=idle):
                 self._copying.remove(req)
-                if req._shift is not None:
-                    self._shift(req)
+                self._shift(req)
                 self._prefilling.append(req)
 
     def _shift(self, req: DecodeRequest) -> None:
         """Move the cached run ``req`` reuses to its prompt positions (context shift); the
         prompt tokens before it are prefilled first (its ``_hole``), or, none, it counts as
-        cached at once. A failed move is no loss: the run is prefilled instead."""
+        cached at once. A failed move is no loss: the run is prefilled instead. Nothing to
+        move: nothing done."""
         shift, req._shift = req._shift, None
         if shift is None:
             return

@@ -193,15 +193,6 @@ def test_cuda_shifted_turn_matches_recompute_on_a_one_layer_model() -> None:
 # -- the scheduler around a shift, on a fake decoder -------------------------------------------------
 
 
-class _Greedy:
-    temperature = 0.0
-    top_p = 1.0
-    top_k = 0
-    repetition_penalty = 1.0
-    seed = None
-    min_new_tokens = 0
-
-
 class _Decoder:
     """A real slot pool that can shift (one float per token), a fake step and prefill that
     record what runs."""
@@ -234,7 +225,7 @@ class _Decoder:
 
 def _fake_request(ids: list[int], key: str, n: int = 2, **kw: Any) -> DecodeRequest:
     return DecodeRequest(
-        ids=ids, max_new_tokens=n, deadline=time.monotonic() + 60, sampling=_Greedy(), cache_key=key, **kw
+        ids=ids, max_new_tokens=n, deadline=time.monotonic() + 60, sampling=GREEDY, cache_key=key, **kw
     )
 
 

@@ -4,8 +4,10 @@ No model and no device: the real :class:`~convo.fast.scheduler.DecodeScheduler` 
 :class:`~convo.fast.kv_pool.KVSlotPool` (one-float tensors; host memory on the CPU), over a
 fake decoder whose steps advance a fake clock by a model of the H200's step times
 (Llama-2-7B int4: a decode step ``--decode-s`` plus ``--row-s`` per row, a prompt token
-``--token-s``). Unlike ``benchmarks/kv_policy.py``, which re-enacts the admission rules,
-this runs the scheduler's own code, so a change of policy there shows here.
+``--token-s``; a token's K/V copied to or from host memory ``copy_token_s``, the copies
+queued one after another beside the steps). Unlike ``benchmarks/kv_policy.py``, which
+re-enacts the admission rules, this runs the scheduler's own code, so a change of policy
+there shows here.
 
 The load follows ``benchmarks/serve_load.py`` and the session's window: users arrive over
 ``spread_s``, each turn sends ``user_tokens`` and gets ``reply_tokens``; the prompt is the
@@ -123,6 +125,11 @@ class Load:
     row_s: float = 0.00015
     prefill_fixed_s: float = 0.004
     token_s: float = 0.00005
+    # A token's K/V copied between a slot and host memory, in seconds: the copies queue one
+    # after another (one side stream) beside the steps, and a slot is used once its copy is
+    # done. Llama-2-7B's 512 KiB a token at ~50 GB/s (pinned host memory over PCIe 5);
+    # 0: copies are instant (the model before 2026-12-06).
+    copy_token_s: float = 0.0000105
     seed: int = 0
     waves: int = 1  # loads of ``users`` new sessions, each once the one before has ended
     scheduler: dict[str, Any] = field(default_factory=dict)  # DecodeScheduler keywords
@@ -174,6 +181,44 @@ class SimDecoder:
         return self._logits(len(tokens)), list(self._logits(len(chunks)))
 
 
+class FakeEvent:
+    """A copy's CUDA event on the fake clock: done at ``at``; waiting for it moves the clock."""
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        self.clock, self.at = clock, at
+
+    def query(self) -> bool:
+        return self.clock.now >= self.at
+
+    def synchronize(self) -> None:
+        self.clock.now = max(self.clock.now, self.at)
+
+
+class SimPool(KVSlotPool):
+    """The real pool (its copies made at once, on the CPU) whose copies take fake time: each
+    starts once the one before it ends (``copy_token_s`` a token)."""
+
+    copy_token_s = 0.0
+    copy_free = 0.0  # when the copy queued last ends
+    copy_busy_s = 0.0
+
+    def _timed(self, tokens: int) -> Any:
+        if not self.copy_token_s:
+            return None
+        start = max(self.clock(), self.copy_free)
+        self.copy_free = start + tokens * self.copy_token_s
+        self.copy_busy_s += tokens * self.copy_token_s
+        return FakeEvent(self.clock, self.copy_free)  # type: ignore[arg-type]
+
+    def copy_out(self, index: int, tokens: int, blocks: Any) -> Any:
+        super().copy_out(index, tokens, blocks)
+        return self._timed(min(tokens, self.slot_tokens))
+
+    def copy_in(self, index: int, blocks: Any, tokens: int) -> Any:
+        super().copy_in(index, blocks, tokens)
+        return self._timed(min(tokens, self.slot_tokens))
+
+
 @dataclass
 class User:
     key: str
@@ -207,13 +252,14 @@ def simulate(load: Load) -> dict[str, Any]:
 
     rng = random.Random(load.seed)
     clock = Clock()
-    pool = KVSlotPool(
+    pool = SimPool(
         num_layers=1, num_kv_heads=1, head_dim=2, slots=load.slots, slot_tokens=load.budget,
         dtype=torch.float32, device="cpu", clock=clock,
     )  # fmt: skip
     # Rotary frequencies, so that ``--load 'scheduler={"context_shift": true}'`` shifts (a
     # move costs no fake time: a few kernels per layer against a prefill's tokens).
     pool.rope_inv_freq = torch.ones(1)
+    pool.copy_token_s = load.copy_token_s
     if load.host_slots:
         pool.set_host_memory(load.host_slots * pool.host_nbytes(load.budget))
     sched = DecodeScheduler(
@@ -490,6 +536,7 @@ def simulate(load: Load) -> dict[str, Any]:
         else None,
         "swaps_out": stats.swaps_out,
         "swaps_in": stats.swaps_in,
+        "copy_busy_s": round(pool.copy_busy_s, 2),
         "background_prefills": stats.prefills,
         **extra,
     }

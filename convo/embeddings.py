@@ -27,7 +27,6 @@ messages and ~4,000 vocabulary words):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -179,7 +178,6 @@ class Embedder:
         self._cache_lock = threading.Lock()  # the cache is read and written by many threads
         self._load_lock = threading.Lock()
         self._coalescer = _Coalescer(lambda todo: self._compute(todo))  # (late-bound: patchable)
-        self._stream: Any = None  # the model's own CUDA stream, made on its first GPU pass
 
     @property
     def model_id(self) -> str:
@@ -259,21 +257,8 @@ class Embedder:
             self._words = shared_cache(self.identity, self.dim)
         return self._words
 
-    def _pass_stream(self, model: Any) -> Any:
-        """What a forward pass runs under: on a CUDA device, a stream of the embedder's own,
-        so its kernels run beside a chat model's on the same GPU instead of queueing behind
-        them on the default stream (results are copied to the host inside it, which waits
-        for them); elsewhere nothing."""
-        import torch
-
-        device = torch.device(getattr(model, "device", "cpu"))
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return torch.cuda.stream(self._stream)
-
-    def _encode_one(self, model: Any, text: str) -> np.ndarray:
+    @staticmethod
+    def _encode_one(model: Any, text: str) -> np.ndarray:
         """One text (a query) straight through the model's modules, normalized.
 
         The same vector as ``model.encode([text])`` without its batching machinery (length
@@ -283,7 +268,7 @@ class Embedder:
         import torch
 
         prepare = getattr(model, "preprocess", None) or model.tokenize
-        with torch.inference_mode(), self._pass_stream(model):
+        with torch.inference_mode():
             features = prepare([text])
             features = {
                 k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()
@@ -309,14 +294,13 @@ class Embedder:
         for group, size in zip((short, long), sizes, strict=True):
             if not group:
                 continue
-            with self._pass_stream(model):
-                vecs = model.encode(
-                    group,
-                    batch_size=size,
-                    normalize_embeddings=False,
-                    convert_to_numpy=True,
-                    show_progress_bar=False,
-                )
+            vecs = model.encode(
+                group,
+                batch_size=size,
+                normalize_embeddings=False,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
             # Normalized here, in float32: a bfloat16 model's own normalization leaves
             # norms up to 0.4 % off one.
             vecs = np.asarray(vecs, dtype=np.float32)

@@ -190,26 +190,3 @@ def test_encode_inside_background_work_splits_into_small_passes(minilm) -> None:
         minilm.cache_size = 64
     assert minilm._coalescer.passes - passes == len(background_passes(texts)) > 1
     assert np.allclose(front, back, atol=1e-5)  # the same vectors, in smaller passes
-
-
-@pytest.mark.gpu
-def test_a_cuda_embedder_runs_on_its_own_stream_with_the_cpus_vectors(minilm) -> None:  # type: ignore[no-untyped-def]
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from convo.embeddings import Embedder
-
-    gpu = Embedder(precision="float32", cache_size=0, device="cuda")
-    texts = [f"Message number {i} says the meeting moved to room {i * 7}." for i in range(20)]
-    # The default stream is kept busy (a chat model's kernels): the embedder's passes do not
-    # queue behind it, and what they copy back is complete.
-    busy = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        busy = busy @ busy
-        busy = busy / busy.norm()
-    one = gpu.encode(texts[:1])
-    many = gpu.encode(texts)
-    assert gpu._stream is not None and gpu._stream != torch.cuda.default_stream()
-    assert np.allclose(one[0], minilm.encode(texts[:1])[0], atol=1e-4)
-    assert np.allclose(many, minilm.encode(texts), atol=1e-4)
-    torch.cuda.synchronize()

@@ -86,11 +86,11 @@ class Load:
     turns: int = 12
     think: tuple[float, float] = (2.0, 2.0)
     spread_s: float = 0.0
-    user_tokens: int = 350
+    user_tokens: int = 299
     reply_tokens: int = 32
     budget: int = 2048  # a slot: prompt and reply
     reply_reserve: int = 64  # the window leaves this much of the budget to the reply
-    system_tokens: int = 60
+    system_tokens: int = 19
     summary_tokens: int = 256
     summary_instruction_tokens: int = 100
     slide_to: float = 0.6
@@ -130,6 +130,7 @@ class Load:
     # done. Llama-2-7B's 512 KiB a token at ~50 GB/s (pinned host memory over PCIe 5);
     # 0: copies are instant (the model before 2026-12-06).
     copy_token_s: float = 0.0000105
+    copy_duplex: bool = False  # copies out and in on two queues (SimPool.duplex)
     seed: int = 0
     waves: int = 1  # loads of ``users`` new sessions, each once the one before has ended
     scheduler: dict[str, Any] = field(default_factory=dict)  # DecodeScheduler keywords
@@ -195,28 +196,40 @@ class FakeEvent:
 
 
 class SimPool(KVSlotPool):
-    """The real pool (its copies made at once, on the CPU) whose copies take fake time: each
-    starts once the one before it ends (``copy_token_s`` a token)."""
+    """The real pool (its copies made at once, on the CPU) whose copies take fake time
+    (``copy_token_s`` a token): each starts once the one before it ends, or with
+    ``duplex``, copies out and copies in queue apart (the two directions of PCIe), a copy
+    into a slot starting once that slot's copy out has ended."""
 
     copy_token_s = 0.0
-    copy_free = 0.0  # when the copy queued last ends
+    duplex = False
     copy_busy_s = 0.0
 
-    def _timed(self, tokens: int) -> Any:
+    def _timed(self, index: int, tokens: int, *, out: bool) -> Any:
         if not self.copy_token_s:
             return None
-        start = max(self.clock(), self.copy_free)
-        self.copy_free = start + tokens * self.copy_token_s
+        if not hasattr(self, "_free"):
+            self._free: dict[bool, float] = {True: 0.0, False: 0.0}
+            self._slot_out: dict[int, float] = {}
+        lane = out if self.duplex else True
+        start = max(self.clock(), self._free[lane])
+        if not out:
+            start = max(start, self._slot_out.get(index, 0.0))
+        end = start + tokens * self.copy_token_s
+        self._free[lane] = end
+        if out:
+            self._slot_out[index] = end
         self.copy_busy_s += tokens * self.copy_token_s
-        return FakeEvent(self.clock, self.copy_free)  # type: ignore[arg-type]
+        return FakeEvent(self.clock, end)  # type: ignore[arg-type]
 
     def copy_out(self, index: int, tokens: int, blocks: Any) -> Any:
         super().copy_out(index, tokens, blocks)
-        return self._timed(min(tokens, self.slot_tokens))
+        return self._timed(index, min(tokens, self.slot_tokens), out=True)
 
-    def copy_in(self, index: int, blocks: Any, tokens: int) -> Any:
-        super().copy_in(index, blocks, tokens)
-        return self._timed(min(tokens, self.slot_tokens))
+    def copy_in(self, index: int, blocks: Any, tokens: int, ranges: Any = None) -> Any:
+        super().copy_in(index, blocks, tokens, ranges)
+        n = min(tokens, self.slot_tokens) if ranges is None else sum(b - a for a, b in ranges)
+        return self._timed(index, n, out=False)
 
 
 @dataclass
@@ -259,7 +272,7 @@ def simulate(load: Load) -> dict[str, Any]:
     # Rotary frequencies, so that ``--load 'scheduler={"context_shift": true}'`` shifts (a
     # move costs no fake time: a few kernels per layer against a prefill's tokens).
     pool.rope_inv_freq = torch.ones(1)
-    pool.copy_token_s = load.copy_token_s
+    pool.copy_token_s, pool.duplex = load.copy_token_s, load.copy_duplex
     if load.host_slots:
         pool.set_host_memory(load.host_slots * pool.host_nbytes(load.budget))
     sched = DecodeScheduler(
@@ -302,6 +315,7 @@ def simulate(load: Load) -> dict[str, Any]:
     provisional = [0]  # turns whose prompt carried the provisional stand-in
     slide_s: list[float] = []  # turn seconds of turns whose prompt does not extend the last
     plain_s: list[float] = []  # ... and of those that do
+    by_turn: dict[int, list[tuple[float, float]]] = {}  # turn index: (TTFT, turn seconds) each
 
     def submit(kind: str, u: User, req: DecodeRequest, extra: Any = None) -> None:
         req.started_at = clock.now
@@ -341,7 +355,7 @@ def simulate(load: Load) -> dict[str, Any]:
         """How many of the oldest turns the next turn's slide would evict (0: no slide)."""
         limit = load.budget - load.reply_reserve
         window = list(u.window)
-        size = len(system) + load.summary_tokens + sum(map(len, window)) + load.user_tokens
+        size = len(system) + len(block(u)) + sum(map(len, window)) + load.user_tokens
         if size <= limit:
             return 0
         if load.slide_turns:
@@ -401,6 +415,7 @@ def simulate(load: Load) -> dict[str, Any]:
         if kind == "reply":
             message, at, first, slid = extra
             (slide_s if slid else plain_s).append(clock.now - at)
+            by_turn.setdefault(u.turns, []).append((first[0] - at, clock.now - at))
             u.held = [*req.ids, *req.new_ids]
             ttft.append(first[0] - at)
             waves[u.wave]["ttft"].append(first[0] - at)
@@ -534,6 +549,8 @@ def simulate(load: Load) -> dict[str, Any]:
         "slide_vs_ordinary": round(_pct(slide_s, 0.5) / _pct(plain_s, 0.5), 2)
         if slide_s and plain_s
         else None,
+        "ttft_p50_s_by_turn": {t: _pct([x for x, _ in v], 0.5) for t, v in sorted(by_turn.items())},
+        "turn_p50_s_by_turn": {t: _pct([y for _, y in v], 0.5) for t, v in sorted(by_turn.items())},
         "swaps_out": stats.swaps_out,
         "swaps_in": stats.swaps_in,
         "copy_busy_s": round(pool.copy_busy_s, 2),

@@ -72,6 +72,32 @@ def test_find_shift_finds_the_longest_run_in_repeated_text() -> None:
 # -- moving K/V ------------------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
+@cuda
+def test_cuda_after_a_slide_only_the_reused_tokens_come_back_from_host_exactly() -> None:
+    """On CUDA (bf16, pinned host memory, copies on the side stream), without the shift: a
+    session whose KV went to host and whose window then slid gets back its system prompt
+    only, and answers exactly as a session that never left its slot."""
+    model = tiny_model(2, seed=3).to("cuda", torch.bfloat16)
+    dec = StaticDecoder(model, slots=1, slot_tokens=512)
+    dec.warmup()
+    dec.pool.set_host_memory(dec.pool.host_nbytes(512) * 4)
+    sched = DecodeScheduler(dec)
+    system, old = _tokens(16, 1), _tokens(24, 2) + _tokens(150, 3)
+    kept = _tokens(160, 4)
+    ref1 = sched.run(_request(system + old + kept, 8, "ref"))  # never leaves the slot
+    slide = system + _tokens(30, 5) + kept + ref1.new_ids + _tokens(20, 6)
+    ref2 = sched.run(_request(slide, 12, "ref"))
+    dec.pool.forget("ref")
+    a1 = sched.run(_request(system + old + kept, 8, "a"))
+    sched.run(_request(_tokens(40, 9), 4, "b"))  # a's KV to host
+    before = dec.pool.swapped_in_tokens
+    a2 = sched.run(_request(slide, 12, "a"))
+    assert a1.new_ids == ref1.new_ids and dec.pool.swapped_in_tokens - before == 16
+    assert a2.new_ids == ref2.new_ids and a2.cached_tokens == ref2.cached_tokens == 16
+    sched.close()
+
+
 def tiny_model(layers: int, seed: int = 0) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,6 +174,29 @@ def test_without_context_shift_nothing_moves_and_the_turn_is_exact() -> None:
     turn = system + kept + first.new_ids + _tokens(20, 6)
     again = sched.run(_request(turn, 12, "s"))
     assert sched.shifts == 0 and again.cached_tokens == 16
+    assert again.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
+    sched.close()
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_after_a_slide_only_the_reused_tokens_come_back_from_host(shift: bool) -> None:
+    """A session whose KV went to host and whose window then slid gets back only what its
+    prompt reuses: the common prefix and (with the shift) the moved run, not the dropped
+    turns between them. The reply is the recomputed prompt's (one layer: a shift is exact;
+    without it, two layers and exact reuse)."""
+    dec = StaticDecoder(tiny_model(1 if shift else 2, seed=3), slots=1, slot_tokens=512)
+    dec.pool.set_host_memory(dec.pool.host_nbytes(512) * 4)
+    sched = DecodeScheduler(dec, context_shift=shift)
+    system, dropped, kept = _tokens(16, 1), _tokens(150, 3), _tokens(160, 4)
+    first = sched.run(_request(system + _tokens(24, 2) + dropped + kept, 8, "s"))
+    sched.run(_request(_tokens(40, 9), 4, "other"))  # takes the only slot: "s" goes to host
+    assert dec.pool.swaps_out == 1 and dec.pool.swapped_in_tokens == 0
+    turn = system + _tokens(30, 5) + kept + first.new_ids + _tokens(20, 6)
+    again = sched.run(_request(turn, 12, "s"))
+    # (The run: the kept turns and the reply but its last token, which has no K/V yet.)
+    reused = 16 + (len(kept) + len(first.new_ids) - 1 if shift else 0)
+    assert dec.pool.swaps_in == 1 and dec.pool.swapped_in_tokens == reused  # (of 357 on host)
+    assert again.cached_tokens == reused and sched.shifts == int(shift)
     assert again.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
     sched.close()
 

@@ -617,9 +617,9 @@ def _reused(
     ``[a, b)`` spans of ``cached``, the copy. The scheduler finds the same prefix and run in
     it as in ``cached``. After a slide the dropped turns between them are most of the copy
     (think-16: about 1,300 of 2,000 tokens a session)."""
+    common = common_prefix_length(cached, ids)  # (all of it: work that only prefills uses it)
     limit = len(ids) - 1
-    common = common_prefix_length(cached, ids, limit)
-    run = find_shift(cached, ids, start=common, limit=limit) if shift else None
+    run = find_shift(cached, ids, start=common, limit=limit) if shift and common < limit else None
     if run is None:
         return list(cached[:common]), [(0, common)]
     held = [*cached[:common], *[NOT_COPIED] * (run.src - common), *cached[run.src : run.src + run.length]]

@@ -95,8 +95,9 @@ class Load:
     summary_instruction_tokens: int = 100
     slide_to: float = 0.6
     # As the session slides (``convo.session.window.turns_to_push_out``): the oldest turns
-    # leave until about ``slide_turns`` turns of the recent size are freed, keeping the
-    # newest; 0: down to ``slide_to`` of the budget instead (the model before 2026-12-03).
+    # leave until about ``slide_turns`` more turns of the recent size fit beside the rest
+    # and the summary at its cap, keeping the newest; 0: down to ``slide_to`` of the budget
+    # instead (the model before 2026-12-03).
     slide_turns: int = 3
     summary_threads: int = 16
     prefill_next: bool = True
@@ -367,12 +368,16 @@ def simulate(load: Load) -> dict[str, Any]:
         return k
 
     def push_out(window: list[list[int]]) -> int:
-        """The session's rule: free about ``slide_turns`` turns of the recent size."""
+        """The session's rule (``turns_to_push_out``): push out enough that about
+        ``slide_turns`` more turns of the recent size fit in the window's room (the prompt
+        room less the system prompt and the summary at its cap), keeping the newest turn."""
         costs = [len(t) for t in window]
         recent = costs[-(load.slide_turns + 1) :]
         per_turn = sum(recent) / max(len(recent), 1)
+        room = load.budget - load.reply_reserve - len(system) - load.summary_tokens
+        target = sum(costs) + load.slide_turns * per_turn - room
         freed, k = 0.0, 0
-        while k < len(window) - 1 and freed + per_turn / 2 < load.slide_turns * per_turn:
+        while k < len(window) - 1 and freed + per_turn / 2 < target:
             freed += costs[k]
             k += 1
         return k

@@ -33,10 +33,10 @@ def test_summaries_drain_under_think_16_without_preempting_the_replies_way() -> 
     before, now = _run(**BEFORE), _run()
     # (The load follows the session's rules since 2026-12-02: turns leave right after the
     # reply, so summaries start while their owners think. With the message sizes of
-    # serve_load's think-16 and no summary room kept before the first summary (2026-12-06):
-    # 44 preemptions before, 12 now; re-prefill 0.659 -> 0.602; TTFT p95 0.764 -> 0.762 s.
-    # What it costs the summaries: 26 -> 24 written within the load, drained 5.7 -> 10.2 s
-    # after it, as a parked summary waits for its owner's slot instead of recomputing.)
+    # serve_load's think-16 and its slides at turns 6 and 9 (2026-12-06): 40 preemptions
+    # before, 12 now; re-prefill 0.635 -> 0.502; TTFT p95 0.613 -> 0.611 s. What it costs
+    # the summaries: 27 -> 25 written within the load, drained 0.8 -> 1.8 s after it, as a
+    # parked summary waits for its owner's slot instead of recomputing.)
     assert before["preemptions"] >= 30 and now["preemptions"] <= before["preemptions"] / 3
     assert now["parked"] >= now["preemptions"] - 2  # stopped work resumes by a copy
     assert now["reprefill"] < before["reprefill"] - 0.03  # no summary recomputed

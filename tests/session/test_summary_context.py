@@ -157,7 +157,10 @@ def test_a_summarizer_that_does_not_declare_context_is_called_without_it() -> No
         )
         for i in range(3):
             session.send(f"fact {i}")
-        assert done.wait(WAIT) and session.wait_summary(WAIT).status is SummaryStatus.DONE
+        assert done.wait(WAIT)
+        state = session.wait_summary(WAIT)
+        # (Once seen PENDING under a loaded CI machine, cause not found: the state says more.)
+        assert state.status is SummaryStatus.DONE, (state, worker.stats(), session.summary_state)
         assert calls and session.summary == "plain summary"
     finally:
         worker.close()

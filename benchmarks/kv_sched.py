@@ -202,16 +202,16 @@ class SimPool(KVSlotPool):
     ``duplex``, copies out and copies in queue apart (the two directions of PCIe), a copy
     into a slot starting once that slot's copy out has ended."""
 
-    copy_token_s = 0.0
-    duplex = False
-    copy_busy_s = 0.0
+    def __init__(self, *args: Any, copy_token_s: float = 0.0, duplex: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.copy_token_s, self.duplex = copy_token_s, duplex
+        self.copy_busy_s = 0.0
+        self._free = {True: 0.0, False: 0.0}  # when the last copy out (True) / in queued ends
+        self._slot_out: dict[int, float] = {}  # when each slot's last copy out ends
 
     def _timed(self, index: int, tokens: int, *, out: bool) -> Any:
         if not self.copy_token_s:
             return None
-        if not hasattr(self, "_free"):
-            self._free: dict[bool, float] = {True: 0.0, False: 0.0}
-            self._slot_out: dict[int, float] = {}
         lane = out if self.duplex else True
         start = max(self.clock(), self._free[lane])
         if not out:
@@ -269,11 +269,11 @@ def simulate(load: Load) -> dict[str, Any]:
     pool = SimPool(
         num_layers=1, num_kv_heads=1, head_dim=2, slots=load.slots, slot_tokens=load.budget,
         dtype=torch.float32, device="cpu", clock=clock,
+        copy_token_s=load.copy_token_s, duplex=load.copy_duplex,
     )  # fmt: skip
     # Rotary frequencies, so that ``--load 'scheduler={"context_shift": true}'`` shifts (a
     # move costs no fake time: a few kernels per layer against a prefill's tokens).
     pool.rope_inv_freq = torch.ones(1)
-    pool.copy_token_s, pool.duplex = load.copy_token_s, load.copy_duplex
     if load.host_slots:
         pool.set_host_memory(load.host_slots * pool.host_nbytes(load.budget))
     sched = DecodeScheduler(

@@ -150,6 +150,16 @@ def redis_or_skip() -> str:
     return REDIS_URL
 
 
+def drain(sched: Any, limit: int = 1000) -> None:
+    """Step a :class:`~convo.fast.scheduler.DecodeScheduler` made with ``background=False``
+    until it is idle; fail after ``limit`` steps."""
+    for _ in range(limit):
+        if sched.idle:
+            return
+        sched.run_step()
+    raise AssertionError("the scheduler did not finish")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

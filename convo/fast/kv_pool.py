@@ -315,10 +315,11 @@ class KVSlotPool:
         stream = self._side_stream() if cuda else None
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for first, count, start, end in arena.runs(blocks, min(tokens, self.slot_tokens)):
+                views = arena.run_views(first, count, end - start)
                 for lo, hi in ((max(start, a), min(end, b)) for a, b in spans):
                     if lo >= hi:
                         continue
-                    hosts = [h[lo - start : hi - start] for h in arena.run_views(first, count, end - start)]
+                    hosts = [h[lo - start : hi - start] for h in views]
                     for h, v in zip(hosts, self._token_views(index, lo, hi), strict=True):
                         if out:
                             h.copy_(v, non_blocking=cuda)

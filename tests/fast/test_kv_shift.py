@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import drain  # noqa: E402
+
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder  # noqa: E402
 from convo.fast.kv_shift import SHIFT_MIN_TOKENS, KVShift, find_shift, rope_frequencies  # noqa: E402
 from convo.models import GREEDY  # noqa: E402
@@ -278,24 +280,16 @@ def _fake_request(ids: list[int], key: str, n: int = 2, **kw: Any) -> DecodeRequ
     )
 
 
-def _drain(sched: DecodeScheduler) -> None:
-    for _ in range(1000):
-        if sched.idle:
-            return
-        sched.run_step()
-    raise AssertionError("the scheduler did not finish")
-
-
 def test_the_prompt_is_prefilled_around_the_moved_run_in_chunks() -> None:
     dec = _Decoder()
     sched = DecodeScheduler(dec, background=False, context_shift=True, step_tokens=64)
     system, kept = _tokens(16, 1), _tokens(300, 4)
     sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
-    _drain(sched)
+    drain(sched)
     dec.prefilled.clear()
     summary, question = _tokens(100, 5), _tokens(50, 6)
     turn = sched.submit(_fake_request(system + summary + kept + question, "s"))
-    _drain(sched)
+    drain(sched)
     assert turn.error is None and sched.shifts == 1
     # Chunks of at most 64 tokens cover the summary up to the run, then the question: the
     # run (positions 116-416) is never prefilled.
@@ -315,7 +309,7 @@ def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> Non
     )
     system, kept = _tokens(16, 1), _tokens(300, 4)
     sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
-    _drain(sched)
+    drain(sched)
     ids = system + _tokens(100, 5) + kept + [7]
     prefill = sched.submit(_fake_request(ids, "s", prefill_only=True, priority=2))
     sched.run_step()  # admitted, the run moved, a first chunk of the summary prefilled
@@ -323,7 +317,7 @@ def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> Non
     assert prefill._hole == (116, 416) and 16 < prefill.kv_tokens < 116
     stopped_at = prefill.kv_tokens
     reply = sched.submit(_fake_request(_tokens(40, 9), "other"))  # needs the only slot
-    _drain(sched)
+    drain(sched)
     after = [p for a, b in dec.prefilled for p in range(a, b) if p >= stopped_at]  # ("other": below)
     assert reply.error is None and prefill.error is None and prefill.preemptions == 1
     # Parked with the tokens it computed only (not the run's positions past them).
@@ -343,11 +337,11 @@ def test_a_host_copy_with_a_longer_run_is_taken_when_the_prefix_ties() -> None:
     sched = DecodeScheduler(dec, background=False, context_shift=True)
     system, kept = _tokens(16, 1), _tokens(300, 4)
     sched.submit(_fake_request(system + _tokens(200, 3) + kept, "s"))
-    _drain(sched)
+    drain(sched)
     sched.submit(_fake_request(system + _tokens(30, 8), "other"))  # takes the slot: "s" to host
-    _drain(sched)
+    drain(sched)
     assert dec.pool.swaps_out == 1
     turn = sched.submit(_fake_request(system + _tokens(60, 5) + kept + [7], "s"))
-    _drain(sched)
+    drain(sched)
     # Both share only the system prompt; the host copy holds the run: it is copied back.
     assert dec.pool.swaps_in == 1 and sched.shifts == 1 and turn.cached_tokens == 16 + 300

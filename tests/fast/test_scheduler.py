@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import drain  # noqa: E402
+
 from convo.errors import ConfigError  # noqa: E402
 from convo.fast import KVSlotPool, PrefillChunk  # noqa: E402
 from convo.fast.scheduler import (  # noqa: E402
@@ -72,14 +74,6 @@ class FakeDecoder:
 def request(n: int, *, first: int = 1, max_new: int = 4, **kw: Any) -> DecodeRequest:
     kw.setdefault("deadline", time.monotonic() + 60)
     return DecodeRequest(ids=list(range(first, first + n)), max_new_tokens=max_new, sampling=Greedy(), **kw)
-
-
-def drain(sched: DecodeScheduler, limit: int = 1000) -> None:
-    for _ in range(limit):
-        if sched.idle:
-            return
-        sched.run_step()
-    raise AssertionError("the scheduler did not finish")
 
 
 def test_reply_tokens_follow_the_model_and_slots_are_released() -> None:

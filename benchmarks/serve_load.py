@@ -238,6 +238,7 @@ def child(args: argparse.Namespace) -> None:
             memory_cache_mb=None,
             embedding_model=args.embedding_model,
             embedding_device=args.embedding_device,
+            embedding_process=not args.embedding_in_process,
         )
         memory = server_memory(given, store)
         if memory is None:
@@ -962,6 +963,12 @@ def main() -> int:
         help="with --memory: where the embedding model runs (convo serve's --embedding-device)",
     )
     p.add_argument(
+        "--embedding-in-process",
+        action="store_true",
+        help="with --memory: the embedding model in the server's own process (convo serve's "
+        "--no-embedding-process; before issue 24's child process)",
+    )
+    p.add_argument(
         "--compare-memory",
         action="store_true",
         help="run the load without memory, then with it (new server each), and report side_by_side",
@@ -1095,6 +1102,8 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
         cmd.append("--memory")
     if args.context_shift:
         cmd.append("--context-shift")
+    if args.embedding_in_process:
+        cmd.append("--embedding-in-process")
     if step_file:
         cmd += ["--step-file", step_file]
     if args.fake:

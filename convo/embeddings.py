@@ -22,15 +22,28 @@ messages and ~4,000 vocabulary words):
 - calls from many threads at once (a server's concurrent turns) share forward passes: a
   thread that finds the model busy queues its texts, and the next pass encodes every
   queued call's texts together (:class:`_Coalescer`), so sixteen turns cost about one
-  batch instead of sixteen passes fighting for the GPU and the GIL.
+  batch instead of sixteen passes fighting for the GPU and the GIL;
+- beside a Python thread that is always busy (the server's engine loop), a model run in
+  the process waits for the GIL between every one of its operations: a question's
+  vector that takes 13 ms alone took 1.1 s beside one busy thread on a 2-core CPU.
+  ``Embedder(process=True)`` (what ``convo serve`` runs) keeps the model in a child
+  process of its own (:class:`EmbeddingProcess`, ``python -m convo.embedding_worker``):
+  19 ms beside that thread. The caches and the shared passes stay in this process.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -80,7 +93,18 @@ PRECISIONS = ("auto", "float32", "bfloat16")
 #: to keep exact float32 vectors everywhere); unset: ``"auto"``.
 PRECISION_ENV = "CONVO_EMBED_PRECISION"
 
+#: Seconds an embedding process (``Embedder(process=True)``) may take to load its model.
+PROCESS_START_TIMEOUT_S = 300.0
+#: Seconds :meth:`EmbeddingProcess.close` waits for the process to exit before killing it.
+PROCESS_EXIT_WAIT_S = 5.0
+
 _INSTALL_HINT = "pip install 'convo[retrieval]'"
+
+
+def default_process_threads() -> int:
+    """Torch threads of an embedding process when not given: half the machine's cores, 1 to
+    8 (the other half serves the process that asked: its engine loop, its tokenizers)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class TextEncoder(Protocol):
@@ -136,9 +160,17 @@ class Embedder:
             :class:`~convo.word_vectors.WordVectorCache`, kept on disk under convo's cache
             folder (``$CONVO_WORD_CACHE=0``: in the process only). ``False``: every word is
             embedded. Default ``True``.
+        process: run the model in a child process of its own (:class:`EmbeddingProcess`),
+            so that a busy Python thread of this process (an engine's decode loop) does not
+            slow it: the model's every operation otherwise waits for the GIL. The same vectors
+            (to float rounding); caches and shared passes stay here. :meth:`close` stops it (so does
+            this process's exit). Default ``False``; ``convo serve`` turns it on.
+        threads: torch threads of that process (``process=True`` only). Default ``None``:
+            :func:`default_process_threads`.
 
     Raises:
-        ConfigError: ``batch_size < 1``, ``cache_size < 0`` or an unknown ``precision``.
+        ConfigError: ``batch_size < 1``, ``cache_size < 0``, ``threads < 1`` or an unknown
+            ``precision``.
 
     Example:
         >>> emb = Embedder()                                  # doctest: +SKIP
@@ -155,7 +187,11 @@ class Embedder:
         cache_size: int = DEFAULT_CACHE_SIZE,
         precision: str | None = None,
         word_cache: bool = True,
+        process: bool = False,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"Embedder.threads must be an int >= 1, got {threads!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"Embedder.batch_size must be an int >= 1, got {batch_size!r}")
         if not isinstance(cache_size, int) or cache_size < 0:
@@ -165,6 +201,8 @@ class Embedder:
         if precision not in PRECISIONS:
             raise ConfigError(f"Embedder.precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision = precision
+        self.process = bool(process)
+        self.threads = threads
         self.word_cache = bool(word_cache)
         self._words: WordVectorCache | None = None
         self._precision_in_use: str | None = None
@@ -206,6 +244,17 @@ class Embedder:
         return self._model
 
     def _load_model(self) -> None:
+        if self.process:
+            proc = EmbeddingProcess(
+                self.model_path,
+                device=self.device,
+                precision=self.precision,
+                batch_size=self.batch_size,
+                threads=self.threads or default_process_threads(),
+            )
+            self._precision_in_use, self._dim = proc.precision_in_use, proc.dim
+            self._model = proc  # last, as below
+            return
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
@@ -237,6 +286,16 @@ class Embedder:
             self._load()
         assert self._dim is not None
         return self._dim
+
+    def close(self) -> None:
+        """Stop the embedding process (``process=True``; a later call starts it again).
+        Nothing to do for a model in this process."""
+        with self._load_lock:
+            model = self._model
+            if isinstance(model, EmbeddingProcess):
+                self._model = None
+        if isinstance(model, EmbeddingProcess):
+            model.close()
 
     @property
     def precision_in_use(self) -> str:
@@ -283,6 +342,8 @@ class Embedder:
         per pass, longer ones sorted by length in batches of at most
         :data:`LONG_BATCH_SIZE`)."""
         model = self._load()
+        if isinstance(model, EmbeddingProcess):
+            return model.compute(todo)
         if len(todo) == 1:
             return dict(
                 zip(todo, np.asarray(self._encode_one(model, todo[0]), dtype=np.float32), strict=True)
@@ -379,6 +440,136 @@ def background_passes(texts: Sequence[str]) -> list[list[str]]:
         passes[-1].append(t)
         size += cost
     return passes
+
+
+class EmbeddingProcess:
+    """An embedding model in a child process (``python -m convo.embedding_worker``), for
+    :class:`Embedder` with ``process=True``: :meth:`compute` sends it texts and returns
+    their vectors, while this process's threads (and its GIL) go on.
+
+    The two talk over a socket pair (pickled messages): first the settings, answered by the
+    model's dimension and precision once it loaded; then one list of texts at a time,
+    answered by their vectors. The child exits when the socket closes, so also when this
+    process dies (even by ``kill -9``). A child that died meanwhile is started again by the
+    next call, once.
+
+    Args:
+        model_path: the model's local folder (or cached name).
+        device / precision / batch_size: as :class:`Embedder`'s.
+        threads: torch threads of the child.
+
+    Raises:
+        MissingDependency: the child lacks sentence-transformers.
+        ModelLoadError: the model did not load (within :data:`PROCESS_START_TIMEOUT_S`).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | None,
+        precision: str,
+        batch_size: int,
+        threads: int,
+    ) -> None:
+        self.settings = {
+            "model": model_path,
+            "device": device,
+            "precision": precision,
+            "batch_size": batch_size,
+            "threads": threads,
+        }
+        self._lock = threading.Lock()  # one request at a time on the socket
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self.dim = 0
+        self.precision_in_use = ""
+        self.starts = 0  # children started (a restart after a death adds one)
+        self._start()
+        atexit.register(self.close)
+
+    def compute(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """The vectors of distinct ``texts``, computed by the child."""
+        texts = list(texts)
+        with self._lock:
+            try:
+                vecs = self._ask(texts)
+            except ModelLoadError:
+                self._stop()
+                self._start()  # it died: once more, with a new one
+                vecs = self._ask(texts)
+        return dict(zip(texts, vecs, strict=True))
+
+    def close(self) -> None:
+        """Stop the child (it exits on its own when its socket closes)."""
+        with self._lock:
+            self._stop()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (``None`` once closed)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _start(self) -> None:
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports this copy of convo, wherever this process found it.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "convo.embedding_worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        self._conn = Connection(mine.detach())
+        self.starts += 1
+        self._conn.send(self.settings)
+        meta = self._receive(PROCESS_START_TIMEOUT_S)
+        if "error" in meta:
+            self._stop()
+            kind = MissingDependency if meta.get("kind") == "missing" else ModelLoadError
+            raise kind(str(meta["error"]))
+        self.dim, self.precision_in_use = int(meta["dim"]), str(meta["precision"])
+
+    def _ask(self, texts: list[str]) -> np.ndarray:
+        if self._conn is None:
+            raise ModelLoadError("the embedding process is closed")
+        try:
+            self._conn.send(texts)
+        except OSError as exc:
+            raise ModelLoadError(f"the embedding process is gone: {exc}") from exc
+        out = self._receive(None)
+        if isinstance(out, dict):
+            raise RuntimeError(f"the embedding process failed: {out.get('error')}")
+        return np.asarray(out, dtype=np.float32)
+
+    def _receive(self, timeout_s: float | None) -> Any:
+        """The child's next message; ModelLoadError when it exits or ``timeout_s`` passes."""
+        assert self._conn is not None and self._proc is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if self._proc.poll() is not None:
+                raise ModelLoadError(f"the embedding process exited (code {self._proc.returncode})")
+            if deadline is not None and time.monotonic() > deadline:
+                self._stop()
+                raise ModelLoadError(f"the embedding process did not load its model in {timeout_s:.0f} s")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ModelLoadError(f"the embedding process is gone: {exc}") from exc
+
+    def _stop(self) -> None:
+        conn, proc, self._conn, self._proc = self._conn, self._proc, None, None
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            try:
+                proc.wait(PROCESS_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 class _Coalescer:

@@ -192,7 +192,7 @@ def server_memory(args: argparse.Namespace, store: Store) -> ServerMemory | None
         embedder = HashingEncoder()  # test hooks: no model behind the fake engine either
     else:
         device = getattr(args, "embedding_device", None) or DEFAULT_EMBEDDING_DEVICE
-        embedder = Embedder(chosen, device=device)
+        embedder = Embedder(chosen, device=device, process=getattr(args, "embedding_process", True))
         try:
             if chosen is None:
                 default_model_path()

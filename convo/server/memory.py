@@ -55,7 +55,10 @@ DEFAULT_MEMORY_CACHE_BYTES = 256 << 20
 #: beside a GPU chat model. On the H200 (gpu-chat load, Llama-2-7B int4, 16 slots, memory on)
 #: a MiniLM on the same GPU made the load 2.26x as long as memory off, its passes queued
 #: behind the chat model's kernel launches and the GIL (a window-slide turn waited 4.8 s
-#: in retrieval); on the host's CPU 1.48x (0.29 s). ``--embedding-device cuda`` asks for it.
+#: in retrieval); on the host's CPU 1.48x (0.29 s). With the model in a child process of its
+#: own (``--embedding-process``, the default) the CPU gives 1.22-1.26x on an H100 and the
+#: GPU still 1.52x (its slide turn's retrieval 1.9 s): not only the GIL, the GPU's queue too.
+#: ``--embedding-device cuda`` asks for it.
 DEFAULT_EMBEDDING_DEVICE = "cpu"
 
 #: Longest person id (``user`` / ``metadata.user_id``), in characters (OpenAI's ``user``

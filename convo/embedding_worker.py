@@ -10,6 +10,7 @@ dies.
 
 from __future__ import annotations
 
+import signal
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -54,6 +55,9 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides, and closes
+    # the socket, which ends this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = sys.argv[1:] if argv is None else argv
     with Connection(int(args[0])) as conn:
         serve(conn)

@@ -521,6 +521,7 @@ class EmbeddingProcess:
                 [sys.executable, "-m", "convo.embedding_worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # (a CLI's JSON on stdout stays its own; stderr is kept)
                 env=env,
             )
         self._conn = Connection(mine.detach())

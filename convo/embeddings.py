@@ -25,10 +25,11 @@ messages and ~4,000 vocabulary words):
   batch instead of sixteen passes fighting for the GPU and the GIL;
 - beside a Python thread that is always busy (the server's engine loop), a model run in
   the process waits for the GIL between every one of its operations: a question's
-  vector that takes 13 ms alone took 1.1 s beside one busy thread on a 2-core CPU.
+  vector that takes 11 ms alone took 1.4 s beside one busy thread on a 2-core CPU.
   ``Embedder(process=True)`` (what ``convo serve`` runs) keeps the model in a child
   process of its own (:class:`EmbeddingProcess`, ``python -m convo.embedding_worker``):
-  19 ms beside that thread. The caches and the shared passes stay in this process.
+  27 ms beside that thread (``benchmarks/embedder_contention.py``). The caches and the
+  shared passes stay in this process.
 """
 
 from __future__ import annotations

@@ -570,6 +570,15 @@ def engine_during(before: dict[str, float], after: dict[str, float], wall: float
         "busy_share_of_wall": round(sum(busy.values()) / wall, 3) if wall > 0 else None,
         "prompt_tokens": int(delta("convo_engine_prompt_tokens_total")),
         "decode_rows": int(delta("convo_engine_decode_rows_total")),
+        # Prefilled and novel prompt tokens by kind of work (reply, background, prefill ahead),
+        # and what preempted work prefilled again ({} and 0: an older server's /metrics)
+        "prefilled_prompt_tokens_by_work": {
+            w: int(delta(f'convo_engine_work_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
+        },
+        "novel_prompt_tokens_by_work": {
+            w: int(delta(f'convo_engine_work_novel_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
+        },
+        "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
     }
 
@@ -641,6 +650,15 @@ def background_figures(
         "reprefill_floor": round(novel / requested, 3)
         if requested and "convo_engine_novel_prompt_tokens_total" in after
         else None,
+        # Prefilled and novel prompt tokens by kind of work (reply, background, prefill ahead),
+        # and what preempted work prefilled again ({} and 0: an older server's /metrics)
+        "prefilled_prompt_tokens_by_work": {
+            w: int(delta(f'convo_engine_work_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
+        },
+        "novel_prompt_tokens_by_work": {
+            w: int(delta(f'convo_engine_work_novel_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
+        },
+        "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
         # Cached tokens a context shift moved instead of prefilling (0: off, or none slid)
         "shifted_tokens": int(delta("convo_engine_kv_shifted_tokens_total")),
@@ -668,6 +686,9 @@ def p50_by_turn(outcomes: Sequence[Outcome], field: str) -> dict[str, float | No
             values[o.turn].append(v)
     return {str(t): pct(values[t], 0.5) for t in sorted(values)}
 
+
+#: The kinds of work the engine counts prompt tokens for (``convo.fast.scheduler.WORK_KINDS``).
+WORKS = ("reply", "background", "prefill")
 
 #: The figures of each wave under ``waves`` (with :func:`background_figures`).
 WAVE_KEYS = (

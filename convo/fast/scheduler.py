@@ -104,6 +104,7 @@ __all__ = [
     "PILEUP_CHUNKS",
     "SLOT_POLL_S",
     "STEP_KINDS",
+    "WORK_KINDS",
     "DecodeRequest",
     "DecodeScheduler",
     "Priority",
@@ -145,6 +146,12 @@ DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
 STEP_KINDS = ("decode", "mixed", "prefill")
+#: The kinds of work whose prompt tokens the scheduler counts apart
+#: (:attr:`~convo.models.generation.SchedulerStats.prompt_tokens_by_work`): a turn a user
+#: waits for (``reply``: priority :attr:`~Priority.REPLY` or more urgent), work nobody
+#: waits on token by token (``background``: the summaries), a prompt's KV computed ahead
+#: of its turn (``prefill``: ``prefill_only``).
+WORK_KINDS = ("reply", "background", "prefill")
 
 
 logger = logging.getLogger(__name__)
@@ -385,6 +392,11 @@ class DecodeScheduler:
         #: Prompt tokens an unbounded exact cache would still prefill: each request's tokens
         #: past its common prefix with what its session's KV last held (:meth:`_count_novel`).
         self.novel_prompt_tokens = 0
+        #: Prompt tokens prefilled, and novel ones, by kind of work (:data:`WORK_KINDS`);
+        #: and the prompt tokens that preempted work prefilled again after its stop.
+        self.prompt_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
+        self.novel_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
+        self.recomputed_tokens = 0
         self._ledger = PrefixLedger()
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
@@ -488,6 +500,9 @@ class DecodeScheduler:
             parked=self.parked,
             shifts=self.shifts,
             shifted_tokens=self.shifted_tokens,
+            prompt_tokens_by_work=dict(self.prompt_tokens_by_work),
+            novel_tokens_by_work=dict(self.novel_tokens_by_work),
+            recomputed_tokens=self.recomputed_tokens,
         )
 
     def _count_novel(self, req: DecodeRequest) -> None:
@@ -508,6 +523,7 @@ class DecodeScheduler:
     def _prompt_in(self, req: DecodeRequest) -> None:
         """``req``'s prompt is in its slot: its novel tokens count (the first time only)."""
         self.novel_prompt_tokens += req._novel
+        self.novel_tokens_by_work[work_kind(req)] += req._novel
         req._novel = 0
 
     def _count(self, kind: str, started: float) -> None:
@@ -810,6 +826,10 @@ class DecodeScheduler:
         tokens = sum(c.end - c.start for _, c in batch)
         self.prefills += 1
         self.prefill_tokens += tokens
+        for req, chunk in batch:
+            self.prompt_tokens_by_work[work_kind(req)] += chunk.end - chunk.start
+            if req.preemptions:
+                self.recomputed_tokens += chunk.end - chunk.start
         self.max_prefill_tokens = max(self.max_prefill_tokens, tokens)
         ready = []
         for (req, chunk), out in zip(batch, logits, strict=True):
@@ -876,6 +896,13 @@ class DecodeScheduler:
         self.steps += 1
         self.rows += len(rows)
         self._active = [r for r, t in zip(rows, tokens, strict=True) if not self._accept(r, t)]
+
+
+def work_kind(req: DecodeRequest) -> str:
+    """Which of :data:`WORK_KINDS` ``req`` is."""
+    if req.prefill_only:
+        return "prefill"
+    return "reply" if req.priority <= Priority.REPLY else "background"
 
 
 def _device_error(exc: BaseException) -> BaseException:

@@ -16,7 +16,7 @@ imports nothing of convo but :mod:`convo.errors` (and, for type checking only,
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from convo.errors import ConfigError
@@ -251,6 +251,12 @@ class SchedulerStats:
         shifts: context shifts run (cached tokens moved to the positions a slid window
             gave them, :mod:`convo.fast.kv_shift`).
         shifted_tokens: the cached tokens those shifts moved instead of prefilling them.
+        prompt_tokens_by_work: ``prompt_tokens`` by kind of work
+            (:data:`~convo.fast.scheduler.WORK_KINDS`: ``reply``, ``background``, ``prefill``).
+        novel_tokens_by_work: ``novel_prompt_tokens`` by the same kinds. A kind's prefilled
+            less novel tokens is what evictions cost that kind, less what shifts saved it.
+        recomputed_tokens: of ``prompt_tokens``, those preempted work prefilled again
+            after it was stopped (parked work that came back by a copy prefills none).
     """
 
     steps: dict[str, int]
@@ -271,3 +277,6 @@ class SchedulerStats:
     novel_prompt_tokens: int = 0
     shifts: int = 0
     shifted_tokens: int = 0
+    prompt_tokens_by_work: dict[str, int] = field(default_factory=dict)
+    novel_tokens_by_work: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0

@@ -84,6 +84,21 @@ class EngineCollector(Collector):
             busy.add_metric([kind], stats.busy_s[kind])
         yield steps
         yield busy
+        by_work = CounterMetricFamily(
+            "convo_engine_work_prompt_tokens",
+            "prompt tokens prefilled, by kind of work (reply, background: summaries, prefill ahead)",
+            labels=["work"],
+        )
+        novel_by_work = CounterMetricFamily(
+            "convo_engine_work_novel_prompt_tokens",
+            "novel prompt tokens (as convo_engine_novel_prompt_tokens), by kind of work",
+            labels=["work"],
+        )
+        for work, n in stats.prompt_tokens_by_work.items():
+            by_work.add_metric([work], n)
+            novel_by_work.add_metric([work], stats.novel_tokens_by_work.get(work, 0))
+        yield by_work
+        yield novel_by_work
         for name, text, value in (
             ("convo_engine_decode_rows", "tokens decoded by the scheduler", stats.decode_rows),
             ("convo_engine_prompt_tokens", "prompt tokens prefilled by the scheduler", stats.prompt_tokens),
@@ -95,6 +110,11 @@ class EngineCollector(Collector):
             ),
             ("convo_engine_preemptions", "requests stopped to free a slot for a reply", stats.preemptions),
             ("convo_engine_preemptions_parked", "preempted work parked in host memory", stats.parked),
+            (
+                "convo_engine_recomputed_prompt_tokens",
+                "prompt tokens preempted work prefilled again after its stop",
+                stats.recomputed_tokens,
+            ),
             ("convo_engine_kv_swaps_out", "sessions' KV copied from a slot to host memory", stats.swaps_out),
             ("convo_engine_kv_swaps_in", "sessions' KV copied from host memory into a slot", stats.swaps_in),
             ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),

@@ -355,6 +355,31 @@ def test_work_for_an_owner_does_not_change_what_its_session_is_counted_against()
     assert _counted(sched, nxt)[1] == 2  # token 13 and 500: not counted against the summary
 
 
+def test_prompt_tokens_are_counted_by_kind_of_work_and_recomputes_apart() -> None:
+    """Replies, background work and prefills ahead are counted apart (they add up to the
+    totals), and what preempted work prefilled again after its stop is counted too."""
+    dec = FakeDecoder(slots=1)
+    sched = DecodeScheduler(
+        dec, background=False, step_tokens=64, background_finish_tokens=0, background_min_idle_s=0.0
+    )
+    sched.submit(_turn(list(range(1, 21)), "a", prefill_only=True, priority=Priority.BACKGROUND))
+    drain(sched)
+    summary = sched.submit(_turn(list(range(30, 36)), None, max_new=8, priority=Priority.BACKGROUND))
+    for _ in range(3):
+        sched.run_step()
+    reply = sched.submit(_turn([*range(1, 21), 500, 501], "a"))  # preempts the summary
+    drain(sched)
+    assert summary.preemptions == 1 and reply.new_ids
+    stats = sched.stats()
+    assert stats.prompt_tokens_by_work["prefill"] == 20
+    assert stats.prompt_tokens_by_work["reply"] == 22  # its slot went to the summary meanwhile
+    assert stats.prompt_tokens_by_work["background"] == 6 + 6 + 3  # again, with its 3 tokens
+    assert stats.recomputed_tokens == 9
+    assert sum(stats.prompt_tokens_by_work.values()) == stats.prompt_tokens
+    assert sum(stats.novel_tokens_by_work.values()) == stats.novel_prompt_tokens
+    assert stats.novel_tokens_by_work == {"reply": 2, "background": 6, "prefill": 20}
+
+
 def test_a_turn_queued_behind_its_sessions_prefill_counts_against_that_prefill() -> None:
     """The ledger takes a session's prompt at submit: a turn queued behind its session's
     background prefill is novel only past that prefix (an exact cache would serve it), and

@@ -327,6 +327,9 @@ def test_metrics_export_the_engine_schedulers_counters(store: Store) -> None:
             prompt_tokens=900,
             preemptions=2,
             novel_prompt_tokens=700,
+            prompt_tokens_by_work={"reply": 600, "background": 100, "prefill": 200},
+            novel_tokens_by_work={"reply": 500, "background": 100, "prefill": 100},
+            recomputed_tokens=40,
         )
 
     for engine, exported in ((Batching(), True), (EchoEngine(), False)):
@@ -343,6 +346,13 @@ def test_metrics_export_the_engine_schedulers_counters(store: Store) -> None:
             assert novel.type == "counter" and novel.samples[0].value == 700
             assert novel.samples[0].name == "convo_engine_novel_prompt_tokens_total"
             assert families["convo_engine_preemptions"].type == "counter"
+            work = families["convo_engine_work_prompt_tokens"]
+            assert {s.labels["work"]: s.value for s in work.samples} == {
+                "reply": 600, "background": 100, "prefill": 200,
+            }  # fmt: skip
+            novel_work = families["convo_engine_work_novel_prompt_tokens"].samples
+            assert {s.labels["work"]: s.value for s in novel_work}["prefill"] == 100
+            assert families["convo_engine_recomputed_prompt_tokens"].samples[0].value == 40
 
 
 def test_convo_serve_has_the_user_flag() -> None:

@@ -579,6 +579,8 @@ def engine_during(before: dict[str, float], after: dict[str, float], wall: float
             w: int(delta(f'convo_engine_work_novel_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
         },
         "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
+        # Session prefixes copied slot to slot for other work of the session (its summary)
+        "slot_copied_tokens": int(delta("convo_engine_kv_slot_copied_tokens_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
     }
 
@@ -659,6 +661,8 @@ def background_figures(
             w: int(delta(f'convo_engine_work_novel_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
         },
         "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
+        # Session prefixes copied slot to slot for other work of the session (its summary)
+        "slot_copied_tokens": int(delta("convo_engine_kv_slot_copied_tokens_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
         # Cached tokens a context shift moved instead of prefilling (0: off, or none slid)
         "shifted_tokens": int(delta("convo_engine_kv_shifted_tokens_total")),

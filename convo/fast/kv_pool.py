@@ -171,6 +171,8 @@ class KVSlotPool:
         #: Sessions' KV copied to host / back into a slot, and the bytes both moved.
         self.swaps_out = self.swaps_in = self.swap_bytes = 0
         self.swapped_in_tokens = 0  # tokens copied into slots from host memory
+        #: Session prefixes copied from one slot to another (:meth:`copy_slot`), and tokens.
+        self.slot_copies = self.slot_copied_tokens = 0
         self._stream: Any = None  # CUDA: the side stream the copies run on
         self._host_block_bytes: int | None = None
         #: The model's rotary inverse frequencies (float32), set by the decoder when its
@@ -421,6 +423,32 @@ class KVSlotPool:
             self.swaps_out += 1
             self.swap_bytes += nbytes
             return True
+
+    def copy_slot(self, src: int, dst: int, tokens: Sequence[int]) -> None:
+        """Copy the K/V of slot ``src``'s first ``len(tokens)`` tokens (``tokens``: what
+        they are) into the same positions of busy slot ``dst``, which then holds them: a
+        session's prefix, from the slot where its running turn holds it, for other work of
+        that session (its summary) that got another slot. On CUDA the copy is queued on the
+        side stream after the work already launched (both slots wait for it: :meth:`ready`);
+        ``src``'s work may go on meanwhile, as it writes only past these tokens."""
+        import torch
+
+        with self._lock:
+            n = min(len(tokens), self.slot_tokens)
+            cuda = self.device.type == "cuda"
+            stream = self._side_stream() if cuda else None
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for t in self.slot_tensors():
+                    t[dst, :, :n].copy_(t[src, :, :n], non_blocking=cuda)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            self._table[dst].tokens = list(tokens[:n])
+            for index in (src, dst):
+                self._table[index].copies.append(_Copy(event))
+            self.slot_copies += 1
+            self.slot_copied_tokens += n
 
     # -- context shift -----------------------------------------------------------------------------
     @property

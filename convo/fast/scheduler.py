@@ -102,6 +102,7 @@ __all__ = [
     "DEFAULT_STEP_TOKENS",
     "MIN_COST_STEPS",
     "PILEUP_CHUNKS",
+    "SLOT_COPY_MIN_TOKENS",
     "SLOT_POLL_S",
     "STEP_KINDS",
     "WORK_KINDS",
@@ -146,6 +147,10 @@ DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
 STEP_KINDS = ("decode", "mixed", "prefill")
+#: Fewest more prompt tokens a request copies from a running request of its session in
+#: another slot (:meth:`DecodeScheduler._borrow`) instead of prefilling them; fewer are
+#: prefilled (a copy is one more kernel per pool tensor, and an event to wait for).
+SLOT_COPY_MIN_TOKENS = 16
 #: The kinds of work whose prompt tokens the scheduler counts apart
 #: (:attr:`~convo.models.generation.SchedulerStats.prompt_tokens_by_work`): a turn a user
 #: waits for (``reply``: priority :attr:`~Priority.REPLY` or more urgent), work nobody
@@ -503,6 +508,8 @@ class DecodeScheduler:
             prompt_tokens_by_work=dict(self.prompt_tokens_by_work),
             novel_tokens_by_work=dict(self.novel_tokens_by_work),
             recomputed_tokens=self.recomputed_tokens,
+            slot_copies=pool.slot_copies,
+            slot_copied_tokens=pool.slot_copied_tokens,
         )
 
     def _count_novel(self, req: DecodeRequest) -> None:
@@ -689,6 +696,7 @@ class DecodeScheduler:
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
             if req._parked is None:
+                kept, common = self._borrow(req, kept, ids, common)
                 req._shared = common
             else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
                 self.decoder.pool.forget(req._parked)
@@ -704,6 +712,30 @@ class DecodeScheduler:
                 self._finish(req, FinishReason.STOP)
                 continue
             self._copying.append(req)
+
+    def _borrow(
+        self, req: DecodeRequest, kept: list[int], ids: list[int], common: int
+    ) -> tuple[list[int], int]:
+        """The tokens ``req``'s slot holds and shares with ``ids``, after copying in what
+        a running request of its session holds in another slot, where that shares
+        :data:`SLOT_COPY_MIN_TOKENS` more of ``ids``: a summary queued while its session's
+        turn runs copies the prefix from that turn's slot (a device-to-device copy of
+        microseconds per token) instead of prefilling it again."""
+        if req.session is None:
+            return kept, common
+        limit = len(ids) if req.prefill_only else len(ids) - 1
+        best, most = None, common
+        for other in (*self._active, *self._prefilling):
+            if other is req or other.slot < 0 or other.slot == req.slot or other.session != req.session:
+                continue
+            shared = common_prefix_length(other.held(), ids, limit)
+            if shared > most:
+                best, most = other, shared
+        if best is None or most - common < SLOT_COPY_MIN_TOKENS:
+            return kept, common
+        tokens = ids[:most]
+        self.decoder.pool.copy_slot(best.slot, req.slot, tokens)
+        return tokens, most
 
     def _copied(self) -> None:
         """Requests whose slot's copies (to or from host) are done go on to prefill. When

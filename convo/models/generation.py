@@ -257,6 +257,9 @@ class SchedulerStats:
             less novel tokens is what evictions cost that kind, less what shifts saved it.
         recomputed_tokens: of ``prompt_tokens``, those preempted work prefilled again
             after it was stopped (parked work that came back by a copy prefills none).
+        slot_copies: session prefixes copied from the slot where the session's turn runs
+            into another slot, for other work of that session (its summary), instead of
+            prefilled again; ``slot_copied_tokens``: the tokens they held.
     """
 
     steps: dict[str, int]
@@ -280,3 +283,5 @@ class SchedulerStats:
     prompt_tokens_by_work: dict[str, int] = field(default_factory=dict)
     novel_tokens_by_work: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    slot_copies: int = 0
+    slot_copied_tokens: int = 0

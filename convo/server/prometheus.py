@@ -120,6 +120,16 @@ class EngineCollector(Collector):
             ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),
             ("convo_engine_kv_host_dropped", "host KV entries dropped: host memory full", stats.host_dropped),
             (
+                "convo_engine_kv_slot_copies",
+                "session prefixes copied from a busy slot for other work of the session, not prefilled",
+                stats.slot_copies,
+            ),
+            (
+                "convo_engine_kv_slot_copied_tokens",
+                "tokens of those session prefixes",
+                stats.slot_copied_tokens,
+            ),
+            (
                 "convo_engine_kv_shifts",
                 "context shifts: cached turns moved where a slid window put them",
                 stats.shifts,

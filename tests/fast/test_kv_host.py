@@ -350,6 +350,56 @@ def test_real_decoder_greedy_output_is_exact_after_host_and_back() -> None:
     assert stats.swaps_in == 3 and stats.swaps_out == 5
 
 
+def _summary_beside_its_turn(device: str) -> tuple[DecodeRequest, list[int], Any]:
+    """A session's turn streams in one slot; its summary (the session's first 120 tokens,
+    then an instruction) is queued meanwhile and gets the other slot. Returns the summary,
+    what the same summary answers in its session's own slot once the same turn is done
+    (the prefix cached there by the same prefill), and the scheduler's stats."""
+    from convo.fast.decoder import StaticDecoder
+
+    model = _tiny(device=device, dtype=torch.bfloat16 if device == "cuda" else None)
+    with torch.no_grad():  # attention that matters: a wrong prefix K/V changes the tokens
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(30.0)
+    dec = StaticDecoder(model, slots=2, slot_tokens=384)
+    dec.warmup()
+    sched = DecodeScheduler(dec, background=False, background_min_idle_s=0.0)
+    prompt = _prompts()["a"]
+    summary_ids = [*prompt[:120], 7, 8, 9, 10, 11]
+
+    def drain() -> None:
+        while not sched.idle:
+            sched.run_step()
+
+    sched.submit(_req(prompt, 40, cache_key="ref"))
+    drain()
+    ref = sched.submit(_req(summary_ids, 16, owner="ref", priority=Priority.BACKGROUND))
+    drain()
+    assert ref.cached_tokens == 120  # in its session's slot, after the turn
+    dec.pool.forget("ref")
+    for t in dec.pool.slot_tensors():  # (no K/V of those runs left behind)
+        t.zero_()
+    turn = sched.submit(_req(prompt, 40, cache_key="a"))
+    for _ in range(4):
+        sched.run_step()
+    assert turn.new_ids and turn.finish is None  # the turn streams
+    summary = sched.submit(_req(summary_ids, 16, owner="a", priority=Priority.BACKGROUND))
+    drain()
+    assert turn.finish is not None and summary.slot != turn.slot
+    for t in dec.pool.slot_tensors():
+        assert torch.equal(t[summary.slot, :, :120], t[turn.slot, :, :120])
+    return summary, ref.new_ids, sched.stats()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
+def test_a_summary_that_copies_its_sessions_prefix_from_a_busy_slot_answers_exactly(device: str) -> None:
+    """The copied K/V (slot to slot, on CUDA on the side stream) is the K/V the turn
+    prefilled: the summary's greedy tokens are those it writes in its session's own slot."""
+    summary, ref, stats = _summary_beside_its_turn(device)
+    assert summary.cached_tokens == 120 and (stats.slot_copies, stats.slot_copied_tokens) == (1, 120)
+    assert summary.new_ids == ref
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights", ["as-loaded", "int4"])

@@ -21,6 +21,7 @@ from conftest import drain  # noqa: E402
 from convo.errors import ConfigError  # noqa: E402
 from convo.fast import KVSlotPool, PrefillChunk  # noqa: E402
 from convo.fast.scheduler import (  # noqa: E402
+    SLOT_COPY_MIN_TOKENS,
     DecodeRequest,
     DecodeScheduler,
     FinishReason,
@@ -378,6 +379,48 @@ def test_prompt_tokens_are_counted_by_kind_of_work_and_recomputes_apart() -> Non
     assert sum(stats.prompt_tokens_by_work.values()) == stats.prompt_tokens
     assert sum(stats.novel_tokens_by_work.values()) == stats.novel_prompt_tokens
     assert stats.novel_tokens_by_work == {"reply": 2, "background": 6, "prefill": 20}
+
+
+def test_a_summary_copies_its_sessions_prefix_from_the_slot_where_its_turn_runs() -> None:
+    """A summary queued while its session's turn holds the session's slot takes another
+    slot and copies the prefix it shares from the turn's slot (K/V and all), instead of
+    prefilling it again; what it writes is the same."""
+    dec = FakeDecoder(slots=2)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, background_min_idle_s=0.0)
+    turn = sched.submit(_turn(list(range(1, 41)), "a", max_new=6))
+    sched.run_step()  # the turn's prompt is in, its reply streams
+    assert turn.new_ids == [41]
+    for t in dec.pool.slot_tensors():  # what the turn's slot holds
+        t[turn.slot, :, :40] = torch.arange(40, dtype=t.dtype)[None, :, None] + 1
+    ids = [*range(1, 31), 900, 901]  # the session's first 30 tokens, then the instruction
+    summary = sched.submit(
+        DecodeRequest(
+            ids=ids, max_new_tokens=2, deadline=time.monotonic() + 60, sampling=Greedy(), owner="a",
+            priority=Priority.BACKGROUND,
+        )
+    )  # fmt: skip
+    drain(sched)
+    assert summary.new_ids == [902, 903] and turn.new_ids[-1] == 46
+    assert summary.cached_tokens == 30
+    other = summary.slot
+    assert other == 1 - turn.slot
+    assert [w for k, w in dec.events if k == "prefill" and w[0][0] == other] == [[(other, 30, 32)]]
+    for t in dec.pool.slot_tensors():
+        assert torch.equal(t[other, :, :30], t[turn.slot, :, :30])
+    stats = sched.stats()
+    assert (stats.slot_copies, stats.slot_copied_tokens) == (1, 30)
+    assert stats.prompt_tokens_by_work["background"] == 2
+    # Sharing fewer than SLOT_COPY_MIN_TOKENS more tokens: prefilled, not copied.
+    turn = sched.submit(_turn([*turn.ids, *turn.new_ids, 500], "a", max_new=6))
+    sched.run_step()
+    short = sched.submit(
+        DecodeRequest(
+            ids=[*range(1, SLOT_COPY_MIN_TOKENS - 1), 900], max_new_tokens=1, deadline=time.monotonic() + 60,
+            sampling=Greedy(), owner="a", priority=Priority.BACKGROUND,
+        )
+    )  # fmt: skip
+    drain(sched)
+    assert short.cached_tokens == 0 and sched.stats().slot_copies == 1
 
 
 def test_a_turn_queued_behind_its_sessions_prefill_counts_against_that_prefill() -> None:

@@ -581,6 +581,8 @@ def engine_during(before: dict[str, float], after: dict[str, float], wall: float
         "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
         # Session prefixes copied slot to slot for other work of the session (its summary)
         "slot_copied_tokens": int(delta("convo_engine_kv_slot_copied_tokens_total")),
+        # ... and prefixes parked in host memory for it before the session's turn overwrote them
+        "kept_for_background": int(delta("convo_engine_kv_kept_for_background_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
     }
 
@@ -663,6 +665,8 @@ def background_figures(
         "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
         # Session prefixes copied slot to slot for other work of the session (its summary)
         "slot_copied_tokens": int(delta("convo_engine_kv_slot_copied_tokens_total")),
+        # ... and prefixes parked in host memory for it before the session's turn overwrote them
+        "kept_for_background": int(delta("convo_engine_kv_kept_for_background_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
         # Cached tokens a context shift moved instead of prefilling (0: off, or none slid)
         "shifted_tokens": int(delta("convo_engine_kv_shifted_tokens_total")),

@@ -402,6 +402,9 @@ class DecodeScheduler:
         self.prompt_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
         self.novel_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
         self.recomputed_tokens = 0
+        #: Session prefixes parked in host memory for queued background work of the session
+        #: before its turn overwrote them in the slot (:meth:`_keep_for_background`).
+        self.kept_for_background = 0
         self._ledger = PrefixLedger()
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
@@ -508,6 +511,7 @@ class DecodeScheduler:
             prompt_tokens_by_work=dict(self.prompt_tokens_by_work),
             novel_tokens_by_work=dict(self.novel_tokens_by_work),
             recomputed_tokens=self.recomputed_tokens,
+            kept_for_background=self.kept_for_background,
             slot_copies=pool.slot_copies,
             slot_copied_tokens=pool.slot_copied_tokens,
         )
@@ -698,9 +702,12 @@ class DecodeScheduler:
             if req._parked is None:
                 kept, common = self._borrow(req, kept, ids, common)
                 req._shared = common
+                self._keep_for_background(req, kept, common)
             else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
                 self.decoder.pool.forget(req._parked)
                 req._parked = None
+                if not req.preemptions:  # (parked for it before it first ran: its session's)
+                    req._shared = common
             req.cached_tokens = req.kv_tokens = common
             if self.context_shift and req.owner is None and req.cache_key is not None:
                 req._shift = find_shift(kept, ids, start=common, limit=len(ids) - 1)
@@ -736,6 +743,33 @@ class DecodeScheduler:
         tokens = ids[:most]
         self.decoder.pool.copy_slot(best.slot, req.slot, tokens)
         return tokens, most
+
+    def _keep_for_background(self, req: DecodeRequest, kept: list[int], common: int) -> None:
+        """A turn about to overwrite the cached tokens past its first ``common`` (a slid
+        window: prefilled or shifted over) that queued background work of its session
+        still shares (a summary of the turns the window left, which reads the prompt those
+        turns were in): the slot's tokens are parked in host memory for that work first,
+        and it resumes from them by a copy (:meth:`KVSlotPool.park`, as preempted work
+        does) instead of prefilling them again."""
+        if req.priority > Priority.REPLY or req.owner is not None or req.session is None:
+            return
+        waiting = [
+            r
+            for r in self._pending
+            if r.priority > Priority.REPLY
+            and r.session == req.session
+            and r._parked is None
+            and not r.new_ids
+        ]
+        needs = {id(r): common_prefix_length(kept, r.context()) for r in waiting}
+        reader = max(waiting, key=lambda r: needs[id(r)], default=None)
+        if reader is None or needs[id(reader)] - common < SLOT_COPY_MIN_TOKENS:
+            return
+        key = f"{PARKED_PREFIX}{reader._order}"
+        wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
+        if self.decoder.pool.park(req.slot, key, kept[: needs[id(reader)]], wanted=wanted):
+            reader._parked = key
+            self.kept_for_background += 1
 
     def _copied(self) -> None:
         """Requests whose slot's copies (to or from host) are done go on to prefill. When

@@ -120,6 +120,12 @@ class EngineCollector(Collector):
             ("convo_engine_kv_copied_bytes", "bytes of KV copied between slots and host", stats.swap_bytes),
             ("convo_engine_kv_host_dropped", "host KV entries dropped: host memory full", stats.host_dropped),
             (
+                "convo_engine_kv_kept_for_background",
+                "session prefixes parked in host memory for the session's queued summary, "
+                "before its turn overwrote them",
+                stats.kept_for_background,
+            ),
+            (
                 "convo_engine_kv_slot_copies",
                 "session prefixes copied from a busy slot for other work of the session, not prefilled",
                 stats.slot_copies,

@@ -168,6 +168,42 @@ def test_a_reply_parks_a_summary_in_host_memory_and_it_resumes_exactly_by_a_copy
     assert a1.finish is FinishReason.LENGTH
 
 
+def _slid_turn_before_its_summary(
+    host: int,
+) -> tuple[KVDecoder, DecodeScheduler, DecodeRequest, DecodeRequest]:
+    """On one slot: session a's turn; then, queued together, the summary of the turns its
+    window left (its prompt's first 30 tokens, then an instruction) and a's next turn, whose
+    slid window keeps only the first 10 of them. The turn runs first and overwrites them."""
+    dec = KVDecoder(1, host=host)
+    sched = _sched(dec)
+    a1 = _run(sched, _req(dec, list(range(1, 41)), 4, cache_key="a"))
+    summary = sched.submit(_req(dec, [*a1.ids[:30], 700, 701], 6, owner="a", priority=Priority.BACKGROUND))
+    a2 = sched.submit(_req(dec, [*a1.ids[:10], *a1.ids[30:], *a1.new_ids, 9], 3, cache_key="a"))
+    _drain(sched)
+    assert a2.first_token_at is not None and summary.first_token_at is not None
+    assert a2.first_token_at < summary.first_token_at  # the turn went first
+    return dec, sched, summary, a2
+
+
+def test_a_turn_that_overwrites_the_prefix_its_summary_waits_for_parks_it_first() -> None:
+    """The prefix goes to host memory before the turn's writes, and the summary resumes
+    from it by a copy: it prefills only its instruction and writes what it writes alone;
+    the turn's own KV comes back for the session's next turn."""
+    dec, sched, summary, a2 = _slid_turn_before_its_summary(host=1 << 20)
+    assert summary.cached_tokens == 30 and summary.new_ids == _alone(summary)
+    assert (0, 30, 32) in dec.prefilled and (0, 0, 32) not in dec.prefilled
+    assert sched.stats().prompt_tokens_by_work["background"] == 2 and sched.kept_for_background == 1
+    a3 = _run(sched, _req(dec, [*a2.ids, *a2.new_ids, 5], 2, cache_key="a"))
+    assert a3.cached_tokens == len(a2.ids) + len(a2.new_ids) - 1 and a3.new_ids == _alone(a3)
+    assert dec.pool.host is not None and [k for k in dec.pool.host.keys() if k.startswith("\x00")] == []
+
+
+def test_without_host_memory_a_summary_whose_prefix_was_overwritten_recomputes_it() -> None:
+    _, sched, summary, _ = _slid_turn_before_its_summary(host=0)
+    assert summary.cached_tokens == 10 and summary.new_ids == _alone(summary)
+    assert sched.kept_for_background == 0
+
+
 def test_without_host_memory_a_stopped_summary_is_recomputed_and_still_exact() -> None:
     dec = KVDecoder(1)
     sched = _sched(dec, reply_wait_tokens=0, background_finish_tokens=0)

@@ -350,19 +350,26 @@ def test_real_decoder_greedy_output_is_exact_after_host_and_back() -> None:
     assert stats.swaps_in == 3 and stats.swaps_out == 5
 
 
+def _attentive_decoder(device: str, slots: int) -> Any:
+    """A warm :class:`~convo.fast.decoder.StaticDecoder` of :func:`_tiny` whose attention
+    matters: a slot with the wrong K/V for a prefix answers other greedy tokens."""
+    from convo.fast.decoder import StaticDecoder
+
+    model = _tiny(device=device, dtype=torch.bfloat16 if device == "cuda" else None)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(30.0)
+    dec = StaticDecoder(model, slots=slots, slot_tokens=384)
+    dec.warmup()
+    return dec
+
+
 def _summary_beside_its_turn(device: str) -> tuple[DecodeRequest, list[int], Any]:
     """A session's turn streams in one slot; its summary (the session's first 120 tokens,
     then an instruction) is queued meanwhile and gets the other slot. Returns the summary,
     what the same summary answers in its session's own slot once the same turn is done
     (the prefix cached there by the same prefill), and the scheduler's stats."""
-    from convo.fast.decoder import StaticDecoder
-
-    model = _tiny(device=device, dtype=torch.bfloat16 if device == "cuda" else None)
-    with torch.no_grad():  # attention that matters: a wrong prefix K/V changes the tokens
-        for layer in model.model.layers:
-            layer.self_attn.v_proj.weight.mul_(30.0)
-    dec = StaticDecoder(model, slots=2, slot_tokens=384)
-    dec.warmup()
+    dec = _attentive_decoder(device, slots=2)
     sched = DecodeScheduler(dec, background=False, background_min_idle_s=0.0)
     prompt = _prompts()["a"]
     summary_ids = [*prompt[:120], 7, 8, 9, 10, 11]
@@ -398,6 +405,37 @@ def test_a_summary_that_copies_its_sessions_prefix_from_a_busy_slot_answers_exac
     summary, ref, stats = _summary_beside_its_turn(device)
     assert summary.cached_tokens == 120 and (stats.slot_copies, stats.slot_copied_tokens) == (1, 120)
     assert summary.new_ids == ref
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
+def test_a_summary_whose_prefix_a_slid_turn_parked_for_it_answers_exactly(device: str) -> None:
+    """On one slot with host memory: a session's summary queued with its next turn, whose
+    slid window overwrites the prefix the summary reads. The prefix is parked in host
+    memory first (on CUDA, pinned, on the side stream) and copied back for the summary:
+    its greedy tokens are those it writes in the session's slot before the turn."""
+    dec = _attentive_decoder(device, slots=1)
+    dec.pool.set_host_memory(1 << 24)
+    sched = DecodeScheduler(dec, background=False, background_min_idle_s=0.0)
+    prompt = _prompts()["a"]
+    summary_ids = [*prompt[:120], 7, 8, 9, 10, 11]
+
+    def turns(key: str, slid: bool) -> DecodeRequest:
+        first = sched.submit(_req(prompt, 12, cache_key=key))
+        while not sched.idle:
+            sched.run_step()
+        summary = sched.submit(_req(summary_ids, 16, owner=key, priority=Priority.BACKGROUND))
+        if slid:  # queued with it: the next turn, its window slid past tokens 20..119
+            sched.submit(_req([*prompt[:20], *prompt[120:], *first.new_ids, 3], 8, cache_key=key))
+        while not sched.idle:
+            sched.run_step()
+        return summary
+
+    ref = turns("ref", slid=False)
+    assert ref.cached_tokens == 120
+    dec.pool.forget("ref")
+    summary = turns("a", slid=True)
+    assert summary.cached_tokens == 120 and sched.kept_for_background == 1
+    assert summary.new_ids == ref.new_ids
 
 
 @cuda

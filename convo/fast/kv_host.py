@@ -34,7 +34,7 @@ import logging
 import math
 import weakref
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from convo.errors import ConfigError
@@ -319,6 +319,16 @@ class HostKVStore:
             self.arena.free(old.blocks)
         self._entries[entry.key] = entry
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def rename(self, key: str, new_key: str, *, now: float) -> None:
+        """Keep ``key``'s entry under ``new_key`` instead (same blocks, no copy), last used
+        ``now``: a session's KV handed to work that reads it (:meth:`KVSlotPool.acquire`'s
+        ``handoff``). Nothing happens when there is no such entry."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self.discard(new_key)
+        self._entries[new_key] = replace(entry, key=new_key, last_used=now)
 
     def discard(self, key: str) -> None:
         """Drop the session's entry; its blocks go back to the free list at once (the

@@ -480,6 +480,7 @@ class KVSlotPool:
         restore: str | None = None,
         spare_s: float | None = None,
         shift: bool = False,
+        handoff: str | None = None,
     ) -> tuple[int, list[int]] | None:
         """A slot for ``key`` and the tokens already in it, or ``None`` when none is free.
 
@@ -513,6 +514,10 @@ class KVSlotPool:
             shift: the work can reuse cached tokens by a context shift (:meth:`shift`):
                 host memory's copy of ``key``'s KV is also taken when it shares no more of
                 ``ids``' prefix than the slot but holds a longer run of it.
+            handoff: when only part of host memory's copy of ``key``'s KV is copied in
+                (the prompt's window slid), keep the copy under this host key instead of
+                letting go of it: queued work of the session reads the rest (its summary),
+                and restores it as its own parked KV (``restore=``) instead of recomputing.
         """
         with self._lock:
             now = self.clock()
@@ -551,7 +556,9 @@ class KVSlotPool:
                     slot.tokens = list(entry.tokens)
                 else:  # only what the prompt reuses comes back
                     slot.tokens, spans = _reused(entry.tokens, ids, shift=shift)
-                    self._swap_in(chosen, entry, keep=False, ranges=spans)
+                    self._swap_in(chosen, entry, keep=handoff is not None, ranges=spans)
+                    if handoff is not None and self.host is not None:
+                        self.host.rename(entry.key, handoff, now=now)
             elif guest and ids is not None and slot.tokens:
                 if common_prefix_length(slot.tokens, ids, len(ids) - 1) < len(slot.tokens):
                     self._swap_out(chosen, now, wanted)  # the summary would overwrite them

@@ -675,6 +675,8 @@ class DecodeScheduler:
                 # slot while it is patient: it never evicts a session that is thinking.
                 own = req.owner is not None or req.prefill_only
                 wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
+                reader = self._reader(req)  # the session's queued summary, if any
+                handoff = f"{PARKED_PREFIX}{reader._order}" if reader is not None else None
                 got = self.decoder.pool.acquire(
                     req.session,
                     min_idle_s=self.background_min_idle_s if patient else 0.0,
@@ -686,6 +688,7 @@ class DecodeScheduler:
                     restore=req._parked,
                     spare_s=self._expected_s(req) if self.evict_to_host else None,
                     shift=self.context_shift and req.owner is None,
+                    handoff=handoff,
                 )
                 if got is None:
                     if self._preempt(req):
@@ -696,6 +699,10 @@ class DecodeScheduler:
                         continue
                     return
                 self._pending.remove(req)
+                host = self.decoder.pool.host
+                if reader is not None and host is not None and host.get(handoff) is not None:
+                    reader._parked = handoff  # host memory's copy was handed to it
+                    self.kept_for_background += 1
             req.slot, kept = got
             ids = req.context()
             common = common_prefix_length(kept, ids, len(ids) if req.prefill_only else len(ids) - 1)
@@ -744,30 +751,35 @@ class DecodeScheduler:
         self.decoder.pool.copy_slot(best.slot, req.slot, tokens)
         return tokens, most
 
+    def _reader(self, req: DecodeRequest) -> DecodeRequest | None:
+        """For a turn (not background work), its session's queued background work that
+        has not run yet and reads the session's KV (its summary: the oldest); ``None``."""
+        if req.priority > Priority.REPLY or req.owner is not None or req.session is None:
+            return None
+        waiting = [
+            r
+            for r in self._pending
+            if r.priority > Priority.REPLY and r.session == req.session and not (r._parked or r.new_ids)
+        ]
+        return min(waiting, key=lambda r: r._order, default=None)
+
     def _keep_for_background(self, req: DecodeRequest, kept: list[int], common: int) -> None:
         """A turn about to overwrite the cached tokens past its first ``common`` (a slid
         window: prefilled or shifted over) that queued background work of its session
         still shares (a summary of the turns the window left, which reads the prompt those
         turns were in): the slot's tokens are parked in host memory for that work first,
         and it resumes from them by a copy (:meth:`KVSlotPool.park`, as preempted work
-        does) instead of prefilling them again."""
-        if req.priority > Priority.REPLY or req.owner is not None or req.session is None:
+        does) instead of prefilling them again. (Where host memory held them and the turn
+        copied in only part, they were handed over already: ``handoff``.)"""
+        reader = self._reader(req)
+        if reader is None:
             return
-        waiting = [
-            r
-            for r in self._pending
-            if r.priority > Priority.REPLY
-            and r.session == req.session
-            and r._parked is None
-            and not r.new_ids
-        ]
-        needs = {id(r): common_prefix_length(kept, r.context()) for r in waiting}
-        reader = max(waiting, key=lambda r: needs[id(r)], default=None)
-        if reader is None or needs[id(reader)] - common < SLOT_COPY_MIN_TOKENS:
+        needs = common_prefix_length(kept, reader.context())
+        if needs - common < SLOT_COPY_MIN_TOKENS:
             return
         key = f"{PARKED_PREFIX}{reader._order}"
         wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
-        if self.decoder.pool.park(req.slot, key, kept[: needs[id(reader)]], wanted=wanted):
+        if self.decoder.pool.park(req.slot, key, kept[:needs], wanted=wanted):
             reader._parked = key
             self.kept_for_background += 1
 

@@ -198,6 +198,28 @@ def test_a_turn_that_overwrites_the_prefix_its_summary_waits_for_parks_it_first(
     assert dec.pool.host is not None and [k for k in dec.pool.host.keys() if k.startswith("\x00")] == []
 
 
+def test_a_turn_that_copies_back_part_of_its_sessions_host_kv_hands_the_rest_to_its_summary() -> None:
+    """Session a's KV went to host memory (b took the slot). Its next turn, whose window
+    slid, copies back only the prefix it keeps; the queued summary, which reads the turns
+    the window left, gets host memory's copy (no copy made: the entry is handed over) and
+    resumes from it."""
+    dec = KVDecoder(1, host=1 << 20)
+    sched = _sched(dec)
+    a1 = _run(sched, _req(dec, list(range(1, 41)), 4, cache_key="a"))
+    _run(sched, _req(dec, list(range(500, 520)), 3, cache_key="b"))  # a's KV to host
+    swaps_out = sched.stats().swaps_out
+    summary = sched.submit(_req(dec, [*a1.ids[:30], 700, 701], 6, owner="a", priority=Priority.BACKGROUND))
+    a2 = sched.submit(_req(dec, [*a1.ids[:10], *a1.ids[30:], *a1.new_ids, 9], 3, cache_key="a"))
+    _drain(sched)
+    assert a2.cached_tokens == 10 and a2.new_ids == _alone(a2)
+    assert a2.first_token_at < summary.first_token_at  # type: ignore[operator]
+    assert summary.cached_tokens == 30 and summary.new_ids == _alone(summary)
+    assert sched.kept_for_background == 1
+    # Out: b's KV (for a2), then a2's (for the summary); nothing was copied for the summary.
+    assert sched.stats().swaps_out == swaps_out + 2
+    assert dec.pool.host is not None and [k for k in dec.pool.host.keys() if k.startswith("\x00")] == []
+
+
 def test_without_host_memory_a_summary_whose_prefix_was_overwritten_recomputes_it() -> None:
     _, sched, summary, _ = _slid_turn_before_its_summary(host=0)
     assert summary.cached_tokens == 10 and summary.new_ids == _alone(summary)

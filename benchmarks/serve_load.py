@@ -570,19 +570,6 @@ def engine_during(before: dict[str, float], after: dict[str, float], wall: float
         "busy_share_of_wall": round(sum(busy.values()) / wall, 3) if wall > 0 else None,
         "prompt_tokens": int(delta("convo_engine_prompt_tokens_total")),
         "decode_rows": int(delta("convo_engine_decode_rows_total")),
-        # Prefilled and novel prompt tokens by kind of work (reply, background, prefill ahead),
-        # and what preempted work prefilled again ({} and 0: an older server's /metrics)
-        "prefilled_prompt_tokens_by_work": {
-            w: int(delta(f'convo_engine_work_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
-        },
-        "novel_prompt_tokens_by_work": {
-            w: int(delta(f'convo_engine_work_novel_prompt_tokens_total{{work="{w}"}}')) for w in WORKS
-        },
-        "recomputed_prompt_tokens": int(delta("convo_engine_recomputed_prompt_tokens_total")),
-        # Session prefixes copied slot to slot for other work of the session (its summary)
-        "slot_copied_tokens": int(delta("convo_engine_kv_slot_copied_tokens_total")),
-        # ... and prefixes parked in host memory for it before the session's turn overwrote them
-        "kept_for_background": int(delta("convo_engine_kv_kept_for_background_total")),
         "preemptions": int(delta("convo_engine_preemptions_total")),
     }
 

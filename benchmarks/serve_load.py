@@ -176,6 +176,20 @@ class Outcome:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     plan_s: float | None = None  # the server's ``convo.plan_s``: the turn before its prompt
+    cached_tokens: int | None = None  # ``usage.prompt_tokens_details.cached_tokens``: KV reused
+
+    @property
+    def uncached_tokens(self) -> int | None:
+        """Prompt tokens the turn prefilled: its prompt less the cached ones (``None``: unknown)."""
+        if self.prompt_tokens is None or self.cached_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_tokens
+
+
+def usage_cached(usage: dict[str, Any] | None) -> int | None:
+    """``prompt_tokens_details.cached_tokens`` of a response's ``usage`` (``None``: absent)."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
 
 
 # -- the server (child process) ---------------------------------------------------------------
@@ -312,6 +326,7 @@ async def one_turn(
                 out.reply = data["choices"][0]["message"]["content"]
                 out.completion_tokens = (data.get("usage") or {}).get("completion_tokens")
                 out.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
+                out.cached_tokens = usage_cached(data.get("usage"))
                 out.plan_s = (data.get("convo") or {}).get("plan_s")
             else:
                 out.error = r.text[:200]
@@ -333,6 +348,7 @@ async def one_turn(
                         if event.get("usage"):
                             out.completion_tokens = event["usage"].get("completion_tokens")
                             out.prompt_tokens = event["usage"].get("prompt_tokens")
+                            out.cached_tokens = usage_cached(event["usage"])
                         if event.get("convo"):
                             out.plan_s = event["convo"].get("plan_s")
                         for ch in event.get("choices") or []:
@@ -375,6 +391,8 @@ async def openai_turn(client: Any, sid: str, turn: int, text: str, t0: float, ma
             if chunk.usage is not None:
                 out.completion_tokens = chunk.usage.completion_tokens
                 out.prompt_tokens = chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                out.cached_tokens = details.cached_tokens if details is not None else None
             block = (chunk.model_extra or {}).get("convo")
             if block:
                 out.plan_s = block.get("plan_s")
@@ -666,6 +684,8 @@ def background_figures(
         "summary_backlog_peak": int(backlog_peak),
         "summary_backlog_end": int(after.get("convo_summary_backlog", 0.0)),
         "ttft_p50_s_by_turn": p50_by_turn(ok, "ttft_s"),
+        # Prompt tokens each turn prefilled (its prompt less what the server reports cached)
+        "prefilled_p50_by_turn": p50_by_turn(ok, "uncached_tokens"),
         # The server's part of it: the turn's seconds before its prompt went to the engine
         # (indexing, retrieval, planning; ``convo.plan_s``).
         "plan_s_p50_by_turn": p50_by_turn(ok, "plan_s"),

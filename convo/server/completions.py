@@ -73,12 +73,25 @@ def message_json(reply: Reply) -> dict[str, Any]:
     return message
 
 
-def usage(reply: Reply) -> dict[str, int]:
-    """OpenAI's ``usage``: prompt, completion and total tokens."""
+def usage(reply: Reply) -> dict[str, Any]:
+    """OpenAI's ``usage``: prompt, completion and total tokens, and of the prompt, the
+    tokens whose KV the engine reused instead of prefilling them
+    (``prompt_tokens_details.cached_tokens``, as OpenAI reports its prompt cache)."""
     g = reply.stats.generation
     completion = g.new_tokens if g is not None else 0
     prompt = reply.stats.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(reply)},
+    }
+
+
+def cached_tokens(reply: Reply) -> int:
+    """Prompt tokens of ``reply`` whose KV the engine reused (0 for an engine that keeps none)."""
+    g = reply.stats.generation
+    return min(g.cached_tokens, reply.stats.prompt_tokens) if g is not None else 0
 
 
 def convo_stats(reply: Reply, session_id: str | None, forked: str | None = None) -> dict[str, Any]:

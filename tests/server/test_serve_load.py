@@ -69,6 +69,7 @@ def test_the_reprefill_floor_is_the_novel_prompt_tokens_over_the_requested() -> 
         )  # fmt: skip
 
     outs = [outcome(600), outcome(400)]
+    outs[0].cached_tokens = 450
     before = {"convo_engine_prompt_tokens_total": 100.0, "convo_engine_novel_prompt_tokens_total": 50.0}
     after = {
         "convo_engine_prompt_tokens_total": 900.0, "convo_engine_novel_prompt_tokens_total": 650.0,
@@ -78,6 +79,7 @@ def test_the_reprefill_floor_is_the_novel_prompt_tokens_over_the_requested() -> 
     figures = serve_load.background_figures(outs, before, after, host_peak=0.0, backlog_peak=0.0)
     assert figures["prefilled_prompt_tokens_by_work"] == {"reply": 0, "background": 0, "prefill": 300}
     assert figures["recomputed_prompt_tokens"] == 25
+    assert figures["prefilled_p50_by_turn"] == {"0": 150}  # the one turn that reported its cache
     assert (figures["prefilled_prompt_tokens"], figures["requested_prompt_tokens"]) == (800, 1000)
     assert figures["novel_prompt_tokens"] == 600
     assert (figures["reprefill"], figures["reprefill_floor"]) == (0.8, 0.6)

@@ -522,14 +522,22 @@ def test_real_model_over_http(real_engine: Any, tmp_path: Path) -> None:
         )
         assert first.usage is not None and 0 < first.usage.completion_tokens <= 8
         assert first.usage.prompt_tokens + 8 <= 512
+        assert first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0  # a new session: nothing kept
         stream = c.chat.completions.create(
             model="smol",
             messages=[{"role": "user", "content": "What is my name?"}],
             extra_headers={"X-Session-Id": "real"},
             stream=True,
+            stream_options={"include_usage": True},
         )
-        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        chunks = list(stream)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert text.strip()
+        second = chunks[-1].usage
+        assert second is not None and second.prompt_tokens_details is not None
+        # The first turn's prompt and reply were kept: OpenAI's prompt-cache figure says so.
+        assert first.usage.prompt_tokens < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
         msgs = httpx.get(f"{base}/v1/sessions/real").json()["messages"]
         assert [m["content"] for m in msgs][2:] == ["What is my name?", text]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from convo.engines.base import FinishReason
 from convo.metrics import ServingMetrics
-from convo.server.completions import convo_stats
+from convo.server.completions import cached_tokens, convo_stats
 from convo.server.responses.request import ResponsesRequest
 from convo.session import Reply
 
@@ -155,7 +155,7 @@ def usage(reply: Reply) -> dict[str, Any]:
     prompt = reply.stats.prompt_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens(reply)},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,

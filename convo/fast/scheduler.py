@@ -148,8 +148,10 @@ DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 #: same forward, prefill alone.
 STEP_KINDS = ("decode", "mixed", "prefill")
 #: Fewest more prompt tokens a request copies from a running request of its session in
-#: another slot (:meth:`DecodeScheduler._borrow`) instead of prefilling them; fewer are
-#: prefilled (a copy is one more kernel per pool tensor, and an event to wait for).
+#: another slot (:meth:`DecodeScheduler._borrow`), or a turn parks in host memory for its
+#: session's queued summary (:meth:`DecodeScheduler._keep_for_background`), instead of
+#: leaving them to be prefilled; fewer are prefilled (a copy is one more kernel per pool
+#: tensor, and an event to wait for).
 SLOT_COPY_MIN_TOKENS = 16
 #: The kinds of work whose prompt tokens the scheduler counts apart
 #: (:attr:`~convo.models.generation.SchedulerStats.prompt_tokens_by_work`): a turn a user
@@ -402,8 +404,9 @@ class DecodeScheduler:
         self.prompt_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
         self.novel_tokens_by_work = dict.fromkeys(WORK_KINDS, 0)
         self.recomputed_tokens = 0
-        #: Session prefixes parked in host memory for queued background work of the session
-        #: before its turn overwrote them in the slot (:meth:`_keep_for_background`).
+        #: Session prefixes kept in host memory for queued background work of the session
+        #: before its turn overwrote them: parked from the slot (:meth:`_keep_for_background`)
+        #: or host memory's copy handed over (``handoff``).
         self.kept_for_background = 0
         self._ledger = PrefixLedger()
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
@@ -709,7 +712,7 @@ class DecodeScheduler:
             if req._parked is None:
                 kept, common = self._borrow(req, kept, ids, common)
                 req._shared = common
-                self._keep_for_background(req, kept, common)
+                self._keep_for_background(req, reader, kept, common, wanted)
             else:  # resumed: its own KV came back (or, dropped by host memory, is recomputed)
                 self.decoder.pool.forget(req._parked)
                 req._parked = None
@@ -763,23 +766,30 @@ class DecodeScheduler:
         ]
         return min(waiting, key=lambda r: r._order, default=None)
 
-    def _keep_for_background(self, req: DecodeRequest, kept: list[int], common: int) -> None:
+    def _keep_for_background(
+        self,
+        req: DecodeRequest,
+        reader: DecodeRequest | None,
+        kept: list[int],
+        common: int,
+        wanted: set[str],
+    ) -> None:
         """A turn about to overwrite the cached tokens past its first ``common`` (a slid
         window: prefilled or shifted over) that queued background work of its session
         still shares (a summary of the turns the window left, which reads the prompt those
         turns were in): the slot's tokens are parked in host memory for that work first,
         and it resumes from them by a copy (:meth:`KVSlotPool.park`, as preempted work
         does) instead of prefilling them again. (Where host memory held them and the turn
-        copied in only part, they were handed over already: ``handoff``.)"""
-        reader = self._reader(req)
-        if reader is None:
+        copied in only part, they were handed over already: ``handoff``.) ``reader``:
+        that work (:meth:`_reader`, found before the turn got its slot); ``wanted``: the
+        sessions and parked work with queued requests (their host entries are kept)."""
+        if reader is None or reader._parked is not None:  # (none, or handed over already)
             return
         needs = common_prefix_length(kept, reader.context())
         if needs - common < SLOT_COPY_MIN_TOKENS:
             return
         key = f"{PARKED_PREFIX}{reader._order}"
-        wanted = {k for r in self._pending for k in (r.session, r._parked) if k is not None}
-        if self.decoder.pool.park(req.slot, key, kept[:needs], wanted=wanted):
+        if self.decoder.pool.park(req.slot, key, kept[:needs], wanted={*wanted, key}):
             reader._parked = key
             self.kept_for_background += 1
 

@@ -257,9 +257,10 @@ class SchedulerStats:
             less novel tokens is what evictions cost that kind, less what shifts saved it.
         recomputed_tokens: of ``prompt_tokens``, those preempted work prefilled again
             after it was stopped (parked work that came back by a copy prefills none).
-        kept_for_background: session prefixes parked in host memory for the session's
+        kept_for_background: session prefixes kept in host memory for the session's
             queued background work (its summary) before the session's turn overwrote them
-            in the slot (a slid window): that work resumes from them by a copy.
+            (a slid window): parked from the slot, or host memory's copy handed over; that
+            work resumes from them by a copy.
         slot_copies: session prefixes copied from the slot where the session's turn runs
             into another slot, for other work of that session (its summary), instead of
             prefilled again; ``slot_copied_tokens``: the tokens they held.

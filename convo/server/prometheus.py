@@ -121,8 +121,8 @@ class EngineCollector(Collector):
             ("convo_engine_kv_host_dropped", "host KV entries dropped: host memory full", stats.host_dropped),
             (
                 "convo_engine_kv_kept_for_background",
-                "session prefixes parked in host memory for the session's queued summary, "
-                "before its turn overwrote them",
+                "session prefixes kept in host memory for the session's queued summary "
+                "(parked or handed over) before its turn overwrote them",
                 stats.kept_for_background,
             ),
             (

@@ -46,9 +46,11 @@ __all__ = [
 #: The int4 layouts (see the module docstring).
 Int4Layout = Literal["plain", "tinygemm", "both"]
 
-#: Rows up to which a plain int4 weight multiplies through the Triton kernel; more rows are
-#: dequantized once and multiplied by cuBLAS.
-W4_KERNEL_MAX_ROWS = 64
+#: Rows up to which a plain int4 weight multiplies through the Triton kernel's op, which
+#: above 64 rows also weighs the weight dequantized once and multiplied by cuBLAS
+#: (:data:`~convo.fast.kernels.W4_LARGE_CONFIGS`, timed at warm-up); more rows always take
+#: that path. 512: a mixed step (decode rows and a 256-token chunk) and a prefill chunk.
+W4_KERNEL_MAX_ROWS = 512
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8

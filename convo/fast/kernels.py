@@ -47,23 +47,39 @@ CHUNK_ATTENTION_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
 
 _W4: dict[str, Any] = {}
 
-#: Candidate launch settings of the W4A16 kernel: (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages).
-#: Few rows want many programs (split K: each program reads a slice of the input features,
-#: the slices add up atomically in float32); more rows want taller tiles.
-W4_CONFIGS = (
+#: Candidate launch settings of the W4A16 kernel: ``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
+#: stages, BLOCK_K, TRANS)``, or :data:`W4_DENSE`. Few rows want many programs (split K:
+#: each program reads a slice of the input features, the slices add up atomically in
+#: float32); more rows want taller tiles. ``TRANS``: the weight tile is loaded ``[K, N]``
+#: (no transpose before the product). A 5-tuple means ``BLOCK_K`` 128, not transposed.
+W4_CONFIGS: tuple[tuple[Any, ...], ...] = (
     *((16, bn, sk, w, 3) for bn, sk, w in ((32, 1, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (64, 2, 4))),
     *((16, bn, sk, w, 3) for bn, sk, w in ((16, 4, 2), (32, 4, 4), (64, 4, 4), (128, 4, 4), (32, 8, 4))),
     (16, 64, 8, 4, 3),
     *((32, bn, sk, 4, 3) for bn, sk in ((64, 1), (128, 1), (64, 2), (32, 4))),
     *((64, bn, sk, 4, 3) for bn, sk in ((64, 1), (128, 1), (64, 2))),
 )
-_W4_BEST: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {}
+#: The product done by dequantizing the weight once (one kernel) and multiplying with
+#: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
+W4_DENSE = ("dense",)
+#: Candidate settings for steps of more than 64 rows (a mixed step, a prefill chunk): the
+#: weight read once in int4 rather than written and read again in bf16.
+W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
+    W4_DENSE,
+    *(
+        (64, bn, 1, w, 3, 64, t)
+        for bn, w, t in ((64, 4, False), (128, 4, False), (128, 8, False), (128, 4, True))
+    ),
+    *((128, bn, 1, 8, 3, 64, t) for bn, t in ((64, False), (128, False), (128, True))),
+)
+_W4_BEST: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 
 
-def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[int, ...]) -> Any:
+def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[Any, ...]) -> Any:
     """``x @ W.T`` for a plain int4 weight through the Triton kernel with the launch settings
-    ``config`` (one of :data:`W4_CONFIGS`) rather than the tuned ones: tests check every
-    setting (split K adds float32 partial sums atomically).
+    ``config`` (as :data:`W4_CONFIGS`' or :data:`W4_LARGE_CONFIGS`') rather than the tuned
+    ones: tests check every setting (split K adds float32 partial sums atomically), and
+    ``benchmarks/w4_kernels.py`` times them.
 
     Raises:
         RuntimeError: Triton is not installed.
@@ -91,10 +107,12 @@ def _w4_op() -> Callable[..., Any] | None:
         X, W, SZ, Y, M, N, K,
         stride_xm, stride_wn, stride_szn, stride_ym,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, TRANS: tl.constexpr,
     ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        # Programs run along M first: those of one weight tile run together, so it is
+        # read from memory once however many row blocks there are.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,21 +122,31 @@ def _w4_op() -> Callable[..., Any] | None:
         m_mask = offs_m < M
         n_mask = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features.
+        # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features. Each group's
+        # (q - 8) * scale + zero is one multiply-add: q * scale + (zero - 8 * scale).
         for kb in range(pid_k, K // BLOCK_K, SPLIT_K):
             k0 = kb * BLOCK_K
             x_ptr = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
             x = tl.load(x_ptr, mask=m_mask[:, None], other=0.0)
-            w_ptr = W + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
-            b = tl.load(w_ptr, mask=n_mask[:, None], other=0)
-            q = tl.join((b & 0xF).to(tl.float32), (b >> 4).to(tl.float32))
-            q = q.reshape(BLOCK_N, BLOCK_K)
-            sz_ptr = SZ + offs_n[:, None] * stride_szn + (k0 // GROUP + offs_g)[None, :] * 2
-            scale = tl.load(sz_ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(sz_ptr + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
-            q3 = q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
-            w = ((q3 - 8.0) * scale[:, :, None] + zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            if TRANS:  # the tile as [K, N]: the nibbles interleave along K
+                sz_ptr = SZ + offs_n[None, :] * stride_szn + (k0 // GROUP + offs_g)[:, None] * 2
+                scale = tl.load(sz_ptr, mask=n_mask[None, :], other=0.0).to(tl.float32)
+                zero = tl.load(sz_ptr + 1, mask=n_mask[None, :], other=0.0).to(tl.float32) - 8.0 * scale
+                w_ptr = W + offs_n[None, :] * stride_wn + (k0 // 2 + offs_kh)[:, None]
+                b = tl.load(w_ptr, mask=n_mask[None, :], other=0)
+                q = tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1))
+                q = q.reshape(BLOCK_K // GROUP, GROUP, BLOCK_N).to(tl.float32)
+                w = (q * scale[:, None, :] + zero[:, None, :]).reshape(BLOCK_K, BLOCK_N)
+                acc += tl.dot(x, w.to(x.dtype))
+            else:
+                sz_ptr = SZ + offs_n[:, None] * stride_szn + (k0 // GROUP + offs_g)[None, :] * 2
+                scale = tl.load(sz_ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
+                zero = tl.load(sz_ptr + 1, mask=n_mask[:, None], other=0.0).to(tl.float32) - 8.0 * scale
+                w_ptr = W + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
+                b = tl.load(w_ptr, mask=n_mask[:, None], other=0)
+                q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K // GROUP, GROUP).to(tl.float32)
+                w = (q * scale[:, :, None] + zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         y_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
@@ -127,35 +155,38 @@ def _w4_op() -> Callable[..., Any] | None:
             tl.atomic_add(y_ptr, acc, mask=y_mask)
 
     def launch(
-        x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, cfg: tuple[int, ...]
+        x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, cfg: tuple[Any, ...]
     ) -> torch.Tensor:
+        if cfg == W4_DENSE:
+            return torch.nn.functional.linear(x, dequantize_plain_int4(qweight, sz).to(x.dtype))
         m, k = x.shape
         n = qweight.shape[0]
         group = k // sz.shape[1]
-        block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
-        bm, bn, split, warps, stages = cfg
+        bm, bn, split, warps, stages, block_k, trans = (*cfg, 128, False) if len(cfg) == 5 else cfg
+        if k % block_k or block_k % group:
+            block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
         split = min(split, k // block_k)
         if split == 1:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         else:
             y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
         extra = {} if _interpreting() else {"num_warps": warps, "num_stages": stages}
         _kernel[grid](
             x, qweight, sz, y, m, n, k,
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
-            GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, **extra,
+            GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, TRANS=trans, **extra,
         )  # fmt: skip
         return y if split == 1 else y.to(x.dtype)
 
-    def best(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> tuple[int, int, int, int, int]:
+    def best(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> tuple[Any, ...]:
         """The fastest launch settings for this shape and row bucket, timed on the device at
         the first call (the decoder's warm-up, before any graph is captured)."""
         rows = _next_power_of_2(x.shape[0])
         key = (rows, qweight.shape[0], x.shape[1], x.device.index or 0)
         if key in _W4_BEST:
             return _W4_BEST[key]
-        candidates = [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
+        candidates = list(W4_LARGE_CONFIGS) if rows > 64 else [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
         if _interpreting() or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         timings = []

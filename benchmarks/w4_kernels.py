@@ -1,0 +1,157 @@
+"""The int4 projections of one step, by kernel and row count: where a W4A16 step's time goes.
+
+For the Llama-2-7B shapes (one layer's fused q/k/v, o, gate/up and down projections, int4
+group 32 as the engine quantizes): convo's Triton W4A16 kernel (its tuned settings),
+a sweep of its launch settings (tile sizes, split K, K blocks of 128 or 256, the weight
+tile loaded as ``[K, N]`` or transposed),
+tinygemm, and the plain layout dequantized then multiplied by cuBLAS (what steps of more
+than ``W4_KERNEL_MAX_ROWS`` rows run), with bf16 ``F.linear`` as the bandwidth reference.
+Each call is timed as a replay of a CUDA graph of 20 calls (how a step runs them), and
+checked against the dequantized weight's product. CUDA only; prints one JSON object.
+
+    python benchmarks/w4_kernels.py --rows 16,64,272 --out w4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from convo.fast.int4 import Int4Linear
+from convo.fast.kernels import W4_CONFIGS, W4_LARGE_CONFIGS, dequantize_plain_int4, w4a16_with_config
+
+SHAPES = {"qkv": (3 * 4096, 4096), "o": (4096, 4096), "gate_up": (2 * 11008, 4096), "down": (4096, 11008)}
+
+
+def graph_ms(fn: Any, calls: int = 20, reps: int = 7) -> float:
+    """Median ms of one call, from replays of a CUDA graph of ``calls`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def candidates(rows: int) -> list[tuple[Any, ...]]:
+    """The launch settings swept at ``rows`` rows (``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
+    stages, BLOCK_K, TRANS)``)."""
+    if rows <= 64:
+        bm = max(16, 1 << (rows - 1).bit_length())
+        return [
+            (bm, bn, sk, 4, 3, bk, t)
+            for bn, sk, bk, t in itertools.product((32, 64, 128), (1, 2, 4, 8), (128, 256), (False, True))
+            if not (bk == 256 and bn == 128 and bm >= 64)
+        ]
+    return [
+        (bm, bn, 1, w, 3, bk, t)
+        for bm, bn, bk, w, t in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (False, True))
+        if bm * bn <= 128 * 128
+        and not (bm == 128 and bn == 128 and w == 4)
+        and not (bk == 128 and bm * bn > 8192)
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="16,64,272")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("CUDA only")
+    torch.manual_seed(0)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    weights = {}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q = Int4Linear.quantize(w, group_size=32, layout="both")
+        weights[name] = (w, q, dequantize_plain_int4(q.qweight, q.scales_zeros))
+    started = time.perf_counter()
+    for rows in (int(r) for r in args.rows.split(",")):
+        per_method: dict[str, float] = {}
+        for name, (w, q, dense) in weights.items():
+            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), dense.float())
+            scale = ref.abs().max().item()
+            found: dict[str, tuple[float, Any]] = {
+                "bf16": (graph_ms(lambda x=x, w=w: F.linear(x, w)), None),
+                "dequant": (graph_ms(lambda q=q: dequantize_plain_int4(q.qweight, q.scales_zeros)), None),
+                "dequant+cublas": (
+                    graph_ms(lambda x=x, q=q: F.linear(x, dequantize_plain_int4(q.qweight, q.scales_zeros))),
+                    None,
+                ),
+            }
+            if rows <= 32:
+                found["tinygemm"] = (
+                    graph_ms(
+                        lambda x=x, q=q: torch.ops.aten._weight_int4pack_mm(
+                            x, q.packed, 32, q.packed_scales_zeros
+                        )
+                    ),
+                    None,
+                )
+            tuned = [c for c in W4_CONFIGS if c[0] <= max(16, rows)] if rows <= 64 else list(W4_LARGE_CONFIGS)
+            for family, cfgs in (("convo", tuned), ("sweep", candidates(rows))):
+                for cfg in cfgs:
+                    fn = lambda x=x, q=q, cfg=cfg: w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)  # noqa: E731
+                    try:
+                        err = (fn().float() - ref).abs().max().item() / scale
+                        ms = graph_ms(fn) if err < 2e-2 else float("inf")
+                    except Exception as e:  # a setting the compiler refuses
+                        report["results"].append(
+                            {"rows": rows, "proj": name, "cfg": cfg, "error": str(e)[:200]}
+                        )
+                        continue
+                    kind = family if family == "convo" else f"sweep-{'trans' if cfg[6] else 'plain'}"
+                    if ms < found.get(kind, (1e9, None))[0]:
+                        found[kind] = (ms, cfg)
+                    if err >= 2e-2:
+                        report["results"].append({"rows": rows, "proj": name, "cfg": cfg, "bad": err})
+            for method, (ms, cfg) in found.items():
+                per_method[method] = per_method.get(method, 0.0) + ms
+                row = {"rows": rows, "proj": name, "method": method, "us": round(ms * 1000, 2), "cfg": cfg}
+                row["GBps"] = round((w.numel() * (2 if method == "bf16" else 0.5625)) / ms / 1e6)
+                report["results"].append(row)
+                print(json.dumps(row), flush=True)
+        layer = {m: round(v * 32, 3) for m, v in sorted(per_method.items(), key=lambda kv: kv[1])}
+        report.setdefault("step_ms_32_layers", {})[rows] = layer
+        print(
+            json.dumps(
+                {"rows": rows, "step_ms_32_layers": layer, "elapsed_s": round(time.perf_counter() - started)}
+            ),
+            flush=True,
+        )
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["step_ms_32_layers"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -180,9 +180,11 @@ def _w4_op() -> Callable[..., Any] | None:
         return y if split == 1 else y.to(x.dtype)
 
     def best(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> tuple[Any, ...]:
-        """The fastest launch settings for this shape and row bucket, timed on the device at
-        the first call (the decoder's warm-up, before any graph is captured)."""
-        rows = _next_power_of_2(x.shape[0])
+        """The fastest launch settings for this shape and row bucket (a power of two up to 64
+        rows; above, the rows themselves: a mixed step's and a chunk's are few and fixed, and
+        the best of the tall tiles and the dense path turns on them), timed on the device
+        at the first call (the decoder's warm-up runs, before any graph is captured)."""
+        rows = x.shape[0] if x.shape[0] > 64 else _next_power_of_2(x.shape[0])
         key = (rows, qweight.shape[0], x.shape[1], x.device.index or 0)
         if key in _W4_BEST:
             return _W4_BEST[key]

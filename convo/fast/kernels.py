@@ -181,10 +181,11 @@ def _w4_op() -> Callable[..., Any] | None:
 
     def best(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> tuple[Any, ...]:
         """The fastest launch settings for this shape and row bucket (a power of two up to 64
-        rows; above, the rows themselves: a mixed step's and a chunk's are few and fixed, and
-        the best of the tall tiles and the dense path turns on them), timed on the device
+        rows; above, a multiple of 32: the best of the tall tiles and the dense path turns
+        on the rows, and a mixed step's 272 is not a 512-token chunk), timed on the device
         at the first call (the decoder's warm-up runs, before any graph is captured)."""
-        rows = x.shape[0] if x.shape[0] > 64 else _next_power_of_2(x.shape[0])
+        m = x.shape[0]
+        rows = -(-m // 32) * 32 if m > 64 else _next_power_of_2(m)
         key = (rows, qweight.shape[0], x.shape[1], x.device.index or 0)
         if key in _W4_BEST:
             return _W4_BEST[key]

@@ -8,6 +8,7 @@ re-captures after warm-up.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -36,7 +37,15 @@ from convo.fast import (  # noqa: E402
     dequantize_int4,
     int4_group_size,
 )
-from convo.fast.kernels import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
+from convo.fast.int4 import W4_KERNEL_MAX_ROWS  # noqa: E402
+from convo.fast.kernels import (  # noqa: E402
+    W4_CONFIGS,
+    W4_LARGE_CONFIGS,
+    _attention_reference,
+    _chunk_attention_reference,
+    chunk_attention,
+    w4a16_with_config,
+)
 from convo.models import GREEDY, Sampling  # noqa: E402
 from convo.planner import memory  # noqa: E402
 
@@ -625,13 +634,36 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     both = Int4Linear.quantize(w, group_size=128)
     assert both.layout == "both" and both.nbytes == plain.nbytes + ref_w.nbytes  # CUDA with Triton
     assert torch.allclose(plain.dequantize(), ref_w.dequantize(), atol=1e-2)
-    assert [both.kernel(r) for r in (1, 8, 9, 64, 65)] == ["tinygemm"] * 2 + ["triton"] * 2 + ["cublas"]
-    for rows in (1, 7, 9, 16, 40, 64, 65, 300):  # tinygemm, the Triton kernel, cuBLAS
+    kinds = [both.kernel(r) for r in (1, 8, 9, 64, 65, W4_KERNEL_MAX_ROWS, W4_KERNEL_MAX_ROWS + 1)]
+    assert kinds == ["tinygemm"] * 2 + ["triton"] * 4 + ["cublas"]
+    for rows in (1, 7, 9, 16, 40, 64, 65, 300, 600):  # tinygemm, the Triton kernel's op, cuBLAS
         xr = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         ref_r = xr.float() @ ref_w.dequantize().t()
         for linear in (ref_w, plain, both):
             yr = linear(xr).float()
             assert float((yr - ref_r).norm() / ref_r.norm()) < 2e-2, (rows, linear.layout)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_every_w4a16_launch_setting_matches_the_dequantized_product() -> None:
+    """The tuner picks the fastest setting and checks none: each must be right (tall tiles,
+    K blocks of 256, the tile loaded as [K, N], split K, the dense path)."""
+    torch.manual_seed(0)
+    w = torch.randn(384, 1024, device="cuda")
+    q = Int4Linear.quantize(w, group_size=32, layout="plain")
+    dense = q.dequantize()
+    extra = [
+        (16, bn, sk, 4, 3, bk, t)
+        for bn, sk, bk, t in itertools.product((32, 128), (1, 4), (128, 256), (0, 1))
+    ]
+    for rows in (5, 16, 64, 272):
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ dense.t()
+        cfgs = [*W4_CONFIGS, *W4_LARGE_CONFIGS, *extra] if rows <= 64 else [*W4_LARGE_CONFIGS, *extra]
+        for cfg in cfgs:
+            y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg).float()
+            assert float((y - ref).norm() / ref.norm()) < 1e-2, (rows, cfg)
 
 
 @pytest.mark.gpu

@@ -102,7 +102,8 @@ def _w4_op() -> Callable[..., Any] | None:
         _W4["op"] = None
         return None
 
-    @triton.jit  # type: ignore[misc,unused-ignore]
+    # One compile whatever the rows (a mixed step's 272, an eager chunk's 300, ...).
+    @triton.jit(do_not_specialize=["M"])  # type: ignore[misc,unused-ignore]
     def _kernel(  # type: ignore[no-untyped-def]
         X, W, SZ, Y, M, N, K,
         stride_xm, stride_wn, stride_szn, stride_ym,

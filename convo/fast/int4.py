@@ -6,9 +6,11 @@ grid in one or two layouts:
 
 * ``"plain"``: ``uint8 [out, in / 2]`` (low nibble = even input) and ``[out, in / group,
   2]`` scale/zero pairs. On CUDA, up to :data:`W4_KERNEL_MAX_ROWS` rows run through
-  convo's Triton W4A16 kernel, whose cost grows slowly with the rows; more rows (prefill)
-  dequantize the weight once, in one kernel, and multiply with cuBLAS, which beats any
-  int4 kernel there.
+  convo's Triton W4A16 op: up to 64 rows its kernel, whose cost grows slowly with the
+  rows; above, the faster (timed at warm-up, per shape and 32 rows) of its tall tiles,
+  which read the int4 weight once, and the weight dequantized once (one kernel) and
+  multiplied by cuBLAS, which writes and reads it again in bf16. More rows always take the
+  dense path.
 * ``"tinygemm"``: PyTorch's tile-packed int4 and ``[in / group, out, 2]`` scale/zero pairs,
   through ``aten._weight_int4pack_mm`` (CUDA, bf16) or its CPU twin. The fastest kernel
   for a row or a few (H200, Llama-2-7B step: 3.2 ms at 1 row against Triton's 5.8), it

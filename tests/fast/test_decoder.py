@@ -634,8 +634,8 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
     both = Int4Linear.quantize(w, group_size=128)
     assert both.layout == "both" and both.nbytes == plain.nbytes + ref_w.nbytes  # CUDA with Triton
     assert torch.allclose(plain.dequantize(), ref_w.dequantize(), atol=1e-2)
-    kinds = [both.kernel(r) for r in (1, 8, 9, 64, 65, W4_KERNEL_MAX_ROWS, W4_KERNEL_MAX_ROWS + 1)]
-    assert kinds == ["tinygemm"] * 2 + ["triton"] * 4 + ["cublas"]
+    kinds = [both.kernel(r) for r in (1, 8, 9, W4_KERNEL_MAX_ROWS, W4_KERNEL_MAX_ROWS + 1)]
+    assert kinds == ["tinygemm"] * 2 + ["triton"] * 2 + ["cublas"]
     for rows in (1, 7, 9, 16, 40, 64, 65, 300, 600):  # tinygemm, the Triton kernel's op, cuBLAS
         xr = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         ref_r = xr.float() @ ref_w.dequantize().t()

@@ -7,7 +7,9 @@ tile loaded as ``[K, N]`` or transposed),
 tinygemm, and the plain layout dequantized then multiplied by cuBLAS (what steps of more
 than ``W4_KERNEL_MAX_ROWS`` rows run), with bf16 ``F.linear`` as the bandwidth reference.
 Each call is timed as a replay of a CUDA graph of 20 calls (how a step runs them), and
-checked against the dequantized weight's product. CUDA only; prints one JSON object.
+checked against the dequantized weight's product. ``GBps``: the weight's bytes (bf16, or
+int4 with its scales) over the time, whatever else a method moves. CUDA only; prints one
+JSON object.
 
     python benchmarks/w4_kernels.py --rows 16,64,272 --out w4.json
 """
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from convo.fast.int4 import Int4Linear
-from convo.fast.kernels import W4_CONFIGS, W4_LARGE_CONFIGS, dequantize_plain_int4, w4a16_with_config
+from convo.fast.kernels import dequantize_plain_int4, w4a16_candidates, w4a16_with_config
 
 SHAPES = {"qkv": (3 * 4096, 4096), "o": (4096, 4096), "gate_up": (2 * 11008, 4096), "down": (4096, 11008)}
 
@@ -117,8 +119,7 @@ def main() -> None:
                     ),
                     None,
                 )
-            tuned = [c for c in W4_CONFIGS if c[0] <= max(16, rows)] if rows <= 64 else list(W4_LARGE_CONFIGS)
-            for family, cfgs in (("convo", tuned), ("sweep", candidates(rows))):
+            for family, cfgs in (("convo", w4a16_candidates(rows)), ("sweep", candidates(rows))):
                 for cfg in cfgs:
                     fn = lambda x=x, q=q, cfg=cfg: w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)  # noqa: E731
                     try:

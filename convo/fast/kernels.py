@@ -75,6 +75,13 @@ W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
 _W4_BEST: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 
 
+def w4a16_candidates(rows: int) -> list[tuple[Any, ...]]:
+    """The settings the W4A16 op times for a product of ``rows`` rows (its row bucket), the
+    one it takes untimed first: :data:`W4_LARGE_CONFIGS` above 64 rows, else the
+    :data:`W4_CONFIGS` whose row tile is no taller than needed."""
+    return list(W4_LARGE_CONFIGS) if rows > 64 else [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
+
+
 def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[Any, ...]) -> Any:
     """``x @ W.T`` for a plain int4 weight through the Triton kernel with the launch settings
     ``config`` (as :data:`W4_CONFIGS`' or :data:`W4_LARGE_CONFIGS`') rather than the tuned
@@ -190,7 +197,7 @@ def _w4_op() -> Callable[..., Any] | None:
         key = (rows, qweight.shape[0], x.shape[1], x.device.index or 0)
         if key in _W4_BEST:
             return _W4_BEST[key]
-        candidates = list(W4_LARGE_CONFIGS) if rows > 64 else [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
+        candidates = w4a16_candidates(rows)
         if _interpreting() or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         timings = []
@@ -204,7 +211,7 @@ def _w4_op() -> Callable[..., Any] | None:
             end.record()
             end.synchronize()
             timings.append((start.elapsed_time(end), cfg))
-        _W4_BEST[key] = min(timings)[1]
+        _W4_BEST[key] = min(timings, key=lambda t: t[0])[1]  # (a tie must not compare settings)
         return _W4_BEST[key]
 
     @torch.library.custom_op(  # type: ignore[misc,unused-ignore]

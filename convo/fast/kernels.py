@@ -72,14 +72,22 @@ W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
     ),
     *((128, bn, 1, 8, 3, 64, t) for bn, t in ((64, False), (128, False), (128, True))),
 )
+#: Rows up to which the W4A16 op also times :data:`W4_CONFIGS`' 32- and 64-row tiles beside
+#: :data:`W4_LARGE_CONFIGS` (16 decode rows and a chunk of up to 128 tokens).
+W4_SHORT_LARGE_ROWS = 160
 _W4_BEST: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 
 
 def w4a16_candidates(rows: int) -> list[tuple[Any, ...]]:
     """The settings the W4A16 op times for a product of ``rows`` rows (its row bucket), the
-    one it takes untimed first: :data:`W4_LARGE_CONFIGS` above 64 rows, else the
-    :data:`W4_CONFIGS` whose row tile is no taller than needed."""
-    return list(W4_LARGE_CONFIGS) if rows > 64 else [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
+    one it takes untimed first: :data:`W4_CONFIGS` whose row tile is no taller than needed
+    up to 64 rows; above, :data:`W4_LARGE_CONFIGS`, and up to :data:`W4_SHORT_LARGE_ROWS`
+    rows (a mixed step's 16 replies and a short chunk) :data:`W4_CONFIGS`' 32- and 64-row
+    tiles too (a few row blocks: their split K still fills the device)."""
+    if rows <= 64:
+        return [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
+    short = [c for c in W4_CONFIGS if c[0] >= 32] if rows <= W4_SHORT_LARGE_ROWS else []
+    return [*W4_LARGE_CONFIGS, *short]
 
 
 def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[Any, ...]) -> Any:

@@ -44,6 +44,7 @@ from convo.fast.kernels import (  # noqa: E402
     _attention_reference,
     _chunk_attention_reference,
     chunk_attention,
+    w4a16_candidates,
     w4a16_with_config,
 )
 from convo.models import GREEDY, Sampling  # noqa: E402
@@ -657,10 +658,10 @@ def test_cuda_every_w4a16_launch_setting_matches_the_dequantized_product() -> No
         (16, bn, sk, 4, 3, bk, t)
         for bn, sk, bk, t in itertools.product((32, 128), (1, 4), (128, 256), (0, 1))
     ]
-    for rows in (5, 16, 64, 272):
+    for rows in (5, 16, 64, 144, 272):
         x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ dense.t()
-        cfgs = [*W4_CONFIGS, *W4_LARGE_CONFIGS, *extra] if rows <= 64 else [*W4_LARGE_CONFIGS, *extra]
+        cfgs = [*W4_CONFIGS, *W4_LARGE_CONFIGS, *extra] if rows <= 64 else [*w4a16_candidates(rows), *extra]
         for cfg in cfgs:
             y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg).float()
             assert float((y - ref).norm() / ref.norm()) < 1e-2, (rows, cfg)

@@ -2,8 +2,9 @@
 
 For the Llama-2-7B shapes (one layer's fused q/k/v, o, gate/up and down projections, int4
 group 32 as the engine quantizes): convo's Triton W4A16 kernel (its tuned settings),
-a sweep of its launch settings (tile sizes, split K, K blocks of 128 or 256, the weight
-tile loaded as ``[K, N]`` or transposed),
+each of the op's candidate settings (``candidates_us``; with ``--sweep`` also a sweep of
+tile sizes, split K, K blocks of 128 or 256, the weight tile loaded as ``[K, N]`` or
+transposed),
 tinygemm, and the plain layout dequantized then multiplied by cuBLAS (what steps of more
 than ``W4_KERNEL_MAX_ROWS`` rows run), with bf16 ``F.linear`` as the bandwidth reference.
 Each call is timed as a replay of a CUDA graph of 20 calls (how a step runs them), and
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from convo.fast.int4 import Int4Linear
-from convo.fast.kernels import dequantize_plain_int4, w4a16_candidates, w4a16_with_config
+from convo.fast.kernels import dequantize_plain_int4, w4a16_candidates, w4a16_settings, w4a16_with_config
 
 SHAPES = {"qkv": (3 * 4096, 4096), "o": (4096, 4096), "gate_up": (2 * 11008, 4096), "down": (4096, 11008)}
 
@@ -84,6 +85,9 @@ def main() -> None:
     p.add_argument("--rows", default="16,64,272")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--sweep", action="store_true", help="also sweep launch settings beyond the op's candidates (slow)"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("CUDA only")
@@ -119,7 +123,11 @@ def main() -> None:
                     ),
                     None,
                 )
-            for family, cfgs in (("convo", w4a16_candidates(rows)), ("sweep", candidates(rows))):
+            timed: dict[str, float] = {}
+            families = [("convo", w4a16_candidates(rows))] + (
+                [("sweep", candidates(rows))] if args.sweep else []
+            )
+            for family, cfgs in families:
                 for cfg in cfgs:
                     fn = lambda x=x, q=q, cfg=cfg: w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)  # noqa: E731
                     try:
@@ -130,11 +138,17 @@ def main() -> None:
                             {"rows": rows, "proj": name, "cfg": cfg, "error": str(e)[:200]}
                         )
                         continue
+                    if family == "convo":
+                        timed[",".join(map(str, w4a16_settings(cfg) if len(cfg) > 1 else cfg))] = round(
+                            ms * 1e3, 1
+                        )
                     kind = family if family == "convo" else f"sweep-{'trans' if cfg[6] else 'plain'}"
                     if ms < found.get(kind, (1e9, None))[0]:
                         found[kind] = (ms, cfg)
                     if err >= 2e-2:
                         report["results"].append({"rows": rows, "proj": name, "cfg": cfg, "bad": err})
+            report["results"].append({"rows": rows, "proj": name, "candidates_us": timed})
+            print(json.dumps({"rows": rows, "proj": name, "candidates_us": timed}), flush=True)
             for method, (ms, cfg) in found.items():
                 per_method[method] = per_method.get(method, 0.0) + ms
                 row = {"rows": rows, "proj": name, "method": method, "us": round(ms * 1000, 2), "cfg": cfg}

@@ -48,30 +48,49 @@ CHUNK_ATTENTION_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
 _W4: dict[str, Any] = {}
 
 #: Candidate launch settings of the W4A16 kernel: ``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
-#: stages, BLOCK_K, TRANS)``, or :data:`W4_DENSE`. Few rows want many programs (split K:
-#: each program reads a slice of the input features, the slices add up atomically in
-#: float32); more rows want taller tiles. ``TRANS``: the weight tile is loaded ``[K, N]``
-#: (no transpose before the product). A 5-tuple means ``BLOCK_K`` 128, not transposed.
-W4_CONFIGS: tuple[tuple[Any, ...], ...] = (
+#: stages, BLOCK_K, TRANS, MAGIC)`` (:func:`w4a16_settings`), or :data:`W4_DENSE`. Few rows
+#: want many programs (split K: each program reads a slice of the input features, the
+#: slices add up atomically in float32); more rows want taller tiles. ``TRANS``: the weight
+#: tile is loaded ``[K, N]`` (no transpose before the product). ``MAGIC``: each nibble
+#: becomes a float by setting the low mantissa bits of 128 (bf16; 1024 for fp16, 2^23 for
+#: float32) and the dequantization runs in the activations' dtype (two values per
+#: instruction in bf16/fp16), instead of an integer conversion and float32 math, which cost
+#: the conversion units (a quarter of the float rate) more than the weight's bytes cost the
+#: memory at a few rows. The product is exact either way up to one rounding of each weight.
+_W4_TILES: tuple[tuple[Any, ...], ...] = (
     *((16, bn, sk, w, 3) for bn, sk, w in ((32, 1, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (64, 2, 4))),
     *((16, bn, sk, w, 3) for bn, sk, w in ((16, 4, 2), (32, 4, 4), (64, 4, 4), (128, 4, 4), (32, 8, 4))),
     (16, 64, 8, 4, 3),
     *((32, bn, sk, 4, 3) for bn, sk in ((64, 1), (128, 1), (64, 2), (32, 4))),
     *((64, bn, sk, 4, 3) for bn, sk in ((64, 1), (128, 1), (64, 2))),
 )
+
+
+def w4a16_settings(cfg: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A W4A16 launch setting as its eight fields ``(BLOCK_M, BLOCK_N, SPLIT_K, warps, stages,
+    BLOCK_K, TRANS, MAGIC)``: a 5-tuple means ``BLOCK_K`` 128, neither flag; a 7-tuple, not
+    ``MAGIC``."""
+    return (*cfg, 128, False, False) if len(cfg) == 5 else (*cfg, False) if len(cfg) == 7 else tuple(cfg)
+
+
+def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
+    return tuple((*w4a16_settings(c)[:7], True) for c in cfgs)
+
+
+W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES))
 #: The product done by dequantizing the weight once (one kernel) and multiplying with
 #: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
 W4_DENSE = ("dense",)
 #: Candidate settings for steps of more than 64 rows (a mixed step, a prefill chunk): the
 #: weight read once in int4 rather than written and read again in bf16.
-W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
-    W4_DENSE,
+_W4_LARGE_TILES: tuple[tuple[Any, ...], ...] = (
     *(
         (64, bn, 1, w, 3, 64, t)
         for bn, w, t in ((64, 4, False), (128, 4, False), (128, 8, False), (128, 4, True))
     ),
     *((128, bn, 1, 8, 3, 64, t) for bn, t in ((64, False), (128, False), (128, True))),
 )
+W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (W4_DENSE, *_W4_LARGE_TILES, *_magic(_W4_LARGE_TILES))
 #: Rows up to which the W4A16 op also times :data:`W4_CONFIGS`' 32- and 64-row tiles beside
 #: :data:`W4_LARGE_CONFIGS` (16 decode rows and a chunk of up to 128 tokens).
 W4_SHORT_LARGE_ROWS = 160
@@ -123,7 +142,7 @@ def _w4_op() -> Callable[..., Any] | None:
         X, W, SZ, Y, M, N, K,
         stride_xm, stride_wn, stride_szn, stride_ym,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, TRANS: tl.constexpr,
+        SPLIT_K: tl.constexpr, TRANS: tl.constexpr, MAGIC: tl.constexpr,
     ):  # fmt: skip
         # Programs run along M first: those of one weight tile run together, so it is
         # read from memory once however many row blocks there are.
@@ -138,30 +157,46 @@ def _w4_op() -> Callable[..., Any] | None:
         m_mask = offs_m < M
         n_mask = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features. Each group's
-        # (q - 8) * scale + zero is one multiply-add: q * scale + (zero - 8 * scale).
+        # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features. Each weight
+        # is one multiply-add: (q - 8) * scale + zero, or q * scale + (zero - 8 * scale).
         for kb in range(pid_k, K // BLOCK_K, SPLIT_K):
             k0 = kb * BLOCK_K
             x_ptr = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
             x = tl.load(x_ptr, mask=m_mask[:, None], other=0.0)
             if TRANS:  # the tile as [K, N]: the nibbles interleave along K
                 sz_ptr = SZ + offs_n[None, :] * stride_szn + (k0 // GROUP + offs_g)[:, None] * 2
-                scale = tl.load(sz_ptr, mask=n_mask[None, :], other=0.0).to(tl.float32)
-                zero = tl.load(sz_ptr + 1, mask=n_mask[None, :], other=0.0).to(tl.float32) - 8.0 * scale
+                sz_mask = n_mask[None, :]
                 w_ptr = W + offs_n[None, :] * stride_wn + (k0 // 2 + offs_kh)[:, None]
                 b = tl.load(w_ptr, mask=n_mask[None, :], other=0)
-                q = tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1))
-                q = q.reshape(BLOCK_K // GROUP, GROUP, BLOCK_N).to(tl.float32)
-                w = (q * scale[:, None, :] + zero[:, None, :]).reshape(BLOCK_K, BLOCK_N)
-                acc += tl.dot(x, w.to(x.dtype))
+                j = tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1))
             else:
                 sz_ptr = SZ + offs_n[:, None] * stride_szn + (k0 // GROUP + offs_g)[None, :] * 2
-                scale = tl.load(sz_ptr, mask=n_mask[:, None], other=0.0).to(tl.float32)
-                zero = tl.load(sz_ptr + 1, mask=n_mask[:, None], other=0.0).to(tl.float32) - 8.0 * scale
+                sz_mask = n_mask[:, None]
                 w_ptr = W + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
                 b = tl.load(w_ptr, mask=n_mask[:, None], other=0)
-                q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K // GROUP, GROUP).to(tl.float32)
-                w = (q * scale[:, :, None] + zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+                j = tl.join(b & 0xF, b >> 4)
+            scale = tl.load(sz_ptr, mask=sz_mask, other=0.0)
+            zero = tl.load(sz_ptr + 1, mask=sz_mask, other=0.0)
+            if MAGIC:  # q - 8 exactly in x's dtype: q in the low mantissa bits of 128, 1024 or 2^23
+                if X.dtype.element_ty == tl.bfloat16:
+                    q = (j.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+                elif X.dtype.element_ty == tl.float16:
+                    q = (j.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+                else:
+                    q = (j.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                scale = scale.to(X.dtype.element_ty)
+                zero = zero.to(X.dtype.element_ty)
+            else:  # in float32, converted
+                q = j.to(tl.float32)
+                scale = scale.to(tl.float32)
+                zero = zero.to(tl.float32) - 8.0 * scale
+            if TRANS:
+                q = q.reshape(BLOCK_K // GROUP, GROUP, BLOCK_N)
+                w = tl.fma(q, scale[:, None, :], zero[:, None, :]).reshape(BLOCK_K, BLOCK_N)
+                acc += tl.dot(x, w.to(x.dtype))
+            else:
+                q = q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
+                w = tl.fma(q, scale[:, :, None], zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         y_mask = m_mask[:, None] & n_mask[None, :]
@@ -178,7 +213,7 @@ def _w4_op() -> Callable[..., Any] | None:
         m, k = x.shape
         n = qweight.shape[0]
         group = k // sz.shape[1]
-        bm, bn, split, warps, stages, block_k, trans = (*cfg, 128, False) if len(cfg) == 5 else cfg
+        bm, bn, split, warps, stages, block_k, trans, magic = w4a16_settings(cfg)
         if k % block_k or block_k % group:
             block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
         split = min(split, k // block_k)
@@ -191,7 +226,8 @@ def _w4_op() -> Callable[..., Any] | None:
         _kernel[grid](
             x, qweight, sz, y, m, n, k,
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
-            GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, TRANS=trans, **extra,
+            GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, TRANS=trans, MAGIC=magic,
+            **extra,
         )  # fmt: skip
         return y if split == 1 else y.to(x.dtype)
 
@@ -233,7 +269,7 @@ def _w4_op() -> Callable[..., Any] | None:
     def _(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
-    _W4.update(op=w4a16_mm, launch=launch)
+    _W4.update(op=w4a16_mm, launch=launch, kernel=_kernel)
     return w4a16_mm
 
 

@@ -45,6 +45,7 @@ from convo.fast.kernels import (  # noqa: E402
     _chunk_attention_reference,
     chunk_attention,
     w4a16_candidates,
+    w4a16_settings,
     w4a16_with_config,
 )
 from convo.models import GREEDY, Sampling  # noqa: E402
@@ -649,7 +650,8 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
 @cuda
 def test_cuda_every_w4a16_launch_setting_matches_the_dequantized_product() -> None:
     """The tuner picks the fastest setting and checks none: each must be right (tall tiles,
-    K blocks of 256, the tile loaded as [K, N], split K, the dense path)."""
+    K blocks of 256, the tile loaded as [K, N], split K, the dense path, the nibbles made
+    floats by their mantissa bits in bf16 and fp16)."""
     torch.manual_seed(0)
     w = torch.randn(384, 1024, device="cuda")
     q = Int4Linear.quantize(w, group_size=32, layout="plain")
@@ -665,6 +667,13 @@ def test_cuda_every_w4a16_launch_setting_matches_the_dequantized_product() -> No
         for cfg in cfgs:
             y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg).float()
             assert float((y - ref).norm() / ref.norm()) < 1e-2, (rows, cfg)
+    # fp16 activations and scales: the nibble set into 1024's mantissa
+    q16 = Int4Linear.quantize(w, group_size=32, layout="plain", dtype=torch.float16)
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.float16)
+    ref = x.float() @ q16.dequantize().t()
+    for cfg in [c for c in W4_CONFIGS if w4a16_settings(c)[7]][:4]:
+        y = w4a16_with_config(x, q16.qweight, q16.scales_zeros, cfg).float()
+        assert float((y - ref).norm() / ref.norm()) < 1e-2, ("fp16", cfg)
 
 
 @pytest.mark.gpu

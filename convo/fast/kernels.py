@@ -58,7 +58,8 @@ _W4: dict[str, Any] = {}
 #: 2^23 for float32) and the math done in the activations' dtype, two values an
 #: instruction. 2: the same for bf16 written in PTX four bytes at a time, about 2 integer
 #: instructions a byte where Triton's join and casts take ~9 (``benchmarks/w4_sass.py``
-#: counts them; other dtypes run 1). Each weight is rounded once either way.
+#: counts them); other dtypes run 1. The candidates hold each tile with 0 and with 2.
+#: Each weight is rounded once either way.
 _W4_TILES: tuple[tuple[Any, ...], ...] = (
     *((16, bn, sk, w, 3) for bn, sk, w in ((32, 1, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (64, 2, 4))),
     *((16, bn, sk, w, 3) for bn, sk, w in ((16, 4, 2), (32, 4, 4), (64, 4, 4), (128, 4, 4), (32, 8, 4))),
@@ -76,7 +77,7 @@ def w4a16_settings(cfg: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((*w4a16_settings(c)[:7], mode) for mode in (1, 2) for c in cfgs)
+    return tuple((*w4a16_settings(c)[:7], 2) for c in cfgs)
 
 
 W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES))

@@ -6,8 +6,9 @@ grid in one or two layouts:
 
 * ``"plain"``: ``uint8 [out, in / 2]`` (low nibble = even input) and ``[out, in / group,
   2]`` scale/zero pairs. On CUDA, up to :data:`W4_KERNEL_MAX_ROWS` rows run through
-  convo's Triton W4A16 kernel, whose cost grows slowly with the rows; more rows (prefill)
-  dequantize the weight once, in one kernel, and multiply with cuBLAS.
+  convo's Triton W4A16 op, whose cost grows slowly with the rows (above 64 rows it also
+  weighs dequantizing the weight and cuBLAS, and takes the faster); more rows (long
+  prefill chunks) dequantize the weight once, in one kernel, and multiply with cuBLAS.
 * ``"tinygemm"``: PyTorch's tile-packed int4 and ``[in / group, out, 2]`` scale/zero pairs,
   through ``aten._weight_int4pack_mm`` (CUDA, bf16) or its CPU twin. The fastest kernel
   for a row or a few (H200, Llama-2-7B step: 3.2 ms at 1 row against Triton's 5.8), it
@@ -46,11 +47,12 @@ __all__ = [
 Int4Layout = Literal["plain", "tinygemm", "both"]
 
 #: Rows up to which a plain int4 weight multiplies through the Triton kernel's op; more rows
-#: are dequantized once and multiplied by cuBLAS. The op also takes more rows, weighing its
-#: tall tiles (:data:`~convo.fast.kernels.W4_LARGE_CONFIGS`, which read the int4 weight
-#: once) against that dense path at warm-up; raising this bound to 512 (a mixed step, a
-#: prefill chunk) waits for a GPU measurement (``benchmarks/w4_kernels.py``, then a load).
-W4_KERNEL_MAX_ROWS = 64
+#: are dequantized once and multiplied by cuBLAS. Above 64 rows (a mixed step's replies and
+#: chunk, a prefill chunk) the op times, on the device at warm-up, its tall tiles
+#: (:data:`~convo.fast.kernels.W4_LARGE_CONFIGS`, which read the int4 weight once) against
+#: that same dense path, which stays a candidate: a step takes the tiles only where they
+#: are faster (and their product checked).
+W4_KERNEL_MAX_ROWS = 512
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8

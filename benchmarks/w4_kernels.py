@@ -2,6 +2,7 @@
 
 For the Llama-2-7B shapes (one layer's fused q/k/v, o, gate/up and down projections, int4
 group 32 as the engine quantizes): convo's Triton W4A16 kernel (its tuned settings),
+the op as the engine runs it (``op``: the setting its own tuner took at the first call),
 each of the op's candidate settings (``candidates_us``; with ``--sweep`` also a sweep of
 tile sizes, split K, K blocks of 128 or 256, the weight tile loaded as ``[K, N]`` or
 transposed),
@@ -31,7 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from convo.fast.int4 import Int4Linear
-from convo.fast.kernels import dequantize_plain_int4, w4a16_candidates, w4a16_settings, w4a16_with_config
+from convo.fast.kernels import (
+    dequantize_plain_int4,
+    w4a16_candidates,
+    w4a16_row_bucket,
+    w4a16_settings,
+    w4a16_tuned,
+    w4a16_with_config,
+)
 
 SHAPES = {"qkv": (3 * 4096, 4096), "o": (4096, 4096), "gate_up": (2 * 11008, 4096), "down": (4096, 11008)}
 
@@ -147,6 +155,10 @@ def main() -> None:
                         found[kind] = (ms, cfg)
                     if err >= 2e-2:
                         report["results"].append({"rows": rows, "proj": name, "cfg": cfg, "bad": err})
+            # What the engine runs: the op, with the setting its own tuner took at the first call.
+            op = lambda x=x, q=q: torch.ops.convo.w4a16_mm(x, q.qweight, q.scales_zeros)  # noqa: E731
+            op()
+            found["op"] = (graph_ms(op), w4a16_tuned().get((w4a16_row_bucket(rows), *w.shape, 0)))
             report["results"].append({"rows": rows, "proj": name, "candidates_us": timed})
             print(json.dumps({"rows": rows, "proj": name, "candidates_us": timed}), flush=True)
             for method, (ms, cfg) in found.items():

@@ -103,6 +103,10 @@ W4_SHORT_LARGE_ROWS = 160
 #: Relative error (of the norm) past which the W4A16 op's tuner drops a launch setting: each
 #: is checked once, on random rows, against the dequantized weight's product.
 W4_CHECK_TOLERANCE = 1e-2
+#: Launches of each setting the W4A16 op's tuner times, and the device clock cycles it holds
+#: the stream before them (~1 ms) so that they queue up and run back to back.
+W4_TUNE_LAUNCHES = 10
+W4_TUNE_HOLD_CYCLES = 2_000_000
 _W4_BEST: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 
 
@@ -116,6 +120,18 @@ def w4a16_candidates(rows: int) -> list[tuple[Any, ...]]:
         return [c for c in W4_CONFIGS if c[0] <= max(16, rows)]
     short = [c for c in W4_CONFIGS if c[0] >= 32] if rows <= W4_SHORT_LARGE_ROWS else []
     return [*W4_LARGE_CONFIGS, *short]
+
+
+def w4a16_row_bucket(rows: int) -> int:
+    """The row count the W4A16 op tunes a product of ``rows`` rows for: a power of two up to
+    64 rows, above a multiple of 32 (a mixed step's 272 rows are not a 512-token chunk)."""
+    return -(-rows // 32) * 32 if rows > 64 else _next_power_of_2(rows)
+
+
+def w4a16_tuned() -> dict[tuple[int, int, int, int], tuple[Any, ...]]:
+    """The settings the W4A16 op's tuner has taken: ``(row bucket, out features, in
+    features, device index) -> setting`` (``benchmarks/w4_kernels.py`` reports them)."""
+    return dict(_W4_BEST)
 
 
 def w4a16_with_config(x: Any, qweight: Any, scales_zeros: Any, config: tuple[Any, ...]) -> Any:
@@ -297,8 +313,7 @@ def _w4_op() -> Callable[..., Any] | None:
         rows; above, a multiple of 32: the best of the tall tiles and the dense path turns
         on the rows, and a mixed step's 272 is not a 512-token chunk), timed on the device
         at the first call (the decoder's warm-up runs, before any graph is captured)."""
-        m = x.shape[0]
-        rows = -(-m // 32) * 32 if m > 64 else _next_power_of_2(m)
+        rows = w4a16_row_bucket(x.shape[0])
         key = (rows, qweight.shape[0], x.shape[1], x.device.index or 0)
         if key in _W4_BEST:
             return _W4_BEST[key]
@@ -322,8 +337,14 @@ def _w4_op() -> Callable[..., Any] | None:
             for _ in range(2):
                 launch(x, qweight, sz, cfg)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # The device waits while the launches queue up, so they run back to back as in a
+            # CUDA graph: timed one after another from Python, a 15-60 us product measures
+            # the launch's overhead (and a split K's three launches), not the kernel.
+            hold = getattr(torch.cuda, "_sleep", None)
+            if hold is not None:
+                hold(W4_TUNE_HOLD_CYCLES)
             start.record()
-            for _ in range(10):
+            for _ in range(W4_TUNE_LAUNCHES):
                 launch(x, qweight, sz, cfg)
             end.record()
             end.synchronize()

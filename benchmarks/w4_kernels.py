@@ -13,7 +13,7 @@ checked against the dequantized weight's product. ``GBps``: the weight's bytes (
 int4 with its scales) over the time, whatever else a method moves. CUDA only; prints one
 JSON object.
 
-    python benchmarks/w4_kernels.py --rows 16,64,272 --out w4.json
+    python benchmarks/w4_kernels.py --rows 16,64,80,144,272 --out w4.json
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def candidates(rows: int) -> list[tuple[Any, ...]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="16,64,272")
+    p.add_argument("--rows", default="16,64,80,144,272")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default=None)
     p.add_argument(

@@ -321,7 +321,8 @@ def _w4_op() -> Callable[..., Any] | None:
         if _interpreting() or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         # A setting the compiler refuses, or whose product is off, is never taken.
-        xr = torch.randn_like(x)
+        gen = torch.Generator(device=x.device).manual_seed(0)  # (the global RNG stays the sampler's)
+        xr = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
         ref = torch.nn.functional.linear(xr, dequantize_plain_int4(qweight, sz).to(x.dtype)).float()
         tolerance = W4_CHECK_TOLERANCE * float(ref.norm())
         timings = []

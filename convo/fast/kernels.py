@@ -325,6 +325,7 @@ def _w4_op() -> Callable[..., Any] | None:
         xr = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
         ref = torch.nn.functional.linear(xr, dequantize_plain_int4(qweight, sz).to(x.dtype)).float()
         tolerance = W4_CHECK_TOLERANCE * float(ref.norm())
+        hold = getattr(torch.cuda, "_sleep", None)
         timings = []
         for cfg in candidates:
             try:
@@ -341,7 +342,6 @@ def _w4_op() -> Callable[..., Any] | None:
             # The device waits while the launches queue up, so they run back to back as in a
             # CUDA graph: timed one after another from Python, a 15-60 us product measures
             # the launch's overhead (and a split K's three launches), not the kernel.
-            hold = getattr(torch.cuda, "_sleep", None)
             if hold is not None:
                 hold(W4_TUNE_HOLD_CYCLES)
             start.record()

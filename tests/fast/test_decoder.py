@@ -649,9 +649,9 @@ def test_cuda_attention_kernel_and_int4_kernel_match_references() -> None:
 @pytest.mark.gpu
 @cuda
 def test_cuda_every_w4a16_launch_setting_matches_the_dequantized_product() -> None:
-    """The tuner picks the fastest setting and checks none: each must be right (tall tiles,
-    K blocks of 256, the tile loaded as [K, N], split K, the dense path, the nibbles made
-    floats by their mantissa bits in bf16 and fp16)."""
+    """Every setting the tuner may time is right, not only those its one check on random
+    rows lets through (tall tiles, K blocks of 256, the tile loaded as [K, N], split K, the
+    dense path, the nibbles made floats by their mantissa bits in bf16 and fp16)."""
     torch.manual_seed(0)
     w = torch.randn(384, 1024, device="cuda")
     q = Int4Linear.quantize(w, group_size=32, layout="plain")

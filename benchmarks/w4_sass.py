@@ -57,12 +57,12 @@ def analyse(cfg: tuple[Any, ...], arch: int, dtype: str) -> dict[str, Any]:
     from convo.fast.kernels import _W4, _w4_op, w4a16_settings
 
     _w4_op()
-    bm, bn, split, warps, stages, bk, trans, magic = w4a16_settings(cfg)
+    bm, bn, split, warps, stages, bk, trans, magic, swap = w4a16_settings(cfg)
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_szn", "stride_ym")
     sig = {"X": f"*{dtype}", "W": "*u8", "SZ": f"*{dtype}", "Y": f"*{dtype}" if split == 1 else "*fp32"}
     sig |= dict.fromkeys(ints, "i32")
     consts = {"GROUP": 32, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
-    consts |= {"TRANS": trans, "MAGIC": magic}
+    consts |= {"TRANS": trans, "MAGIC": magic, "SWAP": swap and not trans}
     sig |= dict.fromkeys(consts, "constexpr")
     # as the JIT specializes a launch: 16-byte aligned pointers, sizes divisible by 16 (not M)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9, 10)}

@@ -48,13 +48,15 @@ Int4Layout = Literal["plain", "tinygemm", "both"]
 
 #: Rows up to which a plain int4 weight multiplies through the Triton kernel's op; more rows
 #: are dequantized once and multiplied by cuBLAS. Above 64 rows (a mixed step's 16 replies
-#: and a chunk of up to 128 tokens) the op times, on the device at warm-up, its tiles
+#: and a prefill chunk beside them) the op times, on the device at warm-up, its tiles
 #: (:data:`~convo.fast.kernels.W4_LARGE_CONFIGS` and the shorter ones, which read the int4
-#: weight once) against that same dense path, which stays a candidate. Measured on an H100
+#: weight once) against that same dense path, which stays a candidate, so it never runs
+#: slower than the dense path by more than the tuner's timing noise. Measured on an H100
 #: (Llama-2-7B projections, 32 layers, graph replays, ``benchmarks/w4_kernels.py``): 64 rows
-#: 6.99 ms through the kernel against 12.1 dequantized for cuBLAS; 272 rows 16.2 against
-#: 13.2, so the kernel stops where a 256-token chunk rides along.
-W4_KERNEL_MAX_ROWS = 160
+#: 6.99 ms through the kernel against 12.1 dequantized for cuBLAS; at 272 rows the tiles
+#: whose product waits for shared memory took 16.2 against 13.2, the ``SWAP`` tiles
+#: (the dequantized tile kept in registers as the product's left operand) are timed too.
+W4_KERNEL_MAX_ROWS = 512
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8

@@ -51,8 +51,8 @@ CHUNK_ATTENTION_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
 _W4: dict[str, Any] = {}
 
 #: Candidate launch settings of the W4A16 kernel: ``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
-#: stages, BLOCK_K, TRANS, MAGIC)`` (:func:`w4a16_settings`), or :data:`W4_DENSE`. Few rows
-#: want many programs (split K: each program reads a slice of the input features, the
+#: stages, BLOCK_K, TRANS, MAGIC, SWAP)`` (:func:`w4a16_settings`), or :data:`W4_DENSE`. Few
+#: rows want many programs (split K: each program reads a slice of the input features, the
 #: slices add up atomically in float32); more rows want taller tiles. ``TRANS``: the weight
 #: tile is loaded ``[K, N]`` (no transpose before the product). ``MAGIC`` (0, 1, 2): how a
 #: nibble becomes a float. 0: an integer conversion and float32 math; the conversion units
@@ -62,7 +62,12 @@ _W4: dict[str, Any] = {}
 #: instruction. 2: the same for bf16 written in PTX four bytes at a time, about 2 integer
 #: instructions a byte where Triton's join and casts take ~9 (``benchmarks/w4_sass.py``
 #: counts them); other dtypes run 1. The candidates hold each tile with 0 and with 2.
-#: Each weight is rounded once either way.
+#: ``SWAP``: the product is taken as ``W @ x.T``, the dequantized tile the left operand. On
+#: sm_90 that operand stays in registers (wgmma's A) and the product runs asynchronously
+#: beside the next block's dequantization, where the tile as the right operand is written
+#: to shared memory first and each block waits for its product; the rows become the
+#: product's N (8 to 256), so a 16-row step wastes none of it. Each weight is rounded once
+#: every way.
 _W4_TILES: tuple[tuple[Any, ...], ...] = (
     *((16, bn, sk, w, 3) for bn, sk, w in ((32, 1, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (64, 2, 4))),
     *((16, bn, sk, w, 3) for bn, sk, w in ((16, 4, 2), (32, 4, 4), (64, 4, 4), (128, 4, 4), (32, 8, 4))),
@@ -73,17 +78,22 @@ _W4_TILES: tuple[tuple[Any, ...], ...] = (
 
 
 def w4a16_settings(cfg: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A W4A16 launch setting as its eight fields ``(BLOCK_M, BLOCK_N, SPLIT_K, warps, stages,
-    BLOCK_K, TRANS, MAGIC)``: a 5-tuple means ``BLOCK_K`` 128, not ``TRANS``, ``MAGIC`` 0; a
-    7-tuple, ``MAGIC`` 0."""
-    return (*cfg, 128, False, 0) if len(cfg) == 5 else (*cfg, 0) if len(cfg) == 7 else tuple(cfg)
+    """A W4A16 launch setting as its nine fields ``(BLOCK_M, BLOCK_N, SPLIT_K, warps, stages,
+    BLOCK_K, TRANS, MAGIC, SWAP)``: fields left off are ``BLOCK_K`` 128, not ``TRANS``,
+    ``MAGIC`` 0, not ``SWAP``."""
+    return (*cfg, *(128, False, 0, False)[len(cfg) - 5 :])
 
 
 def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((*w4a16_settings(c)[:7], 2) for c in cfgs)
+    return tuple((*w4a16_settings(c)[:7], 2, w4a16_settings(c)[8]) for c in cfgs)
 
 
-W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES))
+#: ``SWAP`` tiles (``MAGIC`` 2 only: they are not bound by the conversions' rate).
+_W4_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
+    (bm, bn, sk, bn // 16, 3, bk, False, 2, True)
+    for bm, bn, sk, bk in ((16, 64, 4, 128), (16, 64, 8, 128), (16, 128, 4, 128), (32, 64, 4, 128), (64, 64, 2, 128))
+)
+W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES), *_W4_SWAP_TILES)
 #: The product done by dequantizing the weight once (one kernel) and multiplying with
 #: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
 W4_DENSE = ("dense",)
@@ -96,7 +106,13 @@ _W4_LARGE_TILES: tuple[tuple[Any, ...], ...] = (
     ),
     *((128, bn, 1, 8, 3, 64, t) for bn, t in ((64, False), (128, False), (128, True))),
 )
-W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (W4_DENSE, *_W4_LARGE_TILES, *_magic(_W4_LARGE_TILES))
+_W4_LARGE_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
+    (bm, bn, sk, bn // 16, 3, 64, False, 2, True)
+    for bm, bn, sk in ((64, 128, 1), (128, 128, 1), (256, 128, 1), (128, 64, 1), (256, 64, 1), (128, 128, 2))
+)
+W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
+    W4_DENSE, *_W4_LARGE_TILES, *_magic(_W4_LARGE_TILES), *_W4_LARGE_SWAP_TILES
+)
 #: Rows up to which the W4A16 op also times :data:`W4_CONFIGS`' 32- and 64-row tiles beside
 #: :data:`W4_LARGE_CONFIGS` (16 decode rows and a chunk of up to 128 tokens).
 W4_SHORT_LARGE_ROWS = 160
@@ -167,7 +183,7 @@ def _w4_op() -> Callable[..., Any] | None:
         X, W, SZ, Y, M, N, K,
         stride_xm, stride_wn, stride_szn, stride_ym,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, TRANS: tl.constexpr, MAGIC: tl.constexpr,
+        SPLIT_K: tl.constexpr, TRANS: tl.constexpr, MAGIC: tl.constexpr, SWAP: tl.constexpr,
     ):  # fmt: skip
         # Programs run along M first: those of one weight tile run together, so it is
         # read from memory once however many row blocks there are.
@@ -181,7 +197,10 @@ def _w4_op() -> Callable[..., Any] | None:
         offs_g = tl.arange(0, BLOCK_K // GROUP)
         m_mask = offs_m < M
         n_mask = offs_n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SWAP:  # (W @ x.T: the tile's product with the rows, transposed at the end)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features. Each weight
         # is one multiply-add: (q - 8) * scale + zero, or q * scale + (zero - 8 * scale).
         for kb in range(pid_k, K // BLOCK_K, SPLIT_K):
@@ -246,9 +265,8 @@ def _w4_op() -> Callable[..., Any] | None:
                 )
                 if TRANS:
                     w = tl.permute(tl.join(lo, hi), (0, 2, 1)).reshape(BLOCK_K, BLOCK_N)
-                    acc += tl.dot(x, w)
                 else:
-                    acc += tl.dot(x, tl.trans(tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)))
+                    w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
             else:
                 if TRANS:
                     j = tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1))
@@ -269,12 +287,18 @@ def _w4_op() -> Callable[..., Any] | None:
                     zero = zero.to(tl.float32) - 8.0 * scale
                 if TRANS:
                     q = q.reshape(BLOCK_K // GROUP, GROUP, BLOCK_N)
-                    w = tl.fma(q, scale[:, None, :], zero[:, None, :]).reshape(BLOCK_K, BLOCK_N)
-                    acc += tl.dot(x, w.to(x.dtype))
+                    w = tl.fma(q, scale[:, None, :], zero[:, None, :]).reshape(BLOCK_K, BLOCK_N).to(x.dtype)
                 else:
                     q = q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
-                    w = tl.fma(q, scale[:, :, None], zero[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-                    acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                    w = tl.fma(q, scale[:, :, None], zero[:, :, None]).reshape(BLOCK_N, BLOCK_K).to(x.dtype)
+            if TRANS:
+                acc += tl.dot(x, w)
+            elif SWAP:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        if SWAP:
+            acc = tl.trans(acc)
         y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         y_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
@@ -290,7 +314,7 @@ def _w4_op() -> Callable[..., Any] | None:
         m, k = x.shape
         n = qweight.shape[0]
         group = k // sz.shape[1]
-        bm, bn, split, warps, stages, block_k, trans, magic = w4a16_settings(cfg)
+        bm, bn, split, warps, stages, block_k, trans, magic, swap = w4a16_settings(cfg)
         if k % block_k or block_k % group:
             block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
         split = min(split, k // block_k)
@@ -304,7 +328,7 @@ def _w4_op() -> Callable[..., Any] | None:
             x, qweight, sz, y, m, n, k,
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
             GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, TRANS=trans, MAGIC=magic,
-            **extra,
+            SWAP=swap and not trans, **extra,
         )  # fmt: skip
         return y if split == 1 else y.to(x.dtype)
 

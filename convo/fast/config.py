@@ -44,9 +44,9 @@ class DecoderConfig:
         mixed_chunk_tokens: with ``cuda_graphs``, the mixed step (decode rows and one
             prefill chunk in one forward) is captured for every decode bucket and every
             prefill bucket up to this many tokens. Default
-            :data:`~convo.models.defaults.MIXED_CHUNK_TOKENS` (256: the scheduler's chunk
-            while replies stream); 0: no mixed graphs (a decode replay, then a prefill
-            replay).
+            :data:`~convo.models.defaults.MIXED_CHUNK_TOKENS` (512: twice the scheduler's
+            chunk while replies stream, which grows to it under a pile of prompts); 0: no
+            mixed graphs (a decode replay, then a prefill replay).
         buckets: batch sizes (rows) to build the step for. Default ``None``: powers of two
             up to the next one >= the slots. Fewer buckets, fewer captures; steps of more
             rows than the largest bucket are refused.

@@ -55,8 +55,9 @@ Int4Layout = Literal["plain", "tinygemm", "both"]
 #: (Llama-2-7B projections, 32 layers, graph replays, ``benchmarks/w4_kernels.py``): 64 rows
 #: 6.99 ms through the kernel against 12.1 dequantized for cuBLAS; at 272 rows the tiles
 #: whose product waits for shared memory took 16.2 against 13.2, the ``SWAP`` tiles
-#: (the dequantized tile kept in registers as the product's left operand) are timed too.
-W4_KERNEL_MAX_ROWS = 512
+#: (the dequantized tile kept in registers as the product's left operand) are timed too,
+#: up to a grown mixed step's 16 rows and 512-token chunk and a 1,024-token prefill.
+W4_KERNEL_MAX_ROWS = 1024
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8

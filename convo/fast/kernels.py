@@ -91,7 +91,13 @@ def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
 #: ``SWAP`` tiles (``MAGIC`` 2 only: they are not bound by the conversions' rate).
 _W4_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
     (bm, bn, sk, bn // 16, 3, bk, False, 2, True)
-    for bm, bn, sk, bk in ((16, 64, 4, 128), (16, 64, 8, 128), (16, 128, 4, 128), (32, 64, 4, 128), (64, 64, 2, 128))
+    for bm, bn, sk, bk in (
+        (16, 64, 4, 128),
+        (16, 64, 8, 128),
+        (16, 128, 4, 128),
+        (32, 64, 4, 128),
+        (64, 64, 2, 128),
+    )
 )
 W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES), *_W4_SWAP_TILES)
 #: The product done by dequantizing the weight once (one kernel) and multiplying with
@@ -111,7 +117,10 @@ _W4_LARGE_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
     for bm, bn, sk in ((64, 128, 1), (128, 128, 1), (256, 128, 1), (128, 64, 1), (256, 64, 1), (128, 128, 2))
 )
 W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
-    W4_DENSE, *_W4_LARGE_TILES, *_magic(_W4_LARGE_TILES), *_W4_LARGE_SWAP_TILES
+    W4_DENSE,
+    *_W4_LARGE_TILES,
+    *_magic(_W4_LARGE_TILES),
+    *_W4_LARGE_SWAP_TILES,
 )
 #: Rows up to which the W4A16 op also times :data:`W4_CONFIGS`' 32- and 64-row tiles beside
 #: :data:`W4_LARGE_CONFIGS` (16 decode rows and a chunk of up to 128 tokens).

@@ -79,13 +79,7 @@ from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
 from convo.fast.kv_shift import KVShift, find_shift
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.sampling import sample_rows
-from convo.fast.step_budget import (
-    DEFAULT_GAP_STEPS,
-    MIN_COST_STEPS,
-    PILEUP_CHUNKS,
-    prompt_token_budget,
-    step_costs,
-)
+from convo.fast.step_budget import DEFAULT_GAP_STEPS, MIN_COST_STEPS, PILEUP_CHUNKS, StepCosts, step_costs
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.generation import FinishReason, Priority, SchedulerStats
@@ -110,8 +104,8 @@ __all__ = [
     "DecodeScheduler",
     "Priority",
     "SchedulerStats",
+    "StepCosts",
     "decode_priority",
-    "prompt_token_budget",
 ]
 #: Seconds another session's cached prompt must have sat idle in its slot before background
 #: work (a summary) may take the slot: while sessions keep talking, summaries use empty
@@ -301,7 +295,7 @@ class DecodeScheduler:
         clock: the time of deadlines, waits and first tokens (``time.monotonic``; a
             request's ``deadline`` and ``started_at`` are on it). Simulations pass their own.
         timer: the time steps are measured with (``time.perf_counter``; the step costs
-            that grow a streaming step's prefill, :func:`prompt_token_budget`).
+            that grow a streaming step's prefill, :class:`StepCosts`).
         park: with host memory, work done for a session (``owner``: a summary) that a
             reply preempts is parked there (:meth:`~convo.fast.kv_pool.KVSlotPool.park`)
             and resumes by a copy, not a recompute (``False``: recompute, as before).
@@ -411,6 +405,7 @@ class DecodeScheduler:
         self._ledger = PrefixLedger()
         self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
+        self.costs = StepCosts(interleave_tokens=interleave_tokens)
         self._blocked = False  # the last admission left work waiting for a slot
 
     def submit(self, request: DecodeRequest) -> DecodeRequest:
@@ -540,9 +535,11 @@ class DecodeScheduler:
         self.novel_tokens_by_work[work_kind(req)] += req._novel
         req._novel = 0
 
-    def _count(self, kind: str, started: float) -> None:
+    def _count(self, kind: str, started: float, prompt_tokens: int = 0) -> None:
+        seconds = self.timer() - started
         self._kind_steps[kind] += 1
-        self._kind_busy[kind] += self.timer() - started
+        self._kind_busy[kind] += seconds
+        self.costs.record(kind, prompt_tokens, seconds)
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -568,17 +565,11 @@ class DecodeScheduler:
         batch: list[tuple[DecodeRequest, PrefillChunk]] = []
         if self._prefilling:
             if any(r.priority <= Priority.REPLY for r in self._active):  # replies stream: a short chunk
-                costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens) or (None, None)
-                budget = prompt_token_budget(
-                    waiting=sum(self._prompt_left(r) for r in self._prefilling),
-                    rows=len(self._active),
-                    step_tokens=self.step_tokens,
-                    interleave_tokens=self.interleave_tokens,
-                    decode_s=costs[0],
-                    token_s=costs[1],
-                )
+                waiting = sum(self._prompt_left(r) for r in self._prefilling)
+                rows = len(self._active)
+                budget = self.costs.budget(waiting=waiting, rows=rows, step_tokens=self.step_tokens)
                 batch = self._plan_prefill(budget)
-                if budget <= self.interleave_tokens:  # (a grown chunk runs beside the rows' step)
+                if self._mixed or budget <= self.interleave_tokens:  # (a grown chunk may run apart)
                     batch = batch[: self._mixed_chunks]
             else:
                 batch = self._plan_prefill(self.step_tokens)
@@ -594,13 +585,15 @@ class DecodeScheduler:
                 return
             self._decoded(rows, logits)
             self._prefilled(batch, outs)
-            self._count("mixed", started)
+            self._count("mixed", started, sum(c.end - c.start for _, c in batch))
             return
+        streamed = 0.0  # a decode step's seconds: with the prefill after it, the rows' gap
         if self._active:
             started = self.timer()
             try:
                 self._step()
                 self._count("decode", started)
+                streamed = self.timer() - started
             except BaseException as exc:  # a device error ends every row in flight
                 self._fail(self._active, exc)
                 self._active = []
@@ -609,6 +602,9 @@ class DecodeScheduler:
             try:
                 self._prefill(batch)
                 self._count("prefill", started)
+                if streamed:
+                    gap = streamed + self.timer() - started
+                    self.costs.record("mixed", sum(c.end - c.start for _, c in batch), gap)
             except BaseException as exc:
                 failed = [r for r, _ in batch]
                 self._prefilling = [r for r in self._prefilling if r not in failed]

@@ -3,13 +3,24 @@
 While replies stream, a step prefills ``interleave_tokens`` prompt tokens beside the decode
 rows. When prompt tokens pile up, the step's share grows toward full prefill speed, but
 never past what keeps the gap between two tokens of a running reply within
-:data:`DEFAULT_GAP_STEPS` decode-only steps (:func:`prompt_token_budget`, from the step
-costs the scheduler measures, :func:`step_costs`).
+:data:`DEFAULT_GAP_STEPS` decode-only steps.
+
+What a grown step costs is measured, not extrapolated (:class:`StepCosts`): a step's cost
+is not linear in its prompt tokens. On an int4 GPU model the weights are dequantized (or
+read) once per forward whatever its rows, so twice the chunk costs much less than twice
+the step's extra time; a line through the ordinary chunk's cost priced the grown chunk
+past the gap and the step never grew (H100, Llama-2-7B int4, stop 44). Grown steps come in
+sizes that double from ``interleave_tokens`` (a static decoder's mixed step is captured
+for such chunk buckets); each size's cost is the running mean of the steps of that size,
+and a size not seen yet is tried once when the size below it is within the gap, then
+kept or left by what it cost. That try is the one step that may pass the gap: twice a size
+within ``gap_steps`` decode steps costs at most ``2 * gap_steps - 1`` of them, even if its
+cost were linear in its tokens. A size left for its cost is not tried again.
 """
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_GAP_STEPS", "MIN_COST_STEPS", "PILEUP_CHUNKS", "prompt_token_budget", "step_costs"]
+__all__ = ["DEFAULT_GAP_STEPS", "MIN_COST_STEPS", "PILEUP_CHUNKS", "StepCosts", "step_costs"]
 
 #: While replies stream and prompt tokens pile up, a step may grow its prefill until it is
 #: expected to take this many decode-only steps: the gap between two tokens of a running
@@ -23,41 +34,93 @@ PILEUP_CHUNKS = 16
 #: decoder whose steps cost nothing measurable, a streaming step prefills
 #: ``interleave_tokens``).
 MIN_COST_STEPS = 8
+#: Weight of the newest step in a size's running mean (recent steps count most: a step's
+#: cost moves with its rows and the context its attention reads).
+COST_EMA = 0.2
 
 
-def prompt_token_budget(
-    *,
-    waiting: int,
-    rows: int,
-    step_tokens: int,
-    interleave_tokens: int,
-    decode_s: float | None,
-    token_s: float | None,
-    gap_steps: float = DEFAULT_GAP_STEPS,
-) -> int:
-    """Prompt tokens one step may prefill while replies stream.
+class StepCosts:
+    """The scheduler's measured step costs, and the prompt budget of a streaming step.
 
-    Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the ``rows``
-    decode rows, at least 1). When more than :data:`PILEUP_CHUNKS` such chunks of prompt
-    tokens are ``waiting``, it grows to 1/PILEUP_CHUNKS of them, toward the whole step
-    budget (full prefill speed), but never past what keeps the step within ``gap_steps``
-    decode-only steps: a step of ``p`` prompt tokens costs about ``decode_s + p *
-    token_s`` (both measured by the scheduler; ``None``: not known yet, no growth).
+    :meth:`record` takes every step: decode-only steps give the steady step
+    (:attr:`decode_s`); steps with decode rows and prompt tokens give the cost of their
+    size, the smallest of ``interleave_tokens * 2**j`` that holds their prompt tokens.
 
-    >>> prompt_token_budget(waiting=300, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    256
-    >>> prompt_token_budget(waiting=30_000, rows=16, step_tokens=2048, interleave_tokens=256,
-    ...                     decode_s=0.02, token_s=0.02 / 256)
-    384
+    >>> costs = StepCosts(interleave_tokens=256)
+    >>> for _ in range(8):
+    ...     costs.record("decode", 0, 0.010)
+    >>> costs.budget(waiting=30_000, rows=16, step_tokens=2048)  # 512 not seen yet: try it
+    512
+    >>> costs.record("mixed", 512, 0.020)
+    >>> costs.budget(waiting=30_000, rows=16, step_tokens=2048)  # within 2.5 steps; try 1024
+    1024
+    >>> costs.record("mixed", 1024, 0.040)
+    >>> costs.budget(waiting=30_000, rows=16, step_tokens=2048)  # 1024 is past the gap
+    512
     """
-    room = max(step_tokens - rows, 1)
-    base = max(min(room, interleave_tokens), 1)
-    want = waiting // PILEUP_CHUNKS
-    if want <= base or not decode_s or not token_s or decode_s <= 0 or token_s <= 0:
-        return base
-    afford = int((gap_steps - 1.0) * decode_s / token_s)
-    return max(base, min(want, room, afford))
+
+    def __init__(self, *, interleave_tokens: int, gap_steps: float = DEFAULT_GAP_STEPS) -> None:
+        self.interleave_tokens = max(interleave_tokens, 1)
+        self.gap_steps = gap_steps
+        self._decode_steps = 0
+        self._decode_busy = 0.0
+        #: size -> running mean seconds of the steps of that size with decode rows
+        self.sized_s: dict[int, float] = {}
+
+    def size(self, prompt_tokens: int) -> int:
+        """The size of a step of ``prompt_tokens``: ``interleave_tokens`` doubled until it
+        holds them."""
+        size = self.interleave_tokens
+        while size < prompt_tokens:
+            size *= 2
+        return size
+
+    def record(self, kind: str, prompt_tokens: int, seconds: float) -> None:
+        """Take one step: ``kind`` ``"decode"`` (no prompt tokens), ``"mixed"`` (decode rows
+        and ``prompt_tokens``) or ``"prefill"`` (no rows: not a gap, not priced)."""
+        if kind == "decode":
+            self._decode_steps += 1
+            self._decode_busy += seconds
+        elif kind == "mixed" and prompt_tokens > 0:
+            size = self.size(prompt_tokens)
+            old = self.sized_s.get(size)
+            self.sized_s[size] = seconds if old is None else old + COST_EMA * (seconds - old)
+
+    @property
+    def decode_s(self) -> float | None:
+        """A decode-only step's mean seconds (``None`` before :data:`MIN_COST_STEPS`)."""
+        if self._decode_steps < MIN_COST_STEPS or self._decode_busy <= 0:
+            return None
+        return self._decode_busy / self._decode_steps
+
+    def budget(self, *, waiting: int, rows: int, step_tokens: int) -> int:
+        """Prompt tokens one step may prefill beside ``rows`` streaming rows while
+        ``waiting`` prompt tokens wait.
+
+        Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the rows,
+        at least 1). When more than :data:`PILEUP_CHUNKS` such chunks wait, the largest
+        size up to ``waiting / PILEUP_CHUNKS`` (and the step's room) whose measured cost,
+        and that of each size below it, is within ``gap_steps`` decode-only steps; the
+        first size not measured yet is taken once, to measure it.
+        """
+        room = max(step_tokens - rows, 1)
+        base = max(min(room, self.interleave_tokens), 1)
+        want = min(waiting // PILEUP_CHUNKS, room)
+        decode_s = self.decode_s
+        if want <= base or decode_s is None:
+            return base
+        limit = self.gap_steps * decode_s
+        take = base
+        size = self.size(base) * 2
+        while size // 2 < want:
+            cost = self.sized_s.get(size)
+            if cost is not None and cost > limit:
+                break
+            take = min(size, want)
+            if cost is None:  # not seen yet: try it once
+                break
+            size *= 2
+        return take
 
 
 def step_costs(
@@ -65,8 +128,8 @@ def step_costs(
 ) -> tuple[float, float] | None:
     """``(decode_s, token_s)`` from the scheduler's counters: a decode-only step's mean
     seconds, and the seconds of prefill and mixed steps per prompt token they ran (the
-    mixed steps' decode rows counted in: on the high side, as a grown chunk runs in a
-    forward of its own beside the rows' step); ``None`` until measured."""
+    mixed steps' decode rows counted in: a slot's expected hold, on the high side);
+    ``None`` until measured."""
     if steps["decode"] < MIN_COST_STEPS or prompt_tokens <= 0:
         return None
     decode_s = busy_s["decode"] / steps["decode"]

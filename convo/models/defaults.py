@@ -43,9 +43,11 @@ DEFAULT_STEP_TOKENS = 2048
 #: load; smaller, shorter gaps between a streaming reply's tokens. On the H200 (Llama-2-7B
 #: int4) a 256-token prefill forward takes about two decode steps.
 DEFAULT_INTERLEAVE_TOKENS = 256
-#: Longest prefill chunk (tokens) a mixed step is captured for by default: the scheduler's
-#: chunk while replies stream (:data:`DEFAULT_INTERLEAVE_TOKENS`).
-MIXED_CHUNK_TOKENS = DEFAULT_INTERLEAVE_TOKENS
+#: Longest prefill chunk (tokens) a mixed step is captured for by default: twice the
+#: scheduler's chunk while replies stream (:data:`DEFAULT_INTERLEAVE_TOKENS`), so that a
+#: step grown under a pile of prompts (:class:`~convo.fast.step_budget.StepCosts`) still
+#: reads the weights once for its rows and its chunk.
+MIXED_CHUNK_TOKENS = 2 * DEFAULT_INTERLEAVE_TOKENS
 #: Longest prefill chunk (tokens) the static decoder captures as a CUDA graph, and the
 #: chunk prefill runs in (its ``prefill_chunk_tokens`` default, the engine's too): the
 #: graphs' shared pool holds one such forward.

@@ -111,7 +111,10 @@ class KVConfig:
             :data:`~convo.models.defaults.DEFAULT_STEP_TOKENS` (2,048).
         interleave_tokens: static decode: while replies stream, a step prefills one chunk
             of at most this many tokens, so a new turn delays each running reply's next
-            token by one short chunk. Default
+            token by one short chunk; when prompts pile up, the chunk doubles as far as the
+            measured step stays within the gap target
+            (:class:`~convo.fast.step_budget.StepCosts`), and mixed steps are captured up
+            to twice this. Default
             :data:`~convo.models.defaults.DEFAULT_INTERLEAVE_TOKENS` (256).
         prefill_chunk_tokens: prefill runs in chunks of this many tokens, checking the
             clock between chunks (also bounds prefill activation memory). Default

@@ -550,7 +550,7 @@ class TransformersEngine(Engine):
                     compile=compile_decode,
                     prefill_chunk_tokens=self.prefill_chunk_tokens,
                     free_dense=self.quant is Quant.INT4,
-                    mixed_chunk_tokens=self.interleave_tokens,
+                    mixed_chunk_tokens=2 * self.interleave_tokens,
                 ),
                 stage=layer_stager(self.device, init=init_random_layer if self._random_weights else None)
                 if self._staged

@@ -34,7 +34,7 @@ import itertools
 
 from _common import pick_device, random_model, stderr_log
 
-from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder
+from convo.fast import DecoderConfig, DecodeRequest, DecodeScheduler, StaticDecoder
 from convo.models import GREEDY
 
 #: Issue 11: the running streams' p95 inter-token gap under arrivals, in steady steps.
@@ -49,11 +49,26 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))] if values else 0.0
 
 
+def replay_ms(graph: Any, reps: int = 20) -> float:
+    """Median milliseconds of one replay of a captured graph."""
+    import torch
+
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def graph_replays(dec: StaticDecoder, rows: int, chunk: int) -> dict[str, float]:
     """Median ms of one replay of the captured decode step (``rows`` rows), prefill
-    (``chunk`` tokens) and mixed step (both), where they were captured (CUDA)."""
-    from convo.fast.decoder import _replay_ms
-
+    (``chunk`` tokens) and mixed steps (both; and with a chunk twice as long, as a step
+    grown under a pile of prompts runs), where they were captured (CUDA)."""
     b = dec.bucket(rows)
     t = min((x for x in dec.prefill_buckets if x >= chunk), default=dec.prefill_buckets[-1])
     out = {}
@@ -61,9 +76,10 @@ def graph_replays(dec: StaticDecoder, rows: int, chunk: int) -> dict[str, float]
         (f"decode_{b}", dec._graphs, b),
         (f"prefill_{t}", dec._prefill_graphs, t),
         (f"mixed_{b}_{t}", dec._mixed_graphs, (b, t)),
+        (f"mixed_{b}_{2 * t}", dec._mixed_graphs, (b, 2 * t)),
     ):
         if key in graphs:
-            out[label] = round(_replay_ms(graphs[key][0]), 3)  # type: ignore[index]
+            out[label] = round(replay_ms(graphs[key][0]), 3)  # type: ignore[index]
     return out
 
 
@@ -100,7 +116,11 @@ def main() -> None:
     slots = args.streams + max(8, args.burst)
     t = time.perf_counter()
     dec = StaticDecoder(
-        model, slots=slots, slot_tokens=args.slot_tokens, weights=args.weights, free_dense=True
+        model,
+        slots=slots,
+        slot_tokens=args.slot_tokens,
+        weights=args.weights,
+        config=DecoderConfig(free_dense=True),
     )
     dec.warmup()
     if args.mixed != "auto":

@@ -80,6 +80,24 @@ def env_info(device: str) -> dict[str, Any]:
     return env
 
 
+def replay_ms(graph: Any, reps: int = 20, calls: int = 1) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, over ``calls`` calls
+    it holds (the median of ``reps`` timed replays, after one untimed)."""
+    import torch
+
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def sync(device: str) -> None:
     """Wait for the device's queued work (timings end here)."""
     import torch

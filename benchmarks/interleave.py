@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
-from _common import pick_device, random_model, stderr_log
+from _common import pick_device, random_model, replay_ms, stderr_log
 
 from convo.fast import DecoderConfig, DecodeRequest, DecodeScheduler, StaticDecoder
 from convo.models import GREEDY
@@ -47,22 +47,6 @@ log = stderr_log("interleave")
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))] if values else 0.0
-
-
-def replay_ms(graph: Any, reps: int = 20) -> float:
-    """Median milliseconds of one replay of a captured graph."""
-    import torch
-
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def graph_replays(dec: StaticDecoder, rows: int, chunk: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
+from _common import replay_ms
 
 from convo.fast.int4 import Int4Linear
 from convo.fast.kernels import (
@@ -56,17 +57,7 @@ def graph_ms(fn: Any, calls: int = 20, reps: int = 7) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
+    return replay_ms(graph, reps, calls)
 
 
 def candidates(rows: int) -> list[tuple[Any, ...]]:

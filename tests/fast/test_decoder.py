@@ -392,6 +392,33 @@ def test_plain_int4_triton_kernel_interpreted_matches_tinygemm() -> None:
     assert kernels < 1e-3 and decoders < 1e-2
 
 
+@pytest.mark.slow  # ~30 s: Triton's interpreter runs the kernel on the CPU
+def test_swap_settings_interpreted_match_the_dequantized_product() -> None:
+    """The SWAP settings (``W @ x.T``, the product transposed at the end; split K adding
+    the transposed partial sums) give the dequantized weight's product, at fewer rows than
+    one row tile and at several row tiles with a ragged last one."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from convo.fast import Int4Linear\n"
+        "from convo.fast.kernels import W4_CONFIGS, W4_LARGE_CONFIGS, w4a16_settings, w4a16_with_config\n"
+        "torch.manual_seed(0)\n"
+        "q = Int4Linear.quantize(torch.randn(192, 256), group_size=32, layout='plain')\n"
+        "ref_w = q.dequantize()\n"
+        "swap = [c for c in (*W4_CONFIGS, *W4_LARGE_CONFIGS) if len(c) > 1 and w4a16_settings(c)[8]]\n"
+        "assert len(swap) >= 8 and any(w4a16_settings(c)[2] > 1 for c in swap)\n"
+        "err = 0.0\n"
+        "for rows in (3, 70):\n"
+        "    x = torch.randn(rows, 256)\n"
+        "    for cfg in swap:\n"
+        "        y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)\n"
+        "        err = max(err, float((y - x @ ref_w.t()).abs().max()))\n"
+        "print(err, len(swap))\n"
+    )
+    err, count = _interpreted_errors(code)
+    assert err < 1e-3 and count >= 8
+
+
 # -- the scheduler -------------------------------------------------------------------------------------
 
 

@@ -6,8 +6,10 @@ the instructions of its main loop by the unit that runs them. Per K block, one t
 dequantizes ``BLOCK_N * BLOCK_K / threads`` weights; a unit that does ``r`` instructions
 per clock per SM needs ``count * threads / r`` clocks for the block, so the largest of
 those bounds how many weight bytes an SM can take per clock, whatever the memory gives.
-The rates are sm_90's (conversions 16 per clock, integer 64, float and half2 128). It is
-a lens for when no GPU is at hand, not a timing: ``benchmarks/w4_kernels.py`` times them.
+On sm_90 it also reads in the PTX whether the products' left operand stays in registers
+and how many products run on while the loop goes on (:func:`wgmma`). The rates are
+sm_90's (conversions 16 per clock, integer 64, float and half2 128). It is a lens for when
+no GPU is at hand, not a timing: ``benchmarks/w4_kernels.py`` times them.
 
     python benchmarks/w4_sass.py --arch 90 --out w4_sass.json
 """
@@ -49,6 +51,21 @@ def loop_ops(sass: str) -> Counter[str]:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in best)
 
 
+def wgmma(ptx: str) -> dict[str, Any]:
+    """How the loop's sm_90 products run, read in the PTX: ``wgmma_a_in_registers`` (the
+    left operand in registers, not a shared-memory descriptor) and ``wgmma_in_flight`` (the
+    most products left running while the loop goes on: 0, each block waits for its own);
+    ``None`` where there is no wgmma (sm_80, or mma.sync tiles)."""
+    products = re.findall(r"wgmma\.mma_async[^;]*", ptx)
+    if not products:
+        return {"wgmma_a_in_registers": None, "wgmma_in_flight": None}
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
+    return {
+        "wgmma_a_in_registers": all(re.search(r"\},\s*\{%r", p) is not None for p in products),
+        "wgmma_in_flight": max(waits, default=0),
+    }
+
+
 def analyse(cfg: tuple[Any, ...], arch: int, dtype: str) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -87,6 +104,7 @@ def analyse(cfg: tuple[Any, ...], arch: int, dtype: str) -> dict[str, Any]:
         "loop_instructions": sum(ops.values()),
         "per_unit": counts,
         "mma": ops.get("HMMA", 0) + ops.get("HGMMA", 0),
+        **wgmma(compiled.asm["ptx"]),
         "bound_by": bound,
         "weight_bytes_per_clock_per_sm": round(weight_bytes / clocks[bound], 2),
     }

@@ -55,3 +55,17 @@ def test_magic_2_takes_the_nibbles_to_bf16_without_conversion_units(sass: Module
     assert ptx["mma"] == plain["mma"] > 0  # the same products, the same tensor-core work
     # PTX for sm_80 and later: fma.rn.bf16x2 (add.bf16x2 would need sm_90)
     assert sass.analyse((16, 64, 4, 4, 3, 128, False, 2), 80, "bf16")["per_unit"]["conversion"] == 0
+
+
+@needs_tools
+def test_swap_keeps_the_weight_tile_in_registers_and_the_product_asynchronous(sass: ModuleType) -> None:
+    """The point of SWAP on sm_90: the dequantized tile is wgmma's left operand, in
+    registers, and a product runs on beside the next block's dequantization; the same tile
+    as the right operand goes through shared memory and each block waits for its product."""
+    tall = (128, 128, 1, 8, 3, 64, False, 2)
+    swapped = sass.analyse((*tall, True), 90, "bf16")
+    plain = sass.analyse((*tall, False), 90, "bf16")
+    assert swapped["wgmma_a_in_registers"] is True and swapped["wgmma_in_flight"] >= 1
+    assert plain["wgmma_a_in_registers"] is False and plain["wgmma_in_flight"] == 0
+    assert swapped["mma"] == plain["mma"] > 0
+    assert sass.wgmma("mma.sync.aligned.m16n8k16") == {"wgmma_a_in_registers": None, "wgmma_in_flight": None}

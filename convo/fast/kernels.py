@@ -85,7 +85,7 @@ def w4a16_settings(cfg: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((*w4a16_settings(c)[:7], 2, w4a16_settings(c)[8]) for c in cfgs)
+    return tuple((*s[:7], 2, s[8]) for s in map(w4a16_settings, cfgs))
 
 
 #: ``SWAP`` tiles (``MAGIC`` 2 only: they are not bound by the conversions' rate).

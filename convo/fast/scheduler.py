@@ -79,7 +79,14 @@ from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
 from convo.fast.kv_shift import KVShift, find_shift
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.sampling import sample_rows
-from convo.fast.step_budget import DEFAULT_GAP_STEPS, MIN_COST_STEPS, PILEUP_CHUNKS, StepCosts, step_costs
+from convo.fast.step_budget import (
+    DEFAULT_GAP_STEPS,
+    MIN_COST_STEPS,
+    PILEUP_CHUNKS,
+    STEP_KINDS,
+    StepCosts,
+    step_costs,
+)
 from convo.models.defaults import DEFAULT_INTERLEAVE_TOKENS, DEFAULT_STEP_TOKENS
 from convo.models.device import empty_device_cache
 from convo.models.generation import FinishReason, Priority, SchedulerStats
@@ -138,9 +145,6 @@ DEFAULT_REPLY_WAIT_TOKENS = 4
 #: summaries lag 13 s.
 DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 
-#: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
-#: same forward, prefill alone.
-STEP_KINDS = ("decode", "mixed", "prefill")
 #: Fewest more prompt tokens a request copies from a running request of its session in
 #: another slot (:meth:`DecodeScheduler._borrow`), or a turn parks in host memory for its
 #: session's queued summary (:meth:`DecodeScheduler._keep_for_background`), instead of
@@ -403,8 +407,7 @@ class DecodeScheduler:
         #: or host memory's copy handed over (``handoff``).
         self.kept_for_background = 0
         self._ledger = PrefixLedger()
-        self._kind_steps = dict.fromkeys(STEP_KINDS, 0)
-        self._kind_busy = dict.fromkeys(STEP_KINDS, 0.0)
+        #: every step counted by kind, and the grown steps' costs
         self.costs = StepCosts(interleave_tokens=interleave_tokens)
         self._blocked = False  # the last admission left work waiting for a slot
 
@@ -488,8 +491,8 @@ class DecodeScheduler:
         pool = self.decoder.pool
         host = pool.host
         return SchedulerStats(
-            steps=dict(self._kind_steps),
-            busy_s=dict(self._kind_busy),
+            steps=dict(self.costs.steps),
+            busy_s=dict(self.costs.busy_s),
             decode_rows=self.rows,
             prompt_tokens=self.prefill_tokens,
             novel_prompt_tokens=self.novel_prompt_tokens,
@@ -535,11 +538,11 @@ class DecodeScheduler:
         self.novel_tokens_by_work[work_kind(req)] += req._novel
         req._novel = 0
 
-    def _count(self, kind: str, started: float, prompt_tokens: int = 0) -> None:
+    def _count(self, kind: str, started: float, prompt_tokens: int = 0) -> float:
+        """Count a step that began at ``started``; its seconds."""
         seconds = self.timer() - started
-        self._kind_steps[kind] += 1
-        self._kind_busy[kind] += seconds
         self.costs.record(kind, prompt_tokens, seconds)
+        return seconds
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -592,8 +595,7 @@ class DecodeScheduler:
             started = self.timer()
             try:
                 self._step()
-                self._count("decode", started)
-                streamed = self.timer() - started
+                streamed = self._count("decode", started)
             except BaseException as exc:  # a device error ends every row in flight
                 self._fail(self._active, exc)
                 self._active = []
@@ -601,10 +603,9 @@ class DecodeScheduler:
             started = self.timer()
             try:
                 self._prefill(batch)
-                self._count("prefill", started)
+                prefilled = self._count("prefill", started)
                 if streamed:
-                    gap = streamed + self.timer() - started
-                    self.costs.record("mixed", sum(c.end - c.start for _, c in batch), gap)
+                    self.costs.price(sum(c.end - c.start for _, c in batch), streamed + prefilled)
             except BaseException as exc:
                 failed = [r for r, _ in batch]
                 self._prefilling = [r for r in self._prefilling if r not in failed]
@@ -862,7 +863,7 @@ class DecodeScheduler:
     def _expected_s(self, req: DecodeRequest) -> float | None:
         """Seconds ``req`` is expected to hold a slot: its prompt at the measured cost per
         prompt token, then its tokens at the measured decode step (``None``: not measured)."""
-        costs = step_costs(self._kind_steps, self._kind_busy, self.prefill_tokens)
+        costs = step_costs(self.costs.steps, self.costs.busy_s, self.prefill_tokens)
         if costs is None:
             return None
         decode_s, token_s = costs

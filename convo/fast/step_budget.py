@@ -20,7 +20,11 @@ cost were linear in its tokens. A size left for its cost is not tried again.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_GAP_STEPS", "MIN_COST_STEPS", "PILEUP_CHUNKS", "StepCosts", "step_costs"]
+__all__ = ["DEFAULT_GAP_STEPS", "MIN_COST_STEPS", "PILEUP_CHUNKS", "STEP_KINDS", "StepCosts", "step_costs"]
+
+#: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
+#: same forward, prefill alone.
+STEP_KINDS = ("decode", "mixed", "prefill")
 
 #: While replies stream and prompt tokens pile up, a step may grow its prefill until it is
 #: expected to take this many decode-only steps: the gap between two tokens of a running
@@ -42,9 +46,10 @@ COST_EMA = 0.2
 class StepCosts:
     """The scheduler's measured step costs, and the prompt budget of a streaming step.
 
-    :meth:`record` takes every step: decode-only steps give the steady step
-    (:attr:`decode_s`); steps with decode rows and prompt tokens give the cost of their
-    size, the smallest of ``interleave_tokens * 2**j`` that holds their prompt tokens.
+    :meth:`record` takes every step and counts it by kind (:attr:`steps`, :attr:`busy_s`):
+    decode-only steps give the steady step (:attr:`decode_s`); steps with decode rows and
+    prompt tokens give the cost of their size (:meth:`price`), the smallest of
+    ``interleave_tokens * 2**j`` that holds their prompt tokens.
 
     >>> costs = StepCosts(interleave_tokens=256)
     >>> for _ in range(8):
@@ -62,8 +67,9 @@ class StepCosts:
     def __init__(self, *, interleave_tokens: int, gap_steps: float = DEFAULT_GAP_STEPS) -> None:
         self.interleave_tokens = max(interleave_tokens, 1)
         self.gap_steps = gap_steps
-        self._decode_steps = 0
-        self._decode_busy = 0.0
+        #: steps run and their seconds, by kind (:data:`STEP_KINDS`)
+        self.steps = dict.fromkeys(STEP_KINDS, 0)
+        self.busy_s = dict.fromkeys(STEP_KINDS, 0.0)
         #: size -> running mean seconds of the steps of that size with decode rows
         self.sized_s: dict[int, float] = {}
 
@@ -76,12 +82,17 @@ class StepCosts:
         return size
 
     def record(self, kind: str, prompt_tokens: int, seconds: float) -> None:
-        """Take one step: ``kind`` ``"decode"`` (no prompt tokens), ``"mixed"`` (decode rows
-        and ``prompt_tokens``) or ``"prefill"`` (no rows: not a gap, not priced)."""
-        if kind == "decode":
-            self._decode_steps += 1
-            self._decode_busy += seconds
-        elif kind == "mixed" and prompt_tokens > 0:
+        """Count one step: ``kind`` ``"decode"`` (no prompt tokens), ``"mixed"`` (decode rows
+        and ``prompt_tokens``, priced) or ``"prefill"`` (no rows: not a gap, not priced)."""
+        self.steps[kind] += 1
+        self.busy_s[kind] += seconds
+        if kind == "mixed":
+            self.price(prompt_tokens, seconds)
+
+    def price(self, prompt_tokens: int, seconds: float) -> None:
+        """Take ``seconds`` as the gap of a streaming step that prefilled ``prompt_tokens``
+        (a mixed step, or a decode step and the prefill forward after it)."""
+        if prompt_tokens > 0:
             size = self.size(prompt_tokens)
             old = self.sized_s.get(size)
             self.sized_s[size] = seconds if old is None else old + COST_EMA * (seconds - old)
@@ -89,9 +100,9 @@ class StepCosts:
     @property
     def decode_s(self) -> float | None:
         """A decode-only step's mean seconds (``None`` before :data:`MIN_COST_STEPS`)."""
-        if self._decode_steps < MIN_COST_STEPS or self._decode_busy <= 0:
+        if self.steps["decode"] < MIN_COST_STEPS or self.busy_s["decode"] <= 0:
             return None
-        return self._decode_busy / self._decode_steps
+        return self.busy_s["decode"] / self.steps["decode"]
 
     def budget(self, *, waiting: int, rows: int, step_tokens: int) -> int:
         """Prompt tokens one step may prefill beside ``rows`` streaming rows while

@@ -5,7 +5,7 @@ group 32 as the engine quantizes): convo's Triton W4A16 kernel (its tuned settin
 the op as the engine runs it (``op``: the setting its own tuner took at the first call),
 each of the op's candidate settings (``candidates_us``; with ``--sweep`` also a sweep of
 tile sizes, split K, K blocks of 128 or 256, the weight tile loaded as ``[K, N]`` or
-transposed),
+transposed, and the ``SWAP`` settings, which the op no longer times),
 tinygemm, and the plain layout dequantized then multiplied by cuBLAS (what steps of more
 than ``W4_KERNEL_MAX_ROWS`` rows run), with bf16 ``F.linear`` as the bandwidth reference.
 Each call is timed as a replay of a CUDA graph of 20 calls (how a step runs them), and
@@ -34,6 +34,7 @@ from _common import replay_ms
 
 from convo.fast.int4 import Int4Linear
 from convo.fast.kernels import (
+    W4_SWAP_CONFIGS,
     dequantize_plain_int4,
     w4a16_candidates,
     w4a16_row_bucket,
@@ -124,7 +125,7 @@ def main() -> None:
                 )
             timed: dict[str, float] = {}
             families = [("convo", w4a16_candidates(rows))] + (
-                [("sweep", candidates(rows))] if args.sweep else []
+                [("sweep", [*candidates(rows), *W4_SWAP_CONFIGS])] if args.sweep else []
             )
             for family, cfgs in families:
                 for cfg in cfgs:
@@ -141,7 +142,9 @@ def main() -> None:
                         timed[",".join(map(str, w4a16_settings(cfg) if len(cfg) > 1 else cfg))] = round(
                             ms * 1e3, 1
                         )
-                    kind = family if family == "convo" else f"sweep-{'trans' if cfg[6] else 'plain'}"
+                    full = w4a16_settings(cfg)
+                    layout = "swap" if full[8] else "trans" if full[6] else "plain"
+                    kind = family if family == "convo" else f"sweep-{layout}"
                     if ms < found.get(kind, (1e9, None))[0]:
                         found[kind] = (ms, cfg)
                     if err >= 2e-2:

@@ -53,11 +53,11 @@ Int4Layout = Literal["plain", "tinygemm", "both"]
 #: weight once) against that same dense path, which stays a candidate, so it never runs
 #: slower than the dense path by more than the tuner's timing noise. Measured on an H100
 #: (Llama-2-7B projections, 32 layers, graph replays, ``benchmarks/w4_kernels.py``): 64 rows
-#: 6.99 ms through the kernel against 12.1 dequantized for cuBLAS; at 272 rows the tiles
-#: whose product waits for shared memory took 16.2 against 13.2, the ``SWAP`` tiles
-#: (the dequantized tile kept in registers as the product's left operand) are timed too,
-#: up to a grown mixed step's 16 rows and 512-token chunk and a 1,024-token prefill.
-W4_KERNEL_MAX_ROWS = 1024
+#: 6.99 ms through the kernel against 12.1 dequantized for cuBLAS; at 272 rows the dense
+#: path won every projection (13.2 ms; the best tiles 16.2), and at 528 rows too (16.0 ms),
+#: ``SWAP`` tiles included (2026-12-07): past 160 rows the tuner would only spend warm-up
+#: time finding the dense path again.
+W4_KERNEL_MAX_ROWS = 160
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8

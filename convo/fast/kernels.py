@@ -67,7 +67,9 @@ _W4: dict[str, Any] = {}
 #: beside the next block's dequantization, where the tile as the right operand is written
 #: to shared memory first and each block waits for its product; the rows become the
 #: product's N (8 to 256), so a 16-row step wastes none of it. Each weight is rounded once
-#: every way.
+#: every way. Measured on an H100, the ``SWAP`` tiles lost to the others at 16 rows and to
+#: the dense path at 272 and 528 (``benchmarks/w4_kernels.py``, 2026-12-07): they are not
+#: the tuner's candidates (:data:`W4_SWAP_CONFIGS`; the benchmark's ``--sweep`` times them).
 _W4_TILES: tuple[tuple[Any, ...], ...] = (
     *((16, bn, sk, w, 3) for bn, sk, w in ((32, 1, 4), (64, 1, 4), (128, 1, 4), (32, 2, 4), (64, 2, 4))),
     *((16, bn, sk, w, 3) for bn, sk, w in ((16, 4, 2), (32, 4, 4), (64, 4, 4), (128, 4, 4), (32, 8, 4))),
@@ -88,8 +90,9 @@ def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
     return tuple((*s[:7], 2, s[8]) for s in map(w4a16_settings, cfgs))
 
 
-#: ``SWAP`` tiles (``MAGIC`` 2 only: they are not bound by the conversions' rate).
-_W4_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
+#: The ``SWAP`` tiles, short then tall (``MAGIC`` 2 only: they are not bound by the
+#: conversions' rate); not timed by the op's tuner (see above).
+W4_SWAP_CONFIGS: tuple[tuple[Any, ...], ...] = tuple(
     (bm, bn, sk, bn // 16, 3, bk, False, 2, True)
     for bm, bn, sk, bk in (
         (16, 64, 4, 128),
@@ -97,9 +100,11 @@ _W4_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
         (16, 128, 4, 128),
         (32, 64, 4, 128),
         (64, 64, 2, 128),
+        *((bm, bn, sk, 64) for bm, bn, sk in ((64, 128, 1), (128, 128, 1), (256, 128, 1), (128, 64, 1))),
+        *((bm, bn, sk, 64) for bm, bn, sk in ((256, 64, 1), (128, 128, 2))),
     )
 )
-W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES), *_W4_SWAP_TILES)
+W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES))
 #: The product done by dequantizing the weight once (one kernel) and multiplying with
 #: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
 W4_DENSE = ("dense",)
@@ -112,15 +117,10 @@ _W4_LARGE_TILES: tuple[tuple[Any, ...], ...] = (
     ),
     *((128, bn, 1, 8, 3, 64, t) for bn, t in ((64, False), (128, False), (128, True))),
 )
-_W4_LARGE_SWAP_TILES: tuple[tuple[Any, ...], ...] = tuple(
-    (bm, bn, sk, bn // 16, 3, 64, False, 2, True)
-    for bm, bn, sk in ((64, 128, 1), (128, 128, 1), (256, 128, 1), (128, 64, 1), (256, 64, 1), (128, 128, 2))
-)
 W4_LARGE_CONFIGS: tuple[tuple[Any, ...], ...] = (
     W4_DENSE,
     *_W4_LARGE_TILES,
     *_magic(_W4_LARGE_TILES),
-    *_W4_LARGE_SWAP_TILES,
 )
 #: Rows up to which the W4A16 op also times :data:`W4_CONFIGS`' 32- and 64-row tiles beside
 #: :data:`W4_LARGE_CONFIGS` (16 decode rows and a chunk of up to 128 tokens).

@@ -38,8 +38,8 @@ PILEUP_CHUNKS = 16
 #: decoder whose steps cost nothing measurable, a streaming step prefills
 #: ``interleave_tokens``).
 MIN_COST_STEPS = 8
-#: Weight of the newest step in a size's running mean (recent steps count most: a step's
-#: cost moves with its rows and the context its attention reads).
+#: Weight of the newest step in a size's running mean, and in the decode-only steps' (recent
+#: steps count most: a step's cost moves with its rows and the context its attention reads).
 COST_EMA = 0.2
 
 
@@ -72,6 +72,7 @@ class StepCosts:
         self.busy_s = dict.fromkeys(STEP_KINDS, 0.0)
         #: size -> running mean seconds of the steps of that size with decode rows
         self.sized_s: dict[int, float] = {}
+        self._decode_s: float | None = None  # running mean of the decode-only steps
 
     def size(self, prompt_tokens: int) -> int:
         """The size of a step of ``prompt_tokens``: ``interleave_tokens`` doubled until it
@@ -86,7 +87,10 @@ class StepCosts:
         and ``prompt_tokens``, priced) or ``"prefill"`` (no rows: not a gap, not priced)."""
         self.steps[kind] += 1
         self.busy_s[kind] += seconds
-        if kind == "mixed":
+        if kind == "decode":
+            old = self._decode_s
+            self._decode_s = seconds if old is None else old + COST_EMA * (seconds - old)
+        elif kind == "mixed":
             self.price(prompt_tokens, seconds)
 
     def price(self, prompt_tokens: int, seconds: float) -> None:
@@ -99,10 +103,11 @@ class StepCosts:
 
     @property
     def decode_s(self) -> float | None:
-        """A decode-only step's mean seconds (``None`` before :data:`MIN_COST_STEPS`)."""
-        if self.steps["decode"] < MIN_COST_STEPS or self.busy_s["decode"] <= 0:
+        """The recent decode-only steps' running mean seconds (weight :data:`COST_EMA`;
+        ``None`` before :data:`MIN_COST_STEPS` of them, or while they cost nothing)."""
+        if self.steps["decode"] < MIN_COST_STEPS or not self._decode_s:
             return None
-        return self.busy_s["decode"] / self.steps["decode"]
+        return self._decode_s
 
     def budget(self, *, waiting: int, rows: int, step_tokens: int) -> int:
         """Prompt tokens one step may prefill beside ``rows`` streaming rows while

@@ -106,6 +106,21 @@ def test_a_cheap_prompt_token_grows_toward_the_whole_step_budget() -> None:
     assert settle(measured(FastPrefill()), FastPrefill(), 10**6, step_tokens=512)[-1] == 512 - 16
 
 
+def test_the_gap_is_bounded_by_the_recent_decode_steps_not_an_earlier_load() -> None:
+    """Slower decode steps of an earlier load (longer contexts) do not widen the gap: a
+    pile-up prices its sizes against the steady step it interrupts (a mean since start
+    let 512-token steps run at 3.4x the steady step on an H100)."""
+    step = FakeStep()
+    costs = StepCosts(interleave_tokens=256)
+    for _ in range(200):
+        costs.record("decode", 0, 3 * step.decode_s)  # an earlier, slower load
+    for _ in range(30):
+        costs.record("decode", 0, step.decode_s)  # the steady step now
+    assert costs.decode_s == pytest.approx(step.decode_s, rel=1e-2)
+    taken = settle(costs, step, 60_000)
+    assert all(step.seconds(b) <= DEFAULT_GAP_STEPS * step.decode_s * 1.01 for b in taken[-6:])
+
+
 def test_no_growth_before_the_step_cost_is_measured() -> None:
     step = FakeStep()
     for steps in (0, MIN_COST_STEPS - 1):

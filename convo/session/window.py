@@ -141,15 +141,25 @@ def turns_to_push_out(window: Sequence[Turn], budget: Budget, counter: TokenCoun
     return drop
 
 
-def window_room(plan: PromptPlan, budget: Budget, summary_cap: int, counter: TokenCounter) -> int:
+def window_room(
+    plan: PromptPlan, budget: Budget, summary_cap: int, counter: TokenCounter, *, memory: bool = False
+) -> int:
     """The tokens the window's turns may hold in prompts like ``plan``: the prompt room less
     its pinned part, tools and template, the summary at its cap (``summary_cap``; it grows
-    to it once written) and, where ``plan`` retrieved passages, retrieval's share
-    (:attr:`~convo.budget.Budget.retrieval_min`)."""
+    to it once written) and, where ``plan`` retrieved passages or the session has
+    ``memory``, retrieval's share (:attr:`~convo.budget.Budget.retrieval_min`).
+
+    With memory, the share is kept even when ``plan`` retrieved nothing: before the first
+    slide every remembered turn is still in the window (no passages), but once turns leave
+    it, retrieval has passages to fill its share. Reckoned without it, the first slide
+    pushed out too few turns and the window slid again on the next turn, each slide
+    prefilling all that follows the summary (``serve_load.py --preset gpu-chat --memory``:
+    1,341 then 424-1,636 tokens prefilled on the two turns, against 581 then 312 without
+    memory)."""
     parts = plan.parts
     summary = parts.get("summary", 0)
     if summary_cap > 0:
         summary = max(summary, summary_cap + counter.message_tokens(summary_message("")))
     fixed = parts.get("system", 0) + parts.get("tools", 0) + parts.get("template", 0) + summary
-    retrieval = budget.retrieval_min if parts.get("retrieved", 0) > 0 else 0
+    retrieval = budget.retrieval_min if memory or parts.get("retrieved", 0) > 0 else 0
     return budget.available_prompt_tokens - fixed - retrieval

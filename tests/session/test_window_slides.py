@@ -42,6 +42,19 @@ class Plenty(Retriever):
         return [Passage(text=f"m{i} " + "m" * 236, source=f"p{i}", score=1.0 - i / 100) for i in range(top_k)]
 
 
+class Evicted(Retriever):
+    """Offers passages only of turns that have left the window, as a real memory does:
+    nothing before the first slide, then more than the room holds."""
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+
+    def retrieve(self, query: str, *, session_id: str, top_k: int) -> list[Passage]:
+        if self.session is None or not self.session.evicted_turns:
+            return []
+        return Plenty().retrieve(query, session_id=session_id, top_k=top_k)
+
+
 def turns_of(sizes: Sequence[int]) -> list[Turn]:
     return [
         Turn(index=i, messages=(Message(role=Role.USER, content="u" * (4 * n)),)) for i, n in enumerate(sizes)
@@ -70,20 +83,25 @@ def test_retrieval_min_is_named_defaulted_and_checked() -> None:
         Budget(retrieval_min_tokens=-1)
 
 
-def first_shown(memory: bool, turns: int = 14) -> list[int]:
+def first_shown(
+    memory: bool, turns: int = 14, retriever: Retriever | None = None, message: str = BIG
+) -> list[int]:
     engine = ScriptedEngine(CharCounter(), context_window=2048)
     engine.reply_fn = lambda _m: "r" * 128
     session = Session(
         engine,
         budget=BUDGET,
-        retriever=Plenty() if memory else None,
+        retriever=retriever or (Plenty() if memory else None),
         summarizing=SummaryConfig(summarizer=Instant(), wait_s=None),
     )
+    if isinstance(retriever, Evicted):
+        retriever.session = session
     shown = []
     for i in range(turns):
-        reply = session.send(f"u{i} {BIG}")
+        reply = session.send(f"u{i} {message}")
         assert reply.stats.prompt_tokens + BUDGET.max_new_tokens <= BUDGET.context_tokens
-        assert (reply.plan.parts["retrieved"] > 0) == memory
+        if retriever is None:
+            assert (reply.plan.parts["retrieved"] > 0) == memory
         session.wait_summary(10)
         shown.append(reply.plan.first_shown_turn)
     return shown
@@ -99,3 +117,14 @@ def test_the_window_slides_a_batch_at_a_time(memory: bool) -> None:
     assert len(moves) >= 3, shown
     gaps = {b - a for a, b in itertools.pairwise(moves)}
     assert gaps == ({3} if not memory else {2}), shown
+
+
+def test_the_first_slide_with_memory_leaves_room_for_what_retrieval_will_bring() -> None:
+    """A real memory has no passages before the first slide (every turn is still in the
+    window). The first slide still keeps retrieval's share free, so the window does not
+    slide again soon after, when the passages come. With ~300-token turns (gpu-chat's)
+    reckoned without it, the first slide left three turns out, the next came two turns
+    later; now four leave and every slide is three turns apart."""
+    shown = first_shown(True, retriever=Evicted(), message="x" * 1200)
+    moves = [i for i in range(1, len(shown)) if shown[i] != shown[i - 1]]
+    assert len(moves) >= 3 and {b - a for a, b in itertools.pairwise(moves)} == {3}, shown

@@ -121,6 +121,13 @@ class Load:
     # window moves again, also when the summary is written meanwhile (one re-prefill per
     # slide, not two); off: the written summary replaces it at once.
     sticky_provisional: bool = True
+    # When the window slides after a reply (lookahead), prefill the next prompt's prefix
+    # (system, the provisional block, the kept window) in the background at once, before
+    # the summary is written, as ``Session.prefill_next`` does once it is. Measured
+    # (2026-12-07, context shift on): it does not pay, the prefill and the summary contend
+    # for the session's slot (think-16: re-prefill 0.38 -> 0.485, slide 1.24x -> 1.27x,
+    # preemptions 21 -> 26; gpu-chat: re-prefill 0.283 -> 0.332, wall 13.3 -> 13.9 s).
+    prefill_at_slide: bool = False
     host_slots: int = 48  # host memory, in whole slots (0: off)
     decode_s: float = 0.010
     row_s: float = 0.00015
@@ -433,6 +440,13 @@ def simulate(load: Load) -> dict[str, Any]:
                 if k:
                     u.owed, u.window = u.window[:k], u.window[k:]
                     u.owed_since, u.sticky = clock.now, None
+                    if load.prefill_at_slide:
+                        u.sticky = block(u)
+                        ids = [*system, *u.sticky, *itertools.chain.from_iterable(u.window)]
+                        submit("prefill", u, DecodeRequest(
+                            ids=ids, max_new_tokens=1, deadline=float("inf"), sampling=GREEDY,
+                            cache_key=u.key, prefill_only=True, priority=Priority.BACKGROUND,
+                        ))  # fmt: skip
             if u.owed and not u.job:
                 u.job = True
                 due[0] += 1

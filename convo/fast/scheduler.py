@@ -130,13 +130,14 @@ SLOT_POLL_S = 0.02
 #: stopped had over 200 of their 256 tokens).
 DEFAULT_BACKGROUND_FINISH_TOKENS = 16
 #: A reply that finds every slot busy waits, rather than stop background work, while a
-#: running request will free its slot within this many tokens: within
-#: :data:`DEFAULT_REPLY_WAIT_TOKENS` when the stopped work would be parked in host memory
-#: (a copy, ~17 ms for a 1,700-token Llama-2-7B window on the H200), within
-#: :data:`DEFAULT_BACKGROUND_FINISH_TOKENS` when it would be recomputed. Measured with
-#: ``benchmarks/kv_sched.py`` (16 slots): waiting up to 16 tokens also with host memory
-#: takes think-16 to 0 preemptions but costs chat-users 0.1 s of TTFT p95; 4 costs nothing.
-DEFAULT_REPLY_WAIT_TOKENS = 4
+#: running request will free its slot within this many tokens (within
+#: :data:`DEFAULT_BACKGROUND_FINISH_TOKENS` when the stopped work would be recomputed, not
+#: parked in host memory). Measured with ``benchmarks/kv_sched.py`` (16 slots, context
+#: shift on, 2026-12-07): 16 rather than 4 takes think-16 from 21 preemptions to 8,
+#: re-prefill 0.38 -> 0.351 and the slide turn 1.24x -> 1.19x an ordinary one; chat-users
+#: and gpu-chat lose nothing (TTFT p95 0.111 s and 0.46-0.48 s either way; an older model
+#: of the load, without context shift, had 16 cost chat-users 0.1 s of TTFT p95).
+DEFAULT_REPLY_WAIT_TOKENS = 16
 #: Share of the KV slots that background work (summaries, background prefills) may hold
 #: at once (at least one slot): the rest is left to replies, so a wave of turns finds
 #: slots without stopping the summaries, which drain in the pauses. Measured with

@@ -20,7 +20,15 @@ cost were linear in its tokens. A size left for its cost is not tried again.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_GAP_STEPS", "MIN_COST_STEPS", "PILEUP_CHUNKS", "STEP_KINDS", "StepCosts", "step_costs"]
+__all__ = [
+    "DEFAULT_GAP_STEPS",
+    "MIN_COST_STEPS",
+    "PILEUP_CHUNKS",
+    "SHRINK_HALVINGS",
+    "STEP_KINDS",
+    "StepCosts",
+    "step_costs",
+]
 
 #: The kinds of scheduler step: decode rows alone, decode rows with a prefill chunk in the
 #: same forward, prefill alone.
@@ -34,6 +42,12 @@ DEFAULT_GAP_STEPS = 2.5
 #: (``interleave_tokens`` each) wait; the step then takes 1/PILEUP_CHUNKS of what waits,
 #: so a burst drains in about this many steps at most, as fast as the gap allows.
 PILEUP_CHUNKS = 16
+#: A streaming step whose ordinary chunk (``interleave_tokens``) costs more than the gap
+#: prefills half of it, and so on down to ``interleave_tokens >> SHRINK_HALVINGS``: on an
+#: int4 GPU model a 16-row decode step runs the fused W4A16 kernel (5.9 ms, H100,
+#: Llama-2-7B) while 16 rows and a 256-token chunk go dense (~21 ms, 3.3x), past the
+#: inter-token target however the chunk grows.
+SHRINK_HALVINGS = 2
 #: Decode-only steps measured before the step cost is trusted (until then, and on a
 #: decoder whose steps cost nothing measurable, a streaming step prefills
 #: ``interleave_tokens``).
@@ -74,10 +88,15 @@ class StepCosts:
         self.sized_s: dict[int, float] = {}
         self._decode_s: float | None = None  # running mean of the decode-only steps
 
+    @property
+    def smallest(self) -> int:
+        """The smallest size: ``interleave_tokens`` halved :data:`SHRINK_HALVINGS` times."""
+        return max(self.interleave_tokens >> SHRINK_HALVINGS, 1)
+
     def size(self, prompt_tokens: int) -> int:
-        """The size of a step of ``prompt_tokens``: ``interleave_tokens`` doubled until it
-        holds them."""
-        size = self.interleave_tokens
+        """The size of a step of ``prompt_tokens``: the smallest of :attr:`smallest` doubled
+        that holds them."""
+        size = self.smallest
         while size < prompt_tokens:
             size *= 2
         return size
@@ -114,18 +133,27 @@ class StepCosts:
         ``waiting`` prompt tokens wait.
 
         Normally ``interleave_tokens`` (within what ``step_tokens`` leaves beside the rows,
-        at least 1). When more than :data:`PILEUP_CHUNKS` such chunks wait, the largest
+        at least 1), or less where that size's measured cost is past ``gap_steps``
+        decode-only steps: the largest of its halves (down to :attr:`smallest`) that is not,
+        each half tried once. When more than :data:`PILEUP_CHUNKS` chunks wait, the largest
         size up to ``waiting / PILEUP_CHUNKS`` (and the step's room) whose measured cost,
-        and that of each size below it, is within ``gap_steps`` decode-only steps; the
-        first size not measured yet is taken once, to measure it.
+        and that of each size below it, is within the gap; the first size not measured yet
+        is taken once, to measure it.
         """
         room = max(step_tokens - rows, 1)
         base = max(min(room, self.interleave_tokens), 1)
         want = min(waiting // PILEUP_CHUNKS, room)
         decode_s = self.decode_s
-        if want <= base or decode_s is None:
+        if decode_s is None:
             return base
         limit = self.gap_steps * decode_s
+        size = self.size(base)
+        while size > self.smallest and (cost := self.sized_s.get(size)) is not None and cost > limit:
+            size //= 2  # the ordinary chunk is past the gap: half of it
+        if size < self.size(base):
+            return min(size, base)
+        if want <= base:
+            return base
         take = base
         size = self.size(base) * 2
         while size // 2 < want:

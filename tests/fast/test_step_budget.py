@@ -19,6 +19,7 @@ from convo.fast.scheduler import (  # noqa: E402
     DEFAULT_GAP_STEPS,
     MIN_COST_STEPS,
     PILEUP_CHUNKS,
+    SHRINK_HALVINGS,
     DecodeRequest,
     DecodeScheduler,
     StepCosts,
@@ -119,6 +120,40 @@ def test_the_gap_is_bounded_by_the_recent_decode_steps_not_an_earlier_load() -> 
     assert costs.decode_s == pytest.approx(step.decode_s, rel=1e-2)
     taken = settle(costs, step, 60_000)
     assert all(step.seconds(b) <= DEFAULT_GAP_STEPS * step.decode_s * 1.01 for b in taken[-6:])
+
+
+class DenseMixedStep(FakeStep):
+    """An int4 GPU step at short contexts: 16 decode rows run the fused kernel (6 ms), a
+    step with a prompt chunk runs dense, 21 ms for 256 tokens (3.5 decode steps, as on an
+    H100 with Llama-2-7B), less for fewer tokens."""
+
+    decode_s = 0.006
+
+    def seconds(self, prompt_tokens: int) -> float:
+        if not prompt_tokens:
+            return self.decode_s
+        return 0.009 + prompt_tokens * 0.012 / 256
+
+
+def test_an_ordinary_chunk_past_the_gap_is_halved_until_it_fits() -> None:
+    """The gap holds when the ordinary chunk alone would break it: 256 tokens (21 ms) are
+    past 2.5 decode steps (15 ms), 128 (15 ms) are not: once each size past the gap has
+    run once, the step prefills 128, with or without a pile-up (under one, 512 is tried
+    first, and left: growth never passes the gap either)."""
+    step = DenseMixedStep()
+    limit = DEFAULT_GAP_STEPS * step.decode_s
+    for waiting, tries in ((1_000, [256]), (60_000, [512, 256])):
+        costs = measured(step)
+        taken = settle(costs, step, waiting)
+        assert taken[: len(tries)] == tries and set(taken[len(tries) :]) == {128}, taken
+        assert all(step.seconds(b) <= limit + 1e-9 for b in taken[len(tries) :])
+
+    # Never below the smallest size, however dear.
+    class Dear(DenseMixedStep):
+        def seconds(self, prompt_tokens: int) -> float:
+            return 1.0 if prompt_tokens else self.decode_s
+
+    assert settle(measured(Dear()), Dear(), 60_000)[-1] == 256 >> SHRINK_HALVINGS == 64
 
 
 def test_no_growth_before_the_step_cost_is_measured() -> None:

@@ -176,6 +176,7 @@ class Outcome:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     plan_s: float | None = None  # the server's ``convo.plan_s``: the turn before its prompt
+    first_shown: int | None = None  # the server's ``convo.first_shown_turn``: the window's start
     cached_tokens: int | None = None  # ``usage.prompt_tokens_details.cached_tokens``: KV reused
 
     @property
@@ -328,6 +329,7 @@ async def one_turn(
                 out.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
                 out.cached_tokens = usage_cached(data.get("usage"))
                 out.plan_s = (data.get("convo") or {}).get("plan_s")
+                out.first_shown = (data.get("convo") or {}).get("first_shown_turn")
             else:
                 out.error = r.text[:200]
         else:
@@ -351,6 +353,7 @@ async def one_turn(
                             out.cached_tokens = usage_cached(event["usage"])
                         if event.get("convo"):
                             out.plan_s = event["convo"].get("plan_s")
+                            out.first_shown = event["convo"].get("first_shown_turn")
                         for ch in event.get("choices") or []:
                             piece = (ch.get("delta") or {}).get("content")
                             if piece:
@@ -396,6 +399,7 @@ async def openai_turn(client: Any, sid: str, turn: int, text: str, t0: float, ma
             block = (chunk.model_extra or {}).get("convo")
             if block:
                 out.plan_s = block.get("plan_s")
+                out.first_shown = block.get("first_shown_turn")
         out.reply = "".join(parts)
     except openai.APIStatusError as exc:
         out.status, out.error = exc.status_code, str(exc)[:200]
@@ -772,13 +776,19 @@ def summarize_load(res: dict[str, Any]) -> dict[str, Any]:
     by_turn = {
         str(t): pct([o.latency_s for o in ok if o.turn == t], 0.5) for t in sorted({o.turn for o in ok})
     }
-    # A turn on which the window slid: its prompt is no longer than the session's previous
-    # one (older turns left the window; the summary took their place).
+    # A turn on which the window slid: its prompt starts at a later turn than the session's
+    # previous one (``convo.first_shown_turn``); from a server that does not say, its prompt
+    # is no longer than the previous one (older turns left the window; the summary took
+    # their place). With memory on the prompts stay full (passages take the room), so only
+    # the first rule tells.
     slides, ordinary = [], []
     for sid in {o.session for o in ok}:
         turns = sorted((o for o in ok if o.session == sid and o.prompt_tokens), key=lambda o: o.turn)
         for prev, cur in itertools.pairwise(turns):
-            slid = (cur.prompt_tokens or 0) <= (prev.prompt_tokens or 0)
+            if cur.first_shown is not None and prev.first_shown is not None:
+                slid = cur.first_shown > prev.first_shown
+            else:
+                slid = (cur.prompt_tokens or 0) <= (prev.prompt_tokens or 0)
             (slides if slid else ordinary).append(cur.latency_s)
     slide_p50, ordinary_p50 = pct(slides, 0.5), pct(ordinary, 0.5)
     chat = {

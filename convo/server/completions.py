@@ -104,6 +104,9 @@ def convo_stats(reply: Reply, session_id: str | None, forked: str | None = None)
         "context_tokens": s.context_tokens,
         "parts": dict(s.parts),
         "evicted_turns": s.evicted_turns,
+        # The first turn the prompt showed (``evicted_turns`` is after the turn: the window
+        # may have moved for the next one already).
+        "first_shown_turn": reply.plan.first_shown_turn,
         "summarized_turns": s.summarized_turns,
         "hidden_turns": s.hidden_turns,
         "provisional_summary": s.provisional_summary,

@@ -583,6 +583,8 @@ def test_the_stream_ends_before_the_summary_and_stats_report_it(store: Store) ->
             assert stats["summary"]["status"] == "running" and stats["summary"]["pending_turns"] >= 1
             assert stats["hidden_turns"] == 0 and stats["summary_wait_s"] == 0.0  # it fit: no wait
             assert stats["provisional_summary"] is False
+            # The prompt still showed the turn its running summary owes (it fit).
+            assert stats["first_shown_turn"] == 0 < stats["evicted_turns"]
             gate.set()
             job = worker.job(store, "sum")
             assert job is not None and job.wait(10)

@@ -62,8 +62,7 @@ class StepCosts:
 
     :meth:`record` takes every step and counts it by kind (:attr:`steps`, :attr:`busy_s`):
     decode-only steps give the steady step (:attr:`decode_s`); steps with decode rows and
-    prompt tokens give the cost of their size (:meth:`price`), the smallest of
-    ``interleave_tokens * 2**j`` that holds their prompt tokens.
+    prompt tokens give the cost of their size (:meth:`price`, :meth:`size`).
 
     >>> costs = StepCosts(interleave_tokens=256)
     >>> for _ in range(8):
@@ -147,15 +146,15 @@ class StepCosts:
         if decode_s is None:
             return base
         limit = self.gap_steps * decode_s
-        size = self.size(base)
+        ordinary = size = self.size(base)
         while size > self.smallest and (cost := self.sized_s.get(size)) is not None and cost > limit:
             size //= 2  # the ordinary chunk is past the gap: half of it
-        if size < self.size(base):
+        if size < ordinary:
             return min(size, base)
         if want <= base:
             return base
         take = base
-        size = self.size(base) * 2
+        size = ordinary * 2
         while size // 2 < want:
             cost = self.sized_s.get(size)
             if cost is not None and cost > limit:

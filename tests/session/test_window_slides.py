@@ -84,13 +84,17 @@ def test_retrieval_min_is_named_defaulted_and_checked() -> None:
 
 
 def first_shown(
-    memory: bool, turns: int = 14, retriever: Retriever | None = None, message: str = BIG
+    memory: bool,
+    turns: int = 14,
+    retriever: Retriever | None = None,
+    message: str = BIG,
+    budget: Budget = BUDGET,
 ) -> list[int]:
     engine = ScriptedEngine(CharCounter(), context_window=2048)
     engine.reply_fn = lambda _m: "r" * 128
     session = Session(
         engine,
-        budget=BUDGET,
+        budget=budget,
         retriever=retriever or (Plenty() if memory else None),
         summarizing=SummaryConfig(summarizer=Instant(), wait_s=None),
     )
@@ -99,7 +103,7 @@ def first_shown(
     shown = []
     for i in range(turns):
         reply = session.send(f"u{i} {message}")
-        assert reply.stats.prompt_tokens + BUDGET.max_new_tokens <= BUDGET.context_tokens
+        assert reply.stats.prompt_tokens + budget.max_new_tokens <= budget.context_tokens
         if retriever is None:
             assert (reply.plan.parts["retrieved"] > 0) == memory
         session.wait_summary(10)
@@ -128,3 +132,11 @@ def test_the_first_slide_with_memory_leaves_room_for_what_retrieval_will_bring()
     shown = first_shown(True, retriever=Evicted(), message="x" * 1200)
     moves = [i for i in range(1, len(shown)) if shown[i] != shown[i - 1]]
     assert len(moves) >= 3 and {b - a for a, b in itertools.pairwise(moves)} == {3}, shown
+
+
+def test_memory_its_budget_never_lets_retrieve_holds_no_share() -> None:
+    """A retriever whose budget retrieves nothing (``retrieval_tokens=0``) slides the window
+    as a session without memory does: no room is kept for passages that cannot come."""
+    none = Budget(context_tokens=2048, max_new_tokens=64, retrieval_tokens=0)
+    off = first_shown(False, message="x" * 1200, budget=none)
+    assert first_shown(True, retriever=Evicted(), message="x" * 1200, budget=none) == off

@@ -935,9 +935,8 @@ class Session:
 
     def _make_room_for_batch(self, plan: PromptPlan) -> None:
         """The token budget, not the turn count, pushed turns out: push out a batch."""
-        b = self.budget  # (memory that its budget lets retrieve: no share held for none)
-        memory = self.retriever is not None and b.retrieval_cap > 0 and b.retrieval_top_k > 0
-        room = window.window_room(plan, b, self.summary_cap, self.counter, memory=memory)
+        memory = self.retriever is not None
+        room = window.window_room(plan, self.budget, self.summary_cap, self.counter, memory=memory)
         drop = window.turns_to_push_out(self.turns(self.evicted_turns), self.budget, self.counter, room=room)
         if drop:
             first, last = self.evicted_turns, self.evicted_turns + drop - 1

@@ -147,7 +147,8 @@ def window_room(
     """The tokens the window's turns may hold in prompts like ``plan``: the prompt room less
     its pinned part, tools and template, the summary at its cap (``summary_cap``; it grows
     to it once written) and, where ``plan`` retrieved passages or the session has
-    ``memory``, retrieval's share (:attr:`~convo.budget.Budget.retrieval_min`).
+    ``memory`` that its budget lets retrieve (``retrieval_tokens`` and top-k above 0),
+    retrieval's share (:attr:`~convo.budget.Budget.retrieval_min`).
 
     With memory, the share is kept even when ``plan`` retrieved nothing: before the first
     slide every remembered turn is still in the window (no passages), but once turns leave
@@ -161,5 +162,6 @@ def window_room(
     if summary_cap > 0:
         summary = max(summary, summary_cap + counter.message_tokens(summary_message("")))
     fixed = parts.get("system", 0) + parts.get("tools", 0) + parts.get("template", 0) + summary
-    retrieval = budget.retrieval_min if memory or parts.get("retrieved", 0) > 0 else 0
+    retrieves = memory and budget.retrieval_cap > 0 and budget.retrieval_top_k > 0
+    retrieval = budget.retrieval_min if retrieves or parts.get("retrieved", 0) > 0 else 0
     return budget.available_prompt_tokens - fixed - retrieval

@@ -104,7 +104,20 @@ W4_SWAP_CONFIGS: tuple[tuple[Any, ...], ...] = tuple(
         *((bm, bn, sk, 64) for bm, bn, sk in ((256, 64, 1), (128, 128, 2))),
     )
 )
-W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES))
+#: Tiles loaded ``[K, N]`` with the float32 conversion (``MAGIC`` 0): the best swept settings
+#: for some 16- and 32-row projections (H100, Llama-2-7B: fused q/k/v 27.8 us at 16 rows
+#: against the tuner's 32.7, gate/up 49.8 against 56.0; ``w4_kernels.py --sweep``, 2026-12-07).
+_W4_TRANS_TILES: tuple[tuple[Any, ...], ...] = tuple(
+    (bm, bn, sk, 4, 3, bk, True)
+    for bm, bn, sk, bk in (
+        (16, 32, 1, 256),
+        (16, 64, 1, 128),
+        (16, 64, 4, 128),
+        (32, 64, 1, 128),
+        (32, 128, 8, 128),
+    )
+)
+W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES), *_W4_TRANS_TILES)
 #: The product done by dequantizing the weight once (one kernel) and multiplying with
 #: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
 W4_DENSE = ("dense",)

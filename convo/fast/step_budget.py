@@ -42,12 +42,17 @@ DEFAULT_GAP_STEPS = 2.5
 #: (``interleave_tokens`` each) wait; the step then takes 1/PILEUP_CHUNKS of what waits,
 #: so a burst drains in about this many steps at most, as fast as the gap allows.
 PILEUP_CHUNKS = 16
-#: A streaming step whose ordinary chunk (``interleave_tokens``) costs more than the gap
-#: prefills half of it, and so on down to ``interleave_tokens >> SHRINK_HALVINGS``: on an
-#: int4 GPU model a 16-row decode step runs the fused W4A16 kernel (5.9 ms, H100,
-#: Llama-2-7B) while 16 rows and a 256-token chunk go dense (~21 ms, 3.3x), past the
-#: inter-token target however the chunk grows.
-SHRINK_HALVINGS = 2
+#: How many times a streaming step whose ordinary chunk (``interleave_tokens``) costs more
+#: than the gap may halve it (down to ``interleave_tokens >> halvings``; 0: never). Off by
+#: default: where a forward has a large fixed cost the halves cost nearly as much as the
+#: whole, so halving trades the prefill's throughput for little gap. H100, Llama-2-7B int4
+#: (a 16-row decode step 6.6 ms on the fused W4A16 kernel; with a chunk, dense), measured
+#: during ``benchmarks/interleave.py``: a step of 64 prompt tokens 14.6 ms, 128 15.7, 256
+#: 21.3; with two halvings ``serve_load.py --preset gpu-chat`` ran its steps at ~64 tokens
+#: (755 mixed steps against 280) and took 12.5 s against 8.1 s without (same machine,
+#: 2026-12-07). Where a step's cost is near linear in its tokens, halving keeps the gap at
+#: little cost: :class:`StepCosts` takes ``shrink_halvings``.
+SHRINK_HALVINGS = 0
 #: Decode-only steps measured before the step cost is trusted (until then, and on a
 #: decoder whose steps cost nothing measurable, a streaming step prefills
 #: ``interleave_tokens``).
@@ -64,6 +69,12 @@ class StepCosts:
     decode-only steps give the steady step (:attr:`decode_s`); steps with decode rows and
     prompt tokens give the cost of their size (:meth:`price`, :meth:`size`).
 
+    Args:
+        interleave_tokens: the ordinary chunk of a streaming step.
+        gap_steps: the gap bound, in decode-only steps (:data:`DEFAULT_GAP_STEPS`).
+        shrink_halvings: how often an ordinary chunk past the gap may be halved
+            (:data:`SHRINK_HALVINGS`; 0 by default: never).
+
     >>> costs = StepCosts(interleave_tokens=256)
     >>> for _ in range(8):
     ...     costs.record("decode", 0, 0.010)
@@ -77,9 +88,16 @@ class StepCosts:
     512
     """
 
-    def __init__(self, *, interleave_tokens: int, gap_steps: float = DEFAULT_GAP_STEPS) -> None:
+    def __init__(
+        self,
+        *,
+        interleave_tokens: int,
+        gap_steps: float = DEFAULT_GAP_STEPS,
+        shrink_halvings: int = SHRINK_HALVINGS,
+    ) -> None:
         self.interleave_tokens = max(interleave_tokens, 1)
         self.gap_steps = gap_steps
+        self.shrink_halvings = shrink_halvings
         #: steps run and their seconds, by kind (:data:`STEP_KINDS`)
         self.steps = dict.fromkeys(STEP_KINDS, 0)
         self.busy_s = dict.fromkeys(STEP_KINDS, 0.0)
@@ -89,8 +107,9 @@ class StepCosts:
 
     @property
     def smallest(self) -> int:
-        """The smallest size: ``interleave_tokens`` halved :data:`SHRINK_HALVINGS` times."""
-        return max(self.interleave_tokens >> SHRINK_HALVINGS, 1)
+        """The smallest size: ``interleave_tokens`` halved ``shrink_halvings`` times
+        (:data:`SHRINK_HALVINGS`)."""
+        return max(self.interleave_tokens >> self.shrink_halvings, 1)
 
     def size(self, prompt_tokens: int) -> int:
         """The size of a step of ``prompt_tokens``: the smallest of :attr:`smallest` doubled

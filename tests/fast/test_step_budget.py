@@ -51,7 +51,11 @@ class WeightBoundStep(FakeStep):
 
 
 def measured(
-    step: FakeStep, *, interleave_tokens: int = 256, steps: int = MIN_COST_STEPS, shrink_halvings: int = 0
+    step: FakeStep,
+    *,
+    interleave_tokens: int = 256,
+    steps: int = MIN_COST_STEPS,
+    shrink_halvings: int = SHRINK_HALVINGS,
 ) -> StepCosts:
     costs = StepCosts(interleave_tokens=interleave_tokens, shrink_halvings=shrink_halvings)
     for _ in range(steps):
@@ -145,10 +149,7 @@ def test_by_default_an_ordinary_chunk_past_the_gap_is_not_halved() -> None:
     assert SHRINK_HALVINGS == 0
     step = DenseMixedStep()
     for waiting, tries in ((1_000, [256]), (60_000, [512, 256])):
-        costs = StepCosts(interleave_tokens=256)
-        for _ in range(MIN_COST_STEPS):
-            costs.record("decode", 0, step.decode_s)
-        taken = settle(costs, step, waiting)
+        taken = settle(measured(step), step, waiting)
         assert taken[: len(tries)] == tries and set(taken[len(tries) :]) == {256}, taken
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import env_info, random_model, stderr_log, sync
 
-import convo.fast.kernels as kernels
+import convo.fast.attention as kernels
 from convo.fast import DecoderConfig, StaticDecoder
 from convo.models.defaults import FP8_KV_SCALE_BYTES, FP8_KV_SCALE_DTYPE
 

@@ -11,6 +11,7 @@ __getattr__ = moved(
         "convo.fast.decoder",
         "convo.fast.scheduler",
         "convo.fast.kernels",
+        "convo.fast.attention",
         "convo.fast.kv_pool",
     ],
 )

@@ -21,8 +21,9 @@ before it starts. This package turns that into exact memory and speed:
   shapes), each layer's pointwise work is fused by ``torch.compile`` on CUDA, and the whole
   step is captured once per bucket as a CUDA graph, so a token costs one graph replay.
 * :mod:`convo.fast.int4` holds :class:`~convo.fast.int4.Int4Linear`, the int4 weight-only
-  linear module, :mod:`convo.fast.kernels` the Triton kernels (W4A16 matmul, int4
-  dequantization, split decode attention).
+  linear module, :mod:`convo.fast.kernels` its Triton kernels (W4A16 matmul, int4
+  dequantization), :mod:`convo.fast.attention` those of attention over the slot pool
+  (split decode attention, chunk attention, the fp8 K/V write).
 * :class:`~convo.fast.scheduler.DecodeScheduler` is the continuous-batching loop: each step
   decodes every running reply, then fills the rest of a token budget with prefill chunks
   of waiting turns (replies before background work such as summaries).
@@ -37,8 +38,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from convo._deprecated import lazy
+from convo.fast.attention import ATTENTION_SPLIT_TOKENS, decode_attention
 from convo.fast.config import DecoderConfig
-from convo.fast.kernels import ATTENTION_SPLIT_TOKENS, decode_attention, dequantize_plain_int4
+from convo.fast.kernels import dequantize_plain_int4
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.scheduler import (
     DEFAULT_STEP_TOKENS,

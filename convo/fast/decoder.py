@@ -15,17 +15,11 @@ from typing import Any
 import torch
 
 from convo.errors import ConfigError
+from convo.fast.attention import _interpreting, chunk_attention, decode_attention, dequantize_kv, store_kv
 from convo.fast.config import DecoderConfig
 from convo.fast.graphs import GraphSpec, capture, capture_order
 from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
-from convo.fast.kernels import (
-    _interpreting,
-    _w4_op,
-    chunk_attention,
-    decode_attention,
-    dequantize_kv,
-    store_kv,
-)
+from convo.fast.kernels import _w4_op
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.kv_shift import rope_frequencies
 from convo.fast.staging import build_staged
@@ -641,7 +635,7 @@ class StaticDecoder:
         prefill chunk (``inputs`` as :meth:`_prefill_static`'s) in one static-shape forward:
         the matrix products once over the ``B + tokens`` rows, attention per decode row with
         the split kernel and for the chunk over its slot, causally
-        (:func:`~convo.fast.kernels.chunk_attention`).
+        (:func:`~convo.fast.attention.chunk_attention`).
 
         Returns:
             float32 logits ``[B + 1, vocab]``: each decode row's, then the chunk's last token's.
@@ -837,7 +831,7 @@ class StaticDecoder:
 
     def _store(self, i: int, slots: Any, positions: Any, k: Any, v: Any) -> None:
         """Write ``k``, ``v`` ``[N, kv_heads, head_dim]`` at ``positions`` of ``slots`` of
-        layer ``i`` (an fp8 pool quantizes them, :func:`~convo.fast.kernels.store_kv`)."""
+        layer ``i`` (an fp8 pool quantizes them, :func:`~convo.fast.attention.store_kv`)."""
         pool = self.pool
         if pool.scaled:
             store_kv(pool.k[i], pool.v[i], pool.k_scale[i], pool.v_scale[i], slots, positions, k, v)

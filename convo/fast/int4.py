@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from convo.errors import ConfigError
-from convo.fast.kernels import _interpreting, _w4_op, dequantize_plain_int4
+from convo.fast.attention import _interpreting
+from convo.fast.kernels import _w4_op, dequantize_plain_int4
 from convo.models.quant import INT4_GROUP_SIZES, LARGEST_INT4_GROUP_SIZE, int4_group_size
 
 __all__ = [

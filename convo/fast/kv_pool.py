@@ -102,7 +102,7 @@ class KVSlotPool:
     Per layer ``k[layer]`` and ``v[layer]`` are ``[slots, kv_heads, slot_tokens, head_dim]``;
     an fp8 pool (``dtype=torch.float8_e4m3fn``) also holds ``k_scale[layer]`` and
     ``v_scale[layer]``, bfloat16 ``[slots, kv_heads, slot_tokens]``: one scale per token and
-    head (:func:`convo.fast.kernels.quantize_kv`). :attr:`tensors` lists every tensor, each
+    head (:func:`convo.fast.attention.quantize_kv`). :attr:`tensors` lists every tensor, each
     indexed by slot first (:meth:`slot_tensors`: every tensor a slot's KV is made of). The
     pool answers who may use which slot; the scheduler decides when to ask. With host memory
     (:meth:`set_host_memory`), :meth:`acquire` copies the KV of the session it evicts to

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from convo.fast.kernels import dequantize_kv, quantize_kv
+from convo.fast.attention import dequantize_kv, quantize_kv
 
 __all__ = ["SHIFT_ANCHOR_TOKENS", "SHIFT_MIN_TOKENS", "KVShift", "find_shift", "rope_frequencies", "shift_kv"]
 

@@ -161,7 +161,7 @@ def _ram_bytes(name: str) -> int:
 #: head (about half the bytes of bf16: :data:`FP8_KV_SCALE_BYTES` more per ``head_dim`` bytes).
 KV_DTYPE_CHOICES = ("auto", "fp8")
 #: The torch dtype (by name) of the scale an fp8 KV pool stores with each head vector of
-#: each token's K and V: ``amax / 448`` of the vector (:func:`convo.fast.kernels.quantize_kv`).
+#: each token's K and V: ``amax / 448`` of the vector (:func:`convo.fast.attention.quantize_kv`).
 #: bfloat16 has float32's exponent range, so any scale is representable; its 8-bit mantissa
 #: moves a value by at most 2**-8, below e4m3's own step (2**-4). A float32 scale cost 4
 #: bytes per 128: on Qwen2.5-7B at 8,192 tokens in 12 GiB, 15 fp8 slots against 16.

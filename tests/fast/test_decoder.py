@@ -37,14 +37,12 @@ from convo.fast import (  # noqa: E402
     dequantize_int4,
     int4_group_size,
 )
+from convo.fast.attention import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
 from convo.fast.int4 import W4_KERNEL_MAX_ROWS  # noqa: E402
 from convo.fast.kernels import (  # noqa: E402
     W4_CONFIGS,
     W4_LARGE_CONFIGS,
     W4_SWAP_CONFIGS,
-    _attention_reference,
-    _chunk_attention_reference,
-    chunk_attention,
     w4a16_candidates,
     w4a16_settings,
     w4a16_with_config,
@@ -299,7 +297,7 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from convo.fast.kernels import decode_attention, _attention_reference\n"
+        "from convo.fast.attention import decode_attention, _attention_reference\n"
         "torch.manual_seed(0)\n"
         "k, v = torch.randn(4, 2, 300, 64), torch.randn(4, 2, 300, 64)\n"
         "q = torch.randn(3, 4, 64)\n"
@@ -318,7 +316,7 @@ def test_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from convo.fast.kernels import chunk_attention, _chunk_attention_reference\n"
+        "from convo.fast.attention import chunk_attention, _chunk_attention_reference\n"
         "torch.manual_seed(0)\n"
         "err = 0.0\n"
         "cases = [(4, 2, 64, 48, 0), (4, 4, 32, 16, 100), (8, 2, 64, 128, 37), (2, 1, 16, 64, 192),\n"

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from convo.fast import DecoderConfig, DecodeRequest, DecodeScheduler, KVSlotPool, PrefillChunk, StaticDecoder  # noqa: E402
-from convo.fast.kernels import (  # noqa: E402
+from convo.fast.attention import (  # noqa: E402
     FP8_E4M3_MAX,
     _attention_reference,
     _chunk_attention_reference,
@@ -225,11 +225,11 @@ def test_fp8_attention_and_store_kernels_interpreted_match_references() -> None:
     dequantized torch reference does, as fp8 or as bytes they decode (every e4m3 value
     exactly); the store kernel writes values and scales where the
     torch write does (on values exact in e4m3: the interpreter's own fp32 -> fp8 rounding
-    is wrong where it carries into the exponent, see :func:`convo.fast.kernels.store_kv`)."""
+    is wrong where it carries into the exponent, see :func:`convo.fast.attention.store_kv`)."""
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from convo.fast.kernels import (_attention_reference, _chunk_attention_reference,\n"
+        "from convo.fast.attention import (_attention_reference, _chunk_attention_reference,\n"
         "    _store_kv_kernel, chunk_attention, decode_attention, quantize_kv)\n"
         "torch.manual_seed(0)\n"
         "k, v = torch.randn(4, 2, 300, 32) * 3, torch.randn(4, 2, 300, 32)\n"

@@ -63,6 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
+from convo.fast.packing import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS, packed_tokens
 from convo.fast.scheduler import SLOT_POLL_S, DecodeRequest, DecodeScheduler
 from convo.models import GREEDY, Priority
 
@@ -163,7 +164,10 @@ class SimDecoder:
 
     vocab = 8
     mixed_steps = True
-    mixed_chunks = 1  # as the captured mixed step on CUDA
+    # As the captured mixed step on CUDA: up to MIXED_PACK_CHUNKS chunks packed, each but
+    # the last on whole blocks (priced as the rows they take).
+    mixed_chunks = MIXED_PACK_CHUNKS
+    mixed_pack_tokens = MIXED_PACK_TOKENS
 
     def __init__(self, pool: KVSlotPool, clock: Clock, load: Load) -> None:
         self.pool, self.clock, self.load = pool, clock, load
@@ -190,7 +194,7 @@ class SimDecoder:
     def mixed_step(
         self, tokens: list[int], slots: list[int], positions: list[int], chunks: list[PrefillChunk]
     ) -> tuple[Any, list[Any]]:
-        n = sum(c.end - c.start for c in chunks)
+        n = packed_tokens([c.end - c.start for c in chunks])
         self.clock.now += self._decode_s(len(tokens)) + self.load.mixed_fixed_s + self.load.token_s * n
         return self._logits(len(tokens)), list(self._logits(len(chunks)))
 

@@ -291,19 +291,23 @@ def _triton_kernels() -> dict[str, Any] | None:
         stride_ss, stride_sh,
         stride_ot, stride_oh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SCALED: tl.constexpr, BYTES: tl.constexpr,
+        SCALED: tl.constexpr, BYTES: tl.constexpr, PACK: tl.constexpr,
     ):  # fmt: skip
         mb = tl.program_id(0)
         h = tl.program_id(1)
-        slot = tl.load(Slot).to(tl.int64)
-        start = tl.load(Start).to(tl.int32)
+        if PACK:  # Slot, Start: one entry per PACK queries (chunks packed in one forward)
+            slot = tl.load(Slot + mb * BLOCK_M // PACK).to(tl.int64)
+            first = tl.load(Start + mb * BLOCK_M // PACK).to(tl.int32) + mb * BLOCK_M % PACK
+        else:  # one chunk
+            slot = tl.load(Slot).to(tl.int64)
+            first = tl.load(Start).to(tl.int32) + mb * BLOCK_M
         kvh = h // GROUP
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         m_valid = offs_m < T
         q_ptr = Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
         q = tl.load(q_ptr, mask=m_valid[:, None], other=0.0)
-        pos = start + offs_m  # each query's position in the slot
+        pos = first + tl.arange(0, BLOCK_M)  # each query's position in its slot
         k_base = K + slot * stride_ks + kvh * stride_kh
         v_base = V + slot * stride_vs + kvh * stride_vh
         s_off = slot * stride_ss + kvh * stride_sh  # fp8: the scales of this slot and head
@@ -311,10 +315,10 @@ def _triton_kernels() -> dict[str, Any] | None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         # Keys up to the block's last query; blocks before ``lo`` are seen by every query of
-        # the block (no mask). Trip counts depend on the chunk's start (read on the
-        # device), the grid on the shapes only: the kernel can be captured in a graph.
-        lo = (start + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-        hi = start + tl.minimum(mb * BLOCK_M + BLOCK_M, T)
+        # the block (no mask). Trip counts depend on the block's first position (read on
+        # the device), the grid on the shapes only: the kernel can be captured in a graph.
+        lo = (first + 1) // BLOCK_N * BLOCK_N
+        hi = first + tl.minimum(BLOCK_M, T - mb * BLOCK_M)
         for n0 in range(0, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < hi
@@ -455,25 +459,29 @@ def _chunk_attention_reference(
     scale: float,
     k_scale: Any = None,
     v_scale: Any = None,
+    pack: int = 0,
 ) -> Any:
-    """:func:`chunk_attention` in plain torch: the slot's keys gathered (dequantized from
-    fp8 with ``k_scale``, ``v_scale``), SDPA under a causal mask over the whole slot
+    """:func:`chunk_attention` in plain torch: each block's slot keys gathered (dequantized
+    from fp8 with ``k_scale``, ``v_scale``), SDPA under a causal mask over the whole slot
     (static shapes)."""
     import torch
     import torch.nn.functional as F
 
-    tokens, heads = q.shape[0], q.shape[1]
-    length, index = k_cache.shape[2], slot.reshape(1)
+    tokens, heads, dim = q.shape
+    pack = pack or tokens
+    index, first = slot.reshape(-1), start.reshape(-1)
+    blocks, length = index.shape[0], k_cache.shape[2]
     kc = _gather(k_cache, k_scale, index, length, q.dtype)
     vc = _gather(v_cache, v_scale, index, length, q.dtype)
     group = heads // kc.shape[1]
     if group > 1:
         kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
-    keys = torch.arange(k_cache.shape[2], device=q.device)
-    mask = keys[None, :] <= (start + torch.arange(tokens, device=q.device))[:, None]
-    qt = q.transpose(0, 1)[None]
-    a = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask[None, None], scale=scale)
-    return a[0].transpose(0, 1)
+    keys = torch.arange(length, device=q.device)
+    positions = first[:, None] + torch.arange(pack, device=q.device)[None, :]
+    mask = keys[None, None, :] <= positions[:, :, None]
+    qb = F.pad(q, (0, 0, 0, 0, 0, blocks * pack - tokens)).reshape(blocks, pack, heads, dim)
+    a = F.scaled_dot_product_attention(qb.transpose(1, 2), kc, vc, attn_mask=mask[:, None], scale=scale)
+    return a.transpose(1, 2).reshape(blocks * pack, heads, dim)[:tokens]
 
 
 def chunk_attention(
@@ -486,31 +494,36 @@ def chunk_attention(
     scale: float,
     k_scale: Any = None,
     v_scale: Any = None,
+    pack: int = 0,
 ) -> Any:
-    """Causal attention of a prefill chunk over its slot, whose K/V already hold the chunk.
+    """Causal attention of prefill chunks over their slots, whose K/V already hold them.
 
     Args:
         q: ``[tokens, heads, head_dim]`` queries (rotated) at positions ``start ..
             start + tokens - 1`` of the slot.
         k_cache, v_cache: one layer of the pool, ``[slots, kv_heads, slot_tokens, head_dim]``.
         slot, start: the chunk's slot and first position, as one-element device tensors
-            (so a captured graph replays for any slot and start).
+            (so a captured graph replays for any slot and start); with ``pack``, one entry
+            per ``pack`` queries (``[ceil(tokens / pack)]``): each such block of queries
+            lies in one slot, at consecutive positions from its entry of ``start``, so the
+            chunks of several turns run packed in one forward, each on whole blocks.
         scale: the softmax scale.
         k_scale, v_scale: an fp8 pool's scales, as :func:`decode_attention`'s.
+        pack: queries per entry of ``slot`` and ``start`` (a power of two), or 0: one chunk.
 
     Returns:
         ``[tokens, heads, head_dim]``.
 
     On CUDA with Triton (or under Triton's interpreter) a flash-attention kernel reads the
     slot's keys in place, up to each query block's last position, with the launch settings
-    of :data:`CHUNK_ATTENTION_CONFIGS`; elsewhere the keys are gathered and SDPA runs under
-    a mask over the whole slot.
+    of :data:`CHUNK_ATTENTION_CONFIGS` (packed: blocks of at most ``pack`` queries);
+    elsewhere the keys are gathered and SDPA runs under a mask over the whole slot.
     """
     tokens, heads, dim = q.shape
     cfg = next((c for c in CHUNK_ATTENTION_CONFIGS if tokens <= c[0]), None)
     kernels = _triton_kernels() if q.device.type == "cuda" or _interpreting() else None
     if kernels is None or cfg is None or dim & (dim - 1) or dim < 16:
-        return _chunk_attention_reference(q, k_cache, v_cache, slot, start, scale, k_scale, v_scale)
+        return _chunk_attention_reference(q, k_cache, v_cache, slot, start, scale, k_scale, v_scale, pack)
     import torch
 
     scaled = k_scale is not None
@@ -518,6 +531,8 @@ def chunk_attention(
     if scaled and not native_fp8(q.device):  # the kernel decodes the bytes itself
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _, block_m, block_n, warps, stages = cfg
+    if pack:
+        block_m = min(block_m, pack)
     kv_heads = k_cache.shape[1]
     out = torch.empty_like(q)
     extra = {} if _interpreting() else {"num_warps": warps, "num_stages": stages}
@@ -530,7 +545,7 @@ def chunk_attention(
         ks.stride(0), ks.stride(1),
         out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, SCALED=scaled,
-        BYTES=k_cache.dtype == torch.uint8, **extra,
+        BYTES=k_cache.dtype == torch.uint8, PACK=pack, **extra,
     )  # fmt: skip
     return out
 

@@ -22,6 +22,7 @@ from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import _w4_op
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.kv_shift import rope_frequencies
+from convo.fast.packing import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS, pack_chunks, packed_tokens
 from convo.fast.staging import build_staged
 from convo.models.defaults import (
     KV_DTYPE_CHOICES,
@@ -413,8 +414,12 @@ class StaticDecoder:
         #: 256 tokens: up to 75 ms against ~28 ms for a decode replay plus a prefill
         #: replay), so with graphs but no mixed graphs the scheduler keeps them apart.
         self.mixed_steps = not self.cuda_graphs or mixed_chunk_tokens > 0
-        #: Prefill chunks one mixed step takes (``None``: any; a mixed graph takes one).
-        self.mixed_chunks: int | None = 1 if self.cuda_graphs else None
+        #: Prefill chunks one mixed step takes (``None``: any, in an eager forward; the
+        #: static forward packs up to :data:`MIXED_PACK_CHUNKS`, each but the last on whole
+        #: blocks of :attr:`mixed_pack_tokens`, :func:`~convo.fast.packing.pack_chunks`).
+        self.mixed_chunks: int | None = MIXED_PACK_CHUNKS if self.static_prefill else None
+        #: The block a chunk packed into a mixed step starts on (1: no blocks, eager).
+        self.mixed_pack_tokens = MIXED_PACK_TOKENS if self.static_prefill else 1
         self._capture_stream: Any = None  # the side stream every capture warms up on
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
@@ -610,8 +615,8 @@ class StaticDecoder:
             for start, end, bucket in pieces:
                 # Padding rows write K/V past ``end`` (inside the slot: never read before a
                 # later token overwrites it) and their outputs are dropped.
-                pad = [0] * (bucket - (end - start))
-                host = torch.tensor([*chunk.ids[start:end], *pad, chunk.slot, start, end - start - 1])
+                piece = PrefillChunk(slot=chunk.slot, ids=chunk.ids, start=start, end=end)
+                host = torch.tensor(pack_chunks([piece], bucket, self.pool.slot_tokens))
                 if bucket in self._prefill_graphs:
                     graph, inputs, result = self._prefill_graphs[bucket]
                     inputs.copy_(host, non_blocking=False)
@@ -622,29 +627,36 @@ class StaticDecoder:
         return out
 
     def _prefill_static(self, inputs: Any, tokens: int) -> Any:
-        """The static-shape prefill of one chunk: ``inputs`` is ``[tokens + 3]``, the chunk's
-        token ids padded to ``tokens``, then its slot, start position and last real row.
-        Attention reads the slot causally from position 0 (the slot and start are device
-        values), so every shape depends on ``tokens`` alone and the forward can be captured
-        as a CUDA graph. Returns float32
+        """The static-shape prefill of one chunk: ``inputs`` is its flat layout in ``tokens``
+        rows (:func:`~convo.fast.packing.pack_chunks`). Attention reads the slot causally
+        from position 0 (the slot and positions are device values), so every shape depends
+        on ``tokens`` alone and the forward can be captured as a CUDA graph. Returns float32
         logits ``[vocab]`` after the chunk's last token."""
         return self._static_forward(None, inputs, tokens)[-1]
 
     def _static_forward(self, decode: Any | None, inputs: Any, tokens: int, out: Any = None) -> Any:
-        """Decode rows (``decode``: ``[3, B]`` tokens, slots, positions, or ``None``) and one
-        prefill chunk (``inputs`` as :meth:`_prefill_static`'s) in one static-shape forward:
-        the matrix products once over the ``B + tokens`` rows, attention per decode row with
-        the split kernel and for the chunk over its slot, causally
-        (:func:`~convo.fast.attention.chunk_attention`).
+        """Decode rows (``decode``: ``[3, B]`` tokens, slots, positions, or ``None``) and
+        prefill chunks packed in ``tokens`` rows (``inputs``: their flat layout,
+        :func:`~convo.fast.packing.pack_chunks`; one chunk without rows) in one static-shape
+        forward: the matrix products once over the ``B + tokens`` rows, attention per decode
+        row with the split kernel and for the chunks over their slots, causally
+        (:func:`~convo.fast.attention.chunk_attention`, packed blocks with rows).
 
         Returns:
-            float32 logits ``[B + 1, vocab]``: each decode row's, then the chunk's last token's.
+            float32 logits: each decode row's, then each chunk's last token's
+            (``[B + MIXED_PACK_CHUNKS, vocab]``); without rows ``[1, vocab]``.
         """
         import torch
         import torch.nn.functional as F
 
-        ids, slot, start, last = inputs[:tokens], inputs[tokens : tokens + 1], inputs[tokens + 1], inputs[-1:]
-        chunk_positions = start + self._positions[:tokens]
+        t = tokens
+        ids, chunk_positions, slots = inputs[:t], inputs[t : 2 * t], inputs[2 * t : 3 * t]
+        last = inputs[3 * t :] if decode is not None else inputs[3 * t : 3 * t + 1]
+        pack = self.mixed_pack_tokens if decode is not None else 0
+        if pack:  # each block's slot and first position
+            slot, start = slots[::pack].contiguous(), chunk_positions[::pack].contiguous()
+        else:
+            slot, start = slots[:1], chunk_positions[:1]
         rows = 0 if decode is None else decode.shape[1]
         if decode is None:
             positions, x = chunk_positions, F.embedding(ids, self.embed)
@@ -653,7 +665,6 @@ class StaticDecoder:
             x = F.embedding(torch.cat([decode[0], ids]), self.embed)
             lengths = (decode[2] + 1).to(torch.int32)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        slots = slot.expand(tokens)
         shape = (self.heads, self.kv_heads, self.head_dim)
         pw = self._static_pw
         for i, layer in enumerate(self.layers):
@@ -665,7 +676,7 @@ class StaticDecoder:
                 a = decode_attention(q[:rows], k_cache, v_cache, decode[1], lengths, scale=layer.scale, **sc)
                 outs.append(a.reshape(rows, -1))
             self._store(i, slots, chunk_positions, k[rows:], v[rows:])
-            a = chunk_attention(q[rows:], k_cache, v_cache, slot, start, scale=layer.scale, **sc)
+            a = chunk_attention(q[rows:], k_cache, v_cache, slot, start, scale=layer.scale, pack=pack, **sc)
             outs.append(a.reshape(tokens, self.heads * self.head_dim))
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = _post_attention(x, a, layer.o, layer.ln2, layer.gate_up, layer.down, self._eps[i], pw)
@@ -779,8 +790,9 @@ class StaticDecoder:
         once for both, so a step that carries a prefill chunk costs about that chunk's
         forward, not a decode step plus it.
 
-        With static prefill, one chunk that fits a mixed bucket (:attr:`mixed_buckets`)
-        runs with the rows padded to their decode bucket and the chunk to its prefill
+        With static prefill, up to :attr:`mixed_chunks` chunks that fit a mixed bucket
+        (:attr:`mixed_buckets`) packed (:func:`~convo.fast.packing.packed_tokens`) run with
+        the rows padded to their decode bucket and the chunks packed in the smallest such
         bucket: a replay of the graph captured for the pair (CUDA). Other steps run as a
         decode step, then :meth:`prefill_batch`; without static prefill, in one eager forward.
 
@@ -797,15 +809,16 @@ class StaticDecoder:
         self._check_chunks(chunks)
         if not self.static_prefill:
             return self._forward_eager(tokens, slots, positions, chunks)
-        pieces = self._static_pieces(chunks[0]) if len(chunks) == 1 else None
-        if pieces is None or len(pieces) > 1 or pieces[0][2] not in self.mixed_buckets:
+        need = packed_tokens([c.end - c.start for c in chunks], self.mixed_pack_tokens)
+        bucket = min((t for t in self.mixed_buckets if t >= need), default=0)
+        layout = pack_chunks(chunks, bucket, self.pool.slot_tokens) if chunks and bucket else None
+        if layout is None:
             logits = self.step(tokens, slots, positions)
             return logits, self.prefill_batch(chunks)
-        (start, end, bucket), c, b = pieces[0], chunks[0], self.bucket(rows)
+        b = self.bucket(rows)
         decode = torch.tensor([list(tokens), list(slots), list(positions)], dtype=torch.long)
         decode = torch.cat([decode, decode[:, :1].expand(3, b - rows)], dim=1)  # pad: copies of row 0
-        pad = [0] * (bucket - (end - start))
-        chunk = torch.tensor([*c.ids[start:end], *pad, c.slot, start, end - start - 1])
+        chunk = torch.tensor(layout)
         with torch.inference_mode():
             if (b, bucket) in self._mixed_graphs:
                 graph, inputs, out = self._mixed_graphs[b, bucket]
@@ -814,11 +827,11 @@ class StaticDecoder:
                 out = out.clone()
             else:
                 out = self._static_forward(decode.to(self.device), chunk.to(self.device), bucket)
-        return out[:rows], [out[-1]]
+        return out[:rows], [out[b + j] for j in range(len(chunks))]
 
     def _mixed_static(self, inputs: Any, rows: int, tokens: int, out: Any = None) -> Any:
         """:meth:`_static_forward` over one flat input (what a mixed graph copies in):
-        ``[3 * rows]`` decode inputs, then the chunk's ``[tokens + 3]``."""
+        ``[3 * rows]`` decode inputs, then the chunks' layout (``3 * tokens`` and the lasts)."""
         return self._static_forward(inputs[: 3 * rows].view(3, rows), inputs[3 * rows :], tokens, out)
 
     # -- the pool's K/V ------------------------------------------------------------------------
@@ -914,7 +927,8 @@ class StaticDecoder:
         import torch
 
         pool = torch.cuda.graph_pool_handle()
-        logits = torch.empty((self.buckets[-1] + 1, self.vocab_size), dtype=torch.float32, device=self.device)
+        rows = self.buckets[-1] + MIXED_PACK_CHUNKS
+        logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         specs = [GraphSpec(rows=b) for b in self.buckets]
         specs += [GraphSpec(tokens=t) for t in self.prefill_buckets]
         specs += [GraphSpec(rows=b, tokens=t) for b in self.buckets for t in self.mixed_buckets]
@@ -922,12 +936,14 @@ class StaticDecoder:
         sizes = {"hidden": int(self.embed.shape[1]), "intermediate": inter, "vocab": self.vocab_size}
         for spec in capture_order(specs, **sizes):
             b, t = spec.rows, spec.tokens
-            inputs = torch.zeros((3, b) if not t else 3 * b + t + 3, dtype=torch.long, device=self.device)
+            inputs = torch.zeros(
+                (3, b) if not t else 3 * b + 3 * t + MIXED_PACK_CHUNKS, dtype=torch.long, device=self.device
+            )
             if not t:
                 graph, out = self._capture(functools.partial(self._step, inputs, logits), pool)
                 self._graphs[b] = (graph, out, inputs)
                 continue
-            inputs[-1] = t - 1
+            inputs[-MIXED_PACK_CHUNKS:] = t - 1
             if not b:
                 graph, out = self._capture(functools.partial(self._prefill_static, inputs, t), pool)
                 self._prefill_graphs[t] = (graph, inputs, out)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from convo.models.defaults import MIXED_PACK_CHUNKS
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -26,8 +28,11 @@ class GraphSpec:
 
     @property
     def logit_rows(self) -> int:
-        """Rows of logits it computes: each decode row's, and the chunk's last token's."""
-        return self.rows + (1 if self.tokens else 0)
+        """Rows of logits it computes: each decode row's, and the last token's of its chunk
+        (of each packed chunk in a mixed step, :data:`MIXED_PACK_CHUNKS`)."""
+        if not self.tokens:
+            return self.rows
+        return self.rows + (MIXED_PACK_CHUNKS if self.rows else 1)
 
     def size(self, *, hidden: int, intermediate: int, vocab: int) -> int:
         """A proxy of its temporaries (in compute-dtype elements): per token through the

@@ -63,21 +63,17 @@ measured with ``benchmarks/kv_sched.py``, the real scheduler on a fake clock):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import itertools
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
-from convo.fast.kv_shift import KVShift, find_shift
+from convo.fast.kv_shift import find_shift
 from convo.fast.prefix_ledger import PrefixLedger
+from convo.fast.request import WORK_KINDS, DecodeRequest, decode_priority, work_kind
 from convo.fast.sampling import sample_rows
 from convo.fast.step_budget import (
     DEFAULT_GAP_STEPS,
@@ -154,128 +150,9 @@ DEFAULT_BACKGROUND_SLOT_SHARE = 0.5
 #: leaving them to be prefilled; fewer are prefilled (a copy is one more kernel per pool
 #: tensor, and an event to wait for).
 SLOT_COPY_MIN_TOKENS = 16
-#: The kinds of work whose prompt tokens the scheduler counts apart
-#: (:attr:`~convo.models.generation.SchedulerStats.prompt_tokens_by_work`): a turn a user
-#: waits for (``reply``: priority :attr:`~Priority.REPLY` or more urgent), work nobody
-#: waits on token by token (``background``: the summaries), a prompt's KV computed ahead
-#: of its turn (``prefill``: ``prefill_only``).
-WORK_KINDS = ("reply", "background", "prefill")
 
 
 logger = logging.getLogger(__name__)
-
-_ARRIVALS = itertools.count()
-#: The priority :func:`decode_priority` (deprecated) sets for requests made in its block.
-#: Goes away with it: pass ``priority=`` to ``generate`` (or to :class:`DecodeRequest`).
-_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "convo_decode_priority", default=Priority.REPLY
-)
-
-
-@contextlib.contextmanager
-def decode_priority(level: int) -> Iterator[None]:
-    """Deprecated: pass ``priority=Priority.BACKGROUND`` in the generate options instead
-    (:class:`~convo.engines.base.GenerateOptions`; the summaries do).
-
-    Requests made inside the block (in this thread or task) that name no priority get
-    ``level`` as their :class:`Priority`."""
-    warnings.warn(
-        "decode_priority is deprecated; pass priority=Priority.BACKGROUND to generate()",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    token = _PRIORITY.set(int(level))
-    try:
-        yield
-    finally:
-        _PRIORITY.reset(token)
-
-
-@dataclass(eq=False, kw_only=True)
-class DecodeRequest:
-    """One generation handed to :class:`DecodeScheduler` (model token ids in and out).
-
-    Args:
-        ids: the prompt, as model token ids.
-        max_new_tokens: cap on the reply.
-        deadline: ``time.monotonic()`` value at which generation stops (finish ``timeout``).
-        sampling: an object with ``temperature``, ``top_p``, ``top_k``,
-            ``repetition_penalty``, ``seed`` and ``min_new_tokens`` (``Sampling``).
-        eos: token ids that end the reply (finish ``stop``).
-        cache_key: the session whose slot (and cached tokens) to use.
-        on_token: called with each new token id; returning True stops (a stop string).
-        cancel: set to stop early (finish ``cancelled``).
-        priority: :class:`Priority` (or any int, lower first): replies before summaries.
-            Default ``Priority.REPLY`` (or the deprecated :func:`decode_priority` in effect).
-    """
-
-    ids: list[int]
-    max_new_tokens: int
-    deadline: float
-    sampling: Any
-    eos: frozenset[int] = frozenset()
-    cache_key: str | None = None
-    on_token: Callable[[int], bool] | None = None
-    cancel: threading.Event | None = None
-    priority: int = field(default_factory=_PRIORITY.get)
-    #: The session this work is done for (a summary): it runs from that session's slot and
-    #: KV, and keeps none of its own (``cache_key`` is ignored for keeping).
-    owner: str | None = None
-    #: Compute the KV of ``ids`` for ``cache_key`` and stop: nothing is sampled.
-    prefill_only: bool = False
-    # Filled in by the scheduler.
-    new_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    kv_tokens: int = 0
-    slot: int = -1
-    started_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    finish: FinishReason | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    _generator: Any = None
-    _order: int = field(default_factory=lambda: next(_ARRIVALS))
-    _shared: int = 0  # tokens of the owner's cache this work shares
-    _parked: str | None = None  # host key of its own KV, parked when it was preempted
-    _novel: int = 0  # novel prompt tokens (counted at submit), added once its prompt is in
-    _shift: KVShift | None = None  # cached tokens to move once its slot is ready (context shift)
-    _hole: tuple[int, int] | None = None  # prompt positions the moved tokens fill: not prefilled
-
-    #: Times the scheduler stopped this request to free its slot for a reply.
-    preemptions: int = 0
-
-    @property
-    def position(self) -> int:
-        """Where the last sampled token goes in the slot."""
-        return len(self.ids) + len(self.new_ids) - 1
-
-    def context(self) -> list[int]:
-        """The tokens to prefill before the next token is sampled: the prompt, and for a
-        request that was preempted, the reply so far."""
-        return self.ids + self.new_ids if self.new_ids else self.ids
-
-    def held(self) -> list[int]:
-        """The tokens whose K/V its slot holds."""
-        return (self.ids + self.new_ids)[: self.kv_tokens]
-
-    @property
-    def session(self) -> str | None:
-        """Whose KV the slot holds for: the owner of work done for a session, else ``cache_key``."""
-        return self.owner if self.owner is not None else self.cache_key
-
-    def kept(self) -> list[int]:
-        """What the slot keeps for the session when this request lets go: what it holds,
-        or for work done for an ``owner``, only the owner's tokens it shares."""
-        held = self.held()
-        return held[: min(self._shared, len(held))] if self.owner is not None else held
-
-    def _stop_reason(self, now: float) -> FinishReason | None:
-        if self.cancel is not None and self.cancel.is_set():
-            return FinishReason.CANCELLED
-        if now >= self.deadline:
-            return FinishReason.TIMEOUT
-        return None
 
 
 class DecodeScheduler:
@@ -370,8 +247,12 @@ class DecodeScheduler:
         self.interleave_tokens = interleave_tokens
         # A decoder that runs decode rows and prefill chunks in one forward, and gains by it.
         self._mixed = callable(getattr(decoder, "mixed_step", None)) and getattr(decoder, "mixed_steps", True)
-        #: Chunks a streaming step prefills: those one mixed step takes, else one.
+        #: Chunks a streaming step prefills: those one mixed step takes, else one; packed
+        #: in a mixed step, each but the last starts on a block of ``_pack`` tokens, and
+        #: no more than ``_pack_max`` tokens are (past them the chunks run apart: one).
         self._mixed_chunks: int | None = getattr(decoder, "mixed_chunks", None) if self._mixed else 1
+        self._pack: int = getattr(decoder, "mixed_pack_tokens", 1)
+        self._pack_max = max(getattr(decoder, "mixed_buckets", None) or [1 << 30])
         self.background = background
         self._pending: list[DecodeRequest] = []  # no slot yet
         self._copying: list[DecodeRequest] = []  # a slot whose copy to or from host runs
@@ -574,9 +455,10 @@ class DecodeScheduler:
                 waiting = sum(self._prompt_left(r) for r in self._prefilling)
                 rows = len(self._active)
                 budget = self.costs.budget(waiting=waiting, rows=rows, step_tokens=self.step_tokens)
-                batch = self._plan_prefill(budget)
+                packs = self._mixed and budget <= self._pack_max
+                batch = self._plan_prefill(budget, self._pack if packs else 1)
                 if self._mixed or budget <= self.interleave_tokens:  # (a grown chunk may run apart)
-                    batch = batch[: self._mixed_chunks]
+                    batch = batch[: self._mixed_chunks if packs else 1]
             else:
                 batch = self._plan_prefill(self.step_tokens)
         if self._active and batch and self._mixed:  # one forward for both
@@ -893,7 +775,10 @@ class DecodeScheduler:
             return req.max_new_tokens + len(req.ids) - req.kv_tokens
         return req.max_new_tokens - len(req.new_ids)
 
-    def _plan_prefill(self, budget: int) -> list[tuple[DecodeRequest, PrefillChunk]]:
+    def _plan_prefill(self, budget: int, block: int = 1) -> list[tuple[DecodeRequest, PrefillChunk]]:
+        """Chunks of the turns waiting to prefill, in priority then arrival order, within
+        ``budget`` tokens, each but the last counted in whole blocks of ``block`` tokens
+        (packed in one mixed step, :func:`~convo.fast.packing.packed_tokens`)."""
         batch = []
         for req in sorted(self._prefilling, key=lambda r: (r.priority, r._order)):
             if budget <= 0:
@@ -903,7 +788,7 @@ class DecodeScheduler:
             if req._hole is not None:  # up to the moved run
                 end = min(end, req._hole[0])
             batch.append((req, PrefillChunk(slot=req.slot, ids=ids, start=req.kv_tokens, end=end)))
-            budget -= end - req.kv_tokens
+            budget -= -(-(end - req.kv_tokens) // block) * block
         return batch
 
     def _prefill(self, batch: list[tuple[DecodeRequest, PrefillChunk]]) -> None:
@@ -984,13 +869,6 @@ class DecodeScheduler:
         self.steps += 1
         self.rows += len(rows)
         self._active = [r for r, t in zip(rows, tokens, strict=True) if not self._accept(r, t)]
-
-
-def work_kind(req: DecodeRequest) -> str:
-    """Which of :data:`WORK_KINDS` ``req`` is."""
-    if req.prefill_only:
-        return "prefill"
-    return "reply" if req.priority <= Priority.REPLY else "background"
 
 
 def _device_error(exc: BaseException) -> BaseException:

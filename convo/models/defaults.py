@@ -48,6 +48,15 @@ DEFAULT_INTERLEAVE_TOKENS = 256
 #: step grown under a pile of prompts (:class:`~convo.fast.step_budget.StepCosts`) still
 #: reads the weights once for its rows and its chunk.
 MIXED_CHUNK_TOKENS = 2 * DEFAULT_INTERLEAVE_TOKENS
+#: Prefill chunks (of as many turns) one captured mixed step runs packed in its chunk
+#: bucket, each but the last on whole blocks of :data:`MIXED_PACK_TOKENS` tokens
+#: (:func:`convo.fast.packing.pack_chunks`). One chunk a step left most steps short: a
+#: 300-token prompt ran as a 256-token step and a 64-token one, each paying the forward's
+#: fixed cost (an int4 weight dequantized once per forward).
+MIXED_PACK_CHUNKS = 4
+#: The block a packed chunk starts on: the chunk-attention kernel's query blocks each lie in
+#: one slot (a power of two; a chunk wastes up to one block less a token of the bucket).
+MIXED_PACK_TOKENS = 32
 #: Longest prefill chunk (tokens) the static decoder captures as a CUDA graph, and the
 #: chunk prefill runs in (its ``prefill_chunk_tokens`` default, the engine's too): the
 #: graphs' shared pool holds one such forward.

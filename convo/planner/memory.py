@@ -57,6 +57,7 @@ from convo.models.defaults import (
     DEFAULT_STEP_TOKENS,
     FP8_KV_SCALE_BYTES,
     MIXED_CHUNK_TOKENS,
+    MIXED_PACK_CHUNKS,
     PREFILL_GRAPH_TOKENS,
     auto_kv_slots,
     batch_buckets,
@@ -575,12 +576,12 @@ class VRAMModel:
         temporaries = (
             max(
                 chunk * act,
-                (rows + mixed) * act + (rows + 1) * logit_bytes if mixed else 0,
+                (rows + mixed) * act + (rows + MIXED_PACK_CHUNKS) * logit_bytes if mixed else 0,
                 rows * (act + logit_bytes),
             )
             + self.workspace_bytes()
         )
-        outputs = ((rows + 1) + len(chunks)) * s.vocab_size * 4
+        outputs = ((rows + MIXED_PACK_CHUNKS) + len(chunks)) * s.vocab_size * 4
         graphs = int(temporaries + outputs + self.calibration.workspace_bytes)
         gather = 0
         if not _has_triton():  # no chunk-attention kernel: SDPA over a gathered slot

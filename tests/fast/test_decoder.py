@@ -47,6 +47,7 @@ from convo.fast.kernels import (  # noqa: E402
     w4a16_settings,
     w4a16_with_config,
 )
+from convo.fast.packing import pack_chunks, packed_tokens  # noqa: E402
 from convo.models import GREEDY, Sampling  # noqa: E402
 from convo.planner import memory  # noqa: E402
 
@@ -282,6 +283,61 @@ def test_mixed_step_decodes_and_prefills_in_one_forward(static: bool) -> None:
         dec.mixed_step([], [], [], chunks)
 
 
+def test_packed_chunks_layout() -> None:
+    """Each chunk but the last on whole blocks, the last to the bucket's end; a chunk near
+    its slot's end starts earlier; what does not fit is refused."""
+    ids = list(range(100, 200))
+    a, b = PrefillChunk(slot=2, ids=ids, start=0, end=20), PrefillChunk(slot=1, ids=ids, start=21, end=40)
+    assert packed_tokens([20, 19], 32) == 51 and packed_tokens([], 32) == 0
+    flat = pack_chunks([a, b], 64, 128, unit=32, lasts=4)
+    assert flat is not None and len(flat) == 3 * 64 + 4
+    tok, pos, slots, lasts = flat[:64], flat[64:128], flat[128:192], flat[192:]
+    assert (
+        tok[:20] == ids[:20] and tok[20:32] == [0] * 12 and tok[32:51] == ids[21:40] and tok[51:] == [0] * 13
+    )
+    assert pos[:32] == list(range(32)) and pos[32:] == list(range(21, 53))
+    assert slots == [2] * 32 + [1] * 32 and lasts == [19, 50, 50, 50]
+    near = PrefillChunk(slot=0, ids=ids, start=110 - 100, end=60)  # 50 tokens, slot of 64
+    flat = pack_chunks([near], 64, 64, unit=32, lasts=1)
+    assert flat is not None and flat[64] == 0 and flat[:60] == ids[:60] and flat[-1] == 59  # from 0
+    assert pack_chunks([a, b], 32, 128, unit=32) is None  # 51 rows > 32
+    assert pack_chunks([a] * 5, 512, 128, unit=32, lasts=4) is None
+    assert pack_chunks([], 64, 128) is None
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mixed_step_packs_chunks_of_several_turns(fp8: bool) -> None:
+    """Three turns' chunks packed in one static mixed forward beside two decode rows give
+    transformers' logits for each, and every slot carries on from what it wrote."""
+    model, ids, ref = with_reference("qwen2", tokens=60, seed=7)
+    config = DecoderConfig(static_prefill=True, mixed_chunk_tokens=128)
+    dec = StaticDecoder(model, slots=6, slot_tokens=128, config=config, kv_dtype="fp8" if fp8 else "auto")
+    assert dec.mixed_chunks == 4 and dec.mixed_pack_tokens == 32 and dec.mixed_buckets == [16, 32, 64, 128]
+    dec.warmup()
+    dec.prefill(0, ids[:30], 0)
+    dec.prefill(1, ids[:20], 0)
+    dec.prefill(4, ids[:7], 0)
+    chunks = [
+        PrefillChunk(slot=2, ids=ids, start=0, end=33),  # 64 rows
+        PrefillChunk(slot=4, ids=ids, start=7, end=12),  # 32 rows
+        PrefillChunk(slot=3, ids=ids, start=0, end=9),  # the last: to the bucket's end
+    ]
+    rows, outs = dec.mixed_step([ids[30], ids[20]], [0, 1], [30, 20], chunks)
+    tol = 0.05 if fp8 else 1e-4
+    for got, want in zip([*rows, *outs], [ref[30], ref[20], ref[32], ref[11], ref[8]], strict=True):
+        assert float((got - want).abs().max()) < tol * (1 + float(want.abs().max()))
+    after = dec.step([ids[33], ids[12], ids[9], ids[31]], [2, 4, 3, 0], [33, 12, 9, 31])
+    for got, p in zip(after, (33, 12, 9, 31), strict=True):
+        assert float((got - ref[p]).abs().max()) < tol * (1 + float(ref[p].abs().max()))
+    # More chunks than a step packs: a decode step, then the chunks apart.
+    many = [
+        PrefillChunk(slot=s, ids=ids, start=p, end=p + 2)
+        for s, p in ((0, 32), (1, 21), (2, 34), (3, 10), (4, 13))
+    ]
+    rows, outs = dec.mixed_step([ids[32]], [0], [32], many)
+    assert torch.allclose(rows[0], ref[32], atol=tol * 20) and len(outs) == 5
+
+
 def test_unsupported_architectures_are_refused() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -328,6 +384,50 @@ def test_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
         "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2)\n"
         "    out = chunk_attention(q, k, v, slot, st, scale=0.2)\n"
         "    assert out.shape == ref.shape\n"
+        "    err = max(err, float((out - ref).abs().max()))\n"
+        "print(err)\n"
+    )
+    assert _interpreted_errors(code)[0] < 1e-4
+
+
+def test_packed_chunk_attention_is_each_chunk_on_its_own() -> None:
+    """Chunks of three turns packed in one call (each on whole blocks of ``pack`` queries,
+    the last with padding queries after it) attend as each chunk alone over its slot."""
+    torch.manual_seed(0)
+    k, v = torch.randn(4, 2, 128, 16), torch.randn(4, 2, 128, 16)
+    q = torch.randn(96, 4, 16)
+    layout = [(2, 40, 32), (0, 0, 32), (3, 90, 32)]  # (slot, first position, queries)
+    slots = torch.tensor([s for s, _, n in layout for _ in range(n // 16)])
+    starts = torch.tensor([p + 16 * i for _, p, n in layout for i in range(n // 16)])
+    packed = _chunk_attention_reference(q, k, v, slots, starts, 0.3, pack=16)
+    off = 0
+    for slot, first, n in layout:
+        alone = _chunk_attention_reference(
+            q[off : off + n], k, v, torch.tensor([slot]), torch.tensor([first]), 0.3
+        )
+        assert torch.allclose(packed[off : off + n], alone, atol=1e-5)
+        off += n
+
+
+def test_packed_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
+    """The chunk kernel with blocks of queries in different slots (``pack``; blocks of the
+    kernel shorter than a pack entry, grouped heads, a partial last block) against the
+    reference."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from convo.fast.attention import chunk_attention, _chunk_attention_reference\n"
+        "torch.manual_seed(0)\n"
+        "err = 0.0\n"
+        "cases = [(4, 2, 32, 256, 32), (2, 2, 16, 64, 32), (2, 1, 16, 16, 32)]\n"
+        "for heads, kvh, dim, tokens, pack in cases:\n"
+        "    k, v = torch.randn(4, kvh, 512, dim), torch.randn(4, kvh, 512, dim)\n"
+        "    q = torch.randn(tokens, heads, dim)\n"
+        "    n = -(-tokens // pack)\n"
+        "    slot = torch.randint(0, 4, (n,))\n"
+        "    st = torch.randint(0, 512 - pack, (n,))\n"
+        "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2, pack=pack)\n"
+        "    out = chunk_attention(q, k, v, slot, st, scale=0.2, pack=pack)\n"
         "    err = max(err, float((out - ref).abs().max()))\n"
         "print(err)\n"
     )
@@ -642,6 +742,13 @@ def test_cuda_chunk_attention_matches_reference() -> None:
         ref = _chunk_attention_reference(q.float(), k.float(), v.float(), slot, st, 0.088)
         out = chunk_attention(q, k, v, slot, st, scale=0.088)
         assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    for tokens in (16, 64, 256, 512):  # packed: a slot and a start per 32 queries
+        q = torch.randn(tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+        n = -(-tokens // 32)
+        slot, st = torch.randint(0, 4, (n,), device="cuda"), torch.randint(0, 2048 - 32, (n,), device="cuda")
+        ref = _chunk_attention_reference(q.float(), k.float(), v.float(), slot, st, 0.088, pack=32)
+        out = chunk_attention(q, k, v, slot, st, scale=0.088, pack=32)
+        assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.gpu
@@ -755,6 +862,33 @@ def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
         rows, chunks = dec.mixed_step([ids[40], ids[50], ids[60]], [0, 1, 2], [40, 50, 60], [chunk])
         after = dec.step([ids[20], ids[41]], [3, 0], [20, 41])  # both slots carry on
         outs.append(torch.cat([rows, torch.stack(chunks), after]).float())
+    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_packed_mixed_graph_matches_a_step_then_prefills() -> None:
+    """A replay of the graph captured for (2 rows -> bucket 2, three turns' chunks packed
+    in 128 rows) gives the logits of a decode replay and the chunks' prefill replays."""
+    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    ids = list(range(1, 200))
+    outs = []
+    for mixed in (True, False):
+        dec = StaticDecoder(
+            model, slots=6, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
+        )
+        dec.warmup()
+        assert ((2, 128) in dec.mixed_graphs) is mixed
+        for slot, n in ((0, 40), (1, 50), (4, 9)):
+            dec.prefill(slot, ids[:n], 0)
+        chunks = [
+            PrefillChunk(slot=2, ids=ids, start=0, end=45),
+            PrefillChunk(slot=4, ids=ids, start=9, end=30),
+            PrefillChunk(slot=3, ids=ids, start=0, end=20),
+        ]
+        rows, done = dec.mixed_step([ids[40], ids[50]], [0, 1], [40, 50], chunks)
+        after = dec.step([ids[45], ids[30], ids[20], ids[41]], [2, 4, 3, 0], [45, 30, 20, 41])
+        outs.append(torch.cat([rows, torch.stack(done), after]).float())
     assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from convo.fast.graphs import GraphSpec, capture_order
+from convo.models.defaults import MIXED_PACK_CHUNKS
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,7 +26,8 @@ def test_captures_run_largest_first_so_later_ones_reuse_its_blocks() -> None:
     assert order.index(GraphSpec(rows=64, tokens=256)) == 1  # 320 rows and 65 logit rows
     cost = [s.size(**sizes) for s in order]
     assert cost == sorted(cost, reverse=True)
-    assert GraphSpec(rows=4).logit_rows == 4 and GraphSpec(rows=4, tokens=16).logit_rows == 5
+    assert GraphSpec(rows=4).logit_rows == 4 and GraphSpec(tokens=16).logit_rows == 1
+    assert GraphSpec(rows=4, tokens=16).logit_rows == 4 + MIXED_PACK_CHUNKS  # each packed chunk's
     # with a small vocabulary the widest mixed step is the largest
     small = capture_order(specs, hidden=4096, intermediate=11008, vocab=32_000)
     assert small[0] == GraphSpec(tokens=512) and small[1] == GraphSpec(rows=64, tokens=256)

@@ -188,6 +188,34 @@ def test_prefill_rides_in_the_decode_rows_forward() -> None:
     assert positions == list(range(5, 16))  # one token every step, mixed or not
 
 
+class PackingDecoder(MixedDecoder):
+    """A mixed-step decoder that packs up to two chunks, each but the last on blocks of 8."""
+
+    mixed_chunks = 2
+    mixed_pack_tokens = 8
+    mixed_buckets = (16, 32)
+
+
+def test_packed_chunks_start_on_blocks_within_the_budget() -> None:
+    """With a decoder that packs chunks on blocks, a streaming step counts each chunk but
+    the last in whole blocks and takes no more chunks than it packs."""
+    dec = PackingDecoder(slots=5)
+    sched = DecodeScheduler(dec, background=False, step_tokens=64, interleave_tokens=16)
+    running = sched.submit(request(5, max_new=10))
+    sched.run_step()
+    a, b, c = (sched.submit(request(n, first=f, max_new=2)) for n, f in ((5, 100), (6, 200), (30, 300)))
+    sched.run_step()
+    first = next(what for kind, what in dec.events if kind == "mixed")
+    assert first[1] == [(a.slot, 0, 5), (b.slot, 0, 6)]  # 8 + 6 rows of 16; no third chunk
+    drain(sched)
+    assert running.new_ids == list(range(6, 16)) and c.new_ids == [330, 331]
+    assert sched._plan_prefill(16, 8) == []  # nothing waits
+    for kind, what in dec.events:
+        if kind == "mixed":
+            sizes = [end - start for _, start, end in what[1]]
+            assert len(sizes) <= 2 and sum(-(-n // 8) * 8 for n in sizes[:-1]) + sizes[-1] <= 16
+
+
 def test_stats_count_every_step_by_kind() -> None:
     """SchedulerStats: decode, mixed and prefill steps, their time, rows and prompt tokens,
     the same totals the scheduler's own counters keep."""

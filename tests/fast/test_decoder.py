@@ -846,30 +846,8 @@ def test_cuda_no_recompiles_or_recaptures_after_warmup(weights: str) -> None:
 @cuda
 def test_cuda_mixed_graph_matches_a_step_then_a_prefill() -> None:
     """A replay of the graph captured for (3 rows -> bucket 4, a 20-token chunk -> bucket
-    32) gives the logits of a decode replay followed by a prefill replay on a twin pool."""
-    model = tiny_model(device="cuda", dtype=torch.bfloat16)
-    ids = list(range(1, 120))
-    outs = []
-    for mixed in (True, False):
-        dec = StaticDecoder(
-            model, slots=4, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
-        )
-        dec.warmup()
-        assert ((4, 32) in dec.mixed_graphs) is mixed
-        for slot, n in ((0, 40), (1, 50), (2, 60)):
-            dec.prefill(slot, ids[:n], 0)
-        chunk = PrefillChunk(slot=3, ids=ids, start=0, end=20)
-        rows, chunks = dec.mixed_step([ids[40], ids[50], ids[60]], [0, 1, 2], [40, 50, 60], [chunk])
-        after = dec.step([ids[20], ids[41]], [3, 0], [20, 41])  # both slots carry on
-        outs.append(torch.cat([rows, torch.stack(chunks), after]).float())
-    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
-
-
-@pytest.mark.gpu
-@cuda
-def test_cuda_packed_mixed_graph_matches_a_step_then_prefills() -> None:
-    """A replay of the graph captured for (2 rows -> bucket 2, three turns' chunks packed
-    in 128 rows) gives the logits of a decode replay and the chunks' prefill replays."""
+    32), then of (2 rows, three turns' chunks packed in 128 rows), gives the logits of a
+    decode replay followed by the chunks' prefill replays on a twin pool."""
     model = tiny_model(device="cuda", dtype=torch.bfloat16)
     ids = list(range(1, 200))
     outs = []
@@ -878,17 +856,22 @@ def test_cuda_packed_mixed_graph_matches_a_step_then_prefills() -> None:
             model, slots=6, slot_tokens=256, config=DecoderConfig(mixed_chunk_tokens=0 if not mixed else 256)
         )
         dec.warmup()
-        assert ((2, 128) in dec.mixed_graphs) is mixed
-        for slot, n in ((0, 40), (1, 50), (4, 9)):
+        assert ((4, 32) in dec.mixed_graphs and (2, 128) in dec.mixed_graphs) is mixed
+        for slot, n in ((0, 40), (1, 50), (2, 60), (5, 9)):
             dec.prefill(slot, ids[:n], 0)
-        chunks = [
-            PrefillChunk(slot=2, ids=ids, start=0, end=45),
-            PrefillChunk(slot=4, ids=ids, start=9, end=30),
-            PrefillChunk(slot=3, ids=ids, start=0, end=20),
+        chunk = PrefillChunk(slot=3, ids=ids, start=0, end=20)
+        rows, chunks = dec.mixed_step([ids[40], ids[50], ids[60]], [0, 1, 2], [40, 50, 60], [chunk])
+        after = dec.step([ids[20], ids[41]], [3, 0], [20, 41])  # both slots carry on
+        packed = [
+            PrefillChunk(slot=4, ids=ids, start=0, end=45),
+            PrefillChunk(slot=5, ids=ids, start=9, end=30),
+            PrefillChunk(slot=3, ids=ids, start=21, end=40),
         ]
-        rows, done = dec.mixed_step([ids[40], ids[50]], [0, 1], [40, 50], chunks)
-        after = dec.step([ids[45], ids[30], ids[20], ids[41]], [2, 4, 3, 0], [45, 30, 20, 41])
-        outs.append(torch.cat([rows, torch.stack(done), after]).float())
+        rows2, chunks2 = dec.mixed_step([ids[51], ids[61]], [1, 2], [51, 61], packed)
+        after2 = dec.step([ids[45], ids[30], ids[40], ids[42]], [4, 5, 3, 0], [45, 30, 40, 42])
+        outs.append(
+            torch.cat([rows, torch.stack(chunks), after, rows2, torch.stack(chunks2), after2]).float()
+        )
     assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
 
 

@@ -389,12 +389,12 @@ class StaticDecoder:
             dtype=pool_dtype,
             device=self.device,
         )
-        self.pool.rope_inv_freq = rope_frequencies(base.rotary_emb)  # (None: no context shift)
         #: Device bytes the pool took, measured with ``torch.cuda.memory_allocated`` (CUDA),
         #: or from the tensors (CPU).
         self.pool_measured_bytes = (
             torch.cuda.memory_allocated(self.device) - allocated_before if cuda else self.pool.nbytes
         )
+        self.pool.rope_inv_freq = rope_frequencies(base.rotary_emb)  # (None: no context shift)
         self.pool_predicted_bytes = KVSlotPool.predicted_nbytes(
             num_layers=len(self.layers),
             num_kv_heads=self.kv_heads,

@@ -22,7 +22,7 @@ from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
 from convo.fast.kernels import _w4_op
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.kv_shift import rope_frequencies
-from convo.fast.packing import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS, pack_chunks, packed_tokens
+from convo.fast.packing import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS, pack_chunks, packed_tokens, static_pieces
 from convo.fast.staging import build_staged
 from convo.models.defaults import (
     KV_DTYPE_CHOICES,
@@ -580,7 +580,7 @@ class StaticDecoder:
         if not chunks:
             return []
         if self.static_prefill and not all_logits and len(chunks) <= PREFILL_GRAPH_MAX_CHUNKS:
-            plans = [self._static_pieces(c) for c in chunks]
+            plans = [static_pieces(c, self.prefill_buckets, self.pool.slot_tokens) for c in chunks]
             if all(p is not None for p in plans):
                 return [self._prefill_static_chunk(c, p) for c, p in zip(chunks, plans, strict=True)]  # type: ignore[arg-type]
         return self._prefill_eager(chunks, all_logits)
@@ -589,23 +589,6 @@ class StaticDecoder:
         for c in chunks:
             if not 0 <= c.start < c.end <= len(c.ids) or c.end > self.pool.slot_tokens:
                 raise ConfigError(f"prefill of tokens {c.start}..{c.end} of {len(c.ids)} does not fit a slot")
-
-    def _static_pieces(self, chunk: PrefillChunk) -> list[tuple[int, int, int]] | None:
-        """``(start, end, bucket)`` pieces that cover the chunk, each run padded to a bucket.
-        A piece that would pass the slot's end starts earlier instead, running again some
-        tokens the slot already holds (the same K/V); ``None`` when no bucket fits the slot."""
-        pieces = []
-        pos = chunk.start
-        while pos < chunk.end:
-            need = chunk.end - pos
-            bucket = min((b for b in self.prefill_buckets if b >= need), default=self.prefill_buckets[-1])
-            end = min(chunk.end, pos + bucket)
-            start = min(pos, self.pool.slot_tokens - bucket)
-            if start < 0:
-                return None
-            pieces.append((start, end, bucket))
-            pos = end
-        return pieces
 
     def _prefill_static_chunk(self, chunk: PrefillChunk, pieces: list[tuple[int, int, int]]) -> Any:
         import torch

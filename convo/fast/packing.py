@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from convo.fast.kv_pool import PrefillChunk
 from convo.models.defaults import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS
 
-__all__ = ["MIXED_PACK_CHUNKS", "MIXED_PACK_TOKENS", "pack_chunks", "packed_tokens"]
+__all__ = ["MIXED_PACK_CHUNKS", "MIXED_PACK_TOKENS", "pack_chunks", "packed_tokens", "static_pieces"]
 
 
 def packed_tokens(sizes: Sequence[int], unit: int = MIXED_PACK_TOKENS) -> int:
@@ -57,3 +57,24 @@ def pack_chunks(
         positions += range(start, start + span)
         slots += [c.slot] * span
     return ids + positions + slots + last + [last[-1]] * (lasts - len(last))
+
+
+def static_pieces(
+    chunk: PrefillChunk, buckets: Sequence[int], slot_tokens: int
+) -> list[tuple[int, int, int]] | None:
+    """``(start, end, bucket)`` pieces that cover ``chunk``, each run alone padded to one of
+    ``buckets`` (the static prefill's chunk lengths, ascending). A piece that would pass the
+    slot's end starts earlier instead, running again some tokens the slot already holds
+    (the same K/V); ``None`` when no bucket fits the slot."""
+    pieces = []
+    pos = chunk.start
+    while pos < chunk.end:
+        need = chunk.end - pos
+        bucket = min((b for b in buckets if b >= need), default=buckets[-1])
+        end = min(chunk.end, pos + bucket)
+        start = min(pos, slot_tokens - bucket)
+        if start < 0:
+            return None
+        pieces.append((start, end, bucket))
+        pos = end
+    return pieces

@@ -47,7 +47,7 @@ from convo.fast.kernels import (  # noqa: E402
     w4a16_settings,
     w4a16_with_config,
 )
-from convo.fast.packing import pack_chunks, packed_tokens  # noqa: E402
+from convo.fast.packing import pack_chunks, packed_tokens, static_pieces  # noqa: E402
 from convo.models import GREEDY, Sampling  # noqa: E402
 from convo.planner import memory  # noqa: E402
 
@@ -241,8 +241,12 @@ def test_static_prefill_matches_transformers_forward(model_type: str) -> None:
     out = dec.step([ids[45]], [0], [45])  # the padding rows' K/V past 45 were never read
     assert torch.allclose(out[0], ref[45], atol=1e-4)
     # Near the slot's end a piece starts earlier, re-running tokens the slot holds.
-    assert dec._static_pieces(PrefillChunk(slot=1, ids=ids, start=40, end=63)) == [(32, 63, 32)]
-    assert dec._static_pieces(PrefillChunk(slot=1, ids=ids, start=0, end=40)) == [(0, 32, 32), (32, 40, 16)]
+    late, early = (
+        PrefillChunk(slot=1, ids=ids, start=40, end=63),
+        PrefillChunk(slot=1, ids=ids, start=0, end=40),
+    )
+    assert static_pieces(late, dec.prefill_buckets, 64) == [(32, 63, 32)]
+    assert static_pieces(early, dec.prefill_buckets, 64) == [(0, 32, 32), (32, 40, 16)]
     outs = dec.prefill_batch([PrefillChunk(slot=1, ids=ids, start=0, end=40)])
     outs += dec.prefill_batch([PrefillChunk(slot=1, ids=ids, start=40, end=61)])
     outs += dec.prefill_batch([PrefillChunk(slot=1, ids=ids, start=61, end=64)])

@@ -142,8 +142,11 @@ def main() -> None:
                         timed[",".join(map(str, w4a16_settings(cfg) if len(cfg) > 1 else cfg))] = round(
                             ms * 1e3, 1
                         )
-                    full = w4a16_settings(cfg)
-                    layout = "swap" if full[8] else "trans" if full[6] else "plain"
+                    if len(cfg) == 1:  # W4_DENSE: no tile
+                        layout = "dense"
+                    else:
+                        full = w4a16_settings(cfg)
+                        layout = "swap" if full[8] else "trans" if full[6] else "plain"
                     kind = family if family == "convo" else f"sweep-{layout}"
                     if ms < found.get(kind, (1e9, None))[0]:
                         found[kind] = (ms, cfg)

@@ -41,9 +41,10 @@ class DecoderConfig:
         prefill_chunk_tokens: prefill runs in chunks of this many tokens, and the largest
             captured prefill is this long. Default
             :data:`~convo.models.defaults.PREFILL_GRAPH_TOKENS` (512).
-        mixed_chunk_tokens: with ``cuda_graphs``, the mixed step (decode rows and one
-            prefill chunk in one forward) is captured for every decode bucket and every
-            prefill bucket up to this many tokens. Default
+        mixed_chunk_tokens: with ``cuda_graphs``, the mixed step (decode rows and the
+            prefill chunks of up to :data:`~convo.models.defaults.MIXED_PACK_CHUNKS` turns,
+            packed, in one forward) is captured for every decode bucket and every prefill
+            bucket up to this many tokens. Default
             :data:`~convo.models.defaults.MIXED_CHUNK_TOKENS` (512: twice the scheduler's
             chunk while replies stream, which grows to it under a pile of prompts); 0: no
             mixed graphs (a decode replay, then a prefill replay).

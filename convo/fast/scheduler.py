@@ -167,8 +167,9 @@ class DecodeScheduler:
         interleave_tokens: while replies stream, a step prefills at most this many prompt
             tokens (:data:`DEFAULT_INTERLEAVE_TOKENS`, and within ``step_tokens``), in the
             decode rows' forward when the decoder has ``mixed_step`` (as many chunks as its
-            ``mixed_chunks``: one for a captured mixed step), else one chunk in a forward of
-            its own.
+            ``mixed_chunks``, each but the last counted in blocks of its
+            ``mixed_pack_tokens``: a captured mixed step packs them), else one chunk in a
+            forward of its own.
         background: run the loop in its own thread (``False``: the caller calls
             :meth:`run_step`).
         background_min_idle_s: seconds another session's cached prompt must have been

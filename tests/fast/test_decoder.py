@@ -550,6 +550,50 @@ def test_scheduler_decodes_sessions_together_with_their_own_lengths() -> None:
     sched.close()
 
 
+def test_scheduler_packs_arriving_turns_beside_a_streaming_reply() -> None:
+    """Through the real scheduler and the static forward (as captured on CUDA), turns that
+    arrive while a reply streams are prefilled packed in mixed steps (several in one step,
+    on 32-token blocks): every logit row the decoder gives, decode rows and each chunk's
+    last token, is transformers' for that sequence at that position."""
+    model = tiny_model("qwen2")
+    config = DecoderConfig(static_prefill=True, mixed_chunk_tokens=128, prefill_chunk_tokens=128)
+    dec = StaticDecoder(model, slots=5, slot_tokens=192, config=config)
+    dec.warmup()
+    seen: list[tuple[int, int, Any]] = []  # (slot, position, logits)
+    packs: list[int] = []
+    mixed, step = dec.mixed_step, dec.step
+
+    def mixed_step(tokens: Any, slots: Any, positions: Any, chunks: Any) -> Any:
+        rows, outs = mixed(tokens, slots, positions, chunks)
+        packs.append(len(chunks))
+        seen.extend(zip(slots, positions, rows, strict=True))
+        seen.extend((c.slot, c.end - 1, out) for c, out in zip(chunks, outs, strict=True))
+        return rows, outs
+
+    def decode_step(tokens: Any, slots: Any, positions: Any) -> Any:
+        rows = step(tokens, slots, positions)
+        seen.extend(zip(slots, positions, rows, strict=True))
+        return rows
+
+    dec.mixed_step, dec.step = mixed_step, decode_step  # type: ignore[method-assign]
+    sched = DecodeScheduler(dec, background=False, interleave_tokens=128)
+    g = torch.Generator().manual_seed(3)
+    streaming = sched.submit(_request(torch.randint(0, 512, (10,), generator=g).tolist(), 40))
+    sched.run_step()  # its prefill, alone
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 45, 20, 70)]
+    reqs = [sched.submit(_request(p, 6)) for p in prompts]
+    while not all(r.done.is_set() for r in (streaming, *reqs)):
+        sched.run_step()
+    assert max(packs) >= 2  # several turns' chunks in one mixed step
+    by_slot = {r.slot: r for r in (streaming, *reqs)}  # (no slot changed hands: 5 slots)
+    with torch.no_grad():
+        ref = {s: model(torch.tensor([r.ids + r.new_ids])).logits[0] for s, r in by_slot.items()}
+    for slot, position, logits in seen:
+        assert torch.allclose(logits, ref[slot][position], atol=1e-4), (slot, position)
+    assert len(seen) >= sum(r.max_new_tokens for r in (streaming, *reqs)) - 5
+    sched.close()
+
+
 def test_scheduler_queues_for_a_slot_and_times_out_while_waiting() -> None:
     dec = StaticDecoder(tiny_model(), slots=1, slot_tokens=64)
     dec.warmup()

@@ -66,6 +66,7 @@ from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.packing import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS, packed_tokens
 from convo.fast.scheduler import SLOT_POLL_S, DecodeRequest, DecodeScheduler
 from convo.models import GREEDY, Priority
+from convo.models.defaults import MIXED_CHUNK_TOKENS, PREFILL_GRAPH_TOKENS, mixed_buckets
 
 #: Fake seconds the run goes on after the last turn, for the summaries left to be written.
 DRAIN_LIMIT_S = 120.0
@@ -168,6 +169,9 @@ class SimDecoder:
     # the last on whole blocks (priced as the rows they take).
     mixed_chunks = MIXED_PACK_CHUNKS
     mixed_pack_tokens = MIXED_PACK_TOKENS
+    mixed_buckets = tuple(
+        mixed_buckets(PREFILL_GRAPH_TOKENS, 2048, MIXED_CHUNK_TOKENS)
+    )  # (a grown step past them: one chunk)
 
     def __init__(self, pool: KVSlotPool, clock: Clock, load: Load) -> None:
         self.pool, self.clock, self.load = pool, clock, load

@@ -18,15 +18,28 @@ from collections.abc import Sequence
 from convo.fast.kv_pool import PrefillChunk
 from convo.models.defaults import MIXED_PACK_CHUNKS, MIXED_PACK_TOKENS
 
-__all__ = ["MIXED_PACK_CHUNKS", "MIXED_PACK_TOKENS", "pack_chunks", "packed_tokens", "static_pieces"]
+__all__ = [
+    "MIXED_PACK_CHUNKS",
+    "MIXED_PACK_TOKENS",
+    "block_rows",
+    "pack_chunks",
+    "packed_tokens",
+    "static_pieces",
+]
+
+
+def block_rows(tokens: int, unit: int = MIXED_PACK_TOKENS) -> int:
+    """Rows a chunk of ``tokens`` tokens takes when another is packed after it: whole
+    blocks of ``unit`` tokens."""
+    return -(-tokens // unit) * unit
 
 
 def packed_tokens(sizes: Sequence[int], unit: int = MIXED_PACK_TOKENS) -> int:
-    """Rows that chunks of ``sizes`` tokens take packed: each but the last rounded up to
-    whole blocks of ``unit`` tokens."""
+    """Rows that chunks of ``sizes`` tokens take packed: each but the last in whole blocks
+    (:func:`block_rows`)."""
     if not sizes:
         return 0
-    return sum(-(-n // unit) * unit for n in sizes[:-1]) + sizes[-1]
+    return sum(block_rows(n, unit) for n in sizes[:-1]) + sizes[-1]
 
 
 def pack_chunks(
@@ -47,7 +60,7 @@ def pack_chunks(
     slots: list[int] = []
     last: list[int] = []
     for i, c in enumerate(chunks):
-        span = bucket - len(ids) if i == len(chunks) - 1 else -(-(c.end - c.start) // unit) * unit
+        span = bucket - len(ids) if i == len(chunks) - 1 else block_rows(c.end - c.start, unit)
         start = min(c.start, slot_tokens - span)
         if span < c.end - c.start or len(ids) + span > bucket or start < 0:
             return None

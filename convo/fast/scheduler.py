@@ -72,6 +72,7 @@ from typing import Any
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
 from convo.fast.kv_shift import find_shift
+from convo.fast.packing import block_rows
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.request import WORK_KINDS, DecodeRequest, decode_priority, work_kind
 from convo.fast.sampling import sample_rows
@@ -789,7 +790,7 @@ class DecodeScheduler:
             if req._hole is not None:  # up to the moved run
                 end = min(end, req._hole[0])
             batch.append((req, PrefillChunk(slot=req.slot, ids=ids, start=req.kv_tokens, end=end)))
-            budget -= -(-(end - req.kv_tokens) // block) * block
+            budget -= block_rows(end - req.kv_tokens, block)
         return batch
 
     def _prefill(self, batch: list[tuple[DecodeRequest, PrefillChunk]]) -> None:

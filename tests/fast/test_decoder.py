@@ -372,7 +372,9 @@ def test_decode_attention_kernel_interpreted_matches_sdpa() -> None:
 def test_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
     """The prefill chunk's flash-attention kernel (Triton's interpreter) against the keys
     gathered and SDPA under a mask: grouped heads, chunks shorter than a block, cached
-    prefixes of any length, a chunk that ends at the slot's last token."""
+    prefixes of any length, a chunk that ends at the slot's last token; and packed
+    (``pack``): blocks of queries in different slots, kernel blocks shorter than a pack
+    entry, a partial last block."""
     pytest.importorskip("triton")
     code = (
         "import torch\n"
@@ -388,6 +390,15 @@ def test_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
         "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2)\n"
         "    out = chunk_attention(q, k, v, slot, st, scale=0.2)\n"
         "    assert out.shape == ref.shape\n"
+        "    err = max(err, float((out - ref).abs().max()))\n"
+        "packed = [(4, 2, 32, 256, 32), (2, 2, 16, 64, 32), (2, 1, 16, 16, 32)]\n"
+        "for heads, kvh, dim, tokens, pack in packed:\n"
+        "    k, v = torch.randn(4, kvh, 512, dim), torch.randn(4, kvh, 512, dim)\n"
+        "    q = torch.randn(tokens, heads, dim)\n"
+        "    n = -(-tokens // pack)\n"
+        "    slot, st = torch.randint(0, 4, (n,)), torch.randint(0, 512 - pack, (n,))\n"
+        "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2, pack=pack)\n"
+        "    out = chunk_attention(q, k, v, slot, st, scale=0.2, pack=pack)\n"
         "    err = max(err, float((out - ref).abs().max()))\n"
         "print(err)\n"
     )
@@ -411,31 +422,6 @@ def test_packed_chunk_attention_is_each_chunk_on_its_own() -> None:
         )
         assert torch.allclose(packed[off : off + n], alone, atol=1e-5)
         off += n
-
-
-def test_packed_chunk_attention_kernel_interpreted_matches_sdpa() -> None:
-    """The chunk kernel with blocks of queries in different slots (``pack``; blocks of the
-    kernel shorter than a pack entry, grouped heads, a partial last block) against the
-    reference."""
-    pytest.importorskip("triton")
-    code = (
-        "import torch\n"
-        "from convo.fast.attention import chunk_attention, _chunk_attention_reference\n"
-        "torch.manual_seed(0)\n"
-        "err = 0.0\n"
-        "cases = [(4, 2, 32, 256, 32), (2, 2, 16, 64, 32), (2, 1, 16, 16, 32)]\n"
-        "for heads, kvh, dim, tokens, pack in cases:\n"
-        "    k, v = torch.randn(4, kvh, 512, dim), torch.randn(4, kvh, 512, dim)\n"
-        "    q = torch.randn(tokens, heads, dim)\n"
-        "    n = -(-tokens // pack)\n"
-        "    slot = torch.randint(0, 4, (n,))\n"
-        "    st = torch.randint(0, 512 - pack, (n,))\n"
-        "    ref = _chunk_attention_reference(q, k, v, slot, st, 0.2, pack=pack)\n"
-        "    out = chunk_attention(q, k, v, slot, st, scale=0.2, pack=pack)\n"
-        "    err = max(err, float((out - ref).abs().max()))\n"
-        "print(err)\n"
-    )
-    assert _interpreted_errors(code)[0] < 1e-4
 
 
 def _interpreted_errors(code: str) -> list[float]:

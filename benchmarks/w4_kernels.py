@@ -63,7 +63,9 @@ def graph_ms(fn: Any, calls: int = 20, reps: int = 7) -> float:
 
 def candidates(rows: int) -> list[tuple[Any, ...]]:
     """The launch settings swept at ``rows`` rows (``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
-    stages, BLOCK_K, TRANS)``)."""
+    stages, BLOCK_K, TRANS[, MAGIC])``): above 64 rows each tile with the float32 conversion
+    and with ``MAGIC`` 2, and from 192 rows tiles 256 rows tall (one weight tile read for a
+    whole 256-row step)."""
     if rows <= 64:
         bm = max(16, 1 << (rows - 1).bit_length())
         return [
@@ -71,13 +73,21 @@ def candidates(rows: int) -> list[tuple[Any, ...]]:
             for bn, sk, bk, t in itertools.product((32, 64, 128), (1, 2, 4, 8), (128, 256), (False, True))
             if not (bk == 256 and bn == 128 and bm >= 64)
         ]
-    return [
+    tiles = [
         (bm, bn, 1, w, 3, bk, t)
-        for bm, bn, bk, w, t in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (False, True))
+        for bm, bn, bk, w, t in itertools.product(
+            (64, 128, 256) if rows >= 192 else (64, 128), (64, 128, 256), (64, 128), (4, 8), (False, True)
+        )
         if bm * bn <= 128 * 128
         and not (bm == 128 and bn == 128 and w == 4)
         and not (bk == 128 and bm * bn > 8192)
     ]
+    # The widest tiles (one weight tile read for 256 rows), and a deeper pipeline for the usual ones.
+    tiles += [(bm, bn, 1, 8, 3, 64, t) for bm, bn in ((128, 256), (256, 128)) for t in (False, True)] * (
+        rows >= 192
+    )
+    tiles += [(bm, bn, 1, 8, 4, 64, False) for bm, bn in ((128, 128), (256, 64), (128, 64))]
+    return [*tiles, *((*c, 2) for c in tiles)]
 
 
 def main() -> None:
@@ -124,6 +134,7 @@ def main() -> None:
                     None,
                 )
             timed: dict[str, float] = {}
+            swept: dict[str, float] = {}
             families = [("convo", w4a16_candidates(rows))] + (
                 [("sweep", [*candidates(rows), *W4_SWAP_CONFIGS])] if args.sweep else []
             )
@@ -138,10 +149,8 @@ def main() -> None:
                             {"rows": rows, "proj": name, "cfg": cfg, "error": str(e)[:200]}
                         )
                         continue
-                    if family == "convo":
-                        timed[",".join(map(str, w4a16_settings(cfg) if len(cfg) > 1 else cfg))] = round(
-                            ms * 1e3, 1
-                        )
+                    label = ",".join(map(str, w4a16_settings(cfg) if len(cfg) > 1 else cfg))
+                    (timed if family == "convo" else swept)[label] = round(ms * 1e3, 1)
                     if len(cfg) == 1:  # W4_DENSE: no tile
                         layout = "dense"
                     else:
@@ -157,6 +166,9 @@ def main() -> None:
             op()
             found["op"] = (graph_ms(op), w4a16_tuned().get((w4a16_row_bucket(rows), *w.shape, 0)))
             report["results"].append({"rows": rows, "proj": name, "candidates_us": timed})
+            if swept:  # the sweep's ten fastest settings
+                fastest = dict(sorted(swept.items(), key=lambda kv: kv[1])[:10])
+                report["results"].append({"rows": rows, "proj": name, "sweep_fastest_us": fastest})
             print(json.dumps({"rows": rows, "proj": name, "candidates_us": timed}), flush=True)
             for method, (ms, cfg) in found.items():
                 per_method[method] = per_method.get(method, 0.0) + ms

@@ -131,12 +131,19 @@ DEFAULT_BACKGROUND_FINISH_TOKENS = 16
 #: A reply that finds every slot busy waits, rather than stop background work, while a
 #: running request will free its slot within this many tokens (within
 #: :data:`DEFAULT_BACKGROUND_FINISH_TOKENS` when the stopped work would be recomputed, not
-#: parked in host memory). Measured with ``benchmarks/kv_sched.py`` (16 slots, context
-#: shift on, 2026-12-07): 16 rather than 4 takes think-16 from 21 preemptions to 8,
-#: re-prefill 0.38 -> 0.351 and the slide turn 1.24x -> 1.19x an ordinary one; chat-users
-#: and gpu-chat lose nothing (TTFT p95 0.111 s and 0.46-0.48 s either way; an older model
-#: of the load, without context shift, had 16 cost chat-users 0.1 s of TTFT p95).
-DEFAULT_REPLY_WAIT_TOKENS = 16
+#: parked in host memory). A park is a copy queued behind the copies of the sessions that
+#: come back with the same wave, so when a chat's replies are short, waiting for one of
+#: them to end frees a slot about as soon and stops nothing. Measured on an H100
+#: (``serve_load.py --model random:llama-2-7b --quant int4 --kv-slots 16 --context-shift``,
+#: 2026-12-07), 32 against 16: think-16 (32-token replies) **0 preemptions** in two runs
+#: against 21, TTFT p95 0.56 and 0.62 s against 0.73, turn p95 1.23 and 1.33 s against
+#: 1.42, slide turn 2.01x and 1.97x an ordinary one against 2.21x, re-prefill 0.345 and
+#: 0.357 against 0.344; gpu-chat 0 preemptions against 2, TTFT p95 0.64 s against 0.66;
+#: chat-users unchanged (TTFT p95 0.18 s, turn p95 0.75 s, re-prefill 0.295). On
+#: ``benchmarks/kv_sched.py``, where copies are free, it costs think-16's TTFT p95
+#: 0.611 -> 0.65 s (fake seconds). Earlier, 16 rather than 4 took think-16 on the fake clock
+#: from 21 preemptions to 8.
+DEFAULT_REPLY_WAIT_TOKENS = 32
 #: Share of the KV slots that background work (summaries, background prefills) may hold
 #: at once (at least one slot): the rest is left to replies, so a wave of turns finds
 #: slots without stopping the summaries, which drain in the pauses. Measured with

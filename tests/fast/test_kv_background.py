@@ -255,7 +255,7 @@ def test_a_reply_waits_for_a_summary_about_to_finish_instead_of_stopping_it() ->
 def test_of_two_summaries_the_reply_stops_the_one_with_most_left() -> None:
     dec = KVDecoder(2, host=1 << 20)
     sched = _sched(dec, background_slots=2)
-    short = sched.submit(_summary(dec, "a", n=40, first=900))
+    short = sched.submit(_summary(dec, "a", n=60, first=900))  # (more left than a reply waits for)
     _steps(sched, 10)
     long = sched.submit(_summary(dec, "b", n=200, first=950))  # later, and with more left
     _steps(sched, 3)

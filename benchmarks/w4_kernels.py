@@ -64,8 +64,8 @@ def graph_ms(fn: Any, calls: int = 20, reps: int = 7) -> float:
 def candidates(rows: int) -> list[tuple[Any, ...]]:
     """The launch settings swept at ``rows`` rows (``(BLOCK_M, BLOCK_N, SPLIT_K, warps,
     stages, BLOCK_K, TRANS[, MAGIC])``): above 64 rows each tile with the float32 conversion
-    and with ``MAGIC`` 2, from 192 rows tiles 256 rows tall (one weight tile read for a
-    whole 256-row step), and up to 32 rows past a multiple of 128 the ``TAIL`` settings."""
+    and with ``MAGIC`` 2, and from 192 rows tiles 256 rows tall (one weight tile read for a
+    whole 256-row step)."""
     if rows <= 64:
         bm = max(16, 1 << (rows - 1).bit_length())
         return [
@@ -87,20 +87,7 @@ def candidates(rows: int) -> list[tuple[Any, ...]]:
         rows >= 192
     )
     tiles += [(bm, bn, 1, 8, 4, 64, False) for bm, bn in ((128, 128), (256, 64), (128, 64))]
-    tiles = [*tiles, *((*c, 2) for c in tiles)]
-    # A few rows past a multiple of 128 (a mixed step's 16 replies beside a 256-token
-    # chunk): tiles that take them as a TAIL, each weight tile rounded once per program.
-    over = rows % 128
-    if rows > 128 and 0 < over <= 32:
-        tail = 16 if over <= 16 else 32
-        for bm in {256 if rows <= 256 + 32 else 128, 128}:
-            tiles += [
-                (bm, bn, 1, 8, 3, 64, t, m, s, tail)
-                for bn in (64, 128)
-                for t, s in ((False, False), (True, False), (False, True))
-                for m in (0, 2)
-            ]
-    return tiles
+    return [*tiles, *((*c, 2) for c in tiles)]
 
 
 def main() -> None:
@@ -110,9 +97,6 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument(
         "--sweep", action="store_true", help="also sweep launch settings beyond the op's candidates (slow)"
-    )
-    p.add_argument(
-        "--min-block-m", type=int, default=0, help="with --sweep: only settings at least this many rows tall"
     )
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -152,9 +136,7 @@ def main() -> None:
             timed: dict[str, float] = {}
             swept: dict[str, float] = {}
             families = [("convo", w4a16_candidates(rows))] + (
-                [("sweep", [c for c in (*candidates(rows), *W4_SWAP_CONFIGS) if c[0] >= args.min_block_m])]
-                if args.sweep
-                else []
+                [("sweep", [*candidates(rows), *W4_SWAP_CONFIGS])] if args.sweep else []
             )
             for family, cfgs in families:
                 for cfg in cfgs:

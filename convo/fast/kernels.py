@@ -44,16 +44,14 @@ _W4_TILES: tuple[tuple[Any, ...], ...] = (
 
 
 def w4a16_settings(cfg: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A W4A16 launch setting as its ten fields ``(BLOCK_M, BLOCK_N, SPLIT_K, warps, stages,
-    BLOCK_K, TRANS, MAGIC, SWAP, TAIL)``: fields left off are ``BLOCK_K`` 128, not ``TRANS``,
-    ``MAGIC`` 0, not ``SWAP``, ``TAIL`` 0. ``TAIL`` (0 or a power of two from 16): each
-    program also takes the ``TAIL`` rows after its ``BLOCK_M``, with the same dequantized
-    weight tile (a mixed step's 272 rows as 256 + 16, the weight rounded once, not twice)."""
-    return (*cfg, *(128, False, 0, False, 0)[len(cfg) - 5 :])
+    """A W4A16 launch setting as its nine fields ``(BLOCK_M, BLOCK_N, SPLIT_K, warps, stages,
+    BLOCK_K, TRANS, MAGIC, SWAP)``: fields left off are ``BLOCK_K`` 128, not ``TRANS``,
+    ``MAGIC`` 0, not ``SWAP``."""
+    return (*cfg, *(128, False, 0, False)[len(cfg) - 5 :])
 
 
 def _magic(cfgs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((*s[:7], 2, *s[8:]) for s in map(w4a16_settings, cfgs))
+    return tuple((*s[:7], 2, s[8]) for s in map(w4a16_settings, cfgs))
 
 
 #: The ``SWAP`` tiles, short then tall (``MAGIC`` 2 only: they are not bound by the
@@ -172,14 +170,13 @@ def _w4_op() -> Callable[..., Any] | None:
         stride_xm, stride_wn, stride_szn, stride_ym,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, TRANS: tl.constexpr, MAGIC: tl.constexpr, SWAP: tl.constexpr,
-        TAIL: tl.constexpr,
     ):  # fmt: skip
         # Programs run along M first: those of one weight tile run together, so it is
         # read from memory once however many row blocks there are.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        offs_m = pid_m * (BLOCK_M + TAIL) + tl.arange(0, BLOCK_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         offs_kh = tl.arange(0, BLOCK_K // 2)
@@ -190,13 +187,6 @@ def _w4_op() -> Callable[..., Any] | None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if TAIL:  # the rows after BLOCK_M, beside it
-            offs_t = pid_m * (BLOCK_M + TAIL) + BLOCK_M + tl.arange(0, TAIL)
-            t_mask = offs_t < M
-            if SWAP:
-                acc_t = tl.zeros([BLOCK_N, TAIL], tl.float32)
-            else:
-                acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
         # Program pid_k takes every SPLIT_K-th block of BLOCK_K input features. Each weight
         # is one multiply-add: (q - 8) * scale + zero, or q * scale + (zero - 8 * scale).
         for kb in range(pid_k, K // BLOCK_K, SPLIT_K):
@@ -293,16 +283,6 @@ def _w4_op() -> Callable[..., Any] | None:
                 acc += tl.dot(w, tl.trans(x))
             else:
                 acc += tl.dot(x, tl.trans(w))
-            if TAIL:
-                xt = tl.load(
-                    X + offs_t[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=t_mask[:, None], other=0.0
-                )
-                if TRANS:
-                    acc_t += tl.dot(xt, w)
-                elif SWAP:
-                    acc_t += tl.dot(w, tl.trans(xt))
-                else:
-                    acc_t += tl.dot(xt, tl.trans(w))
         if SWAP:
             acc = tl.trans(acc)
         y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -311,15 +291,6 @@ def _w4_op() -> Callable[..., Any] | None:
             tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=y_mask)
         else:  # Y is a zeroed float32 buffer
             tl.atomic_add(y_ptr, acc, mask=y_mask)
-        if TAIL:
-            if SWAP:
-                acc_t = tl.trans(acc_t)
-            yt_ptr = Y + offs_t[:, None] * stride_ym + offs_n[None, :]
-            yt_mask = t_mask[:, None] & n_mask[None, :]
-            if SPLIT_K == 1:
-                tl.store(yt_ptr, acc_t.to(Y.dtype.element_ty), mask=yt_mask)
-            else:
-                tl.atomic_add(yt_ptr, acc_t, mask=yt_mask)
 
     def launch(
         x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, cfg: tuple[Any, ...]
@@ -329,7 +300,7 @@ def _w4_op() -> Callable[..., Any] | None:
         m, k = x.shape
         n = qweight.shape[0]
         group = k // sz.shape[1]
-        bm, bn, split, warps, stages, block_k, trans, magic, swap, tail = w4a16_settings(cfg)
+        bm, bn, split, warps, stages, block_k, trans, magic, swap = w4a16_settings(cfg)
         if k % block_k or block_k % group:
             block_k = 128 if k % 128 == 0 and 128 % group == 0 else group
         split = min(split, k // block_k)
@@ -337,13 +308,13 @@ def _w4_op() -> Callable[..., Any] | None:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         else:
             y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(m, bm + tail), triton.cdiv(n, bn), split)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
         extra = {} if _interpreting() else {"num_warps": warps, "num_stages": stages}
         _kernel[grid](
             x, qweight, sz, y, m, n, k,
             x.stride(0), qweight.stride(0), sz.stride(0), y.stride(0),
             GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split, TRANS=trans, MAGIC=magic,
-            SWAP=swap and not trans, TAIL=tail, **extra,
+            SWAP=swap and not trans, **extra,
         )  # fmt: skip
         return y if split == 1 else y.to(x.dtype)
 

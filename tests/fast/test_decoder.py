@@ -508,36 +508,6 @@ def test_swap_settings_interpreted_match_the_dequantized_product() -> None:
     assert err < 1e-3 and count >= 8
 
 
-@pytest.mark.slow  # ~5 s: Triton's interpreter runs the kernel on the CPU
-def test_tail_settings_interpreted_match_the_dequantized_product() -> None:
-    """The TAIL settings (each program also takes the rows after its row tile, with the
-    same dequantized weight tile) give the dequantized weight's product: the weight tile
-    loaded either way and swapped, split K, fewer rows than one tile, a tail cut short and
-    several programs of rows."""
-    pytest.importorskip("triton")
-    code = (
-        "import torch\n"
-        "from convo.fast import Int4Linear\n"
-        "from convo.fast.kernels import w4a16_settings, w4a16_with_config\n"
-        "torch.manual_seed(0)\n"
-        "q = Int4Linear.quantize(torch.randn(192, 256), group_size=32, layout='plain')\n"
-        "ref_w = q.dequantize()\n"
-        "ways = ((False, False), (True, False), (False, True))  # (TRANS, SWAP)\n"
-        "cfgs = [(32, 64, 1, 4, 3, 64, t, 0, s, 16) for t, s in ways]\n"
-        "cfgs += [(16, 64, 2, 4, 3, 64, False, 0, True, 32), (32, 64, 2, 4, 3, 64, False, 0, False, 16)]\n"
-        "assert all(w4a16_settings(c)[9] for c in cfgs)\n"
-        "err = 0.0\n"
-        "for rows in (3, 40, 70):\n"
-        "    x = torch.randn(rows, 256)\n"
-        "    for cfg in cfgs:\n"
-        "        y = w4a16_with_config(x, q.qweight, q.scales_zeros, cfg)\n"
-        "        err = max(err, float((y - x @ ref_w.t()).abs().max()))\n"
-        "print(err, len(cfgs))\n"
-    )
-    err, count = _interpreted_errors(code)
-    assert err < 1e-3 and count == 5
-
-
 # -- the scheduler -------------------------------------------------------------------------------------
 
 

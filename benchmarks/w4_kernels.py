@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument(
         "--sweep", action="store_true", help="also sweep launch settings beyond the op's candidates (slow)"
     )
+    p.add_argument(
+        "--min-block-m", type=int, default=0, help="with --sweep: only settings at least this many rows tall"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("CUDA only")
@@ -136,7 +139,9 @@ def main() -> None:
             timed: dict[str, float] = {}
             swept: dict[str, float] = {}
             families = [("convo", w4a16_candidates(rows))] + (
-                [("sweep", [*candidates(rows), *W4_SWAP_CONFIGS])] if args.sweep else []
+                [("sweep", [c for c in (*candidates(rows), *W4_SWAP_CONFIGS) if c[0] >= args.min_block_m])]
+                if args.sweep
+                else []
             )
             for family, cfgs in families:
                 for cfg in cfgs:

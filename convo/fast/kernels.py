@@ -86,7 +86,14 @@ W4_CONFIGS: tuple[tuple[Any, ...], ...] = (*_W4_TILES, *_magic(_W4_TILES), *_W4_
 #: cuBLAS: a candidate beside the launch settings above for more than 64 rows.
 W4_DENSE = ("dense",)
 #: Candidate settings for steps of more than 64 rows (a mixed step, a prefill chunk): the
-#: weight read once in int4 rather than written and read again in bf16.
+#: weight read once in int4 rather than written and read again in bf16. Measured on an
+#: H100 (``w4_kernels.py --rows 272,256 --sweep --min-block-m 256``, 2026-12-07): tiles 256
+#: rows tall beat the dense path at exactly 256 rows (q/k/v 76 us against 98, gate/up 146
+#: against 174; 32 layers 11.6 ms against 13.0), but a mixed step has 272 (16 replies
+#: beside a 256-token chunk), where no tall tile did, not even one that also takes the 16
+#: rows after it with the same dequantized tile (18.0 ms against 13.3; not kept). Cutting
+#: the chunk to 240 tokens to make 256 rows would save ~1.7 ms a step for 6 % fewer
+#: prompt tokens in it: about even, not done.
 _W4_LARGE_TILES: tuple[tuple[Any, ...], ...] = (
     *(
         (64, bn, 1, w, 3, 64, t)

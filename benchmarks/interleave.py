@@ -95,6 +95,12 @@ def main() -> None:
         default="auto",
         help="decode rows and prefill chunks in one forward (auto: the decoder's choice, CPU only)",
     )
+    p.add_argument(
+        "--dense-copy-gib",
+        type=float,
+        default=0.0,
+        help="keep dense copies of the int4 weights, up to this many GiB (DecoderConfig.dense_copy_bytes)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -107,7 +113,7 @@ def main() -> None:
         slots=slots,
         slot_tokens=args.slot_tokens,
         weights=args.weights,
-        config=DecoderConfig(free_dense=True),
+        config=DecoderConfig(free_dense=True, dense_copy_bytes=int(args.dense_copy_gib * 2**30)),
     )
     dec.warmup()
     if args.mixed != "auto":
@@ -245,6 +251,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "torch": torch.__version__,
         "weights": args.weights,
+        "dense_copy_bytes": dec.dense_copy_nbytes,
         "mixed_steps": dec.mixed_steps,
         "warmup_s": round(warm, 1),
         "replay_ms": replay_ms,

@@ -30,6 +30,13 @@ class DecoderConfig:
             :data:`~convo.fast.int4.TINYGEMM_MAX_ROWS` rows), else tinygemm's.
         free_dense: after quantizing to int4, drop the model's dense linear weights (the
             model can then only run through the decoder). Default False.
+        dense_copy_bytes: with int4 weights, keep dense copies (the compute dtype) of the
+            layers' int4 weights, up to this many bytes, layer by layer from the first
+            (:meth:`~convo.fast.int4.Int4Linear.keep_dense`): steps of more than
+            :data:`~convo.fast.int4.DENSE_COPY_MIN_ROWS` rows (mixed steps, prefill chunks)
+            multiply them instead of dequantizing the weight each time, decode steps still
+            read the int4 weight. Memory for prefill speed, where a card has room beyond
+            its KV slots (Llama-2-7B: 12.4 GiB for every layer). Default 0: none.
         compile: fuse each layer's pointwise work with ``torch.compile``. Default ``None``:
             on CUDA with plain or int4 weights.
         cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size
@@ -59,6 +66,7 @@ class DecoderConfig:
     group_size: int = LARGEST_INT4_GROUP_SIZE
     int4_kernel: str = "auto"
     free_dense: bool = False
+    dense_copy_bytes: int = 0
     compile: bool | None = None
     cuda_graphs: bool | None = None
     static_prefill: bool | None = None
@@ -71,6 +79,8 @@ class DecoderConfig:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
         if self.mixed_chunk_tokens < 0:
             raise ConfigError("mixed_chunk_tokens must be >= 0")
+        if self.dense_copy_bytes < 0:
+            raise ConfigError("dense_copy_bytes must be >= 0")
         if self.int4_kernel not in INT4_KERNELS:
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {self.int4_kernel!r}")
         if self.buckets is not None:

@@ -19,7 +19,7 @@ from convo.errors import ConfigError
 from convo.fast.attention import _interpreting, chunk_attention, decode_attention, dequantize_kv, store_kv
 from convo.fast.config import DecoderConfig
 from convo.fast.graphs import GraphSpec, capture, capture_order
-from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear
+from convo.fast.int4 import W4_KERNEL_MAX_ROWS, Int4Linear, keep_dense_copies
 from convo.fast.kernels import _w4_op
 from convo.fast.kv_pool import KVSlotPool, PrefillChunk
 from convo.fast.kv_shift import rope_frequencies
@@ -363,6 +363,10 @@ class StaticDecoder:
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
             self._positions = positions[0]
         self.quantized = any(isinstance(m, Int4Linear) for m in self.layers[0].qkv)
+        #: Bytes of the int4 weights' dense copies kept (``DecoderConfig.dense_copy_bytes``).
+        self.dense_copy_nbytes = keep_dense_copies(
+            [_modules(b) for b in self.layers], config.dense_copy_bytes
+        )
         #: Linears that are neither dense nor convo's int4 (bitsandbytes): not compiled.
         self.modules = any(type(m) not in (torch.nn.Linear, Int4Linear) for m in self.layers[0].qkv)
         #: The allocator's reserved peak while the weights loaded, before the pool (CUDA; 0

@@ -23,6 +23,7 @@ Each layout takes ``in * out / 2`` bytes plus the scales and zeros.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -34,6 +35,7 @@ from convo.fast.kernels import _w4_op, dequantize_plain_int4
 from convo.models.quant import INT4_GROUP_SIZES, LARGEST_INT4_GROUP_SIZE, int4_group_size
 
 __all__ = [
+    "DENSE_COPY_MIN_ROWS",
     "TINYGEMM_MAX_ROWS",
     "W4_KERNEL_MAX_ROWS",
     "Int4Layout",
@@ -41,6 +43,7 @@ __all__ = [
     "default_int4_layout",
     "dequantize_int4",
     "int4_group_size",
+    "keep_dense_copies",
     "quantize_int4",
 ]
 
@@ -62,6 +65,11 @@ W4_KERNEL_MAX_ROWS = 160
 #: With both layouts, rows up to which tinygemm's kernel runs (faster than the Triton
 #: kernel up to 4 rows on the H200, slower from 16).
 TINYGEMM_MAX_ROWS = 8
+#: An int4 weight with a dense copy (:meth:`Int4Linear.keep_dense`) multiplies products of
+#: more than this many rows (a mixed step, a prefill chunk) with that copy through cuBLAS,
+#: not dequantizing the weight again; up to it (decode steps) it reads the int4 weight,
+#: four times fewer bytes.
+DENSE_COPY_MIN_ROWS = 64
 
 _INTERPRETING = _interpreting()  # Triton's interpreter runs the kernels on CPU (tests)
 
@@ -112,6 +120,9 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", tinygemm[0] if tinygemm else None)
         self.register_buffer("packed_scales_zeros", tinygemm[1] if tinygemm else None)
         self.register_buffer("bias", bias)
+        #: The dense copy of the weight that steps of more than DENSE_COPY_MIN_ROWS rows
+        #: multiply (:meth:`keep_dense`), or None.
+        self.dense: torch.Tensor | None = None
 
     @classmethod
     def quantize(
@@ -181,7 +192,9 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         kernel = self.kernel(x2.shape[0], x2.device.type)
-        if kernel == "tinygemm":
+        if kernel == "dense":
+            y = F.linear(x2, self.dense)
+        elif kernel == "tinygemm":
             y = _tinygemm_mm(x2, self.packed, self.packed_scales_zeros, self.group_size)
         elif kernel == "triton":
             y = _w4_op()(x2, self.qweight, self.scales_zeros)  # type: ignore[misc]
@@ -193,11 +206,26 @@ class Int4Linear(torch.nn.Module):
 
     def kernel(self, rows: int, device_type: str = "cuda") -> str:
         """The kernel a product of ``rows`` rows on ``device_type`` runs: ``"tinygemm"``,
-        ``"triton"`` or ``"cublas"`` (the plain layout dequantized once, then a matmul)."""
+        ``"triton"``, ``"cublas"`` (the plain layout dequantized once, then a matmul) or
+        ``"dense"`` (the kept dense copy, :meth:`keep_dense`, past
+        :data:`DENSE_COPY_MIN_ROWS` rows)."""
+        if self.dense is not None and rows > DENSE_COPY_MIN_ROWS:
+            return "dense"
         if self.packed is not None and (self.qweight is None or rows <= TINYGEMM_MAX_ROWS):
             return "tinygemm"
         on_triton = device_type == "cuda" or _INTERPRETING
         return "triton" if rows <= W4_KERNEL_MAX_ROWS and on_triton and _w4_op() is not None else "cublas"
+
+    def keep_dense(self, dtype: torch.dtype) -> int:
+        """Keep a ``dtype`` copy of the dense weight beside the int4 one, for products of
+        more than :data:`DENSE_COPY_MIN_ROWS` rows: memory (``out * in`` elements) for the
+        dequantization each such product would run. Its values are the int4 grid's, so the
+        products match the dequantized path's. Returns the bytes it takes (0: kept already)."""
+        if self.dense is not None:
+            return 0
+        with torch.no_grad():
+            self.dense = self.dequantize().to(dtype)
+        return self.dense.numel() * self.dense.element_size()
 
     def dequantize(self) -> torch.Tensor:
         """The dense ``[out, in]`` float32 weight this module stands for."""
@@ -211,14 +239,37 @@ class Int4Linear(torch.nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weight occupies (every layout kept + bias)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        """Bytes the weight occupies (every layout kept, its dense copy, bias)."""
+        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        return dense + sum(t.numel() * t.element_size() for t in self.buffers())
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, layout={self.layout!r}, bias={self.bias is not None}"
+            f"group_size={self.group_size}, layout={self.layout!r}, bias={self.bias is not None}, "
+            f"dense_copy={self.dense is not None}"
         )
+
+
+def keep_dense_copies(layers: Sequence[Sequence[Any]], budget: int) -> int:
+    """Dense copies (:meth:`Int4Linear.keep_dense`, in each one's compute dtype) of the
+    int4 linears of ``layers`` (each a sequence of modules), layer by layer from the first,
+    while a whole layer's fit in ``budget`` bytes; the bytes kept."""
+    kept = 0
+    for mods in layers:
+        int4 = [m for m in mods if isinstance(m, Int4Linear)]
+        need = sum(m.out_features * m.in_features * _dtype(m).itemsize for m in int4)
+        if not int4 or kept + need > budget:
+            break
+        kept += sum(m.keep_dense(_dtype(m)) for m in int4)
+    return kept
+
+
+def _dtype(linear: Int4Linear) -> torch.dtype:
+    """An int4 linear's compute dtype (its scales')."""
+    sz = linear.scales_zeros if linear.scales_zeros is not None else linear.packed_scales_zeros
+    assert sz is not None
+    return sz.dtype
 
 
 def quantize_int4(weight: torch.Tensor, **kwargs: Any) -> Int4Linear:

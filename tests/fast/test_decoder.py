@@ -38,7 +38,8 @@ from convo.fast import (  # noqa: E402
     int4_group_size,
 )
 from convo.fast.attention import _attention_reference, _chunk_attention_reference, chunk_attention  # noqa: E402
-from convo.fast.int4 import W4_KERNEL_MAX_ROWS  # noqa: E402
+from convo.fast.decoder import _modules  # noqa: E402
+from convo.fast.int4 import DENSE_COPY_MIN_ROWS, W4_KERNEL_MAX_ROWS  # noqa: E402
 from convo.fast.kernels import (  # noqa: E402
     W4_CONFIGS,
     W4_LARGE_CONFIGS,
@@ -157,6 +158,47 @@ def test_int4_weights_are_the_group_grid_and_the_kernel_multiplies_by_it() -> No
         Int4Linear.quantize(w, group_size=100)
     with pytest.raises(ConfigError):
         Int4Linear.quantize(w, layout="nibbles")  # type: ignore[arg-type]
+
+
+def test_dense_copies_of_int4_weights_serve_long_products_with_the_same_grid() -> None:
+    """``DecoderConfig.dense_copy_bytes``: whole layers' int4 weights get a dense copy while
+    the budget holds; a product of more than DENSE_COPY_MIN_ROWS rows multiplies the copy
+    (the int4 grid's values: the same logits as dequantizing each time), fewer rows still
+    run the int4 kernel, and the copies' bytes are counted apart from what a step reads."""
+    torch.manual_seed(1)
+    w = torch.randn(48, 256)
+    q = Int4Linear.quantize(w, group_size=64, layout="plain")
+    x = torch.randn(DENSE_COPY_MIN_ROWS + 1, 256)
+    before = q(x)
+    assert q.kernel(len(x), "cpu") == "cublas" and q.keep_dense(torch.float32) == 48 * 256 * 4
+    assert q.kernel(len(x), "cpu") == "dense" and q.kernel(DENSE_COPY_MIN_ROWS, "cpu") != "dense"
+    assert torch.allclose(q(x), before, atol=1e-5) and q.keep_dense(torch.float32) == 0
+    assert "dense_copy=True" in repr(q) and q.nbytes > 48 * 256 * 4
+    with pytest.raises(ConfigError):
+        DecoderConfig(dense_copy_bytes=-1)
+    model = tiny_model()
+    kw: dict[str, Any] = dict(slots=1, slot_tokens=128, weights="int4")
+    plain = StaticDecoder(model, config=DecoderConfig(group_size=32), **kw)
+    per_layer = sum(m.in_features * m.out_features for m in _modules(plain.layers[0])) * 4  # float32
+    one = StaticDecoder(model, config=DecoderConfig(group_size=32, dense_copy_bytes=per_layer + 1), **kw)
+    every = StaticDecoder(model, config=DecoderConfig(group_size=32, dense_copy_bytes=1 << 30), **kw)
+    assert (plain.dense_copy_nbytes, one.dense_copy_nbytes, every.dense_copy_nbytes) == (
+        0,
+        per_layer,
+        2 * per_layer,
+    )
+    assert [m.dense is not None for m in (*_modules(one.layers[0]), *_modules(one.layers[1]))] == [
+        True
+    ] * 4 + [False] * 4
+    assert every.weight_nbytes() == plain.weight_nbytes()  # a decode step reads the int4 weights
+    ids = list(range(3, 3 + DENSE_COPY_MIN_ROWS + 20))
+    ref = plain.prefill(0, ids, 0)[0]
+    for dec in (one, every):
+        out = dec.prefill(0, ids, 0)[0]
+        # (tinygemm's CPU kernel runs float32 activations in bfloat16; the copy is exact)
+        assert float((out - ref).norm() / ref.norm()) < 5e-3
+        step, ref_step = dec.step([7], [0], [len(ids)]), plain.step([7], [0], [len(ids)])  # (K/V as above)
+        assert float((step - ref_step).norm() / ref_step.norm()) < 5e-3
 
 
 # -- the decoder against transformers ---------------------------------------------------------------

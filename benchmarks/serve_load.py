@@ -211,12 +211,13 @@ def child(args: argparse.Namespace) -> None:
         engine, name = EchoEngine(delay_s=args.delay_s), "echo"
         engine.concurrent_calls = args.fake_concurrent_calls
     elif args.model or args.quant or args.kv_slots is not None:
-        from convo.engines.local.config import KVConfig
+        from convo.engines.local.config import KVConfig, LoadConfig
         from convo.engines.local.engine import TransformersEngine
 
         engine = TransformersEngine(
             args.model,
             quant=args.quant or "auto",
+            load=LoadConfig(int4_dense_copy_bytes=args.int4_dense_copy),
             kv=KVConfig(
                 kv_slots=args.kv_slots,
                 slot_tokens=args.budget,
@@ -980,6 +981,13 @@ def main() -> int:
         help="local engine: host memory for evicted KV (16GiB; 0 = off; default: the engine's)",
     )
     p.add_argument(
+        "--int4-dense-copy",
+        type=kv_host_memory_size,
+        default=0,
+        help="local engine, --quant int4: dense copies of the int4 weights up to this size (13GiB; "
+        "convo serve's --int4-dense-copy; default 0: none)",
+    )
+    p.add_argument(
         "--context-shift",
         action="store_true",
         help="local engine: move a session's kept turns after a slide instead of prefilling them",
@@ -1141,6 +1149,7 @@ def serve_and_load(args: argparse.Namespace, *, step: bool) -> tuple[dict[str, A
     ):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     passed = ("model", "quant", "kv_slots", "preset", "kv_host_memory", "embedding_model", "embedding_device")
+    passed += ("int4_dense_copy",) * bool(args.int4_dense_copy)
     for name in passed:
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -36,7 +36,7 @@ class DecoderConfig:
             :data:`~convo.fast.int4.DENSE_COPY_MIN_ROWS` rows (mixed steps, prefill chunks)
             multiply them instead of dequantizing the weight each time, decode steps still
             read the int4 weight. Memory for prefill speed, where a card has room beyond
-            its KV slots (Llama-2-7B: 12.4 GiB for every layer). Default 0: none.
+            its KV slots (Llama-2-7B: 12.1 GiB for every layer). Default 0: none.
         compile: fuse each layer's pointwise work with ``torch.compile``. Default ``None``:
             on CUDA with plain or int4 weights.
         cuda_graphs: capture the decode step per batch bucket, and prefill per chunk-size

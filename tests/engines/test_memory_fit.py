@@ -53,6 +53,14 @@ def test_the_engine_takes_what_the_planner_picks_and_given_flags_win() -> None:
             LLAMA, kv=KVConfig(gpu_memory="16GiB", kv_slots=40, slot_tokens=2048), load=load,
             quant=Quant.INT4, max_input_tokens=None, device_total_bytes=None,
         )  # fmt: skip
+    # dense copies of the int4 weights come out of the limit before the slots are sized
+    copies = LoadConfig(int4_dense_copy_bytes=4 * GiB)
+    fewer = memory_fit(
+        LLAMA, kv=kv, load=copies, quant=Quant.INT4, max_input_tokens=None, device_total_bytes=None
+    )
+    assert fewer is not None
+    assert fewer.kv_slots == fit_serve(LLAMA, memory_bytes=12 * GiB, slot_tokens=2048, quant="int4").kv_slots
+    assert fewer.kv_slots < fit.kv_slots
     # the default slots, sized before the layers come over, count the int4 bytes still to come
     assert (
         pending_int4_bytes(LLAMA, int4_kernel="triton", group_size=32)

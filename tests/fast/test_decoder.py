@@ -8,6 +8,7 @@ re-captures after warm-up.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import os
@@ -696,6 +697,30 @@ def test_int4_engine_runs_only_through_its_slots() -> None:
         TransformersEngine("random:tiny-llama", device="cpu", quant="int4", kv_slots=0)
     with pytest.raises(ConfigError, match="int4_group_size"):
         TransformersEngine("random:tiny-llama", device="cpu", int4_group_size=100)
+
+
+def test_int4_engine_keeps_dense_copies_when_asked_and_answers_the_same() -> None:
+    """``LoadConfig.int4_dense_copy_bytes`` (``--int4-dense-copy``) reaches the decoder: a
+    prompt of more than DENSE_COPY_MIN_ROWS tokens prefills through the copies, and the
+    greedy reply is the one the engine without them gives."""
+    from convo.cli.common import add_local_engine_arguments
+    from convo.engines.local.config import LoadConfig
+    from convo.engines.local.engine import TransformersEngine
+    from convo.messages import user
+
+    kw: dict[str, Any] = dict(device="cpu", quant="int4", slot_tokens=256)
+    plain = TransformersEngine("random:tiny-llama", **kw)
+    kept = TransformersEngine("random:tiny-llama", load=LoadConfig(int4_dense_copy_bytes=1 << 30), **kw)
+    assert plain.decoder.dense_copy_nbytes == 0 and kept.decoder.dense_copy_nbytes > 0
+    prompt = [user(" ".join(f"word{i}" for i in range(60)))]
+    a, b = (e.generate(prompt, max_new_tokens=6) for e in (plain, kept))  # (greedy by default)
+    assert a.stats.prompt_tokens > DENSE_COPY_MIN_ROWS and a.text == b.text
+    with pytest.raises(ConfigError, match="int4_dense_copy_bytes"):
+        LoadConfig(int4_dense_copy_bytes=-1)
+    parser = argparse.ArgumentParser()
+    add_local_engine_arguments(parser)
+    assert parser.parse_args(["--int4-dense-copy", "13GiB"]).int4_dense_copy == 13 << 30
+    assert parser.parse_args([]).int4_dense_copy == 0
 
 
 # -- the real default model ------------------------------------------------------------------------

@@ -50,6 +50,12 @@ class LoadConfig:
         int4_kernel: ``"auto"`` (default), ``"tinygemm"`` or ``"triton"``
             (:data:`~convo.models.quant.INT4_KERNELS`): the int4 layouts kept, and so the
             kernels the decode step runs (see :class:`~convo.fast.decoder.StaticDecoder`).
+        int4_dense_copy_bytes: with ``quant="int4"`` on KV slots, keep dense copies of the
+            int4 weights, whole layers up to this many bytes
+            (``DecoderConfig.dense_copy_bytes``): mixed steps and prefill chunks multiply
+            them instead of dequantizing each forward; decode steps still read int4.
+            Memory for prefill speed where a card has room beyond its slots (Llama-2-7B:
+            12.1 GiB for every layer). Default 0: none.
         tool_parser: how tool calls are read out of the model's replies:
             ``"auto"`` (default) detects the family from the chat template
             (:func:`~convo.tools.detect_parser`), ``"hermes"``, ``"llama3_json"`` or
@@ -66,6 +72,7 @@ class LoadConfig:
     attn_implementation: str = "sdpa"
     int4_group_size: int = INT4_GROUP_SIZE
     int4_kernel: str = "auto"
+    int4_dense_copy_bytes: int = 0
     tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class LoadConfig:
             )
         if self.int4_kernel not in INT4_KERNELS:
             raise ConfigError(f"int4_kernel must be 'auto', 'tinygemm' or 'triton', not {self.int4_kernel!r}")
+        if self.int4_dense_copy_bytes < 0:
+            raise ConfigError("int4_dense_copy_bytes must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

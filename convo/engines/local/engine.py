@@ -355,6 +355,7 @@ class TransformersEngine(Engine):
         self._eos = self._eos_ids()
         self.int4_group_size = load.int4_group_size
         self.int4_kernel = load.int4_kernel
+        self.int4_dense_copy_bytes = load.int4_dense_copy_bytes if self.quant is Quant.INT4 else 0
         decoder = self._static_decoder(
             kv.kv_slots, kv.slot_tokens or max_input_tokens, int(n_pos), kv.compile_decode, progress
         )
@@ -530,6 +531,7 @@ class TransformersEngine(Engine):
                 free -= pending_int4_bytes(
                     self.model.config.to_dict(), int4_kernel=self.int4_kernel, group_size=self.int4_group_size
                 )
+            free -= self.int4_dense_copy_bytes  # (at most: whole layers are kept)
             kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
             if kv_slots < 1 and not needs_slots:
                 return None  # not even one slot fits: plain generate, whose cache grows as needed
@@ -547,6 +549,7 @@ class TransformersEngine(Engine):
                 config=DecoderConfig(
                     group_size=self.int4_group_size,
                     int4_kernel=self.int4_kernel,
+                    dense_copy_bytes=self.int4_dense_copy_bytes,
                     compile=compile_decode,
                     prefill_chunk_tokens=self.prefill_chunk_tokens,
                     free_dense=self.quant is Quant.INT4,

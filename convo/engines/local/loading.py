@@ -244,9 +244,10 @@ def memory_fit(
         raise ConfigError("gpu_memory sizes the KV slots: kv_slots=0 (plain generate) cannot be sized")
     n_pos = ModelShape.from_config(config).max_position_embeddings
     tokens = kv.slot_tokens or max_input_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
+    dense_copy = load.int4_dense_copy_bytes if quant is Quant.INT4 else 0  # (at most: whole layers)
     return fit_serve(
         config,
-        memory_bytes=limit,
+        memory_bytes=limit - dense_copy,
         slot_tokens=tokens,
         quant=quant,
         kv_dtype=kv_dtype,

@@ -174,7 +174,8 @@ def add_local_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_host_memory_size(text: str) -> int:
-    """``--kv-host-memory``: a size (``16GiB``, ``512MB``, bytes) or ``0`` (off)."""
+    """A size flag (``--kv-host-memory``, ``--int4-dense-copy``): ``16GiB``, ``512MB``,
+    bytes, or ``0`` (off)."""
     if text.strip() == "0":
         return 0
     try:

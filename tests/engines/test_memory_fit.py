@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from convo.engines.local.config import KVConfig, LoadConfig
-from convo.engines.local.loading import memory_fit, pending_int4_bytes, sized_configs
+from convo.engines.local.loading import dense_copy_bytes, memory_fit, pending_int4_bytes, sized_configs
 from convo.errors import ConfigError
 from convo.models import GiB, Quant, load_config
 from convo.planner.fit import fit_serve
@@ -53,14 +53,32 @@ def test_the_engine_takes_what_the_planner_picks_and_given_flags_win() -> None:
             LLAMA, kv=KVConfig(gpu_memory="16GiB", kv_slots=40, slot_tokens=2048), load=load,
             quant=Quant.INT4, max_input_tokens=None, device_total_bytes=None,
         )  # fmt: skip
-    # dense copies of the int4 weights come out of the limit before the slots are sized
+    # the dense copies the budget allows come out of the limit before the slots are sized
     copies = LoadConfig(int4_dense_copy_bytes=4 * GiB)
     fewer = memory_fit(
         LLAMA, kv=kv, load=copies, quant=Quant.INT4, max_input_tokens=None, device_total_bytes=None
     )
     assert fewer is not None
-    assert fewer.kv_slots == fit_serve(LLAMA, memory_bytes=12 * GiB, slot_tokens=2048, quant="int4").kv_slots
+    kept = dense_copy_bytes(LLAMA, 4 * GiB)  # (10 whole layers, 3.77 GiB)
+    assert (
+        fewer.kv_slots
+        == fit_serve(LLAMA, memory_bytes=16 * GiB - kept, slot_tokens=2048, quant="int4").kv_slots
+    )
     assert fewer.kv_slots < fit.kv_slots
+    # whole layers, never more than every layer's (Llama-2-7B: 202,375,168 weights a layer)
+    layer = 202_375_168 * 2
+    assert dense_copy_bytes(LLAMA, 4 * GiB) == (4 * GiB // layer) * layer
+    assert dense_copy_bytes(LLAMA, 1 << 50) == 32 * layer and dense_copy_bytes(LLAMA, layer - 1) == 0
+    big = KVConfig(gpu_memory="40GiB", slot_tokens=2048)
+    all_layers = memory_fit(
+        LLAMA, kv=big, load=LoadConfig(int4_dense_copy_bytes=1 << 50), quant=Quant.INT4,
+        max_input_tokens=None, device_total_bytes=None,
+    )  # fmt: skip
+    assert all_layers is not None
+    assert (
+        all_layers.kv_slots
+        == fit_serve(LLAMA, memory_bytes=40 * GiB - 32 * layer, slot_tokens=2048, quant="int4").kv_slots
+    )
     # the default slots, sized before the layers come over, count the int4 bytes still to come
     assert (
         pending_int4_bytes(LLAMA, int4_kernel="triton", group_size=32)

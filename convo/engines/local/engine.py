@@ -39,6 +39,7 @@ from convo.engines.local.config import KVConfig, LoadConfig
 from convo.engines.local.kv import DynamicKV, SlotKV
 from convo.engines.local.loading import (
     default_model_path,
+    dense_copy_bytes,
     layer_stager,
     memory_fit,
     move_all_but_layers,
@@ -531,7 +532,7 @@ class TransformersEngine(Engine):
                 free -= pending_int4_bytes(
                     self.model.config.to_dict(), int4_kernel=self.int4_kernel, group_size=self.int4_group_size
                 )
-            free -= self.int4_dense_copy_bytes  # (at most: whole layers are kept)
+            free -= dense_copy_bytes(self.model.config.to_dict(), self.int4_dense_copy_bytes)
             kv_slots = min(kv_slots, auto_kv_slots(free, tokens * self.kv_bytes_per_token))
             if kv_slots < 1 and not needs_slots:
                 return None  # not even one slot fits: plain generate, whose cache grows as needed

@@ -244,7 +244,7 @@ def memory_fit(
         raise ConfigError("gpu_memory sizes the KV slots: kv_slots=0 (plain generate) cannot be sized")
     n_pos = ModelShape.from_config(config).max_position_embeddings
     tokens = kv.slot_tokens or max_input_tokens or min(n_pos, DEFAULT_SLOT_TOKENS)
-    dense_copy = load.int4_dense_copy_bytes if quant is Quant.INT4 else 0  # (at most: whole layers)
+    dense_copy = dense_copy_bytes(config, load.int4_dense_copy_bytes) if quant is Quant.INT4 else 0
     return fit_serve(
         config,
         memory_bytes=limit - dense_copy,
@@ -263,6 +263,17 @@ def sized_configs(fit: ServeFit, kv: KVConfig, load: LoadConfig) -> tuple[KVConf
         dataclasses.replace(kv, kv_slots=fit.kv_slots, slot_tokens=fit.slot_tokens),
         dataclasses.replace(load, int4_kernel=fit.int4_kernel),
     )
+
+
+def dense_copy_bytes(config: Mapping[str, Any], budget: int) -> int:
+    """Bytes the bf16 copies of the int4 weights take when ``budget`` bytes are allowed
+    (``LoadConfig.int4_dense_copy_bytes``): whole layers, as the static decoder keeps them
+    (:func:`convo.fast.int4.keep_dense_copies`), never more than every layer's."""
+    if budget <= 0:
+        return 0
+    layers = ModelShape.from_config(config).num_layers
+    per_layer = weight_bytes(config, Quant.INT4, int4_layouts=1).quantized_params // layers * 2
+    return min(budget // per_layer, layers) * per_layer
 
 
 def pending_int4_bytes(config: Mapping[str, Any], *, int4_kernel: str, group_size: int) -> int:

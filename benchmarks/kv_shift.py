@@ -23,7 +23,15 @@ identical to the recomputed prompt's, and where the others first differ.
 The "summary" is a stand-in (the first words of each dropped message): what matters is
 that it changes and shifts the kept turns.
 
+``--memory N`` adds what a session with retrieval memory shows: after the user turn, a
+memory message with the last ``N`` dropped messages as ``speaker: text`` lines. The slot
+still holds those messages, so a context shift moves them too (several runs,
+:func:`~convo.fast.kv_shift.find_shifts`): ``shift`` then moves every run and ``shift_one``
+only the longest (the kept turns; the passages are prefilled), to tell the passages' cost
+from the kept turns'.
+
     python benchmarks/kv_shift.py --conversations 6 --sessions 4 --out benchmarks/results  # ~11 min, 2 cores
+    python benchmarks/kv_shift.py --conversations 6 --sessions 4 --memory 3 --out benchmarks/results
 
 Prints one JSON object (and writes ``kv_shift_cpu.json`` under ``--out``).
 """
@@ -45,7 +53,7 @@ from _common import env_info, stderr_log
 from kv_fp8 import load_default_model
 
 from convo.fast import DecoderConfig, StaticDecoder
-from convo.fast.kv_shift import find_shift
+from convo.fast.kv_shift import KVShift, find_shifts, shifted_tokens
 from convo.tokens import common_prefix_length
 
 log = stderr_log("kv_shift")
@@ -111,6 +119,25 @@ def nll(logits: Any, ids: list[int]) -> float:
     return float(F.cross_entropy(logits.float(), torch.tensor(ids), reduction="sum"))
 
 
+def memory_message(dropped: list[dict[str, str]], a: str, b: str) -> dict[str, str]:
+    """The memory message a session shows after its question: dropped messages as lines."""
+    lines = [f"{a if m['role'] == 'user' else b}: {m['content']}" for m in dropped]
+    return {"role": "system", "content": "Relevant memory:\n" + "\n".join(lines)}
+
+
+def shifted_prefill(dec: StaticDecoder, cached: list[int], ids: list[int], common: int, runs: Any) -> Any:
+    """Slot 0 holds ``cached``; move ``runs`` and prefill around them up to the end of
+    ``ids``: the logits of the tokens after the last run (the last prefill's)."""
+    dec.prefill(0, cached, 0)
+    dec.pool.shift(0, runs)
+    at = common
+    for r in runs:
+        if r.dst > at:
+            dec.prefill(0, ids[: r.dst], at)
+        at = r.dst + r.length
+    return dec.prefill(0, ids, at, all_logits=True)[0], at
+
+
 def greedy(dec: StaticDecoder, logits: Any, position: int, n: int, eos: int) -> list[int]:
     """Up to ``n`` greedy tokens in slot 0 from ``logits`` (after the token at ``position - 1``)."""
     out: list[int] = []
@@ -141,6 +168,7 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=8, help="messages between two measured slides")
     p.add_argument("--slot-tokens", type=int, default=2048)
     p.add_argument("--reply-tokens", type=int, default=48, help="greedy reply tokens compared per slide")
+    p.add_argument("--memory", type=int, default=0, help="dropped messages shown after the question")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -152,10 +180,11 @@ def main() -> None:
     dec = decoder(model, "auto", args.slot_tokens)
     dec8 = decoder(model, "fp8", args.slot_tokens)
     convs = json.loads(args.data.read_text())[: args.conversations]
-    totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in ("shift", "fp8")}
+    kinds = ("shift", "shift_one", "fp8") if args.memory else ("shift", "fp8")
+    totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in kinds}
     reference_nll, tokens, slides, moved, skipped = 0.0, 0, [], 0, 0
     eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
-    free: dict[str, list[int | None]] = {"shift": [], "fp8": []}  # first divergence per slide
+    free: dict[str, list[int | None]] = {k: [] for k in kinds}  # first divergence per slide
     with torch.no_grad():
         for conv in convs:
             a, b, msgs = dialogue(conv, args.sessions)
@@ -171,7 +200,8 @@ def main() -> None:
                 before = {"role": "system", "content": summary(system, msgs[:lo1])}
                 cached = render(tok, [before, *msgs[lo1:hi]])
                 now = {"role": "system", "content": summary(system, msgs[:lo2])}
-                head = render(tok, [now, *msgs[lo2:hi], msgs[hi]], generation=True)
+                memory = [memory_message(msgs[lo1:lo2][-args.memory :], a, b)] if args.memory else []
+                head = render(tok, [now, *msgs[lo2:hi], msgs[hi], *memory], generation=True)
                 reply = msgs[hi + 1]["content"] + "<|im_end|>"
                 reply_ids = list(tok(reply, add_special_tokens=False)["input_ids"])
                 ids = head + reply_ids
@@ -179,27 +209,30 @@ def main() -> None:
                     skipped += 1
                     continue
                 common = common_prefix_length(cached, ids)
-                shift = find_shift(cached, ids, start=common, limit=len(head) - 1)
-                if shift is None:
+                runs = find_shifts(cached, ids, start=common, limit=len(head) - 1)
+                if not runs:
                     skipped += 1
                     continue
-                after = shift.dst + shift.length  # the first position prefilled after the run
+                longest = max(runs, key=lambda r: r.length)
+                modes: dict[str, tuple[KVShift, ...]] = {"shift": runs}
+                if args.memory:
+                    modes["shift_one"] = (longest,)
+                # Compared from the token after the last run of every mode on: the rows
+                # before it are the prompt's, prefilled or moved.
+                after = max(r.dst + r.length for r in runs)
                 # Recomputed from scratch, then fp8 K/V: logits of every token.
                 ref, _ = dec.prefill(0, ids, 0, all_logits=True)
                 ref8, _ = dec8.prefill(0, ids, 0, all_logits=True)
-                # Shifted: the slot holds the cached turn; move the run, prefill around it.
-                dec.prefill(0, cached, 0)
-                dec.pool.shift(0, shift)
-                if shift.dst > common:
-                    dec.prefill(0, ids[: shift.dst], common)
-                shifted, _ = dec.prefill(0, ids, after, all_logits=True)
-                # The shifted prefill starts at ``after``: its rows predict after+1.. ; the row
-                # predicting ``after`` itself comes from the hole's prefill (or the run's last
-                # token, whose logits a shift does not give): compare from after+1 on.
                 rows = slice(after, len(ids) - 1)
                 targets = ids[after + 1 :]
                 base = ref[rows]
-                cmp = {"shift": shifted[:-1], "fp8": ref8[rows]}
+                cmp = {"fp8": ref8[rows]}
+                for mode, moved_runs in modes.items():
+                    # The shifted prefill's rows start at its last run's end; the row that
+                    # predicts ``after`` itself is a run's last token (no logits): from
+                    # after + 1 on.
+                    logits, at = shifted_prefill(dec, cached, ids, common, moved_runs)
+                    cmp[mode] = logits[after - at : -1]
                 reference_nll += nll(base, targets)
                 tokens += len(targets)
                 for k, logits in cmp.items():
@@ -212,27 +245,29 @@ def main() -> None:
                 last, _ = dec.prefill(0, head, 0)
                 ref_reply = greedy(dec, last, len(head), args.reply_tokens, eos)
                 last, _ = dec8.prefill(0, head, 0)
-                fp8_reply = greedy(dec8, last, len(head), args.reply_tokens, eos)
-                dec.prefill(0, cached, 0)
-                dec.pool.shift(0, shift)
-                if shift.dst > common:
-                    dec.prefill(0, head[: shift.dst], common)
-                last, _ = dec.prefill(0, head, after)
-                shift_reply = greedy(dec, last, len(head), args.reply_tokens, eos)
-                free["shift"].append(first_divergence(ref_reply, shift_reply))
-                free["fp8"].append(first_divergence(ref_reply, fp8_reply))
-                moved += shift.length
+                free["fp8"].append(
+                    first_divergence(ref_reply, greedy(dec8, last, len(head), args.reply_tokens, eos))
+                )
+                for mode, moved_runs in modes.items():
+                    logits, _ = shifted_prefill(dec, cached, head, common, moved_runs)
+                    reply_ids_free = greedy(dec, logits[-1], len(head), args.reply_tokens, eos)
+                    free[mode].append(first_divergence(ref_reply, reply_ids_free))
+                moved += shifted_tokens(runs)
                 slides.append(
                     {
                         "cached": len(cached),
                         "prompt": len(ids),
                         "common": common,
-                        "moved": shift.length,
-                        "delta": shift.delta,
+                        "moved": shifted_tokens(runs),
+                        "runs": len(runs),
+                        "delta": longest.delta,
                         "compared": len(targets),
                     }
                 )
-                log(f"slide {len(slides)}: moved {shift.length} by {shift.delta}, compared {len(targets)}")
+                log(
+                    f"slide {len(slides)}: moved {shifted_tokens(runs)} in {len(runs)} runs, "
+                    f"compared {len(targets)}"
+                )
     results: dict[str, Any] = {
         "slides": len(slides),
         "skipped": skipped,

@@ -23,7 +23,7 @@ from typing import Any
 from convo.errors import ConfigError
 from convo.fast.kv_host import HostEntry, HostKVArena, HostKVStore, Region
 from convo.fast.kv_policy import CacheUse, EvictionPolicy, NextUsePolicy
-from convo.fast.kv_shift import KVShift, find_shift, shift_kv
+from convo.fast.kv_shift import KVShift, find_shifts, shift_kv, shifted_tokens
 from convo.models.defaults import FP8_KV_SCALE_BYTES, FP8_KV_SCALE_DTYPE, KV_POOL_ALIGN_BYTES, kv_pool_bytes
 from convo.tokens import common_prefix_length
 
@@ -457,14 +457,14 @@ class KVSlotPool:
         frequencies of its model)."""
         return self.rope_inv_freq is not None
 
-    def shift(self, index: int, shift: KVShift) -> None:
-        """Move slot ``index``'s cached K/V of ``shift.length`` tokens to the positions
-        ``shift.dst`` onwards, keys turned to them (:func:`~convo.fast.kv_shift.shift_kv`;
+    def shift(self, index: int, shifts: KVShift | Sequence[KVShift]) -> None:
+        """Move slot ``index``'s cached K/V of each run of ``shifts`` (``length`` tokens) to
+        the positions ``dst`` onwards, keys turned to them (:func:`~convo.fast.kv_shift.shift_kv`;
         not exact, see :mod:`convo.fast.kv_shift`). The slot must be ready (:meth:`ready`)
         and busy: its tokens are the caller's to account."""
         if self.rope_inv_freq is None:
             raise ConfigError("this pool's model has no fixed rotary embedding: no context shift")
-        shift_kv(self, index, shift, self.rope_inv_freq)
+        shift_kv(self, index, shifts, self.rope_inv_freq)
 
     # -- who holds which slot ---------------------------------------------------------------------
     def acquire(
@@ -648,31 +648,39 @@ def _reused(
     cached: Sequence[int], ids: Sequence[int], *, shift: bool
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """What a slot holds of ``cached`` (a host copy of a session's tokens) once only what
-    the prompt ``ids`` reuses is copied in: the common prefix and (``shift``) the run a
+    the prompt ``ids`` reuses is copied in: the common prefix and (``shift``) the runs a
     context shift moves, :data:`NOT_COPIED` between them (nothing after); and those
-    ``[a, b)`` spans of ``cached``, the copy. The scheduler finds the same prefix and run in
-    it as in ``cached``. After a slide the dropped turns between them are most of the copy
-    (think-16: about 1,300 of 2,000 tokens a session)."""
+    ``[a, b)`` spans of ``cached``, the copy. The scheduler finds the same prefix and runs
+    in it as in ``cached``. After a slide the dropped turns between them are most of the
+    copy (think-16: about 1,300 of 2,000 tokens a session)."""
     common = common_prefix_length(cached, ids)  # (all of it: work that only prefills uses it)
     limit = len(ids) - 1
-    run = find_shift(cached, ids, start=common, limit=limit) if shift and common < limit else None
-    if run is None:
-        return list(cached[:common]), [(0, common)]
-    held = [*cached[:common], *[NOT_COPIED] * (run.src - common), *cached[run.src : run.src + run.length]]
-    return held, [(0, common), (run.src, run.src + run.length)]
+    runs = find_shifts(cached, ids, start=common, limit=limit) if shift and common < limit else ()
+    spans = [(0, common)]
+    for a, b in sorted((r.src, r.src + r.length) for r in runs):  # (sources may overlap)
+        if a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    held = [NOT_COPIED] * spans[-1][1]
+    for a, b in spans:
+        held[a:b] = cached[a:b]
+    return held, spans
 
 
 def _covers_more(
     host: Sequence[int], slot: Sequence[int], ids: Sequence[int] | None, *, shift: bool = False
 ) -> bool:
     """Whether the host copy serves the prompt better than what the slot holds (``shift``:
-    counting the run a context shift would move, :func:`~convo.fast.kv_shift.find_shift`)."""
+    counting the runs a context shift would move, :func:`~convo.fast.kv_shift.find_shifts`)."""
     if ids is None:
         return len(host) > len(slot)
     limit = len(ids) - 1
     on_host, in_slot = common_prefix_length(host, ids, limit), common_prefix_length(slot, ids, limit)
     if shift and on_host == in_slot and len(host) > on_host:
-        run = find_shift(host, ids, start=on_host, limit=limit)
-        kept = find_shift(slot, ids, start=in_slot, limit=limit) if len(slot) > in_slot else None
-        return run is not None and (kept is None or run.length > kept.length)
+        runs = shifted_tokens(find_shifts(host, ids, start=on_host, limit=limit))
+        kept = (
+            shifted_tokens(find_shifts(slot, ids, start=in_slot, limit=limit)) if len(slot) > in_slot else 0
+        )
+        return runs > kept
     return on_host > in_slot

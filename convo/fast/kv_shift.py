@@ -33,7 +33,17 @@ from typing import Any
 
 from convo.fast.attention import dequantize_kv, quantize_kv
 
-__all__ = ["SHIFT_ANCHOR_TOKENS", "SHIFT_MIN_TOKENS", "KVShift", "find_shift", "rope_frequencies", "shift_kv"]
+__all__ = [
+    "MAX_SHIFT_RUNS",
+    "SHIFT_ANCHOR_TOKENS",
+    "SHIFT_MIN_TOKENS",
+    "KVShift",
+    "find_shift",
+    "find_shifts",
+    "rope_frequencies",
+    "shift_kv",
+    "shifted_tokens",
+]
 
 #: A run of cached tokens shorter than this is prefilled again rather than moved (a move
 #: costs a few kernel launches per layer; below this, prefilling it costs about as much).
@@ -41,6 +51,9 @@ SHIFT_MIN_TOKENS = 64
 #: Tokens of the anchors :func:`find_shift` looks a run up by (every position of the slot's
 #: tokens is indexed by the anchor starting there).
 SHIFT_ANCHOR_TOKENS = 8
+#: Most runs one prompt moves (:func:`find_shifts`): the kept turns, and passages of
+#: turns that just left the window (retrieval memory shows them again after the question).
+MAX_SHIFT_RUNS = 8
 #: Rotary types with fixed frequencies (the rotation by a position difference is exact).
 FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 #: Slot positions one anchor may be looked up at (repeated text has an anchor at many).
@@ -87,6 +100,34 @@ def _run_backward(a: Sequence[int], i: int, b: Sequence[int], j: int, most: int)
     return lo
 
 
+def _candidate_runs(
+    cached: Sequence[int], ids: Sequence[int], start: int, limit: int, min_tokens: int
+) -> list[KVShift]:
+    """Every run of ``ids[start:limit]`` held by ``cached`` at a position ``>= start`` and at
+    least ``min_tokens`` long, found from anchors of :data:`SHIFT_ANCHOR_TOKENS` tokens
+    taken every ``min_tokens // 2`` prompt positions (a run of ``min_tokens`` contains one)
+    and looked up among every anchor of ``cached``; each hit is grown both ways. A run is
+    found once (anchors inside a run found already are not grown again)."""
+    width = SHIFT_ANCHOR_TOKENS
+    if min_tokens < width or limit - start < min_tokens or len(cached) - start < min_tokens:
+        return []
+    index: dict[tuple[int, ...], list[int]] = {}
+    for i in range(start, len(cached) - width + 1):
+        hits = index.setdefault(tuple(cached[i : i + width]), [])
+        if len(hits) < _MAX_ANCHOR_HITS:
+            hits.append(i)
+    runs: list[KVShift] = []
+    for j in range(start, limit - width + 1, max(1, min_tokens // 2)):
+        for i in index.get(tuple(ids[j : j + width]), ()):
+            if any(r.src - r.dst == i - j and r.dst <= j and j + width <= r.dst + r.length for r in runs):
+                continue
+            back = _run_backward(cached, i, ids, j, min(i, j) - start)
+            ahead = _run_forward(cached, i, ids, j, min(len(cached) - i, limit - j))
+            if back + ahead >= min_tokens:
+                runs.append(KVShift(src=i - back, dst=j - back, length=back + ahead))
+    return runs
+
+
 def find_shift(
     cached: Sequence[int],
     ids: Sequence[int],
@@ -100,35 +141,60 @@ def find_shift(
 
     ``start`` is the common prefix of the two (exact reuse covers it) and ``limit`` the
     last prompt position the slot may fill (a request that samples prefills its last token
-    whatever is cached). Anchors of :data:`SHIFT_ANCHOR_TOKENS` tokens are taken every
-    ``min_tokens // 2`` positions of the prompt (a run of ``min_tokens`` contains one) and
-    looked up among every anchor of the slot; each hit is grown both ways. A few
-    milliseconds for two 2,000-token sequences.
+    whatever is cached). A few milliseconds for two 2,000-token sequences.
     """
-    ids = list(ids)
-    cached = list(cached)
-    limit = min(limit, len(ids))
-    width = SHIFT_ANCHOR_TOKENS
-    if min_tokens < width or limit - start < min_tokens or len(cached) - start < min_tokens:
+    runs = _candidate_runs(list(cached), list(ids), start, min(limit, len(ids)), min_tokens)
+    return max(runs, key=lambda r: r.length, default=None)
+
+
+def find_shifts(
+    cached: Sequence[int],
+    ids: Sequence[int],
+    *,
+    start: int,
+    limit: int,
+    min_tokens: int = SHIFT_MIN_TOKENS,
+    most: int = MAX_SHIFT_RUNS,
+) -> tuple[KVShift, ...]:
+    """Runs of ``ids[start:limit]`` that ``cached`` holds at positions ``>= start`` (as
+    :func:`find_shift`), at most ``most``, filling disjoint prompt positions, in prompt
+    order: the longest first, then the longest of what is left uncovered, and so on (a run
+    that overlaps one taken keeps its longest uncovered part, if still ``min_tokens``).
+
+    After a slide the longest run is the kept turns; a session with retrieval memory also
+    shows passages of the turns that just left the window after its question, and the slot
+    still holds those turns (llama.cpp's ``--cache-reuse`` reuses such chunks too). Their
+    sources may overlap each other and the prompt positions others move to:
+    :func:`shift_kv` reads every source before it writes."""
+    runs = _candidate_runs(list(cached), list(ids), start, min(limit, len(ids)), min_tokens)
+    taken: list[KVShift] = []
+    for run in sorted(runs, key=lambda r: (-r.length, r.dst)):
+        if len(taken) >= most:
+            break
+        piece = _uncovered(run, taken)
+        if piece is not None and piece.length >= min_tokens:
+            taken.append(piece)
+    return tuple(sorted(taken, key=lambda r: r.dst))
+
+
+def _uncovered(run: KVShift, taken: Sequence[KVShift]) -> KVShift | None:
+    """The longest part of ``run`` whose prompt positions no run of ``taken`` fills."""
+    lo, hi = run.dst, run.dst + run.length
+    cuts = sorted((t.dst, t.dst + t.length) for t in taken if t.dst < hi and lo < t.dst + t.length)
+    best: tuple[int, int] | None = None
+    at = lo
+    for a, b in [*cuts, (hi, hi)]:
+        if a > at and (best is None or a - at > best[1] - best[0]):
+            best = (at, min(a, hi))
+        at = max(at, b)
+    if best is None:
         return None
-    index: dict[tuple[int, ...], list[int]] = {}
-    for i in range(start, len(cached) - width + 1):
-        hits = index.setdefault(tuple(cached[i : i + width]), [])
-        if len(hits) < _MAX_ANCHOR_HITS:
-            hits.append(i)
-    best: KVShift | None = None
-    covered = (0, 0)  # the prompt positions of the best run: its anchors find nothing longer
-    for j in range(start, limit - width + 1, max(1, min_tokens // 2)):
-        if covered[0] <= j and j + width <= covered[1]:
-            continue
-        for i in index.get(tuple(ids[j : j + width]), ()):
-            back = _run_backward(cached, i, ids, j, min(i, j) - start)
-            ahead = _run_forward(cached, i, ids, j, min(len(cached) - i, limit - j))
-            length = back + ahead
-            if length >= min_tokens and (best is None or length > best.length):
-                best = KVShift(src=i - back, dst=j - back, length=length)
-                covered = (best.dst, best.dst + length)
-    return best
+    return KVShift(src=run.src + best[0] - run.dst, dst=best[0], length=best[1] - best[0])
+
+
+def shifted_tokens(shifts: Sequence[KVShift]) -> int:
+    """Prompt tokens ``shifts`` fill (not prefilled)."""
+    return sum(s.length for s in shifts)
 
 
 def rope_frequencies(rotary: Any) -> Any | None:
@@ -144,29 +210,49 @@ def rope_frequencies(rotary: Any) -> Any | None:
     return inv_freq.detach().to(torch.float32).clone()
 
 
-def shift_kv(pool: Any, slot: int, shift: KVShift, inv_freq: Any) -> None:
-    """Move slot ``slot``'s K and V of ``shift.length`` tokens from ``shift.src`` to
-    ``shift.dst`` in every layer of ``pool`` (a :class:`~convo.fast.kv_pool.KVSlotPool`),
-    turning the keys by ``shift.delta`` positions (float32 products, stored in the pool's
-    dtype; an fp8 pool's keys are quantized again, with new scales). The runs may overlap.
+def shift_kv(pool: Any, slot: int, shifts: KVShift | Sequence[KVShift], inv_freq: Any) -> None:
+    """Move slot ``slot``'s K and V of each run of ``shifts`` from its ``src`` to its ``dst``
+    in every layer of ``pool`` (a :class:`~convo.fast.kv_pool.KVSlotPool`), turning the keys
+    by the run's ``delta`` positions (float32 products, stored in the pool's dtype; an fp8
+    pool's keys are quantized again, with new scales). Every source is read before any
+    destination is written, so runs may overlap each other's sources and destinations.
     Queued on the current stream: it runs before the work queued after it."""
     import torch
 
-    src = slice(shift.src, shift.src + shift.length)
-    dst = slice(shift.dst, shift.dst + shift.length)
-    freqs = shift.delta * inv_freq.to(pool.device)
-    angles = torch.cat((freqs, freqs))
+    runs = [shifts] if isinstance(shifts, KVShift) else list(shifts)
+    if not runs:
+        return
+    device = pool.device
+    src = torch.cat([torch.arange(r.src, r.src + r.length) for r in runs]).to(device)
+    dst = torch.cat([torch.arange(r.dst, r.dst + r.length) for r in runs]).to(device)
+    delta = torch.cat([torch.full((r.length,), float(r.delta)) for r in runs]).to(device)
+    freqs = delta[:, None] * inv_freq.to(device)[None, :]  # (tokens, head_dim / 2)
+    angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos(), angles.sin()
-    half = angles.shape[0] // 2
+    half = angles.shape[-1] // 2
     for layer in range(pool.num_layers):
-        k = pool.k[layer][slot, :, src]
-        kf = dequantize_kv(k, pool.k_scale[layer][slot, :, src], torch.float32) if pool.scaled else k.float()
+        k_all, v_all = _raw(pool.k[layer][slot]), _raw(pool.v[layer][slot])
+        k = k_all[:, src].view(pool.k[layer].dtype)  # (gathers: copies, read before any write)
+        v = v_all[:, src]
+        if pool.scaled:
+            kf = dequantize_kv(k, pool.k_scale[layer][slot][:, src], torch.float32)
+            v_scale = pool.v_scale[layer][slot][:, src]
+        else:
+            kf = k.float()
         turned = kf * cos + torch.cat((-kf[..., half:], kf[..., :half]), dim=-1) * sin
         if pool.scaled:
             q, scale = quantize_kv(turned)
-            pool.k[layer][slot, :, dst] = q
-            pool.k_scale[layer][slot, :, dst] = scale
-            pool.v_scale[layer][slot, :, dst] = pool.v_scale[layer][slot, :, src].clone()
+            k_all[:, dst] = _raw(q)
+            pool.k_scale[layer][slot][:, dst] = scale
+            pool.v_scale[layer][slot][:, dst] = v_scale
         else:
-            pool.k[layer][slot, :, dst] = turned.to(pool.dtype)
-        pool.v[layer][slot, :, dst] = pool.v[layer][slot, :, src].clone()
+            k_all[:, dst] = turned.to(pool.dtype)
+        v_all[:, dst] = v
+
+
+def _raw(t: Any) -> Any:
+    """``t``, or its bytes for a one-byte float (fp8: gathers and scatters by index are not
+    implemented for it everywhere)."""
+    import torch
+
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t

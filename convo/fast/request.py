@@ -100,8 +100,9 @@ class DecodeRequest:
     _shared: int = 0  # tokens of the owner's cache this work shares
     _parked: str | None = None  # host key of its own KV, parked when it was preempted
     _novel: int = 0  # novel prompt tokens (counted at submit), added once its prompt is in
-    _shift: KVShift | None = None  # cached tokens to move once its slot is ready (context shift)
-    _hole: tuple[int, int] | None = None  # prompt positions the moved tokens fill: not prefilled
+    _shift: tuple[KVShift, ...] = ()  # cached runs to move once its slot is ready (context shift)
+    #: prompt positions ``[a, b)`` the moved runs fill past ``kv_tokens``, in order: not prefilled
+    _holes: tuple[tuple[int, int], ...] = ()
 
     #: Times the scheduler stopped this request to free its slot for a reply.
     preemptions: int = 0

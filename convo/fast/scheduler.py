@@ -30,9 +30,10 @@ KV from host (or gives its old KV to host) waits until the copy is done, while t
 sessions' steps run; then it prefills only what is not cached. A ``prefill_only`` request
 computes a prompt's KV and keeps it for its session, sampling nothing.
 
-With ``context_shift``, a session's turn whose prompt holds, at other positions, a run of
-the tokens its slot caches (the turns its window kept after a slide, behind a new summary)
-moves that run's K/V where the prompt puts them and prefills only around it
+With ``context_shift``, a session's turn whose prompt holds, at other positions, runs of
+the tokens its slot caches (the turns its window kept after a slide, behind a new summary;
+passages of the turns that just left it, shown again by retrieval memory) moves those
+runs' K/V where the prompt puts them and prefills only around them
 (:mod:`convo.fast.kv_shift`; not exact, off by default).
 
 Beside the prompt tokens it prefills, the scheduler counts the novel ones
@@ -71,7 +72,7 @@ from typing import Any
 
 from convo.errors import ConfigError, DeviceOutOfMemory, is_out_of_memory
 from convo.fast.kv_pool import PARKED_PREFIX, PrefillChunk
-from convo.fast.kv_shift import find_shift
+from convo.fast.kv_shift import find_shifts, shifted_tokens
 from convo.fast.packing import block_rows
 from convo.fast.prefix_ledger import PrefixLedger
 from convo.fast.request import WORK_KINDS, DecodeRequest, decode_priority, work_kind
@@ -201,10 +202,11 @@ class DecodeScheduler:
         evict_to_host: with host memory, work done for a session may take the slot of a
             session the policy expects back only after the work is done (its KV goes to
             host and comes back by a copy) instead of waiting ``background_max_wait_s``.
-        context_shift: a session's turn (or background prefill) whose prompt holds a run
+        context_shift: a session's turn (or background prefill) whose prompt holds runs
             of at least :data:`~convo.fast.kv_shift.SHIFT_MIN_TOKENS` of its slot's cached
-            tokens at other positions (the turns its window kept after a slide) moves
-            them there, keys turned, instead of prefilling them (:mod:`convo.fast.kv_shift`:
+            tokens at other positions (the turns its window kept after a slide; at most
+            :data:`~convo.fast.kv_shift.MAX_SHIFT_RUNS`) moves them there, keys turned,
+            instead of prefilling them (:mod:`convo.fast.kv_shift`:
             not exact, so off by default). Needs a pool that can shift
             (:attr:`~convo.fast.kv_pool.KVSlotPool.can_shift`).
 
@@ -611,8 +613,8 @@ class DecodeScheduler:
                     req._shared = common
             req.cached_tokens = req.kv_tokens = common
             if self.context_shift and req.owner is None and req.cache_key is not None:
-                req._shift = find_shift(kept, ids, start=common, limit=len(ids) - 1)
-                req.cached_tokens += req._shift.length if req._shift is not None else 0
+                req._shift = find_shifts(kept, ids, start=common, limit=len(ids) - 1)
+                req.cached_tokens += shifted_tokens(req._shift)
             if req.prefill_only and common == len(ids):  # all of it is cached already
                 self.decoder.pool.release(req.slot, kept)
                 req.slot = -1
@@ -696,25 +698,29 @@ class DecodeScheduler:
                 self._prefilling.append(req)
 
     def _shift(self, req: DecodeRequest) -> None:
-        """Move the cached run ``req`` reuses to its prompt positions (context shift); the
-        prompt tokens before it are prefilled first (its ``_hole``), or, none, it counts as
-        cached at once. A failed move is no loss: the run is prefilled instead. Nothing to
-        move: nothing done."""
-        shift, req._shift = req._shift, None
-        if shift is None:
+        """Move the cached runs ``req`` reuses to their prompt positions (context shift,
+        :func:`~convo.fast.kv_shift.find_shifts`); the prompt tokens before each are
+        prefilled first (its ``_holes``), or, none, it counts as cached at once. A failed
+        move is no loss: the runs are prefilled instead. Nothing to move: nothing done."""
+        shifts, req._shift = req._shift, ()
+        if not shifts:
             return
         try:
-            self.decoder.pool.shift(req.slot, shift)
+            self.decoder.pool.shift(req.slot, shifts)
         except Exception:  # (only positions past the common prefix were written)
             logger.exception("a context shift failed: the tokens are prefilled instead")
-            req.cached_tokens -= shift.length
+            req.cached_tokens -= shifted_tokens(shifts)
             return
         self.shifts += 1
-        self.shifted_tokens += shift.length
-        if shift.dst == req.kv_tokens:
-            req.kv_tokens = shift.dst + shift.length
-        else:
-            req._hole = (shift.dst, shift.dst + shift.length)
+        self.shifted_tokens += shifted_tokens(shifts)
+        req._holes = tuple((s.dst, s.dst + s.length) for s in shifts)
+        self._skip_holes(req)
+
+    @staticmethod
+    def _skip_holes(req: DecodeRequest) -> None:
+        """Past the moved runs that start where ``req``'s computed tokens end."""
+        while req._holes and req._holes[0][0] == req.kv_tokens:
+            req.kv_tokens, req._holes = req._holes[0][1], req._holes[1:]
 
     def _preempt(self, req: DecodeRequest) -> bool:
         """Free a slot for ``req``: stop the running request of lowest priority below
@@ -748,7 +754,7 @@ class DecodeScheduler:
                 self.parked += 1
         pool.release(victim.slot, victim.kept())
         victim.slot, victim.kv_tokens = -1, 0
-        victim._shift = victim._hole = None  # (re-admitted, it looks for a run again)
+        victim._shift, victim._holes = (), ()  # (re-admitted, it looks for runs again)
         victim.preemptions += 1
         self.preemptions += 1
         self._pending.append(victim)
@@ -774,8 +780,8 @@ class DecodeScheduler:
     @staticmethod
     def _prompt_left(req: DecodeRequest) -> int:
         """Prompt tokens ``req`` has left to prefill (a moved run's are not)."""
-        hole = req._hole[1] - req._hole[0] if req._hole is not None else 0
-        return len(req.ids) + len(req.new_ids) - req.kv_tokens - hole
+        holes = sum(b - a for a, b in req._holes)
+        return len(req.ids) + len(req.new_ids) - req.kv_tokens - holes
 
     @staticmethod
     def _left(req: DecodeRequest) -> int:
@@ -794,8 +800,8 @@ class DecodeScheduler:
                 break
             ids = req.context()
             end = min(len(ids), req.kv_tokens + budget)
-            if req._hole is not None:  # up to the moved run
-                end = min(end, req._hole[0])
+            if req._holes:  # up to the next moved run
+                end = min(end, req._holes[0][0])
             batch.append((req, PrefillChunk(slot=req.slot, ids=ids, start=req.kv_tokens, end=end)))
             budget -= block_rows(end - req.kv_tokens, block)
         return batch
@@ -816,8 +822,7 @@ class DecodeScheduler:
         ready = []
         for (req, chunk), out in zip(batch, logits, strict=True):
             req.kv_tokens = chunk.end
-            if req._hole is not None and req.kv_tokens == req._hole[0]:  # the moved run is in
-                req.kv_tokens, req._hole = req._hole[1], None
+            self._skip_holes(req)  # (a moved run is in)
             if chunk.end == len(chunk.ids):
                 self._prompt_in(req)
                 ready.append((req, out))

@@ -20,7 +20,15 @@ pytest.importorskip("transformers")
 from conftest import drain  # noqa: E402
 
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder  # noqa: E402
-from convo.fast.kv_shift import SHIFT_MIN_TOKENS, KVShift, find_shift, rope_frequencies  # noqa: E402
+from convo.fast.kv_shift import (  # noqa: E402
+    MAX_SHIFT_RUNS,
+    SHIFT_MIN_TOKENS,
+    KVShift,
+    find_shift,
+    find_shifts,
+    rope_frequencies,
+    shift_kv,
+)
 from convo.models import GREEDY  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -69,6 +77,71 @@ def test_find_shift_finds_the_longest_run_in_repeated_text() -> None:
     shift = find_shift(cached, ids, start=10, limit=len(ids) - 1)
     assert shift is not None and shift.length == len(kept)
     assert cached[shift.src : shift.src + shift.length] == ids[shift.dst : shift.dst + shift.length]
+
+
+def test_find_shifts_finds_the_kept_turns_and_a_passage_of_a_dropped_turn() -> None:
+    """With retrieval memory the slide turn's prompt shows, after its question, a passage of
+    a turn that just left the window: the slot holds it too, so it is a second run."""
+    system, old_summary, dropped1, dropped2, kept = (
+        _tokens(20, 1), _tokens(30, 2), _tokens(200, 3), _tokens(150, 8), _tokens(300, 4),
+    )  # fmt: skip
+    new_summary, question, header = _tokens(45, 6), _tokens(50, 7), [1] * 5
+    cached = system + old_summary + dropped1 + dropped2 + kept
+    ids = system + new_summary + kept + question + header + dropped2[10:140] + [1, 2]
+    runs = find_shifts(cached, ids, start=20, limit=len(ids) - 1)
+    assert runs == (
+        KVShift(src=400, dst=65, length=300),  # the kept turns
+        KVShift(src=260, dst=420, length=130),  # the passage: moved towards the end
+    )
+    for r in runs:
+        assert cached[r.src : r.src + r.length] == ids[r.dst : r.dst + r.length]
+    # find_shift still gives the longest one only; short passages are prefilled.
+    assert find_shift(cached, ids, start=20, limit=len(ids) - 1) == runs[0]
+    short = system + new_summary + kept + question + dropped2[: SHIFT_MIN_TOKENS - 1] + [1]
+    assert len(find_shifts(cached, short, start=20, limit=len(short) - 1)) == 1
+
+
+def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
+    a = _tokens(100, 1)
+    cached = _tokens(10, 4) + a + a[30:] + _tokens(20, 2)  # a's tail twice: two sources
+    ids = _tokens(10, 3) + a + [5]
+    runs = find_shifts(cached, ids, start=10, limit=len(ids) - 1, min_tokens=16)
+    covered = [p for r in runs for p in range(r.dst, r.dst + r.length)]
+    assert len(covered) == len(set(covered)) == 100  # every prompt position once
+    pieces = [_tokens(40, 10 + i) for i in range(MAX_SHIFT_RUNS + 2)]
+    cached = [t for p in pieces for t in p]
+    ids = [1, 2] + [t for p in reversed(pieces) for t in [7, *p]] + [5]
+    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16)
+    assert len(runs) == MAX_SHIFT_RUNS and [r.dst for r in runs] == sorted(r.dst for r in runs)
+
+
+def test_shift_kv_reads_every_source_before_it_writes() -> None:
+    """Two runs where one's destination is the other's source: each gets the K/V its
+    source held before the move (V as is, K turned by the run's own distance)."""
+    from convo.fast.kv_pool import KVSlotPool
+
+    pool = KVSlotPool(
+        num_layers=2, num_kv_heads=2, head_dim=4, slots=1, slot_tokens=64, dtype=torch.float32, device="cpu"
+    )
+    pool.rope_inv_freq = torch.tensor([1.0, 0.01])
+    for t in (*pool.k, *pool.v):
+        t.copy_(torch.randn_like(t))
+    k0, v0 = [t.clone() for t in pool.k], [t.clone() for t in pool.v]
+    a, b = KVShift(src=30, dst=5, length=20), KVShift(src=10, dst=40, length=15)  # a writes b's source
+    shift_kv(pool, 0, [a, b], pool.rope_inv_freq)
+    for layer in range(2):
+        for run in (a, b):
+            src, dst = slice(run.src, run.src + run.length), slice(run.dst, run.dst + run.length)
+            assert torch.equal(pool.v[layer][0, :, dst], v0[layer][0, :, src])
+            back = pool.k[layer][0, :, dst].clone()
+            undo = KVShift(src=run.dst, dst=run.src, length=run.length)  # turned back by -delta
+            single = KVSlotPool(
+                num_layers=1, num_kv_heads=2, head_dim=4, slots=1, slot_tokens=64,
+                dtype=torch.float32, device="cpu",
+            )  # fmt: skip
+            single.k[0][0, :, dst] = back
+            shift_kv(single, 0, undo, pool.rope_inv_freq)
+            assert torch.allclose(single.k[0][0, :, src], k0[layer][0, :, src], atol=1e-5)
 
 
 # -- moving K/V ------------------------------------------------------------------------------------
@@ -165,6 +238,25 @@ def test_a_shifted_turn_decodes_what_a_recomputed_prompt_decodes_on_a_one_layer_
     recomputed = sched.run(_request(turn, 12, "fresh"))
     assert shifted.new_ids == recomputed.new_ids
     assert sched.stats().shifted_tokens == sched.shifted_tokens
+    sched.close()
+
+
+def test_a_turn_with_a_passage_of_a_dropped_turn_moves_both_runs_on_a_one_layer_model() -> None:
+    """The memory layout: after the slide, the question, then a passage of a dropped turn.
+    Both runs move (one shift), only the new summary, the question and the rest are
+    prefilled, and the reply is the recomputed prompt's (one layer: exact)."""
+    dec = StaticDecoder(tiny_model(1, seed=3), slots=2, slot_tokens=512)
+    sched = DecodeScheduler(dec, context_shift=True)
+    system, dropped, kept = _tokens(16, 1), _tokens(150, 3), _tokens(160, 4)
+    first = sched.run(_request(system + _tokens(24, 2) + dropped + kept, 8, "s"))
+    turn = system + _tokens(30, 5) + kept + first.new_ids + _tokens(20, 6) + [9, 9] + dropped[20:120] + [3]
+    before = sched.prefill_tokens
+    shifted = sched.run(_request(turn, 12, "s"))
+    prefilled = sched.prefill_tokens - before
+    assert sched.shifts == 1 and sched.shifted_tokens >= len(kept) + 100
+    assert prefilled <= len(turn) - 16 - len(kept) - 100
+    assert shifted.cached_tokens == len(turn) - prefilled
+    assert shifted.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
     sched.close()
 
 
@@ -299,6 +391,23 @@ def test_the_prompt_is_prefilled_around_the_moved_run_in_chunks() -> None:
     assert turn.cached_tokens == 16 + 300
 
 
+def test_the_prompt_is_prefilled_around_each_moved_run() -> None:
+    dec = _Decoder()
+    sched = DecodeScheduler(dec, background=False, context_shift=True, step_tokens=64)
+    system, dropped, kept = _tokens(16, 1), _tokens(200, 3), _tokens(300, 4)
+    sched.submit(_fake_request(system + dropped + kept, "s"))
+    drain(sched)
+    dec.prefilled.clear()
+    summary, question = _tokens(100, 5), _tokens(50, 6)
+    turn = sched.submit(_fake_request(system + summary + kept + question + dropped[:150] + [7], "s"))
+    drain(sched)
+    assert turn.error is None and sched.shifts == 1 and turn._holes == ()
+    # The summary up to the kept turns, the question up to the passage, then its last token.
+    covered = [p for s, e in dec.prefilled for p in range(s, e)]
+    assert covered == [*range(16, 116), *range(416, 466), 616]
+    assert turn.cached_tokens == 16 + 300 + 150
+
+
 def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> None:
     """Work stopped while it prefills the summary in front of its moved run (its ``hole``)
     gives back only the tokens it computed, never the run's positions; resumed, it
@@ -314,7 +423,7 @@ def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> Non
     prefill = sched.submit(_fake_request(ids, "s", prefill_only=True, priority=2))
     sched.run_step()  # admitted, the run moved, a first chunk of the summary prefilled
     sched.run_step()
-    assert prefill._hole == (116, 416) and 16 < prefill.kv_tokens < 116
+    assert prefill._holes == ((116, 416),) and 16 < prefill.kv_tokens < 116
     stopped_at = prefill.kv_tokens
     reply = sched.submit(_fake_request(_tokens(40, 9), "other"))  # needs the only slot
     drain(sched)

@@ -283,8 +283,12 @@ def _max_words(max_tokens: int) -> int:
 #: How a provisional summary (:func:`provisional_summary`) introduces its excerpts.
 PROVISIONAL_HEADER = "Latest turns, not summarized yet (excerpts):"
 #: Fewest tokens of text a provisional summary shows per message; with less room per
-#: message it shows the latest messages only.
-PROVISIONAL_MIN_TOKENS = 24
+#: message it shows the latest messages only. At 64 (24 before 2026-12-07) an excerpt's
+#: head and tail are long enough to read, and to be runs a context shift moves from the
+#: turns still cached (:data:`~convo.fast.kv_shift.SHIFT_EXTRA_MIN_TOKENS`): the slide
+#: turn then prefills little more than an ordinary turn (300-token turns on the embedded
+#: tokenizer: 331 tokens against 287, where 24-token excerpts of every message cost 543).
+PROVISIONAL_MIN_TOKENS = 64
 
 
 def provisional_summary(

@@ -36,6 +36,7 @@ from convo.fast.attention import dequantize_kv, quantize_kv
 __all__ = [
     "MAX_SHIFT_RUNS",
     "SHIFT_ANCHOR_TOKENS",
+    "SHIFT_EXTRA_MIN_TOKENS",
     "SHIFT_MIN_TOKENS",
     "KVShift",
     "find_shift",
@@ -51,9 +52,14 @@ SHIFT_MIN_TOKENS = 64
 #: Tokens of the anchors :func:`find_shift` looks a run up by (every position of the slot's
 #: tokens is indexed by the anchor starting there).
 SHIFT_ANCHOR_TOKENS = 8
-#: Most runs one prompt moves (:func:`find_shifts`): the kept turns, and passages of
-#: turns that just left the window (retrieval memory shows them again after the question).
-MAX_SHIFT_RUNS = 8
+#: Most runs one prompt moves (:func:`find_shifts`): the kept turns, and pieces of the
+#: turns that just left the window that the prompt shows again (a provisional summary's
+#: excerpts, retrieval memory's passages after the question).
+MAX_SHIFT_RUNS = 32
+#: Fewest tokens of a run moved beside a longer one (:func:`find_shifts`): all of a turn's
+#: runs move together (one gather and one scatter per layer), so a short one costs its
+#: index entries only, where prefilling it costs its tokens.
+SHIFT_EXTRA_MIN_TOKENS = 16
 #: Rotary types with fixed frequencies (the rotation by a position difference is exact).
 FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 #: Slot positions one anchor may be looked up at (repeated text has an anchor at many).
@@ -154,25 +160,29 @@ def find_shifts(
     start: int,
     limit: int,
     min_tokens: int = SHIFT_MIN_TOKENS,
+    extra_min_tokens: int = SHIFT_EXTRA_MIN_TOKENS,
     most: int = MAX_SHIFT_RUNS,
 ) -> tuple[KVShift, ...]:
     """Runs of ``ids[start:limit]`` that ``cached`` holds at positions ``>= start`` (as
     :func:`find_shift`), at most ``most``, filling disjoint prompt positions, in prompt
-    order: the longest first, then the longest of what is left uncovered, and so on (a run
-    that overlaps one taken keeps its longest uncovered part, if still ``min_tokens``).
+    order: the longest first (at least ``min_tokens``: else none), then the longest of what
+    is left uncovered (at least ``extra_min_tokens``), and so on; a run that overlaps one
+    taken keeps its longest uncovered part.
 
-    After a slide the longest run is the kept turns; a session with retrieval memory also
-    shows passages of the turns that just left the window after its question, and the slot
-    still holds those turns (llama.cpp's ``--cache-reuse`` reuses such chunks too). Their
-    sources may overlap each other and the prompt positions others move to:
-    :func:`shift_kv` reads every source before it writes."""
-    runs = _candidate_runs(list(cached), list(ids), start, min(limit, len(ids)), min_tokens)
+    After a slide the longest run is the kept turns. The prompt often shows pieces of the
+    turns that just left the window too, which the slot still holds: a provisional
+    summary's excerpts (each message's head and tail), retrieval memory's passages after
+    the question (llama.cpp's ``--cache-reuse`` reuses such chunks too). Their sources may
+    overlap each other and the prompt positions others move to: :func:`shift_kv` reads
+    every source before it writes."""
+    shortest = min(min_tokens, extra_min_tokens)
+    runs = _candidate_runs(list(cached), list(ids), start, min(limit, len(ids)), shortest)
     taken: list[KVShift] = []
     for run in sorted(runs, key=lambda r: (-r.length, r.dst)):
         if len(taken) >= most:
             break
         piece = _uncovered(run, taken)
-        if piece is not None and piece.length >= min_tokens:
+        if piece is not None and piece.length >= (extra_min_tokens if taken else min_tokens):
             taken.append(piece)
     return tuple(sorted(taken, key=lambda r: r.dst))
 

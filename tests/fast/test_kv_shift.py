@@ -22,6 +22,7 @@ from conftest import drain  # noqa: E402
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder  # noqa: E402
 from convo.fast.kv_shift import (  # noqa: E402
     MAX_SHIFT_RUNS,
+    SHIFT_EXTRA_MIN_TOKENS,
     SHIFT_MIN_TOKENS,
     KVShift,
     find_shift,
@@ -95,10 +96,14 @@ def test_find_shifts_finds_the_kept_turns_and_a_passage_of_a_dropped_turn() -> N
     )
     for r in runs:
         assert cached[r.src : r.src + r.length] == ids[r.dst : r.dst + r.length]
-    # find_shift still gives the longest one only; short passages are prefilled.
+    # find_shift still gives the longest one only. Beside it, a run of 16 tokens moves;
+    # a shorter one is prefilled; alone, a run moves only from 64 tokens on.
     assert find_shift(cached, ids, start=20, limit=len(ids) - 1) == runs[0]
-    short = system + new_summary + kept + question + dropped2[: SHIFT_MIN_TOKENS - 1] + [1]
-    assert len(find_shifts(cached, short, start=20, limit=len(short) - 1)) == 1
+    for n, moved in ((SHIFT_EXTRA_MIN_TOKENS, 2), (SHIFT_EXTRA_MIN_TOKENS - 1, 1)):
+        short = system + new_summary + kept + question + header + dropped2[:n] + [1]
+        assert len(find_shifts(cached, short, start=20, limit=len(short) - 1)) == moved
+    alone = system + new_summary + question + header + dropped2[: SHIFT_MIN_TOKENS - 1] + [1]
+    assert find_shifts(cached, alone, start=20, limit=len(alone) - 1) == ()
 
 
 def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:

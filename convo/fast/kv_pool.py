@@ -639,6 +639,10 @@ class KVSlotPool:
             return keys
 
 
+#: Tokens between two runs that :func:`_reused` copies with them rather than copying the
+#: runs apart (each range is a copy per layer and tensor: an excerpt's pieces are ~20
+#: tokens apart).
+COPY_GAP_TOKENS = 64
 #: What :func:`_reused` puts in a slot's tokens where the host copy's were not copied in:
 #: no token id (they are ``>= 0``), so no prompt ever matches them.
 NOT_COPIED = -1
@@ -658,7 +662,7 @@ def _reused(
     runs = find_shifts(cached, ids, start=common, limit=limit) if shift and common < limit else ()
     spans = [(0, common)]
     for a, b in sorted((r.src, r.src + r.length) for r in runs):  # (sources may overlap)
-        if a <= spans[-1][1]:
+        if a <= spans[-1][1] + COPY_GAP_TOKENS:  # (a short gap costs less than another copy)
             spans[-1] = (spans[-1][0], max(spans[-1][1], b))
         else:
             spans.append((a, b))

@@ -123,6 +123,11 @@ class Load:
     # window moves again, also when the summary is written meanwhile (one re-prefill per
     # slide, not two); off: the written summary replaces it at once.
     sticky_provisional: bool = True
+    # As the session does since 2026-12-07 (``PROVISIONAL_MIN_TOKENS`` 64): the provisional
+    # block is excerpts of the owed turns' latest messages (each message's head and tail,
+    # at least 64 tokens a message), which the slot still holds, so a context shift moves
+    # them (``find_shifts``); off: the block is new text (the model before).
+    provisional_excerpts: bool = True
     # When the window slides after a reply (lookahead), prefill the next prompt's prefix
     # (system, the provisional block, the kept window) in the background at once, before
     # the summary is written, as ``Session.prefill_next`` does once it is. Measured
@@ -319,7 +324,29 @@ def simulate(load: Load) -> dict[str, Any]:
             return u.summary
         # The provisional stand-in: the same text while the same turns are owed.
         seed = hash((u.key, u.version, len(u.owed))) % 10**6
+        if load.provisional_excerpts:
+            return excerpts(u, seed)
         return [10**7 + seed * 1000 + i for i in range(min(load.summary_tokens, 40 + 60 * len(u.owed)))]
+
+    def excerpts(u: User, seed: int) -> list[int]:
+        """``provisional_summary``'s shape: the previous summary (at most half the cap), a
+        header, then the latest owed messages that get 64 tokens each, cut in the middle
+        (head 2/3, a marker, tail 1/3) to an equal share; new tokens are fresh ids."""
+        new = iter(range(10**7 + seed * 1000, 10**7 + seed * 1000 + 1000))
+        out = [*u.summary[: load.summary_tokens // 2], *(next(new) for _ in range(12))]
+        room = load.summary_tokens - len(out)
+        messages = [part for t in u.owed for part in (t[: load.user_tokens], t[load.user_tokens :]) if part]
+        shown = messages[-max(room // 68, 1) :]
+        share = room // len(shown) - 4
+        for m in shown:
+            out += [next(new) for _ in range(3)]  # "speaker: "
+            if len(m) <= share:
+                out += m
+            else:
+                keep = share - 8
+                head = keep - keep // 3
+                out += [*m[:head], *(next(new) for _ in range(8)), *m[len(m) - (keep - head) :]]
+        return out
 
     def prefix(u: User) -> list[int]:
         return [*system, *block(u), *itertools.chain.from_iterable(u.window)]

@@ -273,10 +273,13 @@ class SessionSummary:
         when that misses turns before ``start``, the provisional summary that adds
         excerpts of them. A provisional summary stays until the window moves, even when
         the model's lands meanwhile: the prompt keeps extending the previous one (its KV
-        is reused), and the summary changes with the window, one re-prefill per move."""
+        is reused), and the summary changes with the window, one re-prefill per move. It
+        stays for every object over this session in this process (the server builds one
+        per request): the session's last job keeps it."""
         done = state.summarized_turns
-        if self._provisional is not None and self._provisional[0] == start:
-            return self._provisional[1], True, self._provisional[2]
+        shown = self._provisional or self._job_provisional()
+        if shown is not None and shown[0] == start:
+            return shown[1], True, shown[2]
         if not self.active or start <= done:
             return state.summary, False, done
         text = provisional_summary(
@@ -287,11 +290,19 @@ class SessionSummary:
         )
         return text, True, done
 
+    def _job_provisional(self) -> tuple[int, str, int] | None:
+        """The provisional summary another object over this session showed last, kept on
+        the session's last job (:attr:`~convo.summarize.SummaryJob.shown_provisional`)."""
+        job = self.job()
+        return job.shown_provisional if job is not None else None
+
     def planned(self, start: int, state: SessionState, history: History) -> Planned:
         """What a turn's prompt, planned from ``start``, showed as its summary; a
         provisional one is kept for the next prompts from the same start."""
         summary, provisional, covered = self.text(start, state, history)
         self._provisional = (start, summary, covered) if provisional else None
+        if (job := self.job()) is not None:
+            job.shown_provisional = self._provisional
         return Planned(
             summary=summary,
             summarized_turns=covered,

@@ -25,10 +25,14 @@ that it changes and shifts the kept turns.
 
 ``--memory N`` adds what a session with retrieval memory shows: after the user turn, a
 memory message with the last ``N`` dropped messages as ``speaker: text`` lines. The slot
-still holds those messages, so a context shift moves them too (several runs,
-:func:`~convo.fast.kv_shift.find_shifts`): ``shift`` then moves every run and ``shift_one``
-only the longest (the kept turns; the passages are prefilled), to tell the passages' cost
-from the kept turns'.
+still holds those messages, so a context shift could move them too: ``shift_all`` moves
+every run (:func:`~convo.fast.kv_shift.find_shifts` with ``after_longest``), ``shift``
+what the scheduler moves (the runs up to the kept turns: not the passages after the
+question), ``shift_one`` only the longest (the kept turns).
+
+``--provisional`` makes the new summary what a session shows while the model's is late:
+``convo.summarize.provisional_summary`` of the dropped messages (their heads and tails,
+at least 64 tokens a message, within 256 tokens), whose pieces the slot holds too.
 
     python benchmarks/kv_shift.py --conversations 6 --sessions 4 --out benchmarks/results  # ~11 min, 2 cores
     python benchmarks/kv_shift.py --conversations 6 --sessions 4 --memory 3 --out benchmarks/results
@@ -54,7 +58,9 @@ from kv_fp8 import load_default_model
 
 from convo.fast import DecoderConfig, StaticDecoder
 from convo.fast.kv_shift import KVShift, find_shifts, shifted_tokens
-from convo.tokens import common_prefix_length
+from convo.messages import Message, Role
+from convo.summarize import provisional_summary
+from convo.tokens import HFTokenCounter, common_prefix_length
 
 log = stderr_log("kv_shift")
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +175,7 @@ def main() -> None:
     p.add_argument("--slot-tokens", type=int, default=2048)
     p.add_argument("--reply-tokens", type=int, default=48, help="greedy reply tokens compared per slide")
     p.add_argument("--memory", type=int, default=0, help="dropped messages shown after the question")
+    p.add_argument("--provisional", action="store_true", help="the new summary: a provisional one")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -180,7 +187,10 @@ def main() -> None:
     dec = decoder(model, "auto", args.slot_tokens)
     dec8 = decoder(model, "fp8", args.slot_tokens)
     convs = json.loads(args.data.read_text())[: args.conversations]
-    kinds = ("shift", "shift_one", "fp8") if args.memory else ("shift", "fp8")
+    several = args.memory or args.provisional
+    kinds = ("shift", "shift_one", "fp8") if several else ("shift", "fp8")
+    kinds = ("shift_all", *kinds) if args.memory else kinds
+    counter = HFTokenCounter(tok)
     totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in kinds}
     reference_nll, tokens, slides, moved, skipped = 0.0, 0, [], 0, 0
     eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
@@ -200,6 +210,12 @@ def main() -> None:
                 before = {"role": "system", "content": summary(system, msgs[:lo1])}
                 cached = render(tok, [before, *msgs[lo1:hi]])
                 now = {"role": "system", "content": summary(system, msgs[:lo2])}
+                if args.provisional:  # the old summary, then excerpts of what the new one misses
+                    dropped = [Message(role=Role(m["role"]), content=m["content"]) for m in msgs[lo1:lo2]]
+                    text = provisional_summary(
+                        previous=summary("", msgs[:lo1]), messages=dropped, counter=counter, max_tokens=256
+                    )
+                    now = {"role": "system", "content": f"{system}\n{text}"}
                 memory = [memory_message(msgs[lo1:lo2][-args.memory :], a, b)] if args.memory else []
                 head = render(tok, [now, *msgs[lo2:hi], msgs[hi], *memory], generation=True)
                 reply = msgs[hi + 1]["content"] + "<|im_end|>"
@@ -210,16 +226,19 @@ def main() -> None:
                     continue
                 common = common_prefix_length(cached, ids)
                 runs = find_shifts(cached, ids, start=common, limit=len(head) - 1)
+                every = find_shifts(cached, ids, start=common, limit=len(head) - 1, after_longest=True)
                 if not runs:
                     skipped += 1
                     continue
                 longest = max(runs, key=lambda r: r.length)
                 modes: dict[str, tuple[KVShift, ...]] = {"shift": runs}
-                if args.memory:
+                if several:
                     modes["shift_one"] = (longest,)
+                if args.memory:
+                    modes["shift_all"] = every
                 # Compared from the token after the last run of every mode on: the rows
                 # before it are the prompt's, prefilled or moved.
-                after = max(r.dst + r.length for r in runs)
+                after = max(r.dst + r.length for r in every)
                 # Recomputed from scratch, then fp8 K/V: logits of every token.
                 ref, _ = dec.prefill(0, ids, 0, all_logits=True)
                 ref8, _ = dec8.prefill(0, ids, 0, all_logits=True)

@@ -6,9 +6,12 @@ A session on the embedded model (SmolLM2-135M-Instruct) chats ``--turns`` turns 
 held after the turn before (that prompt and its reply): the common prefix is reused as
 is, and a context shift (:func:`convo.fast.kv_shift.find_shifts`) moves the runs the slot
 holds at other positions. Reported per turn: the prompt, the common prefix, the tokens the
-longest run moves (``one_run``: the kept turns only) and all runs move, and what is left
-to prefill either way. ``--memory``: with retrieval memory (``RetrievalMemory``), whose
-passages of the turns that left the window follow the question.
+longest run moves (``one_run``: the kept turns only) and the runs the scheduler moves
+(those up to the kept turns), and what is left to prefill each way, also if every run
+moved (``prefill_all_runs``: retrieval memory's passages after the question too, which
+the scheduler leaves, see :func:`~convo.fast.kv_shift.find_shifts`). ``--memory``: with
+retrieval memory (``RetrievalMemory``), whose passages of the turns that left the window
+follow the question.
 
 The summary is written in the background by the same model (``summary_wait_s=0``), so the
 turn after the slide shows a provisional summary: excerpts of the dropped turns, which
@@ -94,6 +97,7 @@ def main() -> None:
             common = common_prefix_length(held, ids)
             one = find_shift(held, ids, start=common, limit=len(ids) - 1)
             runs = find_shifts(held, ids, start=common, limit=len(ids) - 1)
+            every = find_shifts(held, ids, start=common, limit=len(ids) - 1, after_longest=True)
             row.update(
                 common=common,
                 one_run=one.length if one is not None else 0,
@@ -101,6 +105,7 @@ def main() -> None:
                 moved=shifted_tokens(runs),
                 prefill_one_run=len(ids) - common - (one.length if one is not None else 0),
                 prefill=len(ids) - common - shifted_tokens(runs),
+                prefill_all_runs=len(ids) - common - shifted_tokens(every),
             )
         log(json.dumps(row))
         turns.append(row)
@@ -115,6 +120,7 @@ def main() -> None:
                 "ordinary_prefill_median": sorted(ordinary)[len(ordinary) // 2] if ordinary else None,
                 "slide_prefill": [r["prefill"] for r in slides],
                 "slide_prefill_one_run": [r["prefill_one_run"] for r in slides],
+                "slide_prefill_all_runs": [r["prefill_all_runs"] for r in slides],
                 "turns": turns,
             },
             indent=2,

@@ -80,30 +80,45 @@ def test_find_shift_finds_the_longest_run_in_repeated_text() -> None:
     assert cached[shift.src : shift.src + shift.length] == ids[shift.dst : shift.dst + shift.length]
 
 
-def test_find_shifts_finds_the_kept_turns_and_a_passage_of_a_dropped_turn() -> None:
-    """With retrieval memory the slide turn's prompt shows, after its question, a passage of
-    a turn that just left the window: the slot holds it too, so it is a second run."""
+def test_find_shifts_moves_the_excerpts_in_front_of_the_kept_turns() -> None:
+    """After a slide a provisional summary shows pieces of the dropped turns in front of
+    the kept turns: the slot holds them too, so they are runs of their own."""
     system, old_summary, dropped1, dropped2, kept = (
         _tokens(20, 1), _tokens(30, 2), _tokens(200, 3), _tokens(150, 8), _tokens(300, 4),
     )  # fmt: skip
-    new_summary, question, header = _tokens(45, 6), _tokens(50, 7), [1] * 5
+    header, marker, question = [1] * 5, [2] * 6, _tokens(50, 7)
     cached = system + old_summary + dropped1 + dropped2 + kept
-    ids = system + new_summary + kept + question + header + dropped2[10:140] + [1, 2]
+    block = header + dropped2[:40] + marker + dropped2[100:120] + marker  # a message's head and tail
+    ids = system + block + kept + question + [1]
     runs = find_shifts(cached, ids, start=20, limit=len(ids) - 1)
     assert runs == (
-        KVShift(src=400, dst=65, length=300),  # the kept turns
-        KVShift(src=260, dst=420, length=130),  # the passage: moved towards the end
+        KVShift(src=250, dst=25, length=40),  # the excerpt's head
+        KVShift(src=350, dst=71, length=20),  # its tail
+        KVShift(src=400, dst=97, length=300),  # the kept turns
     )
     for r in runs:
         assert cached[r.src : r.src + r.length] == ids[r.dst : r.dst + r.length]
     # find_shift still gives the longest one only. Beside it, a run of 16 tokens moves;
     # a shorter one is prefilled; alone, a run moves only from 64 tokens on.
-    assert find_shift(cached, ids, start=20, limit=len(ids) - 1) == runs[0]
+    assert find_shift(cached, ids, start=20, limit=len(ids) - 1) == runs[-1]
     for n, moved in ((SHIFT_EXTRA_MIN_TOKENS, 2), (SHIFT_EXTRA_MIN_TOKENS - 1, 1)):
-        short = system + new_summary + kept + question + header + dropped2[:n] + [1]
+        short = system + header + dropped2[:n] + marker + kept + question + [1]
         assert len(find_shifts(cached, short, start=20, limit=len(short) - 1)) == moved
-    alone = system + new_summary + question + header + dropped2[: SHIFT_MIN_TOKENS - 1] + [1]
+    alone = system + header + dropped2[: SHIFT_MIN_TOKENS - 1] + question + [1]
     assert find_shifts(cached, alone, start=20, limit=len(alone) - 1) == ()
+
+
+def test_a_passage_after_the_kept_turns_moves_only_when_asked() -> None:
+    """Retrieval memory shows passages of the dropped turns after the question, right
+    before the reply: moving them costs the reply most, so only ``after_longest`` does."""
+    system, dropped, kept = _tokens(20, 1), _tokens(150, 8), _tokens(300, 4)
+    cached = system + _tokens(30, 2) + dropped + kept
+    ids = system + _tokens(45, 6) + kept + _tokens(50, 7) + [1] * 5 + dropped[10:140] + [1, 2]
+    assert find_shifts(cached, ids, start=20, limit=len(ids) - 1) == (KVShift(src=200, dst=65, length=300),)
+    assert find_shifts(cached, ids, start=20, limit=len(ids) - 1, after_longest=True) == (
+        KVShift(src=200, dst=65, length=300),
+        KVShift(src=60, dst=420, length=130),  # the passage: moved towards the end
+    )
 
 
 def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
@@ -116,7 +131,7 @@ def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
     pieces = [_tokens(40, 10 + i) for i in range(MAX_SHIFT_RUNS + 2)]
     cached = [t for p in pieces for t in p]
     ids = [1, 2] + [t for p in reversed(pieces) for t in [7, *p]] + [5]
-    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16)
+    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16, after_longest=True)
     assert len(runs) == MAX_SHIFT_RUNS and [r.dst for r in runs] == sorted(r.dst for r in runs)
 
 
@@ -246,15 +261,15 @@ def test_a_shifted_turn_decodes_what_a_recomputed_prompt_decodes_on_a_one_layer_
     sched.close()
 
 
-def test_a_turn_with_a_passage_of_a_dropped_turn_moves_both_runs_on_a_one_layer_model() -> None:
-    """The memory layout: after the slide, the question, then a passage of a dropped turn.
-    Both runs move (one shift), only the new summary, the question and the rest are
-    prefilled, and the reply is the recomputed prompt's (one layer: exact)."""
+def test_a_turn_with_excerpts_of_a_dropped_turn_moves_every_run_on_a_one_layer_model() -> None:
+    """A provisional summary after the slide: a piece of a dropped turn in front of the
+    kept turns. Both runs move (one shift), only the rest of the summary and the question
+    are prefilled, and the reply is the recomputed prompt's (one layer: exact)."""
     dec = StaticDecoder(tiny_model(1, seed=3), slots=2, slot_tokens=512)
     sched = DecodeScheduler(dec, context_shift=True)
     system, dropped, kept = _tokens(16, 1), _tokens(150, 3), _tokens(160, 4)
     first = sched.run(_request(system + _tokens(24, 2) + dropped + kept, 8, "s"))
-    turn = system + _tokens(30, 5) + kept + first.new_ids + _tokens(20, 6) + [9, 9] + dropped[20:120] + [3]
+    turn = [*system, 9, 9, *dropped[20:120], 3, 3, *kept, *first.new_ids, *_tokens(20, 6)]
     before = sched.prefill_tokens
     shifted = sched.run(_request(turn, 12, "s"))
     prefilled = sched.prefill_tokens - before
@@ -403,14 +418,16 @@ def test_the_prompt_is_prefilled_around_each_moved_run() -> None:
     sched.submit(_fake_request(system + dropped + kept, "s"))
     drain(sched)
     dec.prefilled.clear()
-    summary, question = _tokens(100, 5), _tokens(50, 6)
-    turn = sched.submit(_fake_request(system + summary + kept + question + dropped[:150] + [7], "s"))
+    header, question = _tokens(30, 5), _tokens(50, 6)
+    turn = sched.submit(
+        _fake_request(system + header + dropped[:100] + [2] * 20 + kept + question + [7], "s")
+    )
     drain(sched)
     assert turn.error is None and sched.shifts == 1 and turn._holes == ()
-    # The summary up to the kept turns, the question up to the passage, then its last token.
+    # The header up to the excerpt, the marker up to the kept turns, then the question.
     covered = [p for s, e in dec.prefilled for p in range(s, e)]
-    assert covered == [*range(16, 116), *range(416, 466), 616]
-    assert turn.cached_tokens == 16 + 300 + 150
+    assert covered == [*range(16, 46), *range(146, 166), *range(466, 517)]
+    assert turn.cached_tokens == 16 + 100 + 300
 
 
 def test_a_preempted_prefill_before_its_run_keeps_only_what_it_computed() -> None:

@@ -206,12 +206,6 @@ class SummaryJob:
     #: Called (in the worker thread, no lock held) once the result is stored: the session
     #: prefills its next prompt's prefix (:meth:`Session.prefill_next`). Errors are logged.
     on_written: Callable[[SummaryJob], None] | None = field(default=None, repr=False)
-    #: The provisional summary (``(start, text, covered turns)``) the session's prompts
-    #: showed while this job was its last: kept here, in the process that holds the
-    #: session's KV, so that every ``Session`` object over it (the server builds one per
-    #: request) shows the same text until the window moves (see
-    #: :meth:`convo.session.summaries.SessionSummary.text`).
-    shown_provisional: tuple[int, str, int] | None = field(default=None, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -218,35 +217,17 @@ def test_auto_wait_goes_on_at_once_beside_a_batching_engine(worker: SummaryWorke
     assert len(session.messages) == 12  # every message stored
 
 
-@pytest.mark.parametrize("per_request", [False, True])
-def test_a_provisional_summary_stays_until_the_window_moves(worker: SummaryWorker, per_request: bool) -> None:
+def test_a_provisional_summary_stays_until_the_window_moves(worker: SummaryWorker) -> None:
     """When the model's summary lands while the prompt shows a provisional one, the next
     prompts from the same window start keep the provisional text (they extend the previous
     prompt, whose KV the engine reuses); the summary changes with the window's next move:
-    one re-prefill per move, not two. ``per_request``: a new ``Session`` object over the
-    same stored session for every turn, as the server builds them."""
+    one re-prefill per move, not two."""
     engine = FakeEngine(CharCounter())
     engine.concurrent_calls = 16  # type: ignore[attr-defined]
     engine.reply_fn = lambda _: "r" * 128
     summ = GatedSummarizer()
     budget = Budget(context_tokens=2048, max_new_tokens=32)
-    store = MemoryStore()
-    first = Session(engine, budget=budget, summarizer=summ, summaries=worker, store=store)
-
-    class _PerRequest:
-        """``send`` on a fresh object each time (``per_request``), else on ``first``."""
-
-        def send(self, text: str) -> Any:
-            if not per_request:
-                return first.send(text)
-            return Session(
-                engine, budget=budget, summarizer=summ, summaries=worker, store=store, session_id=first.id
-            ).send(text)
-
-        def wait_summary(self, timeout_s: float) -> Any:
-            return first.wait_summary(timeout_s)
-
-    session = _PerRequest()
+    session = Session(engine, budget=budget, summarizer=summ, summaries=worker)
     replies = [session.send("u0 " + "x" * 1196)]
     while not replies[-1].stats.provisional_summary and len(replies) < 12:
         replies.append(session.send(f"u{len(replies)} " + "x" * 1196))

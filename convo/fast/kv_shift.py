@@ -53,8 +53,8 @@ SHIFT_MIN_TOKENS = 64
 #: tokens is indexed by the anchor starting there).
 SHIFT_ANCHOR_TOKENS = 8
 #: Most runs one prompt moves (:func:`find_shifts`): the kept turns, and pieces of the
-#: turns that just left the window that the prompt shows again (a provisional summary's
-#: excerpts, retrieval memory's passages after the question).
+#: turns that just left the window that the prompt shows again in front of them (a
+#: provisional summary's excerpts).
 MAX_SHIFT_RUNS = 32
 #: Fewest tokens of a run moved beside a longer one (:func:`find_shifts`): all of a turn's
 #: runs move together (one gather and one scatter per layer), so a short one costs its

@@ -25,10 +25,15 @@ that it changes and shifts the kept turns.
 
 ``--memory N`` adds what a session with retrieval memory shows: after the user turn, a
 memory message with the last ``N`` dropped messages as ``speaker: text`` lines. The slot
-still holds those messages, so a context shift could move them too: ``shift_all`` moves
-every run (:func:`~convo.fast.kv_shift.find_shifts` with ``after_longest``), ``shift``
-what the scheduler moves (the runs up to the kept turns: not the passages after the
-question), ``shift_one`` only the longest (the kept turns).
+still holds those messages, so a context shift moves them too: ``shift`` is what the
+scheduler moves (:func:`~convo.fast.kv_shift.find_shifts`: every run, the first
+:data:`~convo.fast.kv_shift.SHIFT_AFTER_HEAD_TOKENS` tokens of each passage after the
+question prefilled), ``shift_all`` every run whole, ``shift_kept`` the runs up to the kept
+turns only (the default before 2026-12-07), ``shift_one`` only the longest (the kept
+turns).
+
+``--trim-heads K[,K...]`` adds ``shift_all_trimK`` modes: as ``shift``, with the first
+``K`` tokens of each run after the question prefilled.
 
 ``--provisional`` makes the new summary what a session shows while the model's is late:
 ``convo.summarize.provisional_summary`` of the dropped messages (their heads and tails,
@@ -176,6 +181,12 @@ def main() -> None:
     p.add_argument("--reply-tokens", type=int, default=48, help="greedy reply tokens compared per slide")
     p.add_argument("--memory", type=int, default=0, help="dropped messages shown after the question")
     p.add_argument("--provisional", action="store_true", help="the new summary: a provisional one")
+    p.add_argument(
+        "--trim-heads",
+        default="",
+        help="comma-separated K: with --memory, also move every run, prefilling the first K tokens "
+        "of each run after the question",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -189,12 +200,15 @@ def main() -> None:
     convs = json.loads(args.data.read_text())[: args.conversations]
     several = args.memory or args.provisional
     kinds = ("shift", "shift_one", "fp8") if several else ("shift", "fp8")
-    kinds = ("shift_all", *kinds) if args.memory else kinds
+    kinds = ("shift_all", "shift_kept", *kinds) if args.memory else kinds
+    trims = [int(k) for k in args.trim_heads.split(",") if k.strip()] if args.memory else []
+    kinds = (*kinds, *(f"shift_all_trim{k}" for k in trims))
     counter = HFTokenCounter(tok)
     totals = {k: {"agree": 0, "kl": 0.0, "nll": 0.0} for k in kinds}
     reference_nll, tokens, slides, moved, skipped = 0.0, 0, [], 0, 0
     eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
     free: dict[str, list[int | None]] = {k: [] for k in kinds}  # first divergence per slide
+    moved_by: dict[str, int] = {k: 0 for k in kinds if k != "fp8"}  # tokens each mode moved
     with torch.no_grad():
         for conv in convs:
             a, b, msgs = dialogue(conv, args.sessions)
@@ -226,7 +240,7 @@ def main() -> None:
                     continue
                 common = common_prefix_length(cached, ids)
                 runs = find_shifts(cached, ids, start=common, limit=len(head) - 1)
-                every = find_shifts(cached, ids, start=common, limit=len(head) - 1, after_longest=True)
+                every = find_shifts(cached, ids, start=common, limit=len(head) - 1, after_head_tokens=0)
                 if not runs:
                     skipped += 1
                     continue
@@ -236,6 +250,13 @@ def main() -> None:
                     modes["shift_one"] = (longest,)
                 if args.memory:
                     modes["shift_all"] = every
+                    modes["shift_kept"] = find_shifts(
+                        cached, ids, start=common, limit=len(head) - 1, after_head_tokens=None
+                    )
+                for k in trims:
+                    modes[f"shift_all_trim{k}"] = find_shifts(
+                        cached, ids, start=common, limit=len(head) - 1, after_head_tokens=k
+                    )
                 # Compared from the token after the last run of every mode on: the rows
                 # before it are the prompt's, prefilled or moved.
                 after = max(r.dst + r.length for r in every)
@@ -272,6 +293,8 @@ def main() -> None:
                     reply_ids_free = greedy(dec, logits[-1], len(head), args.reply_tokens, eos)
                     free[mode].append(first_divergence(ref_reply, reply_ids_free))
                 moved += shifted_tokens(runs)
+                for mode, moved_runs in modes.items():
+                    moved_by[mode] += shifted_tokens(moved_runs)
                 slides.append(
                     {
                         "cached": len(cached),
@@ -301,6 +324,8 @@ def main() -> None:
             "mean_kl_nats": round(t["kl"] / tokens, 5) if tokens else None,
             "perplexity": round(math.exp(t["nll"] / tokens), 3) if tokens else None,
         }
+    for k, n in moved_by.items():
+        results[k]["moved_tokens"] = n
     for k, divergences in free.items():
         differ = [d for d in divergences if d is not None]
         results[k]["identical_replies"] = len(divergences) - len(differ)

@@ -6,12 +6,13 @@ A session on the embedded model (SmolLM2-135M-Instruct) chats ``--turns`` turns 
 held after the turn before (that prompt and its reply): the common prefix is reused as
 is, and a context shift (:func:`convo.fast.kv_shift.find_shifts`) moves the runs the slot
 holds at other positions. Reported per turn: the prompt, the common prefix, the tokens the
-longest run moves (``one_run``: the kept turns only) and the runs the scheduler moves
-(those up to the kept turns), and what is left to prefill each way, also if every run
-moved (``prefill_all_runs``: retrieval memory's passages after the question too, which
-the scheduler leaves, see :func:`~convo.fast.kv_shift.find_shifts`). ``--memory``: with
-retrieval memory (``RetrievalMemory``), whose passages of the turns that left the window
-follow the question.
+longest run moves (``one_run``: the kept turns only) and the runs the scheduler moves,
+and what is left to prefill each way: ``prefill`` (the scheduler's: every run, the first
+:data:`~convo.fast.kv_shift.SHIFT_AFTER_HEAD_TOKENS` tokens of each run after the kept
+turns prefilled), ``prefill_kept`` (the runs up to the kept turns only: the default before
+2026-12-07), ``prefill_all_runs`` (every run whole). ``--memory``: with retrieval memory
+(``RetrievalMemory``), whose passages of the turns that left the window follow the
+question, and which the slot still holds.
 
 The summary is written in the background by the same model (``summary_wait_s=0``), so the
 turn after the slide shows a provisional summary: excerpts of the dropped turns, which
@@ -97,7 +98,8 @@ def main() -> None:
             common = common_prefix_length(held, ids)
             one = find_shift(held, ids, start=common, limit=len(ids) - 1)
             runs = find_shifts(held, ids, start=common, limit=len(ids) - 1)
-            every = find_shifts(held, ids, start=common, limit=len(ids) - 1, after_longest=True)
+            every = find_shifts(held, ids, start=common, limit=len(ids) - 1, after_head_tokens=0)
+            kept = find_shifts(held, ids, start=common, limit=len(ids) - 1, after_head_tokens=None)
             row.update(
                 common=common,
                 one_run=one.length if one is not None else 0,
@@ -106,7 +108,9 @@ def main() -> None:
                 prefill_one_run=len(ids) - common - (one.length if one is not None else 0),
                 prefill=len(ids) - common - shifted_tokens(runs),
                 prefill_all_runs=len(ids) - common - shifted_tokens(every),
+                all_runs=len(every),
             )
+            row["prefill_kept"] = len(ids) - common - shifted_tokens(kept)
         log(json.dumps(row))
         turns.append(row)
         held = ids + list(tok(reply.text, add_special_tokens=False)["input_ids"])
@@ -121,6 +125,7 @@ def main() -> None:
                 "slide_prefill": [r["prefill"] for r in slides],
                 "slide_prefill_one_run": [r["prefill_one_run"] for r in slides],
                 "slide_prefill_all_runs": [r["prefill_all_runs"] for r in slides],
+                "slide_prefill_kept": [r["prefill_kept"] for r in slides],
                 "turns": turns,
             },
             indent=2,

@@ -35,6 +35,7 @@ from convo.fast.attention import dequantize_kv, quantize_kv
 
 __all__ = [
     "MAX_SHIFT_RUNS",
+    "SHIFT_AFTER_HEAD_TOKENS",
     "SHIFT_ANCHOR_TOKENS",
     "SHIFT_EXTRA_MIN_TOKENS",
     "SHIFT_MIN_TOKENS",
@@ -53,13 +54,22 @@ SHIFT_MIN_TOKENS = 64
 #: tokens is indexed by the anchor starting there).
 SHIFT_ANCHOR_TOKENS = 8
 #: Most runs one prompt moves (:func:`find_shifts`): the kept turns, and pieces of the
-#: turns that just left the window that the prompt shows again in front of them (a
-#: provisional summary's excerpts).
+#: turns that just left the window that the prompt shows again, in front of them (a
+#: provisional summary's excerpts) or after the question (retrieval memory's passages).
 MAX_SHIFT_RUNS = 32
 #: Fewest tokens of a run moved beside a longer one (:func:`find_shifts`): all of a turn's
 #: runs move together (one gather and one scatter per layer), so a short one costs its
 #: index entries only, where prefilling it costs its tokens.
 SHIFT_EXTRA_MIN_TOKENS = 16
+#: Tokens at the head of each run after the longest that are prefilled again rather than
+#: moved (:func:`find_shifts`): retrieval memory's passages of the turns that just left the
+#: window, shown after the question. Moved whole they cost the reply much more than the
+#: kept turns do (``benchmarks/kv_shift.py --memory 3``, 12 slides: top-1 agreement with
+#: the recomputed prompt 0.847 against 0.962 for the kept turns alone, 0.965 for fp8 K/V);
+#: with each passage's first 32 tokens computed in its new place, 0.951, while the memory
+#: slide turn prefills 513 tokens instead of 1,499 (``benchmarks/slide_prefill.py
+#: --memory``, 300-token turns; an ordinary turn: 287).
+SHIFT_AFTER_HEAD_TOKENS = 32
 #: Rotary types with fixed frequencies (the rotation by a position difference is exact).
 FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 #: Slot positions one anchor may be looked up at (repeated text has an anchor at many).
@@ -162,37 +172,45 @@ def find_shifts(
     min_tokens: int = SHIFT_MIN_TOKENS,
     extra_min_tokens: int = SHIFT_EXTRA_MIN_TOKENS,
     most: int = MAX_SHIFT_RUNS,
-    after_longest: bool = False,
+    after_head_tokens: int | None = SHIFT_AFTER_HEAD_TOKENS,
 ) -> tuple[KVShift, ...]:
     """Runs of ``ids[start:limit]`` that ``cached`` holds at positions ``>= start`` (as
     :func:`find_shift`), at most ``most``, filling disjoint prompt positions, in prompt
     order: the longest first (at least ``min_tokens``: else none), then the longest of what
     is left uncovered (at least ``extra_min_tokens``), and so on; a run that overlaps one
-    taken keeps its longest uncovered part. The others lie before the longest, unless
-    ``after_longest``.
+    taken keeps its longest uncovered part. A run after the longest leaves its first
+    ``after_head_tokens`` to prefill, and is taken only if at least ``extra_min_tokens``
+    remain (``None``: runs after the longest are not taken).
 
     After a slide the longest run is the kept turns. The prompt often shows pieces of the
     turns that just left the window too, which the slot still holds: a provisional
     summary's excerpts (each message's head and tail) in front of the kept turns,
     retrieval memory's passages after the question (llama.cpp's ``--cache-reuse`` reuses
-    such chunks too). Moving the passages costs the reply more than moving the kept turns
+    such chunks too). Moved whole, the passages cost the reply more than the kept turns
     (``benchmarks/kv_shift.py --memory 3``, 29 slides: top-1 agreement with the
     recomputed prompt 0.860 against 0.955, mean KL 0.076 against 0.013 nats): they sit
     right before the reply, and their K/V were computed as turns of the chat, not as
-    memory. So by default only runs in front of the longest move. Sources may overlap each
-    other and the prompt positions others move to: :func:`shift_kv` reads every source
-    before it writes."""
+    memory. Most of that is in each passage's first tokens, which attended to another
+    context: with those prefilled (:data:`SHIFT_AFTER_HEAD_TOKENS`) the cost is about
+    fp8 K/V's. Sources may overlap each other and the prompt positions others move to:
+    :func:`shift_kv` reads every source before it writes."""
     shortest = min(min_tokens, extra_min_tokens)
     runs = _candidate_runs(list(cached), list(ids), start, min(limit, len(ids)), shortest)
     taken: list[KVShift] = []
+    heads: list[KVShift] = []  # prompt positions left to prefill: no other run fills them
     for run in sorted(runs, key=lambda r: (-r.length, r.dst)):
         if len(taken) >= most:
             break
-        piece = _uncovered(run, taken)
+        piece = _uncovered(run, [*taken, *heads])
         if piece is None or piece.length < (extra_min_tokens if taken else min_tokens):
             continue
-        if taken and not after_longest and piece.dst + piece.length > taken[0].dst:
-            continue
+        if taken and piece.dst + piece.length > taken[0].dst:  # after the longest
+            if after_head_tokens is None or piece.length - after_head_tokens < extra_min_tokens:
+                continue
+            head = KVShift(src=piece.src, dst=piece.dst, length=after_head_tokens)
+            heads.append(head)
+            n = head.length
+            piece = KVShift(src=piece.src + n, dst=piece.dst + n, length=piece.length - n)
         taken.append(piece)
     return tuple(sorted(taken, key=lambda r: r.dst))
 

@@ -32,7 +32,8 @@ computes a prompt's KV and keeps it for its session, sampling nothing.
 
 With ``context_shift``, a session's turn whose prompt holds, at other positions, runs of
 the tokens its slot caches (the turns its window kept after a slide, behind a new summary;
-the excerpts of the turns that just left it, in a provisional summary in front of them)
+the excerpts of the turns that just left it, in a provisional summary in front of them;
+retrieval memory's passages of those turns after the question, less their first tokens)
 moves those runs' K/V where the prompt puts them and prefills only around them
 (:mod:`convo.fast.kv_shift`; not exact, off by default).
 

@@ -22,6 +22,7 @@ from conftest import drain  # noqa: E402
 from convo.fast import DecodeRequest, DecodeScheduler, StaticDecoder  # noqa: E402
 from convo.fast.kv_shift import (  # noqa: E402
     MAX_SHIFT_RUNS,
+    SHIFT_AFTER_HEAD_TOKENS,
     SHIFT_EXTRA_MIN_TOKENS,
     SHIFT_MIN_TOKENS,
     KVShift,
@@ -108,17 +109,32 @@ def test_find_shifts_moves_the_excerpts_in_front_of_the_kept_turns() -> None:
     assert find_shifts(cached, alone, start=20, limit=len(alone) - 1) == ()
 
 
-def test_a_passage_after_the_kept_turns_moves_only_when_asked() -> None:
+def test_a_passage_after_the_kept_turns_moves_without_its_head() -> None:
     """Retrieval memory shows passages of the dropped turns after the question, right
-    before the reply: moving them costs the reply most, so only ``after_longest`` does."""
+    before the reply: a passage moves, but its first ``SHIFT_AFTER_HEAD_TOKENS`` are
+    prefilled (they attended to another context, which costs the reply most)."""
     system, dropped, kept = _tokens(20, 1), _tokens(150, 8), _tokens(300, 4)
     cached = system + _tokens(30, 2) + dropped + kept
     ids = system + _tokens(45, 6) + kept + _tokens(50, 7) + [1] * 5 + dropped[10:140] + [1, 2]
-    assert find_shifts(cached, ids, start=20, limit=len(ids) - 1) == (KVShift(src=200, dst=65, length=300),)
-    assert find_shifts(cached, ids, start=20, limit=len(ids) - 1, after_longest=True) == (
+    limit = len(ids) - 1
+    n = SHIFT_AFTER_HEAD_TOKENS
+    assert find_shifts(cached, ids, start=20, limit=limit) == (
         KVShift(src=200, dst=65, length=300),
-        KVShift(src=60, dst=420, length=130),  # the passage: moved towards the end
+        KVShift(src=60 + n, dst=420 + n, length=130 - n),  # towards the end, its head prefilled
     )
+    assert find_shifts(cached, ids, start=20, limit=limit, after_head_tokens=0) == (
+        KVShift(src=200, dst=65, length=300),
+        KVShift(src=60, dst=420, length=130),
+    )
+    kept_only = (KVShift(src=200, dst=65, length=300),)
+    assert find_shifts(cached, ids, start=20, limit=limit, after_head_tokens=None) == kept_only
+    # A passage left shorter than SHIFT_EXTRA_MIN_TOKENS without its head is prefilled whole.
+    short = ids[:420] + dropped[10 : 10 + n + SHIFT_EXTRA_MIN_TOKENS - 1] + [1, 2]
+    assert find_shifts(cached, short, start=20, limit=len(short) - 1) == kept_only
+    # No other copy of the text fills the head's positions.
+    twice = system + _tokens(30, 2) + dropped + dropped[:60] + kept
+    again = find_shifts(twice, ids, start=20, limit=limit)
+    assert [(r.dst, r.length) for r in again] == [(65, 300), (420 + n, 130 - n)]
 
 
 def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
@@ -131,7 +147,7 @@ def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
     pieces = [_tokens(40, 10 + i) for i in range(MAX_SHIFT_RUNS + 2)]
     cached = [t for p in pieces for t in p]
     ids = [1, 2] + [t for p in reversed(pieces) for t in [7, *p]] + [5]
-    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16, after_longest=True)
+    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16, after_head_tokens=0)
     assert len(runs) == MAX_SHIFT_RUNS and [r.dst for r in runs] == sorted(r.dst for r in runs)
 
 
@@ -275,6 +291,28 @@ def test_a_turn_with_excerpts_of_a_dropped_turn_moves_every_run_on_a_one_layer_m
     prefilled = sched.prefill_tokens - before
     assert sched.shifts == 1 and sched.shifted_tokens >= len(kept) + 100
     assert prefilled <= len(turn) - 16 - len(kept) - 100
+    assert shifted.cached_tokens == len(turn) - prefilled
+    assert shifted.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
+    sched.close()
+
+
+def test_a_passage_after_the_question_moves_without_its_head_on_a_one_layer_model() -> None:
+    """Retrieval memory after the slide: a dropped turn's passage after the question. The
+    kept turns and the passage move, the passage's first ``SHIFT_AFTER_HEAD_TOKENS`` and
+    what lies between the runs are prefilled, and the reply is the recomputed prompt's
+    (one layer: exact)."""
+    dec = StaticDecoder(tiny_model(1, seed=3), slots=2, slot_tokens=512)
+    sched = DecodeScheduler(dec, context_shift=True)
+    system, dropped, kept = _tokens(16, 1), _tokens(150, 3), _tokens(160, 4)
+    first = sched.run(_request(system + _tokens(24, 2) + dropped + kept, 8, "s"))
+    question = _tokens(20, 6)
+    turn = [*system, *_tokens(30, 5), *kept, *first.new_ids, *question, 7, 7, *dropped[10:130], 8]
+    before = sched.prefill_tokens
+    shifted = sched.run(_request(turn, 12, "s"))
+    prefilled = sched.prefill_tokens - before
+    passage = 120 - SHIFT_AFTER_HEAD_TOKENS
+    assert sched.shifts == 1 and sched.shifted_tokens >= len(kept) + passage
+    assert prefilled <= len(turn) - 16 - len(kept) - passage
     assert shifted.cached_tokens == len(turn) - prefilled
     assert shifted.new_ids == sched.run(_request(turn, 12, "fresh")).new_ids
     sched.close()

@@ -208,9 +208,8 @@ def find_shifts(
         if taken and piece.dst + piece.length > taken[0].dst:  # after the longest
             if after_head_tokens is None or piece.length - after_head_tokens < extra_min_tokens:
                 continue
-            head = KVShift(src=piece.src, dst=piece.dst, length=after_head_tokens)
-            heads.append(head)
-            n = head.length
+            n = after_head_tokens
+            heads.append(KVShift(src=piece.src, dst=piece.dst, length=n))
             piece = KVShift(src=piece.src + n, dst=piece.dst + n, length=piece.length - n)
         taken.append(piece)
     return tuple(sorted(taken, key=lambda r: r.dst))

@@ -2,7 +2,8 @@
 long it takes, with memory's passages moved less their heads or not moved at all.
 
 A ``Session`` on the embedded model (SmolLM2-135M-Instruct), 2 static KV slots with a
-context shift and ``--host-memory`` bytes of host KV (0 is the CPU default: then the
+context shift and ``--host-memory`` bytes of host KV (left out: the engine's default,
+twice the slots' pool on CPU since 2026-12-07; 0, the CPU default before: then the
 background summary takes the session's slot at the slide and nothing is left to shift),
 budget 2,048, summaries in the background (the turn after the slide shows a provisional
 one), ``RetrievalMemory`` unless ``--no-memory``, ``--turns`` user turns of ~300 tokens
@@ -41,7 +42,7 @@ from convo.session import SummaryConfig
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head", default="32", help="after_head_tokens, or none")
-    p.add_argument("--host-memory", type=int, default=2**30, help="bytes of host KV")
+    p.add_argument("--host-memory", type=int, default=None, help="bytes of host KV (default: the engine's)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--words", type=int, default=270)
@@ -81,7 +82,17 @@ def main() -> None:
                 "provisional": reply.stats.provisional_summary,
             }
         )
-    print(json.dumps({"benchmark": "shift_turns", "config": vars(args), "turns": turns}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "shift_turns",
+                "config": vars(args),
+                "kv_host_memory": engine.kv_host_memory,
+                "turns": turns,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

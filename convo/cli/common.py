@@ -192,7 +192,7 @@ def add_kv_host_memory_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with KV slots: host memory for the KV of sessions whose slot was given to another "
         "(their next turn copies it back instead of recomputing it), e.g. 32GiB; 0 = off "
-        "(default: on CUDA half the RAM, at most half of what is free and 8 KV pools; 0 on CPU)",
+        "(default: half the RAM, at most half of what is free and 8 KV pools on CUDA, 2 on CPU)",
     )
 
 

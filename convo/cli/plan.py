@@ -509,10 +509,10 @@ def _quant_label(mm: VRAMModel, asked: str) -> str:
 
 def _host_kv_bytes(args: argparse.Namespace, kv_slots: int | str | None, pool_bytes: int | None) -> int:
     """Host memory (not device memory) the KV of sessions evicted from their slots may take:
-    ``--kv-host-memory``, else what the engine takes on this machine (on CUDA
-    :func:`~convo.models.defaults.resolve_kv_host_memory`: a share of its RAM, at most a
+    ``--kv-host-memory``, else what the engine takes on this machine
+    (:func:`~convo.models.defaults.resolve_kv_host_memory`: a share of its RAM, at most a
     multiple of ``pool_bytes``, the KV pool at the largest context planned, when the slot
-    count is known); 0 without KV slots."""
+    count is known; on CPU only then); 0 without KV slots."""
     if kv_slots is None or kv_slots == 0:
         return 0
     cuda = getattr(args, "planned_device", "cuda") == "cuda"

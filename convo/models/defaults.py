@@ -90,10 +90,10 @@ def mixed_buckets(chunk_tokens: int, slot_tokens: int, mixed_chunk_tokens: int) 
 WARMUP_EAGER_RUNS = 2
 
 #: Bytes of host memory for the KV of sessions evicted from their slots when
-#: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out. ``None``: on CUDA,
-#: :func:`default_kv_host_memory` (a share of the RAM, at most a multiple of the device's KV
-#: pool); on CPU 0, since the slots already live in host memory (more slots do what host KV
-#: would). Measured on the H200 (``benchmarks/serve_load.py --preset chat-users``:
+#: ``KVConfig.kv_host_memory`` / ``--kv-host-memory`` is left out. ``None``:
+#: :func:`default_kv_host_memory` (a share of the RAM, at most a multiple of the KV pool:
+#: :data:`KV_HOST_POOL_MULTIPLE` on CUDA, :data:`CPU_KV_HOST_POOL_MULTIPLE` on CPU).
+#: Measured on the H200 (``benchmarks/serve_load.py --preset chat-users``:
 #: Llama-2-7B int4, 16 slots, 64 users, think time 3-8 s, 2026-12-02): host KV off, TTFT p50
 #: 0.15 s / p95 1.34 s, turn p95 1.85 s, re-prefill 0.99; 8 GiB, p95 1.64 s, re-prefill 0.82
 #: (8 GiB holds ~10 of the 64 windows); 32 GiB, **p95 0.34 s, turn p95 0.99 s, re-prefill
@@ -113,6 +113,13 @@ KV_HOST_AVAILABLE_FRACTION = 0.5
 #: model with a small KV (grouped-query attention, fp8 KV, few slots) does not page-lock RAM
 #: it can never fill. 8 pools hold the windows of 8x as many sessions as there are slots.
 KV_HOST_POOL_MULTIPLE = 8
+#: ... and on CPU never more than this many times the slots' pool. The slots live in the
+#: same RAM there, and more slots would hold more sessions too; but a slot is the whole
+#: budget while host KV holds only the tokens cached, and a session's own summary (which
+#: runs in its slot, :mod:`convo.fast.scheduler`) would otherwise overwrite the window the
+#: session's next turn reuses. Before 2026-12-07 it was 0 on CPU: with a context shift the
+#: turn after the slide then prefilled its whole prompt (``benchmarks/shift_turns.py``).
+CPU_KV_HOST_POOL_MULTIPLE = 2
 
 
 def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
@@ -124,14 +131,17 @@ def auto_kv_slots(free_bytes: float, slot_bytes: int) -> int:
 
 
 def default_kv_host_memory(
-    total_bytes: int | None = None, available_bytes: int | None = None, *, pool_bytes: int | None = None
+    total_bytes: int | None = None,
+    available_bytes: int | None = None,
+    *,
+    pool_bytes: int | None = None,
+    pool_multiple: int = KV_HOST_POOL_MULTIPLE,
 ) -> int:
     """Bytes of host memory the KV of evicted sessions may take by default:
     :data:`KV_HOST_MEMORY_FRACTION` of the RAM, at most :data:`KV_HOST_AVAILABLE_FRACTION` of
     the RAM free now (both read from ``os.sysconf`` when not given; 0 where it cannot say)
-    and, when ``pool_bytes`` (the device's KV pool) is given, at most
-    :data:`KV_HOST_POOL_MULTIPLE` times it. What a CUDA engine takes when
-    ``kv_host_memory`` is left out.
+    and, when ``pool_bytes`` (the KV slots' pool) is given, at most ``pool_multiple``
+    times it. What an engine takes when ``kv_host_memory`` is left out.
 
     Example:
         >>> default_kv_host_memory(128 << 30, 120 << 30) >> 30
@@ -143,19 +153,24 @@ def default_kv_host_memory(
     available = _ram_bytes("SC_AVPHYS_PAGES") if available_bytes is None else available_bytes
     limit = min(KV_HOST_MEMORY_FRACTION * total, KV_HOST_AVAILABLE_FRACTION * available)
     if pool_bytes is not None:
-        limit = min(limit, KV_HOST_POOL_MULTIPLE * pool_bytes)
+        limit = min(limit, pool_multiple * pool_bytes)
     return max(0, int(limit))
 
 
 def resolve_kv_host_memory(given: int | None, *, cuda: bool, pool_bytes: int | None = None) -> int:
     """The host KV bytes an engine takes: ``given``, else :data:`DEFAULT_KV_HOST_MEMORY`,
-    else (``None``) :func:`default_kv_host_memory` on CUDA (capped by ``pool_bytes``, the
-    device's KV pool, when given) and 0 on CPU."""
+    else (``None``) :func:`default_kv_host_memory`, capped by ``pool_bytes`` (the KV
+    slots' pool) times :data:`KV_HOST_POOL_MULTIPLE` on CUDA; on CPU only with a pool, at
+    most :data:`CPU_KV_HOST_POOL_MULTIPLE` times it."""
     if given is not None:
         return int(given)
     if DEFAULT_KV_HOST_MEMORY is not None:
         return DEFAULT_KV_HOST_MEMORY
-    return default_kv_host_memory(pool_bytes=pool_bytes) if cuda else 0
+    if cuda:
+        return default_kv_host_memory(pool_bytes=pool_bytes)
+    if not pool_bytes:
+        return 0
+    return default_kv_host_memory(pool_bytes=pool_bytes, pool_multiple=CPU_KV_HOST_POOL_MULTIPLE)
 
 
 def _ram_bytes(name: str) -> int:

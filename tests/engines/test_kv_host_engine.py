@@ -13,6 +13,7 @@ from convo.engines.local.config import KVConfig
 from convo.errors import ConfigError
 from convo.messages import assistant, system, user
 from convo.models.defaults import (
+    CPU_KV_HOST_POOL_MULTIPLE,
     KV_HOST_MEMORY_FRACTION,
     KV_HOST_POOL_MULTIPLE,
     default_kv_host_memory,
@@ -37,10 +38,13 @@ def test_kv_host_memory_is_validated_and_defaults_from_the_ram() -> None:
     assert resolve_kv_host_memory(3 * gib, cuda=True, pool_bytes=pool) == 3 * gib  # a given size wins
     assert default_kv_host_memory(0, 0) == 0
     assert default_kv_host_memory() > 0  # this machine's
-    # left out: a share of the RAM on CUDA (measured there: chat-users p95 TTFT 1.34 -> 0.34 s),
-    # none on CPU, where the slots are host memory already; a given size always wins
+    # left out: a share of the RAM on CUDA (measured there: chat-users p95 TTFT 1.34 -> 0.34 s);
+    # on CPU, where the slots are RAM already, at most twice their pool (none without one);
+    # a given size always wins
     assert resolve_kv_host_memory(None, cuda=True) > 0  # (the free RAM moves: not compared)
     assert resolve_kv_host_memory(None, cuda=False) == 0
+    cpu = resolve_kv_host_memory(None, cuda=False, pool_bytes=64 << 20)
+    assert 0 < cpu <= CPU_KV_HOST_POOL_MULTIPLE * (64 << 20)
     assert resolve_kv_host_memory(0, cuda=True) == 0 and resolve_kv_host_memory(gib, cuda=False) == gib
 
 
@@ -92,6 +96,22 @@ def test_replies_are_the_same_whether_the_kv_stayed_went_to_host_or_was_dropped(
     finally:
         for e in (kept, hosted, dropped):
             e.close()
+
+
+def test_a_cpu_engine_with_slots_keeps_evicted_kv_in_ram_by_default(stock: Any) -> None:
+    from convo.engines.local.engine import TransformersEngine
+
+    engine = TransformersEngine.from_model(
+        stock.model, stock.tokenizer, quant="fp32", kv=KVConfig(kv_slots=1, slot_tokens=256)
+    )
+    engine._vocab_limit = stock._vocab_limit
+    try:
+        pool = engine._kv.decoder.pool.nbytes
+        assert 0 < engine.kv_host_memory <= CPU_KV_HOST_POOL_MULTIPLE * pool
+        _talk(engine)  # three sessions on one slot: each comes back by a copy
+        assert engine.scheduler_stats.swaps_in == 3
+    finally:
+        engine.close()
 
 
 def test_an_owner_call_runs_from_its_sessions_slot_and_a_prefill_caches_the_next_prompt(stock: Any) -> None:

@@ -136,10 +136,10 @@ class KVConfig:
         kv_host_memory: static decode: bytes of host memory for the KV of sessions whose
             slot was given to another session (pinned on CUDA): their next turn copies it
             back instead of prefilling it again. Beyond it, the entries needed last are
-            dropped; 0 turns it off. ``None`` (default): a share of the RAM on CUDA
+            dropped; 0 turns it off. ``None`` (default): a share of the RAM
             (:func:`~convo.models.defaults.default_kv_host_memory`: half, at most half of
-            what is free and 8 times the device's KV pool), 0 on CPU
-            (:data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY` says what it was
+            what is free and 8 times the slots' KV pool on CUDA, twice it on CPU;
+            :data:`~convo.models.defaults.DEFAULT_KV_HOST_MEMORY` says what it was
             measured against).
         gpu_memory: size the engine to this much device memory (bytes, or a size with a
             unit: ``"24GiB"``): the planner picks the KV slots, and with int4 one weight

@@ -80,6 +80,9 @@ def main() -> None:
                 "prompt": gen.prompt_tokens,
                 "prefilled": gen.prefill_tokens,
                 "provisional": reply.stats.provisional_summary,
+                "evicted_turns": reply.stats.evicted_turns,
+                "summarized_turns": reply.stats.summarized_turns,
+                "parts": dict(reply.stats.parts),
             }
         )
     print(

@@ -32,6 +32,18 @@ question prefilled), ``shift_all`` every run whole, ``shift_kept`` the runs up t
 turns only (the default before 2026-12-07), ``shift_one`` only the longest (the kept
 turns).
 
+``--ordinary`` (with ``--memory N``) measures the turn after, where nothing slides: the
+slot holds the previous turn, its question followed by memory ``A`` (the last ``N`` dropped
+messages) and its reply; the prompt shows that reply after the question, then a new
+question and memory ``B`` (the ``N`` dropped messages before the last, so all but one of
+them are ``A``'s, one place later). The common prefix ends at the old question; the reply
+and ``B``'s passages are runs the slot holds elsewhere. ``shift_forward`` prefills the
+first :data:`~convo.fast.kv_shift.SHIFT_AFTER_HEAD_TOKENS` tokens of every run that moves
+towards the end of the prompt (the passages: new context lies in front of them), the
+longest included; ``shift_before`` what the scheduler moved before 2026-12-08 (whichever
+way the longest run moves; ``shift`` now moves nothing unless it moves towards the start,
+and the other modes keep the old rule).
+
 ``--trim-heads K[,K...]`` adds ``shift_all_trimK`` modes: as ``shift``, with the first
 ``K`` tokens of each run after the question prefilled.
 
@@ -62,7 +74,13 @@ from _common import env_info, stderr_log
 from kv_fp8 import load_default_model
 
 from convo.fast import DecoderConfig, StaticDecoder
-from convo.fast.kv_shift import KVShift, find_shifts, shifted_tokens
+from convo.fast.kv_shift import (
+    SHIFT_AFTER_HEAD_TOKENS,
+    SHIFT_EXTRA_MIN_TOKENS,
+    KVShift,
+    find_shifts,
+    shifted_tokens,
+)
 from convo.messages import Message, Role
 from convo.summarize import provisional_summary
 from convo.tokens import HFTokenCounter, common_prefix_length
@@ -140,7 +158,8 @@ def shifted_prefill(dec: StaticDecoder, cached: list[int], ids: list[int], commo
     """Slot 0 holds ``cached``; move ``runs`` and prefill around them up to the end of
     ``ids``: the logits of the tokens after the last run (the last prefill's)."""
     dec.prefill(0, cached, 0)
-    dec.pool.shift(0, runs)
+    if runs:
+        dec.pool.shift(0, runs)
     at = common
     for r in runs:
         if r.dst > at:
@@ -159,6 +178,19 @@ def greedy(dec: StaticDecoder, logits: Any, position: int, n: int, eos: int) -> 
             break
         logits = dec.step([token], [0], [position + i])[0]
     return out
+
+
+def heads_forward(runs: Any, head: int) -> tuple[KVShift, ...]:
+    """``runs`` with the first ``head`` tokens of each run that moves towards the end of the
+    prompt left to prefill (a run with fewer than ``SHIFT_EXTRA_MIN_TOKENS`` left is dropped)."""
+    out = []
+    for r in runs:
+        if r.delta > 0:
+            if r.length - head < SHIFT_EXTRA_MIN_TOKENS:
+                continue
+            r = KVShift(src=r.src + head, dst=r.dst + head, length=r.length - head)
+        out.append(r)
+    return tuple(out)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -181,6 +213,7 @@ def main() -> None:
     p.add_argument("--reply-tokens", type=int, default=48, help="greedy reply tokens compared per slide")
     p.add_argument("--memory", type=int, default=0, help="dropped messages shown after the question")
     p.add_argument("--provisional", action="store_true", help="the new summary: a provisional one")
+    p.add_argument("--ordinary", action="store_true", help="with --memory: the turn after, no slide")
     p.add_argument(
         "--trim-heads",
         default="",
@@ -201,6 +234,7 @@ def main() -> None:
     several = args.memory or args.provisional
     kinds = ("shift", "shift_one", "fp8") if several else ("shift", "fp8")
     kinds = ("shift_all", "shift_kept", *kinds) if args.memory else kinds
+    kinds = ("shift_before", "shift_forward", *kinds) if args.ordinary else kinds
     trims = [int(k) for k in args.trim_heads.split(",") if k.strip()] if args.memory else []
     kinds = (*kinds, *(f"shift_all_trim{k}" for k in trims))
     counter = HFTokenCounter(tok)
@@ -224,6 +258,16 @@ def main() -> None:
                 before = {"role": "system", "content": summary(system, msgs[:lo1])}
                 cached = render(tok, [before, *msgs[lo1:hi]])
                 now = {"role": "system", "content": summary(system, msgs[:lo2])}
+                if args.ordinary:  # the previous turn: the window up to its question, memory A, the reply
+                    dropped = msgs[:lo2]
+                    if len(dropped) <= args.memory:
+                        skipped += 1
+                        continue
+                    mem_a = memory_message(dropped[-args.memory :], a, b)
+                    mem_b = memory_message(dropped[-args.memory - 1 : -1], a, b)
+                    prev = render(tok, [now, *msgs[lo2 : hi - 1], mem_a], generation=True)
+                    said = msgs[hi - 1]["content"] + "<|im_end|>"
+                    cached = prev + list(tok(said, add_special_tokens=False)["input_ids"])
                 if args.provisional:  # the old summary, then excerpts of what the new one misses
                     dropped = [Message(role=Role(m["role"]), content=m["content"]) for m in msgs[lo1:lo2]]
                     text = provisional_summary(
@@ -231,6 +275,8 @@ def main() -> None:
                     )
                     now = {"role": "system", "content": f"{system}\n{text}"}
                 memory = [memory_message(msgs[lo1:lo2][-args.memory :], a, b)] if args.memory else []
+                if args.ordinary:
+                    memory = [mem_b]
                 head = render(tok, [now, *msgs[lo2:hi], msgs[hi], *memory], generation=True)
                 reply = msgs[hi + 1]["content"] + "<|im_end|>"
                 reply_ids = list(tok(reply, add_special_tokens=False)["input_ids"])
@@ -240,22 +286,40 @@ def main() -> None:
                     continue
                 common = common_prefix_length(cached, ids)
                 runs = find_shifts(cached, ids, start=common, limit=len(head) - 1)
-                every = find_shifts(cached, ids, start=common, limit=len(head) - 1, after_head_tokens=0)
-                if not runs:
+                # the other modes move runs whichever way the longest moves (toward_start=False)
+                before = find_shifts(cached, ids, start=common, limit=len(head) - 1, toward_start=False)
+                every = find_shifts(
+                    cached, ids, start=common, limit=len(head) - 1, after_head_tokens=0, toward_start=False
+                )
+                if not every:
                     skipped += 1
                     continue
-                longest = max(runs, key=lambda r: r.length)
+                longest = max(every, key=lambda r: r.length)
                 modes: dict[str, tuple[KVShift, ...]] = {"shift": runs}
+                if args.ordinary:
+                    modes["shift_before"] = before
                 if several:
                     modes["shift_one"] = (longest,)
+                if args.ordinary:
+                    modes["shift_forward"] = heads_forward(every, SHIFT_AFTER_HEAD_TOKENS)
                 if args.memory:
                     modes["shift_all"] = every
                     modes["shift_kept"] = find_shifts(
-                        cached, ids, start=common, limit=len(head) - 1, after_head_tokens=None
+                        cached,
+                        ids,
+                        start=common,
+                        limit=len(head) - 1,
+                        after_head_tokens=None,
+                        toward_start=False,
                     )
                 for k in trims:
                     modes[f"shift_all_trim{k}"] = find_shifts(
-                        cached, ids, start=common, limit=len(head) - 1, after_head_tokens=k
+                        cached,
+                        ids,
+                        start=common,
+                        limit=len(head) - 1,
+                        after_head_tokens=k,
+                        toward_start=False,
                     )
                 # Compared from the token after the last run of every mode on: the rows
                 # before it are the prompt's, prefilled or moved.

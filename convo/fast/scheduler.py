@@ -35,7 +35,9 @@ the tokens its slot caches (the turns its window kept after a slide, behind a ne
 the excerpts of the turns that just left it, in a provisional summary in front of them;
 retrieval memory's passages of those turns after the question, less their first tokens)
 moves those runs' K/V where the prompt puts them and prefills only around them
-(:mod:`convo.fast.kv_shift`; not exact, off by default).
+(:mod:`convo.fast.kv_shift`; not exact, off by default). A turn whose longest such run
+moves towards the end (nothing left the window: the last reply and passages both turns
+retrieved) moves nothing and is prefilled exactly.
 
 Beside the prompt tokens it prefills, the scheduler counts the novel ones
 (``novel_prompt_tokens``, with a :class:`~convo.fast.prefix_ledger.PrefixLedger` of what

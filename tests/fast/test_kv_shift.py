@@ -137,17 +137,45 @@ def test_a_passage_after_the_kept_turns_moves_without_its_head() -> None:
     assert [(r.dst, r.length) for r in again] == [(65, 300), (420 + n, 130 - n)]
 
 
+def test_a_turn_where_nothing_left_the_window_moves_nothing() -> None:
+    """The turn after: the slot holds the last question, its passages and the reply; the
+    prompt shows the reply after the question, then a new question and passages both turns
+    retrieved. The longest run (a passage) moves towards the end: nothing moves, the turn
+    is prefilled exactly (moving costs the reply far more than at a slide)."""
+    prefix, passage_a, passage_b, reply = _tokens(400, 1), _tokens(120, 2), _tokens(90, 3), _tokens(40, 4)
+    question = _tokens(60, 5)
+    cached = prefix + passage_a + passage_b + reply
+    ids = prefix + reply + question + passage_a + passage_b[:50] + [1, 2]
+    limit = len(ids) - 1
+    assert find_shifts(cached, ids, start=400, limit=limit) == ()
+    before = find_shifts(cached, ids, start=400, limit=limit, toward_start=False)
+    assert before[0] == KVShift(src=610, dst=400, length=40)  # the reply: towards the start
+    assert before[1] == KVShift(src=400, dst=500, length=170)  # the longest: towards the end
+    # A reply longer than every passage leads (towards the start): it moves, and the
+    # passages after it keep their heads to prefill, as after a slide.
+    long_reply = _tokens(200, 6)
+    cached = prefix + passage_a + long_reply
+    ids = prefix + long_reply + question + passage_a + [1, 2]
+    n = SHIFT_AFTER_HEAD_TOKENS
+    assert find_shifts(cached, ids, start=400, limit=len(ids) - 1) == (
+        KVShift(src=520, dst=400, length=200),
+        KVShift(src=400 + n, dst=660 + n, length=120 - n),
+    )
+
+
 def test_find_shifts_fill_disjoint_positions_and_stop_at_the_most() -> None:
     a = _tokens(100, 1)
     cached = _tokens(10, 4) + a + a[30:] + _tokens(20, 2)  # a's tail twice: two sources
     ids = _tokens(10, 3) + a + [5]
-    runs = find_shifts(cached, ids, start=10, limit=len(ids) - 1, min_tokens=16)
+    runs = find_shifts(cached, ids, start=10, limit=len(ids) - 1, min_tokens=16, toward_start=False)
     covered = [p for r in runs for p in range(r.dst, r.dst + r.length)]
     assert len(covered) == len(set(covered)) == 100  # every prompt position once
     pieces = [_tokens(40, 10 + i) for i in range(MAX_SHIFT_RUNS + 2)]
     cached = [t for p in pieces for t in p]
     ids = [1, 2] + [t for p in reversed(pieces) for t in [7, *p]] + [5]
-    runs = find_shifts(cached, ids, start=2, limit=len(ids) - 1, min_tokens=16, after_head_tokens=0)
+    runs = find_shifts(
+        cached, ids, start=2, limit=len(ids) - 1, min_tokens=16, after_head_tokens=0, toward_start=False
+    )
     assert len(runs) == MAX_SHIFT_RUNS and [r.dst for r in runs] == sorted(r.dst for r in runs)
 
 

@@ -65,6 +65,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -286,41 +287,27 @@ def main() -> None:
                     continue
                 common = common_prefix_length(cached, ids)
                 runs = find_shifts(cached, ids, start=common, limit=len(head) - 1)
-                # the other modes move runs whichever way the longest moves (toward_start=False)
-                before = find_shifts(cached, ids, start=common, limit=len(head) - 1, toward_start=False)
-                every = find_shifts(
-                    cached, ids, start=common, limit=len(head) - 1, after_head_tokens=0, toward_start=False
+
+                # the other modes: runs moved whichever way the longest moves
+                old_rule = partial(
+                    find_shifts, cached, ids, start=common, limit=len(head) - 1, toward_start=False
                 )
+                every = old_rule(after_head_tokens=0)
                 if not every:
                     skipped += 1
                     continue
                 longest = max(every, key=lambda r: r.length)
                 modes: dict[str, tuple[KVShift, ...]] = {"shift": runs}
                 if args.ordinary:
-                    modes["shift_before"] = before
+                    modes["shift_before"] = old_rule()
+                    modes["shift_forward"] = heads_forward(every, SHIFT_AFTER_HEAD_TOKENS)
                 if several:
                     modes["shift_one"] = (longest,)
-                if args.ordinary:
-                    modes["shift_forward"] = heads_forward(every, SHIFT_AFTER_HEAD_TOKENS)
                 if args.memory:
                     modes["shift_all"] = every
-                    modes["shift_kept"] = find_shifts(
-                        cached,
-                        ids,
-                        start=common,
-                        limit=len(head) - 1,
-                        after_head_tokens=None,
-                        toward_start=False,
-                    )
+                    modes["shift_kept"] = old_rule(after_head_tokens=None)
                 for k in trims:
-                    modes[f"shift_all_trim{k}"] = find_shifts(
-                        cached,
-                        ids,
-                        start=common,
-                        limit=len(head) - 1,
-                        after_head_tokens=k,
-                        toward_start=False,
-                    )
+                    modes[f"shift_all_trim{k}"] = old_rule(after_head_tokens=k)
                 # Compared from the token after the last run of every mode on: the rows
                 # before it are the prompt's, prefilled or moved.
                 after = max(r.dst + r.length for r in every)
